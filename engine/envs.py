@@ -1,0 +1,104 @@
+"""Every ``GLASSBOX_*`` environment variable, declared once.
+
+Mirrors vLLM's ``vllm/envs.py``: one table of name, type, default and meaning. Read a
+value as ``envs.GLASSBOX_CPU_KVCACHE_SPACE``: it is parsed from the environment at each
+access, so tests can ``monkeypatch.setenv``. ``glassbox --help`` does not list these; the
+generated reference is ``docs/configuration.md``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+def _bool(value: str) -> bool:
+    v = value.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected 0 or 1, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    parse: Callable[[str], Any]
+    default: Any
+    doc: str
+
+
+ENV_VARS: dict[str, EnvVar] = {
+    v.name: v
+    for v in [
+        EnvVar(
+            "GLASSBOX_CPU_KVCACHE_SPACE",
+            float,
+            1.0,
+            "KV-cache budget on CPU, in GiB (vLLM: VLLM_CPU_KVCACHE_SPACE). Small on purpose: "
+            "never a share of all system memory. --kv-cache-memory-bytes overrides it.",
+        ),
+        EnvVar(
+            "GLASSBOX_LOGGING_LEVEL",
+            str,
+            "INFO",
+            "Log level of the glassbox loggers (DEBUG, INFO, WARNING, ERROR).",
+        ),
+        EnvVar(
+            "GLASSBOX_TORCH_COMPILE",
+            _bool,
+            False,
+            "1 wraps the model forward in torch.compile (opt-in: a cold compile costs tens of "
+            "seconds on CPU). --enforce-eager always wins.",
+        ),
+        EnvVar(
+            "GLASSBOX_TRACE_FILE",
+            str,
+            None,
+            "Write every finished OpenTelemetry span as one JSON line to this file "
+            "(same as --trace-file).",
+        ),
+        EnvVar(
+            "GLASSBOX_RUN_DIR_BASE",
+            str,
+            None,
+            "Where run directories are created (default: $XDG_RUNTIME_DIR, else the temp dir).",
+        ),
+        EnvVar(
+            "GLASSBOX_DEFAULT_WAIT_TIMEOUT_S",
+            float,
+            300.0,
+            "Deadline, in seconds, of a bounded wait that was given no deadline of its own.",
+        ),
+    ]
+}
+
+
+def get(name: str) -> Any:
+    """The parsed value of ``name``, or its default when unset or empty.
+
+    Raises:
+        ValueError: when the variable is set to a value its type cannot parse; the message
+            names the variable.
+    """
+    var = ENV_VARS[name]
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return var.default
+    try:
+        return var.parse(raw)
+    except ValueError as e:
+        raise ValueError(f"{name}={raw!r} is not valid: {e}") from None
+
+
+def __getattr__(name: str) -> Any:
+    if name in ENV_VARS:
+        return get(name)
+    raise AttributeError(f"module 'engine.envs' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(ENV_VARS))

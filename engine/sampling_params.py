@@ -1,0 +1,161 @@
+"""Sampling parameters of one request.
+
+Mirrors vLLM's ``vllm/sampling_params.py`` (``SamplingParams``): same field names and
+defaults, validated when the object is built so a bad value fails in the caller's process
+with a ``ValueError`` naming the field. Pure Python (no torch): it travels inside
+``EngineCoreRequest`` and ``SchedulerOutput`` as a msgspec struct.
+
+Left out: beam search, structured outputs, logits processors, ``best_of``, bad words.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+# Temperatures below this are treated as greedy (vLLM: ``_SAMPLING_EPS``).
+SAMPLING_EPS = 1e-5
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each ``RequestOutput`` carries (vLLM's ``RequestOutputKind``)."""
+
+    CUMULATIVE = 0  # all text and tokens so far
+    DELTA = 1  # only what is new since the last output
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """How to pick the next token, and when to stop.
+
+    Greedy when ``temperature`` is 0. ``top_k`` of 0 or -1 disables top-k. ``stop`` strings
+    are matched on detokenized text by the output processor; ``stop_token_ids``, EOS and the
+    length limits are checked by the scheduler (``check_stop``).
+
+    Raises:
+        ValueError: on any out-of-range field; the message starts with the field name.
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Filled by the input processor: stop_token_ids plus the model's extra EOS ids
+    # (generation_config.json may list several, e.g. Llama-3-Instruct).
+    all_stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    # How many characters the detokenizer must hold back so a stop string can never leak
+    # partially into streamed text (longest stop string - 1, 0 when included in output).
+    output_text_buffer_length: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        else:
+            self.stop = list(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        else:
+            self.stop_token_ids = list(self.stop_token_ids)
+        self._verify_args()
+        if self.temperature < SAMPLING_EPS:
+            # Greedy: the other knobs cannot change the pick; normalise them as vLLM does.
+            self.top_p = 1.0
+            self.top_k = 0
+            self.min_p = 0.0
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.stop and not self.include_stop_str_in_output:
+            self.output_text_buffer_length = max(len(s) for s in self.stop) - 1
+        if not self.all_stop_token_ids:
+            self.all_stop_token_ids = list(self.stop_token_ids)
+
+    def _verify_args(self) -> None:
+        def bad(field: str, value: Any, allowed: str) -> ValueError:
+            return ValueError(f"{field} must be {allowed}, got {value!r}.")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", self.n, "at least 1")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", self.presence_penalty, "in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", self.frequency_penalty, "in [-2, 2]")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise bad("repetition_penalty", self.repetition_penalty, "in (0, 2]")
+        if self.temperature < 0.0:
+            raise bad("temperature", self.temperature, "non-negative")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", self.top_p, "in (0, 1]")
+        if self.top_k < -1:
+            raise bad("top_k", self.top_k, "-1 or 0 (disabled) or at least 1")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", self.min_p, "in [0, 1]")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise bad("max_tokens", self.max_tokens, "at least 1")
+        if self.min_tokens < 0:
+            raise bad("min_tokens", self.min_tokens, "greater than or equal to 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", self.min_tokens, f"less than or equal to max_tokens={self.max_tokens}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise bad("logprobs", self.logprobs, "non-negative")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise bad("prompt_logprobs", self.prompt_logprobs, "non-negative")
+        if any(not s for s in self.stop):
+            raise bad("stop", self.stop, "a list of non-empty strings")
+        if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", self.stop_token_ids, "a list of non-negative token ids")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", self.seed, "an integer")
+
+    @property
+    def sampling_type_greedy(self) -> bool:
+        """True when the pick is the argmax (temperature below ``SAMPLING_EPS``)."""
+        return self.temperature < SAMPLING_EPS
+
+    def update_from_generation_config(
+        self, generation_config: dict[str, Any], model_eos_token_id: int | None
+    ) -> None:
+        """Add the model's extra EOS ids (all but the primary one) to the stop ids.
+
+        vLLM: ``SamplingParams.update_from_generation_config``. Called by the input
+        processor; with ``ignore_eos`` nothing is added.
+        """
+        eos = generation_config.get("eos_token_id")
+        if eos is None or self.ignore_eos:
+            return
+        eos_ids = [eos] if isinstance(eos, int) else list(eos)
+        extra = [t for t in eos_ids if t != model_eos_token_id]
+        merged = list(self.all_stop_token_ids or self.stop_token_ids)
+        for t in extra:
+            if t not in merged:
+                merged.append(t)
+        self.all_stop_token_ids = merged
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (used to fan out ``n`` child requests)."""
+        return msgspec.structs.replace(
+            self,
+            stop=list(self.stop),
+            stop_token_ids=list(self.stop_token_ids),
+            all_stop_token_ids=list(self.all_stop_token_ids),
+        )
