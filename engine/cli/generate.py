@@ -1,0 +1,129 @@
+"""``glassbox generate``: prompts in, completions out, through the offline ``LLM``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from engine.engine_args import EngineArgs
+
+DESCRIPTION = """Generate completions for PROMPT(s) with the offline engine (the same scheduler,
+KV cache and worker lifecycle as the server) and print them. Uses the bundled tiny model
+unless --model is given. Its weights are random, so expect fluent-looking nonsense."""
+
+
+def add_subparser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="Generate text offline from prompts.", description=DESCRIPTION)
+    p.add_argument("prompts", nargs="*", metavar="PROMPT", help="Prompt text (several allowed).")
+    p.add_argument("--prompts-file", help="Read more prompts from this file, one per line.")
+    p.add_argument("--chat", action="store_true", help="Wrap each prompt as a user message in the chat template.")
+    s = p.add_argument_group("SamplingParams")
+    s.add_argument("--max-tokens", type=int, default=64, help="Tokens to generate per prompt (default 64).")
+    s.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the model's generation_config, else 1.0).")
+    s.add_argument("--top-p", type=float, default=None)
+    s.add_argument("--top-k", type=int, default=None)
+    s.add_argument("--min-p", type=float, default=None)
+    s.add_argument("--n", type=int, default=1, help="Completions per prompt.")
+    s.add_argument("--sampling-seed", type=int, default=None, help="Per-request seed for reproducible sampling.")
+    s.add_argument("--stop", action="append", default=None, help="Stop string (repeatable).")
+    s.add_argument("--ignore-eos", action="store_true", help="Keep generating past EOS.")
+    EngineArgs.add_cli_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from engine.config import ConfigError
+    from tracing import catalogue, stage
+
+    prompts = list(args.prompts)
+    if args.prompts_file:
+        try:
+            with open(args.prompts_file, encoding="utf-8") as f:
+                prompts += [line.rstrip("\n") for line in f if line.strip()]
+        except OSError as e:
+            parser.error(f"--prompts-file: {e}")
+    if not prompts:
+        parser.error("give at least one PROMPT (or --prompts-file)")
+    try:
+        with stage(catalogue.CLI_VALIDATE_CONFIG):
+            engine_args = EngineArgs.from_cli_args(args)
+            engine_args.create_engine_config()  # validate before anything heavy loads
+            from engine.sampling_params import SamplingParams
+
+            overrides = {
+                k: v
+                for k, v in {
+                    "temperature": args.temperature,
+                    "top_p": args.top_p,
+                    "top_k": args.top_k,
+                    "min_p": args.min_p,
+                    "seed": args.sampling_seed,
+                }.items()
+                if v is not None
+            }
+            flag = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p",
+                    "seed": "--sampling-seed", "max_tokens": "--max-tokens", "n": "--n"}  # fmt: skip
+    except ConfigError as e:
+        parser.error(str(e))
+    from engine.entrypoints.llm import LLM
+
+    try:
+        llm = LLM(**vars(engine_args))
+    except ValueError as e:  # e.g. the KV budget cannot hold one request
+        parser.error(str(e))
+    with llm:
+        defaults = llm.get_default_sampling_params()
+        values = {f: getattr(defaults, f) for f in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+        values.update(overrides)
+        try:
+            params = SamplingParams(
+                max_tokens=args.max_tokens, n=args.n, stop=args.stop, ignore_eos=args.ignore_eos, **values
+            )
+        except ValueError as e:
+            field = str(e).split(" ", 1)[0]
+            parser.error(f"{flag.get(field, field)}: {e}")
+        try:
+            if args.chat:
+                outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=_progress(len(prompts)))
+            else:
+                outputs = llm.generate(prompts, params, use_tqdm=_progress(len(prompts)))
+        except ValueError as e:
+            parser.error(str(e))
+    _print_outputs(prompts, outputs)
+    return 0
+
+
+def _progress(total: int):
+    """A Rich progress bar on stderr for many prompts; None for one."""
+    if total < 2:
+        return False
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    progress = Progress(
+        TextColumn("Processed prompts"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=Console(stderr=True), transient=True,
+    )  # fmt: skip
+    task = progress.add_task("generate", total=total)
+    progress.start()
+
+    def update(done: int, total_: int) -> None:
+        progress.update(task, completed=done)
+        if done >= total_:
+            progress.stop()
+
+    return update
+
+
+def _print_outputs(prompts: list[str], outputs) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+
+    console = Console(file=sys.stdout, highlight=False, soft_wrap=True)
+    for prompt, out in zip(prompts, outputs):
+        for completion in out.outputs:
+            tag = f" [{completion.index}]" if len(out.outputs) > 1 else ""
+            console.print(f"[bold]{escape(prompt)}[/bold]{tag}[cyan]{escape(completion.text)}[/cyan]")
+            console.print(
+                f"[dim]({len(completion.token_ids)} tokens, finish_reason={completion.finish_reason})[/dim]"
+            )

@@ -1,0 +1,43 @@
+"""``glassbox``: the command line.
+
+Subcommands (more arrive with the process tree and the API server):
+
+- ``glassbox generate PROMPT...`` — run prompts through the offline ``LLM`` and print the
+  completions (vLLM has no exact twin; it is ``LLM.generate`` from a shell).
+
+Flags are ``vllm serve``'s engine flags. The config is validated before anything heavy is
+imported; a bad value prints one line naming the flag and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from engine import __version__
+
+
+def _make_parser() -> argparse.ArgumentParser:
+    from engine.cli import generate
+
+    parser = argparse.ArgumentParser(
+        prog="glassbox",
+        description="Glassbox: a see-through LLM serving engine (the vLLM V1 architecture, watchable).",
+    )
+    parser.add_argument("--version", action="version", version=f"glassbox {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    generate.add_subparser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _make_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return args.func(args, parser._subparsers._group_actions[0].choices[args.command])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

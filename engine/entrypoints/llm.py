@@ -1,0 +1,287 @@
+"""``LLM``: the offline API — give it prompts, get ``RequestOutput``s back.
+
+Mirrors vLLM's ``vllm/entrypoints/llm.py``. The pieces are the same ones the API server
+will use: ``InputProcessor`` (tokenize, validate) → engine core client (add, step, abort)
+→ ``OutputProcessor`` (detokenize, stop strings, gather ``n`` children). In this version
+the engine core runs in the caller's process (``InprocClient``).
+
+Example::
+
+    from engine import LLM, SamplingParams
+    llm = LLM()                       # the bundled tiny model
+    out = llm.generate(["Once upon a time"], SamplingParams(max_tokens=32))
+    print(out[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from engine.engine_args import EngineArgs
+from engine.frontend.core_client import EngineCoreClient
+from engine.frontend.input_processor import InputProcessor
+from engine.frontend.output_processor import OutputProcessor, ParentRequest
+from engine.frontend.outputs import PromptType, RequestOutput
+from engine.frontend.tokenizer import apply_chat_template, get_tokenizer
+from engine.logger import init_logger
+from engine.sampling_params import SamplingParams
+from engine.utils import run_dir as run_dirs
+from tracing import catalogue, setup_tracing, stage
+
+logger = init_logger(__name__)
+
+# A step that schedules nothing while requests wait means they can never run; this many in
+# a row turns a would-be hang into an error.
+MAX_IDLE_STEPS = 100
+
+
+class LLM:
+    """An engine for offline batch inference.
+
+    Args:
+        model: local Hugging Face model directory (default: the bundled tiny model).
+        **kwargs: any ``EngineArgs`` field, by its Python name (``max_model_len=512``,
+            ``num_gpu_blocks_override=64``, ``enable_prefix_caching=False``, ...).
+
+    Raises:
+        ConfigError (a ValueError): a bad argument; the message names the flag.
+        ValueError: the KV cache cannot hold one ``max_model_len`` request.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        if model is not None:
+            kwargs["model"] = model
+        engine_args = EngineArgs(**kwargs)
+        self.config = engine_args.create_engine_config(usage_context="llm")
+        self.run_dir = run_dirs.create_run_dir()
+        self._closed = False
+        obs = self.config.observability_config
+        self.tracing = setup_tracing(
+            "LLM",
+            trace_file=obs.trace_file,
+            otlp_endpoint=obs.otlp_traces_endpoint,
+            status_file=str(run_dirs.status_file(self.run_dir, "LLM")),
+        )
+        try:
+            with stage(catalogue.LLM_INIT, **{catalogue.ATTR_MODEL_NAME: self.config.model_config.served_model_name}):
+                run_dirs.write_manifest(
+                    self.run_dir,
+                    mode="inproc",
+                    roles=[{"role": "LLM", "pid": _pid()}],
+                    expected_process_count=1,
+                )
+                self.tokenizer = get_tokenizer(self.config.model_config.tokenizer)
+                self.input_processor = InputProcessor(self.config.model_config, self.tokenizer)
+                self.output_processor = OutputProcessor(self.tokenizer, log_stats=False)
+                self.engine_core = EngineCoreClient.make_client(self.config)
+        except BaseException:
+            run_dirs.remove_run_dir(self.run_dir)
+            raise
+        self.request_counter = itertools.count()
+
+    # ----------------------------------------------------------------- public API
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's defaults, overridden by the model's ``generation_config.json`` values."""
+        gen = self.config.model_config.generation_config
+        keys = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                "repetition_penalty": "repetition_penalty"}  # fmt: skip
+        overrides = {ours: gen[theirs] for ours, theirs in keys.items() if gen.get(theirs) is not None}
+        if gen.get("do_sample") is False:
+            overrides["temperature"] = 0.0
+        return SamplingParams(**overrides)
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | Callable[[int, int], None] = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate completions for ``prompts``; returns one ``RequestOutput`` per prompt, in order.
+
+        Args:
+            prompts: a string, ``{"prompt": str}``, ``{"prompt_token_ids": [...]}``, or a list.
+            sampling_params: one for all prompts or one per prompt (default:
+                ``get_default_sampling_params()``).
+            use_tqdm: show a progress bar on a terminal; or a callable ``(done, total)``.
+            priority: per-prompt priority (lower runs first under ``--scheduling-policy priority``).
+
+        Raises:
+            ValueError: a prompt longer than ``max_model_len``, a bad token id, or a
+                mismatched number of sampling params; nothing is queued in that case.
+        """
+        self._check_open()
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        params_list = (
+            [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        )
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities")
+        request_ids = self._add_requests(prompts, params_list, priority)
+        return self._run_engine(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | Callable[[int, int], None] = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the tokenizer's chat template, then ``generate``.
+
+        ``messages`` is one conversation (``[{"role": "user", "content": "hi"}]``) or a
+        list of them.
+
+        Raises:
+            ValueError: the tokenizer has no chat template (pass ``chat_template``).
+        """
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            apply_chat_template(self.tokenizer, conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template)
+            for conv in conversations
+        ]
+        # The template already holds the special tokens; do not add a second BOS.
+        token_prompts = [{"prompt_token_ids": self.tokenizer.encode(p, add_special_tokens=False)} for p in prompts]
+        outputs = self.generate(token_prompts, sampling_params, use_tqdm=use_tqdm)
+        for out, text in zip(outputs, prompts):
+            out.prompt = text
+        return outputs
+
+    def shutdown(self) -> None:
+        """Stop the engine and remove the run directory (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.engine_core.shutdown()
+        finally:
+            run_dirs.remove_run_dir(self.run_dir)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            if not self._closed:
+                run_dirs.remove_run_dir(self.run_dir)
+        except Exception:
+            pass
+
+    # ----------------------------------------------------------------- internals
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this LLM was shut down")
+
+    def _add_requests(
+        self, prompts: list[PromptType], params_list: list[SamplingParams], priority: Sequence[int] | None
+    ) -> list[str]:
+        # Validate every prompt before queueing any, so a bad one loses nothing.
+        prepared = []
+        arrival = time.time()
+        for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+            request_id = str(next(self.request_counter))
+            prio = priority[i] if priority is not None else 0
+            if params.n == 1:
+                req = self.input_processor.process_inputs(request_id, prompt, params, arrival, prio)
+                prepared.append((request_id, [(req, None, 0)]))
+                continue
+            parent = ParentRequest(request_id, params)
+            children = []
+            for index in range(params.n):
+                child_id, child_params = parent.get_child_info(index)
+                req = self.input_processor.process_inputs(child_id, prompt, child_params, arrival, prio)
+                children.append((req, parent, index))
+            prepared.append((request_id, children))
+        for (_, children), prompt in zip(prepared, prompts):
+            text = _prompt_text(prompt)
+            for req, parent, index in children:
+                self.output_processor.add_request(req, text, parent, index)
+                self.engine_core.add_request(req)
+        return [request_id for request_id, _ in prepared]
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool | Callable[[int, int], None]) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        total = len(request_ids)
+        progress = _Progress(total, use_tqdm)
+        idle_steps = 0
+        try:
+            while self.output_processor.has_unfinished_requests():
+                outputs = self.engine_core.get_output()
+                processed = self.output_processor.process_outputs(outputs.outputs)
+                if processed.reqs_to_abort:
+                    self.engine_core.abort_requests(processed.reqs_to_abort)
+                for out in processed.request_outputs:
+                    if out.finished:
+                        finished[out.request_id] = out
+                        progress.advance(len(finished))
+                idle_steps = 0 if outputs.outputs or getattr(self.engine_core, "last_step_executed", True) else idle_steps + 1
+                if idle_steps > MAX_IDLE_STEPS:
+                    raise RuntimeError(
+                        f"the engine made no progress for {MAX_IDLE_STEPS} steps with "
+                        f"{self.output_processor.get_num_unfinished_requests()} requests unfinished"
+                    )
+        except BaseException:
+            # Ctrl-C or an engine error: free what this call queued, then re-raise.
+            pending = [rid for rid in request_ids if rid not in finished]
+            child_ids = self.output_processor.abort_requests(pending)
+            self.engine_core.abort_requests(child_ids)
+            raise
+        finally:
+            progress.close()
+        return [finished[rid] for rid in request_ids]
+
+
+def _prompt_text(prompt: PromptType) -> str | None:
+    if isinstance(prompt, str):
+        return prompt
+    return prompt.get("prompt") if isinstance(prompt, dict) else None
+
+
+def _pid() -> int:
+    import os
+
+    return os.getpid()
+
+
+class _Progress:
+    """A Rich progress bar on a terminal (vLLM shows tqdm), or a user callback."""
+
+    def __init__(self, total: int, use_tqdm: bool | Callable[[int, int], None]) -> None:
+        import sys
+
+        self.total = total
+        self.callback = use_tqdm if callable(use_tqdm) else None
+        self.bar = None
+        if use_tqdm is True and total > 1 and sys.stderr.isatty():
+            from rich.progress import Progress
+
+            self.bar = Progress(transient=True)
+            self.task = self.bar.add_task("Processed prompts", total=total)
+            self.bar.start()
+
+    def advance(self, done: int) -> None:
+        if self.callback is not None:
+            self.callback(done, self.total)
+        if self.bar is not None:
+            self.bar.update(self.task, completed=done)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+

@@ -1,0 +1,77 @@
+"""``Executor``: the one way the engine core reaches its workers.
+
+Mirrors vLLM's ``vllm/v1/executor/abstract.py``. The engine core never calls a worker
+directly: it calls ``collective_rpc(method, args)``, which runs ``method`` on every worker
+and returns their results in rank order. ``UniProcExecutor`` does that with a plain call in
+the same process; ``MultiprocExecutor`` (next version) broadcasts it over shared memory to
+worker processes — the engine core's code is the same either way.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.kv_cache.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from engine.outputs import ModelRunnerOutput
+from engine.sched.output import SchedulerOutput
+
+
+class Executor(ABC):
+    """Base of all executors.
+
+    Raises (from ``get_class``):
+        ValueError: unknown ``distributed_executor_backend``.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        # Set by init_device on every worker; the driver's copy is reported to the frontend.
+        self.device_info: dict[str, str] = {}
+        self._init_executor()
+
+    @staticmethod
+    def get_class(config: EngineConfig) -> type[Executor]:
+        backend = config.parallel_config.distributed_executor_backend
+        if backend == "uni":
+            from engine.executor.uniproc_executor import UniProcExecutor
+
+            return UniProcExecutor
+        raise ValueError(f"distributed_executor_backend {backend!r} is not available in this version")
+
+    @abstractmethod
+    def _init_executor(self) -> None:
+        """Create the workers and run init_worker → init_device → load_model."""
+
+    @abstractmethod
+    def collective_rpc(
+        self,
+        method: str,
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """Run ``method(*args, **kwargs)`` on every worker; results in rank order."""
+
+    def determine_available_memory(self) -> list[int]:
+        """KV-cache bytes each worker can spend (after a profile run)."""
+        return self.collective_rpc("determine_available_memory")
+
+    def get_kv_cache_specs(self) -> list[FullAttentionSpec]:
+        return self.collective_rpc("get_kv_cache_spec")
+
+    def initialize_from_config(self, kv_cache_configs: list[KVCacheConfig]) -> None:
+        """Allocate the KV caches, then warm up (vLLM does both in this call)."""
+        self.collective_rpc("initialize_from_config", args=(kv_cache_configs[0],))
+        self.collective_rpc("compile_or_warm_up_model")
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.collective_rpc("execute_model", args=(scheduler_output,))[0]
+
+    def check_health(self) -> None:
+        self.collective_rpc("check_health")
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop the workers and release their resources."""

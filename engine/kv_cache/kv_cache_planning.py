@@ -1,0 +1,70 @@
+"""How many KV blocks fit, and whether one full-length request fits at all.
+
+Mirrors vLLM's ``get_kv_cache_configs`` / ``check_enough_kv_cache_memory``
+(``vllm/v1/core/kv_cache_utils.py``; ``kv_cache_planning.py`` in 0.33) for one group of
+full-attention layers: ``num_blocks = available_bytes // (page_size_bytes × num_layers)``,
+unless ``--num-gpu-blocks-override`` says otherwise. With several workers each reports its
+own budget and every worker gets the minimum.
+"""
+
+from __future__ import annotations
+
+from engine.config import EngineConfig
+from engine.kv_cache.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def check_enough_kv_cache_memory(config: EngineConfig, spec: FullAttentionSpec, available_bytes: int) -> None:
+    """Fail fast when one ``max_model_len`` request cannot fit in the cache.
+
+    Raises:
+        ValueError: no memory at all, or too little for one request; the message gives
+            the largest ``--max-model-len`` that would fit and the flags to change.
+    """
+    max_model_len = config.model_config.max_model_len
+    assert max_model_len is not None
+    if available_bytes <= 0:
+        raise ValueError(
+            "No available memory for the cache blocks. Raise GLASSBOX_CPU_KVCACHE_SPACE, "
+            "--kv-cache-memory-bytes or --gpu-memory-utilization."
+        )
+    # One request needs cdiv(max_model_len, block_size) blocks, plus block 0 (the null block).
+    needed = (cdiv(max_model_len, spec.block_size) + 1) * spec.bytes_per_block
+    if needed > available_bytes:
+        fits_blocks = max(available_bytes // spec.bytes_per_block - 1, 0)
+        raise ValueError(
+            f"To serve at least one request with --max-model-len {max_model_len}, "
+            f"{needed / (1 << 20):.2f} MiB of KV cache is needed, which is larger than the "
+            f"available KV cache memory ({available_bytes / (1 << 20):.2f} MiB). The estimated "
+            f"maximum model length is {fits_blocks * spec.block_size}. Try a smaller "
+            "--max-model-len or a larger GLASSBOX_CPU_KVCACHE_SPACE / --kv-cache-memory-bytes."
+        )
+
+
+def get_kv_cache_config(config: EngineConfig, spec: FullAttentionSpec, available_bytes: list[int]) -> KVCacheConfig:
+    """Size the cache from each worker's budget (the minimum wins).
+
+    Raises:
+        ValueError: see ``check_enough_kv_cache_memory``; also when the block override
+            leaves too few blocks for one ``max_model_len`` request.
+    """
+    available = min(available_bytes)
+    override = config.cache_config.num_gpu_blocks_override
+    max_model_len = config.model_config.max_model_len
+    assert max_model_len is not None
+    if override is not None:
+        # Block 0 is the null block; one request needs cdiv(max_model_len, block_size) more.
+        needed = cdiv(max_model_len, spec.block_size) + 1
+        if override < needed:
+            raise ValueError(
+                f"--num-gpu-blocks-override {override} is too small: one request of "
+                f"--max-model-len {max_model_len} needs {needed} blocks (including the null block)."
+            )
+        num_blocks = override
+    else:
+        check_enough_kv_cache_memory(config, spec, available)
+        num_blocks = available // spec.bytes_per_block
+    return KVCacheConfig(num_blocks=num_blocks, spec=spec)

@@ -1,0 +1,61 @@
+"""Logging: every line starts with the process's role and pid.
+
+Mirrors vLLM's ``vllm/logger.py`` (0.33 format): ``(Role pid=N) LEVEL MM-DD HH:MM:SS
+[file.py:line] message``. The role is set once per process with ``set_process_role`` (the
+engine core and workers will each set their own when they get their own processes).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+_ROLE = "Main"
+_CONFIGURED = False
+
+
+class _RoleFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.glassbox_role = _ROLE
+        return True
+
+
+def set_process_role(role: str) -> None:
+    """Name this process in every later log line (e.g. ``EngineCore_DP0``)."""
+    global _ROLE
+    _ROLE = role
+
+
+def get_process_role() -> str:
+    return _ROLE
+
+
+def _configure() -> None:
+    global _CONFIGURED
+    if _CONFIGURED:
+        return
+    from engine import envs
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(_RoleFilter())
+    handler.setFormatter(
+        logging.Formatter(
+            "(%(glassbox_role)s pid=%(process)d) %(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s",
+            datefmt="%m-%d %H:%M:%S",
+        )
+    )
+    for name in ("engine", "tracing"):
+        root = logging.getLogger(name)
+        root.addHandler(handler)
+        root.setLevel(envs.GLASSBOX_LOGGING_LEVEL.upper())
+        root.propagate = False
+    _CONFIGURED = True
+
+
+def init_logger(name: str) -> logging.Logger:
+    """The logger of module ``name`` (``__name__``), under the glassbox handler."""
+    _configure()
+    return logging.getLogger(name)
+
+
+__all__ = ["init_logger", "set_process_role", "get_process_role"]

@@ -1,0 +1,358 @@
+"""Building blocks of the Llama-family decoder: norm, rotary embedding, activation, linears.
+
+Mirrors vLLM's ``vllm/model_executor/layers/`` (``layernorm.py``, ``rotary_embedding/``,
+``activation.py``, ``linear.py``, ``vocab_parallel_embedding.py``), written in plain torch.
+
+The linear layers are shaped for tensor parallelism from the start: each holds only its
+rank's slice of the weight, and its ``weight_loader(param, loaded_weight, shard_id=None)``
+cuts that slice out of the full Hugging Face tensor. ``tp_size`` is always 1 in this
+version and no process group exists, so the all-reduce after ``RowParallelLinear`` and the
+all-gather of the LM head's logits are the two places marked "TP > 1 needs" below.
+
+Parameters are created with ``torch.empty`` on the current default device and dtype (the
+loader sets both): weights come from the checkpoint, so initialising them would only cost
+time.
+
+Left out: fused residual-add RMSNorm, quantization, vocab padding, RoPE types other than
+default / linear / llama3 (yarn, dynamic NTK, longrope, partial rotary).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# ----------------------------------------------------------------------------- norm, act
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm: ``x / rms(x) * weight``, computed in float32 like Hugging Face.
+
+    Shapes: ``x`` is ``(..., hidden_size)``; the result has ``x``'s shape and dtype.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        variance = x32.pow(2).mean(-1, keepdim=True)
+        # Cast back before the weight multiply, as transformers does, so bf16 runs agree.
+        return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(dtype)
+
+
+class SiluAndMul(nn.Module):
+    """SwiGLU's gate: ``silu(x[..., :d]) * x[..., d:]`` for ``x`` of shape ``(..., 2d)``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.silu(x[..., :d]) * x[..., d:]
+
+
+# ----------------------------------------------------------------------------- rotary
+
+
+def rope_parameters_from_config(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """The RoPE settings of a ``config.json``, in one shape whatever wrote it.
+
+    transformers 5 writes ``rope_parameters: {"rope_type", "rope_theta", ...}``;
+    transformers 4 writes ``rope_theta`` next to an optional ``rope_scaling`` dict (whose
+    type key is ``rope_type`` or, in older files, ``type``). Returns a dict with at least
+    ``rope_type`` and ``rope_theta``, plus the scaling fields of that type.
+    """
+    params = dict(hf_config.get("rope_parameters") or {})
+    scaling = hf_config.get("rope_scaling") or {}
+    for key, value in scaling.items():
+        params.setdefault(key, value)
+    if "rope_type" not in params:
+        params["rope_type"] = params.pop("type", "default")
+    params.pop("type", None)
+    params.setdefault("rope_theta", float(hf_config.get("rope_theta", 10000.0)))
+    if params["rope_type"] == "llama3":
+        params.setdefault(
+            "original_max_position_embeddings", int(hf_config.get("max_position_embeddings", 8192))
+        )
+    return params
+
+
+def compute_inv_freq(head_dim: int, rope_parameters: dict[str, Any]) -> torch.Tensor:
+    """Inverse frequencies ``(head_dim // 2,)`` float32 for one of the supported RoPE types.
+
+    Raises:
+        ValueError: for a ``rope_type`` other than default, linear or llama3.
+    """
+    rope_type = rope_parameters["rope_type"]
+    base = float(rope_parameters["rope_theta"])
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (base**exponents)  # (head_dim // 2,)
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        # Position interpolation: positions / factor, i.e. every frequency / factor.
+        return inv_freq / float(rope_parameters["factor"])
+    if rope_type == "llama3":
+        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band in
+        # between blended smoothly.
+        factor = float(rope_parameters["factor"])
+        low = float(rope_parameters["low_freq_factor"])
+        high = float(rope_parameters["high_freq_factor"])
+        old_len = float(rope_parameters["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(is_medium, smoothed, scaled)
+    raise ValueError(f"rope_type {rope_type!r} is not supported (supported: default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding in the "rotate half" (GPT-NeoX) layout Llama checkpoints use.
+
+    ``get_cos_sin(positions)`` is computed once per forward and shared by all layers;
+    ``apply(q, k, cos, sin)`` rotates queries and keys. vLLM: ``get_rope`` /
+    ``RotaryEmbedding`` (which caches a cos/sin table instead; ours is computed from the
+    positions each step, which costs one small outer product and needs no table of
+    ``max_position_embeddings`` rows).
+    """
+
+    def __init__(self, head_dim: int, rope_parameters: dict[str, Any]) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.rope_parameters = rope_parameters
+        # Not a parameter and not in the checkpoint; float32 whatever the model dtype.
+        self.register_buffer(
+            "inv_freq", compute_inv_freq(head_dim, rope_parameters).to(torch.float32), persistent=False
+        )
+
+    def get_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos``, ``sin`` of shape ``(num_tokens, 1, head_dim)`` in ``dtype``, for ``positions`` (num_tokens,)."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (num_tokens, head_dim // 2)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (num_tokens, 1, head_dim)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    @staticmethod
+    def apply(
+        q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate ``q`` (num_tokens, num_heads, head_dim) and ``k`` (num_tokens, num_kv_heads, head_dim)."""
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+# ----------------------------------------------------------------------------- linears
+
+
+def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+    """Copy a whole tensor into ``param`` (dtype and device converted).
+
+    Raises:
+        ValueError: when the shapes differ.
+    """
+    if param.shape != loaded_weight.shape:
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)}, checkpoint {tuple(loaded_weight.shape)}")
+    param.data.copy_(loaded_weight)
+
+
+def _set_loader(param: nn.Parameter, loader) -> nn.Parameter:
+    param.weight_loader = loader  # read by the model's load_weights
+    return param
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T + b`` with ``W`` split by output rows: rank r holds rows ``[r*n, (r+1)*n)``.
+
+    Shapes: ``x`` (num_tokens, input_size) → ``y`` (num_tokens, output_size // tp_size).
+    vLLM: ``ColumnParallelLinear`` (its ``gather_output`` is never needed by our models).
+    """
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1
+    ) -> None:
+        super().__init__()
+        if output_size % tp_size:
+            raise ValueError(f"output size {output_size} is not divisible by tp_size {tp_size}")
+        self.input_size = input_size
+        self.output_size = output_size
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.output_size_per_partition = output_size // tp_size
+        self.weight = _set_loader(
+            nn.Parameter(torch.empty(self.output_size_per_partition, input_size)), self.weight_loader
+        )
+        self.bias = (
+            _set_loader(nn.Parameter(torch.empty(self.output_size_per_partition)), self.weight_loader)
+            if bias
+            else None
+        )
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        """Copy this rank's rows of the full checkpoint tensor (weight or bias) into ``param``."""
+        n = param.shape[0]
+        default_weight_loader(param, loaded_weight.narrow(0, self.tp_rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input stored as one matrix.
+
+    Used for ``gate_up_proj`` (``output_sizes=[intermediate, intermediate]``): one matmul
+    instead of two. Each checkpoint tensor arrives with ``shard_id`` = its index in
+    ``output_sizes`` and lands in its own row block. vLLM: ``MergedColumnParallelLinear``.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        if shard_id is None:
+            raise ValueError("MergedColumnParallelLinear needs a shard_id (index into output_sizes)")
+        size = self.output_sizes[shard_id] // self.tp_size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        shard = loaded_weight.narrow(0, self.tp_rank * size, size)
+        default_weight_loader(param.narrow(0, offset, size), shard)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """The query, key and value projections as one matrix, rows ``[q | k | v]``.
+
+    Grouped-query attention: ``total_num_kv_heads`` may be smaller than
+    ``total_num_heads``. When ``tp_size`` exceeds the number of KV heads, each KV head is
+    replicated on ``tp_size // total_num_kv_heads`` ranks. Checkpoint tensors arrive with
+    ``shard_id`` "q", "k" or "v". vLLM: ``QKVParallelLinear``.
+
+    Output (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim), per rank.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        total_num_heads: int,
+        total_num_kv_heads: int,
+        bias: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        if total_num_heads % tp_size:
+            raise ValueError(f"{total_num_heads} attention heads are not divisible by tp_size {tp_size}")
+        self.head_dim = head_dim
+        self.num_heads = total_num_heads // tp_size
+        if tp_size >= total_num_kv_heads:
+            self.num_kv_heads = 1
+            self.num_kv_head_replicas = tp_size // total_num_kv_heads
+        else:
+            self.num_kv_heads = total_num_kv_heads // tp_size
+            self.num_kv_head_replicas = 1
+        output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
+        super().__init__(hidden_size, output_size, bias, tp_rank, tp_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        if shard_id == "q":
+            offset, size, rank = 0, q_size, self.tp_rank
+        elif shard_id in ("k", "v"):
+            offset = q_size if shard_id == "k" else q_size + kv_size
+            size, rank = kv_size, self.tp_rank // self.num_kv_head_replicas
+        else:
+            raise ValueError(f"QKVParallelLinear shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+        default_weight_loader(param.narrow(0, offset, size), loaded_weight.narrow(0, rank * size, size))
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x W^T + b`` with ``W`` split by input columns: each rank holds a slice of the input.
+
+    Shapes: ``x`` (num_tokens, input_size // tp_size) → ``y`` (num_tokens, output_size).
+    Each rank's ``y`` is a partial sum; TP > 1 needs an all-reduce here (and the bias added
+    once, after it). vLLM: ``RowParallelLinear``.
+    """
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1
+    ) -> None:
+        super().__init__()
+        if input_size % tp_size:
+            raise ValueError(f"input size {input_size} is not divisible by tp_size {tp_size}")
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.input_size_per_partition = input_size // tp_size
+        self.weight = _set_loader(
+            nn.Parameter(torch.empty(output_size, self.input_size_per_partition)), self.weight_loader
+        )
+        self.bias = _set_loader(nn.Parameter(torch.empty(output_size)), default_weight_loader) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        n = self.input_size_per_partition
+        default_weight_loader(param, loaded_weight.narrow(1, self.tp_rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding table split by vocabulary rows across ranks.
+
+    ``forward(input_ids (num_tokens,)) -> (num_tokens, embedding_dim)``. With TP > 1 each
+    rank would zero the ids outside its range and the results would be all-reduced; with
+    one rank it is a plain lookup. vLLM: ``VocabParallelEmbedding`` (without its padding of
+    the vocabulary to a multiple of 64).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.num_embeddings_per_partition = -(-num_embeddings // tp_size)
+        self.vocab_start_index = tp_rank * self.num_embeddings_per_partition
+        self.weight = _set_loader(
+            nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim)), self.weight_loader
+        )
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        start = self.vocab_start_index
+        rows = min(self.num_embeddings_per_partition, loaded_weight.shape[0] - start)
+        if self.tp_size == 1:
+            default_weight_loader(param, loaded_weight)
+            return
+        param.data.zero_()  # the last rank's tail past the vocabulary stays zero
+        param.data[:rows].copy_(loaded_weight.narrow(0, start, rows))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size > 1:
+            raise NotImplementedError("TP > 1 needs masking and an all-reduce in VocabParallelEmbedding")
+        return F.embedding(input_ids, self.weight)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection to vocabulary logits, split by vocabulary rows like the embedding.
+
+    Not called as a module: the model's ``compute_logits`` multiplies by ``weight``. TP > 1
+    needs an all-gather of the per-rank logit slices. With tied embeddings the model makes
+    this ``weight`` the embedding's. vLLM: ``ParallelLMHead``.
+    """
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("ParallelLMHead is not called; use the model's compute_logits")

@@ -1,0 +1,175 @@
+"""``Worker``: owns one device, the model's weights on it, and its slice of the KV cache.
+
+Mirrors vLLM's ``vllm/v1/worker/gpu_worker.py`` and ``cpu_worker.py`` in one class: the
+lifecycle is the same on both devices, only memory accounting differs. Each lifecycle
+method is one stage (a span and a status-file entry):
+
+``init_device`` → ``load_model`` → ``determine_available_memory`` →
+``initialize_from_config`` → ``compile_or_warm_up_model`` → ``execute_model`` (each step).
+
+At world size 1 no torch.distributed process group is created, so many engines can live in
+one process (tests do this).
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import torch
+
+from engine import envs
+from engine.config import EngineConfig
+from engine.kv_cache.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from engine.logger import init_logger
+from engine.model.loader import resolve_device, resolve_dtype
+from engine.outputs import ModelRunnerOutput
+from engine.sched.output import SchedulerOutput
+from engine.worker.model_runner import ModelRunner
+from tracing import catalogue, stage
+
+logger = init_logger(__name__)
+
+GiB = 1 << 30
+
+
+class Worker:
+    """One worker: a device, a ``ModelRunner`` and the KV cache tensors.
+
+    Args:
+        config: the engine config.
+        local_rank: device index on this host.
+        rank: global rank in the (tensor × pipeline) group.
+        distributed_init_method: torch.distributed rendezvous (unused at world size 1).
+        is_driver_worker: rank 0 returns the step's output to the engine core.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        local_rank: int = 0,
+        rank: int = 0,
+        distributed_init_method: str | None = None,
+        is_driver_worker: bool = True,
+    ) -> None:
+        self.config = config
+        self.local_rank = local_rank
+        self.rank = rank
+        self.distributed_init_method = distributed_init_method
+        self.is_driver_worker = is_driver_worker
+        self.device: torch.device | None = None
+        self.dtype: torch.dtype | None = None
+        self.model_runner: ModelRunner | None = None
+
+    def _attrs(self, **extra: Any) -> dict[str, Any]:
+        return {catalogue.ATTR_RANK: self.rank, **extra}
+
+    def init_device(self) -> dict[str, str]:
+        """Pick the device and dtype, seed the RNGs, build the model runner.
+
+        Returns:
+            ``{"device": ..., "dtype": ...}`` as resolved (reported back to the frontend).
+        """
+        with stage(catalogue.WORKER_INIT_DEVICE, **self._attrs()) as st:
+            mc = self.config.model_config
+            self.device = resolve_device(self.config.device_config.device, self.local_rank)
+            self.dtype = resolve_dtype(mc.dtype, mc.checkpoint_dtype, self.device)
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            if self.config.parallel_config.world_size > 1:
+                raise NotImplementedError("world size > 1 needs the multiprocess executor")
+            torch.manual_seed(mc.seed)
+            gc.collect()
+            self.model_runner = ModelRunner(self.config, self.device, self.dtype)
+            info = {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch.")}
+            st.set(catalogue.ATTR_DEVICE, info["device"])
+            st.set(catalogue.ATTR_MODEL_DTYPE, info["dtype"])
+            logger.info("Worker rank %d on %s, dtype %s", self.rank, info["device"], info["dtype"])
+            return info
+
+    def load_model(self) -> None:
+        with stage(catalogue.WORKER_LOAD_MODEL, **self._attrs()) as st:
+            assert self.model_runner is not None, "init_device first"
+            self.model_runner.load_model()
+            st.set(catalogue.ATTR_MODEL_NAME, self.config.model_config.served_model_name)
+            logger.info(
+                "Loaded %s: %.1f MiB of weights",
+                self.config.model_config.architecture,
+                self.model_runner.model_memory_usage / (1 << 20),
+            )
+
+    def get_kv_cache_spec(self) -> FullAttentionSpec:
+        assert self.model_runner is not None
+        return self.model_runner.get_kv_cache_spec()
+
+    @torch.inference_mode()
+    def determine_available_memory(self) -> int:
+        """Bytes this worker can give the KV cache, after a profile run at the max batch.
+
+        CPU: ``--kv-cache-memory-bytes`` or ``GLASSBOX_CPU_KVCACHE_SPACE`` GiB (a fixed
+        budget, never a share of system memory). CUDA: ``--kv-cache-memory-bytes``, else
+        ``total × gpu_memory_utilization − (weights + peak activations + non-torch)``.
+        """
+        with stage(catalogue.WORKER_DETERMINE_AVAILABLE_MEMORY, **self._attrs()) as st:
+            assert self.model_runner is not None and self.device is not None
+            cache_config = self.config.cache_config
+            if self.device.type != "cuda":
+                self.model_runner.profile_run()
+                available = cache_config.kv_cache_memory_bytes or int(envs.GLASSBOX_CPU_KVCACHE_SPACE * GiB)
+            elif cache_config.kv_cache_memory_bytes:
+                self.model_runner.profile_run()
+                available = cache_config.kv_cache_memory_bytes
+            else:
+                available = self._profile_cuda_memory()
+            st.set(catalogue.ATTR_KV_AVAILABLE_BYTES, available)
+            return available
+
+    def _profile_cuda_memory(self) -> int:
+        assert self.model_runner is not None
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        requested = total * self.config.cache_config.gpu_memory_utilization
+        if free < requested - self.model_runner.model_memory_usage:
+            raise ValueError(
+                f"Free memory on device ({free / GiB:.2f} GiB) is less than the desired "
+                f"utilization ({requested / GiB:.2f} GiB); lower --gpu-memory-utilization or "
+                "free memory used by other processes."
+            )
+        before = torch.cuda.memory_stats(self.device)["allocated_bytes.all.peak"]
+        self.model_runner.profile_run()
+        peak = torch.cuda.memory_stats(self.device)["allocated_bytes.all.peak"]
+        free_after, _ = torch.cuda.mem_get_info(self.device)
+        non_torch = (total - free_after) - torch.cuda.memory_reserved(self.device)
+        non_kv = self.model_runner.model_memory_usage + (peak - before) + max(non_torch, 0)
+        gc.collect()
+        torch.cuda.empty_cache()
+        return int(requested - non_kv)
+
+    def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
+        """Allocate the KV cache tensors and bind them to the attention layers."""
+        with stage(
+            catalogue.WORKER_INITIALIZE_KV_CACHE,
+            **self._attrs(**{catalogue.ATTR_KV_NUM_BLOCKS: kv_cache_config.num_blocks}),
+        ):
+            assert self.model_runner is not None
+            self.model_runner.initialize_kv_cache(kv_cache_config)
+
+    def compile_or_warm_up_model(self) -> None:
+        """Run a few eager steps so the first real request does not pay one-time costs."""
+        with stage(catalogue.WORKER_COMPILE_OR_WARM_UP_MODEL, **self._attrs()):
+            assert self.model_runner is not None
+            self.model_runner.warm_up()
+            torch.manual_seed(self.config.model_config.seed)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        assert self.model_runner is not None
+        output = self.model_runner.execute_model(scheduler_output)
+        return output if self.is_driver_worker else None
+
+    def check_health(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        self.model_runner = None

@@ -1,0 +1,315 @@
+"""The span catalogue: every span name and attribute key Glassbox emits, defined once.
+
+Code never spells a span name or attribute key as a string literal: it uses the constants
+here (``catalogue.WORKER_LOAD_MODEL``, ``catalogue.ATTR_RANK``), and the stage helper
+(``tracing.stage``) refuses names that are not in the catalogue. So this file is the
+complete list of what a trace can contain, and ``docs/spans.md`` is generated from it::
+
+    python -m tracing.catalogue > docs/spans.md
+
+Each span has a *level*, which decides what it costs:
+
+- ``lifecycle``: a start-up or shutdown stage. Rare, so it may do file I/O: entering or
+  leaving one rewrites the process's status file (what ``glassbox ps`` and deadline
+  messages read to name the stage a process is in).
+- ``step``: one phase of one engine step. Runs many times a second, so it is kept cheap:
+  a span and an in-memory stage record, never file I/O of its own.
+- ``request``: one span per request (vLLM's ``llm_request``), recorded when the request ends.
+
+Adding a name: call ``_span`` (or ``_attr``) below with a one-line doc, bind the result to
+a constant, and regenerate ``docs/spans.md`` (a test fails until you do).
+
+Mirrors vLLM's ``vllm/tracing.py`` ``SpanAttributes`` for the ``gen_ai.*`` keys (OpenTelemetry
+GenAI conventions, as vLLM spells them). vLLM has no catalogue of start-up spans; the
+``glassbox.*`` names and the lifecycle spans are Glassbox's own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LIFECYCLE = "lifecycle"
+STEP = "step"
+REQUEST = "request"
+LEVELS = (LIFECYCLE, STEP, REQUEST)
+
+
+@dataclass(frozen=True)
+class AttrDef:
+    """One attribute key: its OpenTelemetry value type and what it means."""
+
+    key: str
+    type: str  # "str" | "int" | "float" | "bool"
+    doc: str
+
+    @property
+    def alias(self) -> str:
+        """The keyword-argument spelling: ``glassbox.kv.num_blocks`` → ``kv_num_blocks``."""
+        return self.key.removeprefix("glassbox.").replace(".", "_")
+
+
+@dataclass(frozen=True)
+class SpanDef:
+    """One span name: its level, what it covers, and the attributes it usually carries."""
+
+    name: str
+    level: str
+    doc: str
+    attributes: tuple[str, ...] = ()
+
+
+ATTRIBUTES: dict[str, AttrDef] = {}
+SPANS: dict[str, SpanDef] = {}
+
+
+def _attr(key: str, type_: str, doc: str) -> str:
+    assert key not in ATTRIBUTES, f"attribute {key!r} defined twice"
+    ATTRIBUTES[key] = AttrDef(key, type_, doc)
+    return key
+
+
+def _span(name: str, level: str, doc: str, attributes: tuple[str, ...] = ()) -> str:
+    assert name not in SPANS, f"span {name!r} defined twice"
+    assert level in LEVELS, level
+    unknown = [a for a in attributes if a not in ATTRIBUTES]
+    assert not unknown, f"span {name!r} lists unknown attributes {unknown}"
+    SPANS[name] = SpanDef(name, level, doc, attributes)
+    return name
+
+
+# ---------------------------------------------------------------------------------------
+# Attribute keys. Process identity (role, rank, pid) is also on every span's resource.
+# ---------------------------------------------------------------------------------------
+
+ATTR_ROLE = _attr("glassbox.role", "str", "Process role, e.g. EngineCore_DP0 or Worker_DP0_PP0_TP1.")
+ATTR_RANK = _attr("glassbox.rank", "int", "Rank of the worker (or DP rank of the engine core) in its group.")
+ATTR_PID = _attr("glassbox.pid", "int", "Operating-system process id.")
+ATTR_STAGE = _attr("glassbox.stage", "str", "Name of the stage a record refers to (status file, live events).")
+
+ATTR_STEP_ID = _attr("glassbox.step.id", "int", "Engine step counter, from 0 at engine start.")
+ATTR_STEP_NUM_SCHEDULED_TOKENS = _attr(
+    "glassbox.step.num_scheduled_tokens", "int", "Tokens scheduled in this step, over all requests."
+)
+ATTR_STEP_TOKEN_BUDGET = _attr(
+    "glassbox.step.token_budget", "int", "Token budget of the step (max_num_batched_tokens)."
+)
+ATTR_STEP_NUM_NEW_REQS = _attr(
+    "glassbox.step.num_new_reqs", "int", "Requests scheduled for the first time (or after preemption)."
+)
+ATTR_STEP_NUM_CACHED_REQS = _attr(
+    "glassbox.step.num_cached_reqs", "int", "Requests scheduled again, whose state the worker keeps."
+)
+ATTR_STEP_NUM_PREEMPTED = _attr(
+    "glassbox.step.num_preempted", "int", "Requests preempted (blocks freed, recomputed later) in this step."
+)
+ATTR_STEP_NUM_RUNNING = _attr("glassbox.step.num_running", "int", "Requests in RUNNING after the step.")
+ATTR_STEP_NUM_WAITING = _attr("glassbox.step.num_waiting", "int", "Requests in WAITING after the step.")
+
+ATTR_KV_NUM_BLOCKS = _attr("glassbox.kv.num_blocks", "int", "KV-cache blocks in the pool (null block included).")
+ATTR_KV_USAGE = _attr("glassbox.kv.usage", "float", "Fraction of KV-cache blocks in use, 0.0 to 1.0.")
+ATTR_KV_BLOCK_SIZE = _attr("glassbox.kv.block_size", "int", "Tokens per KV-cache block.")
+ATTR_KV_AVAILABLE_BYTES = _attr(
+    "glassbox.kv.available_bytes", "int", "Bytes a worker can give the KV cache, after profiling."
+)
+
+ATTR_MODEL_NAME = _attr("glassbox.model.name", "str", "Served model name (the model path unless renamed).")
+ATTR_MODEL_DTYPE = _attr("glassbox.model.dtype", "str", "Resolved dtype of weights and activations.")
+ATTR_DEVICE = _attr("glassbox.device", "str", "Resolved torch device, e.g. cpu or cuda:0.")
+
+# vLLM's gen_ai.* keys (vllm/tracing.py SpanAttributes); latencies in seconds, as vLLM.
+ATTR_GEN_AI_REQUEST_ID = _attr("gen_ai.request.id", "str", "The request id.")
+ATTR_GEN_AI_USAGE_PROMPT_TOKENS = _attr("gen_ai.usage.prompt_tokens", "int", "Tokens in the prompt.")
+ATTR_GEN_AI_USAGE_COMPLETION_TOKENS = _attr(
+    "gen_ai.usage.completion_tokens", "int", "Tokens generated for the request."
+)
+ATTR_GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN = _attr(
+    "gen_ai.latency.time_to_first_token", "float", "Seconds from arrival to the first output token."
+)
+ATTR_GEN_AI_LATENCY_E2E = _attr("gen_ai.latency.e2e", "float", "Seconds from arrival to the last output token.")
+ATTR_GEN_AI_LATENCY_TIME_IN_QUEUE = _attr(
+    "gen_ai.latency.time_in_queue", "float", "Seconds spent WAITING before first being scheduled."
+)
+ATTR_GEN_AI_REQUEST_MAX_TOKENS = _attr("gen_ai.request.max_tokens", "int", "max_tokens of the sampling params.")
+ATTR_GEN_AI_REQUEST_TEMPERATURE = _attr(
+    "gen_ai.request.temperature", "float", "temperature of the sampling params."
+)
+ATTR_GEN_AI_REQUEST_TOP_P = _attr("gen_ai.request.top_p", "float", "top_p of the sampling params.")
+ATTR_GEN_AI_REQUEST_N = _attr("gen_ai.request.n", "int", "Number of sequences asked for (n).")
+ATTR_GEN_AI_RESPONSE_MODEL = _attr("gen_ai.response.model", "str", "Model name reported in the response.")
+
+_WORKER = (ATTR_RANK,)
+_STEP_BATCH = (
+    ATTR_STEP_ID,
+    ATTR_STEP_NUM_SCHEDULED_TOKENS,
+    ATTR_STEP_TOKEN_BUDGET,
+    ATTR_STEP_NUM_NEW_REQS,
+    ATTR_STEP_NUM_CACHED_REQS,
+    ATTR_STEP_NUM_PREEMPTED,
+)
+
+# ---------------------------------------------------------------------------------------
+# Lifecycle spans, in start-up order.
+# ---------------------------------------------------------------------------------------
+
+CLI_VALIDATE_CONFIG = _span(
+    "cli.validate_config", LIFECYCLE, "Build and validate the whole EngineConfig before anything is spawned."
+)
+LLM_INIT = _span(
+    "llm.init", LIFECYCLE, "The offline LLM constructor: config, tokenizer, engine (vLLM: LLM.__init__).",
+    (ATTR_MODEL_NAME,),
+)
+ENGINE_CORE_INIT = _span(
+    "engine_core.init", LIFECYCLE, "EngineCore.__init__: executor, KV-cache sizing, scheduler.",
+    (ATTR_RANK,),
+)
+EXECUTOR_INIT = _span(
+    "executor.init", LIFECYCLE, "Executor start-up: build the workers, init_device and load_model on each."
+)
+WORKER_WRAPPER_INIT = _span(
+    "worker.wrapper_init", LIFECYCLE, "WorkerWrapperBase.__init__: keep config and rpc rank; nothing heavy.",
+    _WORKER,
+)
+WORKER_INIT_WORKER = _span(
+    "worker.init_worker", LIFECYCLE, "Resolve the worker class and build the Worker.", _WORKER
+)
+WORKER_INIT_DEVICE = _span(
+    "worker.init_device", LIFECYCLE, "Pick device and dtype, seed the RNGs, set up distributed groups.",
+    (ATTR_RANK, ATTR_DEVICE, ATTR_MODEL_DTYPE),
+)
+WORKER_LOAD_MODEL = _span(
+    "worker.load_model", LIFECYCLE, "Build the model and load (this rank's shard of) the weights.",
+    (ATTR_RANK, ATTR_MODEL_NAME),
+)
+WORKER_DETERMINE_AVAILABLE_MEMORY = _span(
+    "worker.determine_available_memory", LIFECYCLE,
+    "Profile run at the largest batch; report the bytes left for the KV cache.",
+    (ATTR_RANK, ATTR_KV_AVAILABLE_BYTES),
+)
+ENGINE_CORE_INITIALIZE_KV_CACHE = _span(
+    "engine_core.initialize_kv_cache", LIFECYCLE,
+    "Size the KV cache: num_blocks = available bytes / bytes per block, then tell the workers.",
+    (ATTR_KV_AVAILABLE_BYTES, ATTR_KV_NUM_BLOCKS, ATTR_KV_BLOCK_SIZE),
+)
+WORKER_INITIALIZE_KV_CACHE = _span(
+    "worker.initialize_kv_cache", LIFECYCLE, "Allocate the KV-cache tensors and bind them to the layers.",
+    (ATTR_RANK, ATTR_KV_NUM_BLOCKS),
+)
+WORKER_COMPILE_OR_WARM_UP_MODEL = _span(
+    "worker.compile_or_warm_up_model", LIFECYCLE, "Warm-up (or compile) runs so the first request pays no one-time cost.",
+    _WORKER,
+)
+ENGINE_CORE_SHUTDOWN = _span(
+    "engine_core.shutdown", LIFECYCLE, "Stop the busy loop, shut the executor and workers down."
+)
+
+# ---------------------------------------------------------------------------------------
+# Step spans: one engine step = schedule → execute_model → update_from_output.
+# ---------------------------------------------------------------------------------------
+
+ENGINE_CORE_STEP = _span(
+    "engine_core.step", STEP, "One engine step (parent of the three below).",
+    (*_STEP_BATCH, ATTR_STEP_NUM_RUNNING, ATTR_STEP_NUM_WAITING, ATTR_KV_USAGE),
+)
+SCHEDULER_SCHEDULE = _span(
+    "scheduler.schedule", STEP, "Scheduler.schedule(): pick requests and tokens under the token budget.",
+    _STEP_BATCH,
+)
+EXECUTOR_EXECUTE_MODEL = _span(
+    "executor.execute_model", STEP, "Run the forward pass and sampling on the workers.", (ATTR_STEP_ID,)
+)
+SCHEDULER_UPDATE_FROM_OUTPUT = _span(
+    "scheduler.update_from_output", STEP, "Append sampled tokens, check stop conditions, free finished requests.",
+    (ATTR_STEP_ID, ATTR_STEP_NUM_RUNNING, ATTR_STEP_NUM_WAITING, ATTR_KV_USAGE),
+)
+
+# ---------------------------------------------------------------------------------------
+# Request spans.
+# ---------------------------------------------------------------------------------------
+
+LLM_REQUEST = _span(
+    "llm_request", REQUEST, "One finished request, from arrival to its last token (vLLM's span name).",
+    (
+        ATTR_GEN_AI_REQUEST_ID,
+        ATTR_GEN_AI_RESPONSE_MODEL,
+        ATTR_GEN_AI_USAGE_PROMPT_TOKENS,
+        ATTR_GEN_AI_USAGE_COMPLETION_TOKENS,
+        ATTR_GEN_AI_LATENCY_TIME_IN_QUEUE,
+        ATTR_GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN,
+        ATTR_GEN_AI_LATENCY_E2E,
+        ATTR_GEN_AI_REQUEST_MAX_TOKENS,
+        ATTR_GEN_AI_REQUEST_TEMPERATURE,
+        ATTR_GEN_AI_REQUEST_TOP_P,
+        ATTR_GEN_AI_REQUEST_N,
+    ),
+)
+
+# Keyword spellings accepted by ``stage(...)``: ``rank=0`` means ``glassbox.rank``.
+ALIASES: dict[str, str] = {a.alias: a.key for a in ATTRIBUTES.values()}
+
+
+def span_def(name: str) -> SpanDef:
+    """The definition of span ``name``.
+
+    Raises:
+        KeyError: ``name`` is not in the catalogue (the message says where to add it).
+    """
+    try:
+        return SPANS[name]
+    except KeyError:
+        raise KeyError(f"span {name!r} is not in the catalogue; define it in tracing/catalogue.py") from None
+
+
+def attr_key(name: str) -> str:
+    """The catalogue key for ``name``: a full key (``glassbox.rank``) or its alias (``rank``).
+
+    Raises:
+        KeyError: neither a key nor an alias in the catalogue.
+    """
+    if name in ATTRIBUTES:
+        return name
+    try:
+        return ALIASES[name]
+    except KeyError:
+        raise KeyError(
+            f"attribute {name!r} is not in the catalogue; define it in tracing/catalogue.py"
+        ) from None
+
+
+def render_markdown() -> str:
+    """The catalogue as Markdown (the text of ``docs/spans.md``)."""
+    lines = [
+        "# Span catalogue",
+        "",
+        "<!-- Generated by `python -m tracing.catalogue > docs/spans.md`; do not edit by hand. -->",
+        "",
+        "Every span and attribute Glassbox emits is defined once, in `tracing/catalogue.py`.",
+        "Levels: **lifecycle** stages (start-up and shutdown; each also rewrites the process's",
+        "status file), **step** phases (every engine step; kept cheap, no file I/O) and",
+        "**request** spans (one per finished request). Every span's resource carries",
+        "`service.name=glassbox`, `glassbox.role`, `glassbox.pid` and, where set, `glassbox.rank`.",
+        "",
+    ]
+    titles = {LIFECYCLE: "Lifecycle spans", STEP: "Step spans", REQUEST: "Request spans"}
+    for level in LEVELS:
+        lines += [f"## {titles[level]}", "", "| span | what it covers | attributes |", "|---|---|---|"]
+        for s in SPANS.values():
+            if s.level == level:
+                attrs = ", ".join(f"`{a}`" for a in s.attributes) or "—"
+                lines.append(f"| `{s.name}` | {s.doc} | {attrs} |")
+        lines.append("")
+    lines += [
+        "## Attributes",
+        "",
+        "`stage(...)` accepts a key either whole (`**{catalogue.ATTR_RANK: 0}`) or by its",
+        "keyword alias (`rank=0`).",
+        "",
+        "| key | type | keyword alias | meaning |",
+        "|---|---|---|---|",
+    ]
+    for a in ATTRIBUTES.values():
+        lines.append(f"| `{a.key}` | {a.type} | `{a.alias}` | {a.doc} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(render_markdown(), end="")
