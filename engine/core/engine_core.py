@@ -109,10 +109,10 @@ class EngineCore:
         """One engine step.
 
         Returns:
-            ``(outputs per client index, model_executed)``; nothing runs when no request
-            is unfinished.
+            ``(outputs per client index, model_executed)``. Nothing runs when there is
+            no request and no finished id left to hand to the workers.
         """
-        if not self.scheduler.has_unfinished_requests():
+        if not self.scheduler.has_requests():
             return {}, False
         self.step_counter += 1
         with stage(catalogue.ENGINE_CORE_STEP, **{catalogue.ATTR_STEP_ID: self.step_counter}) as st:

@@ -205,6 +205,7 @@ class Scheduler:
                 req_index += 1
                 continue
 
+            num_tokens_needing_slots = request.num_computed_tokens + num_new_tokens
             while True:
                 new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
                 if new_blocks is not None:
@@ -225,7 +226,7 @@ class Scheduler:
                 preempted_reqs.append(victim)
                 if victim is request:
                     if not self.running:
-                        self._raise_does_not_fit(request, num_new_tokens)
+                        self._raise_does_not_fit(request, num_tokens_needing_slots)
                     break
             if new_blocks is None:
                 break  # the request preempted itself; nothing after it can fit either
@@ -259,7 +260,7 @@ class Scheduler:
                 )
                 if new_blocks is None:
                     if not self.running:
-                        self._raise_does_not_fit(request, num_new_tokens)
+                        self._raise_does_not_fit(request, num_computed_tokens + num_new_tokens)
                     break
 
                 self.waiting.pop_request()
@@ -308,10 +309,11 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.prepend_request(request)
 
-    def _raise_does_not_fit(self, request: Request, num_new_tokens: int) -> None:
+    def _raise_does_not_fit(self, request: Request, num_tokens: int) -> None:
+        # Nothing else holds a block, so waiting cannot help: fail loudly instead of looping.
         num_usable = self.kv_cache_config.num_blocks - 1
         raise RuntimeError(
-            f"{request.request_id}: {request.num_computed_tokens + num_new_tokens} tokens do not "
+            f"{request.request_id}: {num_tokens} tokens do not "
             f"fit in the whole KV cache ({num_usable} blocks of {self.kv_cache_config.spec.block_size} "
             f"tokens) even with no other request running; the engine should have rejected "
             f"max_model_len={self.max_model_len} at start-up"
