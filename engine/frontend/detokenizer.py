@@ -1,0 +1,233 @@
+"""Token ids → text, a few tokens at a time, and stop strings.
+
+Mirrors vLLM's ``vllm/v1/engine/detokenizer.py`` (``IncrementalDetokenizer``,
+``check_stop_strings``). One detokenizer per request, living in the frontend: the engine
+core only ever sees token ids.
+
+The idea: a byte-level BPE token can be a piece of a UTF-8 character (``"🙂"`` may be four
+tokens of one byte each), and some decoders render a token differently depending on the
+token before it. So each step decodes a short window of ids, ``ids[prefix_offset:]``, and
+compares it with the text of the part already handed out, ``ids[prefix_offset:read_offset]``
+(the *prefix text*). The new text is whatever the window has beyond the prefix text — and
+nothing, for now, while the window's text ends in U+FFFD (an incomplete character: wait for
+its remaining bytes). When text is handed out, both offsets move forward, so each decode
+touches only a handful of tokens.
+
+Why not ``tokenizers.decoders.DecodeStream``, which runs the same scheme in Rust (and which
+vLLM's fast path uses)? It compares *byte* prefixes, and a prompt that ends in the middle of a
+character breaks that: primed with such a prompt it hands out the completed character —
+prompt bytes included — as output (primed through ``DecodeStream(ids=...)`` in tokenizers
+0.23, even the whole prompt text). Comparing lengths in *characters* instead treats the
+prompt's trailing U+FFFD as the character it becomes, so the boundary character (half
+prompt, half output) is never emitted and no prompt byte leaks. vLLM's slow-tokenizer path
+behaves the same way.
+
+Stop strings: after each update the new text (plus the ``len(stop) - 1`` characters before
+it) is searched; on a match the text is cut at the stop string (or after it with
+``include_stop_str_in_output``) and the output processor finishes the request and asks the
+engine to abort it. While a request runs, ``get_next_output_text`` holds back the last
+``output_text_buffer_length`` characters, so a stop string never shows, even in part, in a
+streamed delta.
+
+Left out: ``spaces_between_special_tokens=False`` (fast tokenizers decode special tokens
+one way only; vLLM's fast path ignores it too); bytes of a character that never completes
+are not flushed at the end.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+    from engine.core.messages import EngineCoreRequest
+
+# How many prompt tokens to decode as context before the first output token (vLLM:
+# INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET). Enough for a decoder that looks back one
+# token and for a character split over up to four byte tokens.
+INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET = 5
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+def backend_tokenizer(tokenizer: Any) -> Tokenizer:
+    """The Rust ``tokenizers.Tokenizer`` behind a ``PreTrainedTokenizerFast`` (or itself)."""
+    return getattr(tokenizer, "backend_tokenizer", tokenizer)
+
+
+def check_stop_strings(
+    output_text: str, new_char_count: int, stop: list[str], include_in_output: bool
+) -> tuple[str, int] | None:
+    """Find a stop string that ends in the last ``new_char_count`` characters.
+
+    Only the new text and the ``len(stop_str) - 1`` characters before it are searched:
+    earlier text was searched in earlier steps. When several stop strings match, the one
+    that starts first wins (vLLM takes the first in list order; the earliest is the one a
+    token-by-token run would have stopped at).
+
+    Returns:
+        None, or ``(stop_str, truncate_to)``: cut the text to ``output_text[:truncate_to]``
+        (the start of the stop string, or its end with ``include_in_output``); -1 means the
+        text ends exactly where it should and needs no cut.
+    """
+    if new_char_count <= 0 or not stop:
+        return None
+    best: tuple[int, str] | None = None
+    for stop_str in stop:
+        start = max(0, len(output_text) - new_char_count - len(stop_str) + 1)
+        index = output_text.find(stop_str, start)
+        if index != -1 and (best is None or index < best[0]):
+            best = (index, stop_str)
+    if best is None:
+        return None
+    index, stop_str = best
+    truncate_to = index + len(stop_str) if include_in_output else index
+    return stop_str, (-1 if truncate_to >= len(output_text) else truncate_to)
+
+
+class IncrementalDetokenizer:
+    """Turns one request's output token ids into text, step by step.
+
+    Args:
+        tokenizer: a ``PreTrainedTokenizerFast`` or a ``tokenizers.Tokenizer``.
+        prompt_token_ids: the prompt; its last tokens are decoded as context only.
+        skip_special_tokens: drop special tokens (BOS, EOS, ...) from the text.
+        stop: stop strings (empty: none).
+        include_stop_str_in_output: keep a matched stop string at the end of the text.
+        output_text_buffer_length: characters to withhold from unfinished outputs
+            (``SamplingParams.output_text_buffer_length``: longest stop string - 1).
+        min_tokens: stop strings are not looked for in the text of the first
+            ``min_tokens`` output tokens (as the scheduler ignores EOS until then).
+        detokenize: False keeps only token ids; the text stays "".
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: list[int],
+        *,
+        skip_special_tokens: bool = True,
+        stop: list[str] | None = None,
+        include_stop_str_in_output: bool = False,
+        output_text_buffer_length: int = 0,
+        min_tokens: int = 0,
+        detokenize: bool = True,
+    ) -> None:
+        self.tokenizer = backend_tokenizer(tokenizer)
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = list(stop or [])
+        self.include_stop_str_in_output = include_stop_str_in_output
+        self.output_text_buffer_length = output_text_buffer_length
+        self.min_tokens = min_tokens
+        self.detokenize = detokenize
+
+        self.output_text = ""
+        self.output_token_ids: list[int] = []
+        # How much of output_text get_next_output_text(delta=True) has handed out.
+        self._last_output_text_offset = 0
+
+        # The decode window: a few prompt tokens as context, then the output tokens.
+        context = prompt_token_ids[-INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET:]
+        self._ids: list[int] = list(context)
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        # Text of ids[prefix_offset:read_offset]. When the prompt ends mid-character it
+        # ends in U+FFFD, which stands for the character the first output bytes complete.
+        self._prefix_text = self._decode(self._ids) if detokenize else ""
+
+    @classmethod
+    def from_new_request(cls, tokenizer: Any, request: EngineCoreRequest) -> IncrementalDetokenizer:
+        """Build the detokenizer for a request, with its sampling params' settings."""
+        params = request.sampling_params
+        return cls(
+            tokenizer,
+            request.prompt_token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            output_text_buffer_length=params.output_text_buffer_length,
+            min_tokens=params.min_tokens,
+            detokenize=params.detokenize,
+        )
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def decode_next(self, token_id: int) -> str:
+        """Add one token; return the text it completes ("" while a character is partial)."""
+        self._ids.append(token_id)
+        text = self._decode(self._ids[self._prefix_offset :])
+        if len(text) <= len(self._prefix_text) or text.endswith(REPLACEMENT_CHAR):
+            # Nothing new yet: a skipped special token, a partial character, or the
+            # output's first bytes completing a character the prompt began.
+            return ""
+        new_text = text[len(self._prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        return new_text
+
+    def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> str | None:
+        """Add a step's tokens, extend ``output_text``, and look for stop strings.
+
+        Args:
+            new_token_ids: the tokens the engine produced this step.
+            stop_terminated: the engine stopped the request on its last token (EOS or a
+                stop token id); that token's text is left out unless
+                ``include_stop_str_in_output`` (vLLM does the same).
+
+        Returns:
+            The stop string that matched (``output_text`` is then already cut), or None.
+        """
+        if not new_token_ids:
+            return None
+        self.output_token_ids.extend(new_token_ids)
+        if not self.detokenize:
+            return None
+        to_decode = new_token_ids
+        if stop_terminated and not self.include_stop_str_in_output:
+            to_decode = new_token_ids[:-1]
+
+        # Text from tokens inside the first min_tokens is never searched for stop strings.
+        num_before = len(self.output_token_ids) - len(new_token_ids)
+        search_from = len(self.output_text)
+        for i, token_id in enumerate(to_decode):
+            self.output_text += self.decode_next(token_id)
+            if num_before + i + 1 <= self.min_tokens:
+                search_from = len(self.output_text)
+
+        if not self.stop:
+            return None
+        match = check_stop_strings(
+            self.output_text,
+            len(self.output_text) - search_from,
+            self.stop,
+            self.include_stop_str_in_output,
+        )
+        if match is None:
+            return None
+        stop_str, truncate_to = match
+        if truncate_to != -1:
+            self.output_text = self.output_text[:truncate_to]
+        return stop_str
+
+    def get_next_output_text(self, finished: bool, delta: bool) -> str:
+        """The text to put in the next ``CompletionOutput``.
+
+        While unfinished, the last ``output_text_buffer_length`` characters are held back
+        (they could be the start of a stop string); on finish everything is released.
+
+        Args:
+            finished: this is the request's last output.
+            delta: return only text not returned by an earlier delta call.
+        """
+        held = 0 if finished else self.output_text_buffer_length
+        visible = max(0, len(self.output_text) - held)
+        if not delta:
+            return self.output_text[:visible]
+        start = self._last_output_text_offset
+        if visible <= start:
+            return ""
+        self._last_output_text_offset = visible
+        return self.output_text[start:visible]

@@ -1,0 +1,138 @@
+"""A user's prompt and params → a validated ``EngineCoreRequest``, in the frontend.
+
+Mirrors vLLM's ``vllm/v1/engine/input_processor.py`` (``InputProcessor``; ``Processor`` in
+0.11). Everything that can be wrong with a request is found here, in the caller's process,
+and raised as a ``ValueError`` (HTTP 400 in the API server) — before the engine core sees
+it. The checks and messages follow vLLM's ``_validate_model_input``.
+
+What it does, in order: tokenize a text prompt (with the tokenizer's special tokens, so a
+BOS is added when the tokenizer adds one); reject an empty prompt, out-of-vocabulary ids
+and a prompt longer than ``max_model_len``; copy the params and fill in what the engine
+needs: ``max_tokens`` (up to ``max_model_len``) and the model's extra EOS ids from
+``generation_config.json``.
+
+Left out: multimodal inputs, encoder-decoder prompts, LoRA, structured outputs,
+``max_logprobs`` limits, ``n`` fan-out (done by the caller with ``ParentRequest``).
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+from typing import Any
+
+from engine.config import ModelConfig
+from engine.core.messages import EngineCoreRequest
+from engine.frontend.outputs import PromptType
+from engine.sampling_params import SamplingParams
+
+
+class InputProcessor:
+    """Tokenizes and validates requests (vLLM's ``InputProcessor``).
+
+    Args:
+        model_config: gives ``max_model_len``, ``vocab_size``, the EOS ids and
+            ``generation_config``.
+        tokenizer: the model's ``PreTrainedTokenizerFast``.
+    """
+
+    def __init__(self, model_config: ModelConfig, tokenizer: Any) -> None:
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        # The primary EOS is the tokenizer's, as in vLLM (for chat models it is the
+        # end-of-turn token); config.json's is the fallback.
+        self.eos_token_id: int | None = getattr(tokenizer, "eos_token_id", None)
+        if self.eos_token_id is None:
+            self.eos_token_id = model_config.eos_token_id
+        # Without a generation_config.json vLLM derives one from config.json, so
+        # config.json's EOS ids still stop generation.
+        self.generation_config = dict(model_config.generation_config)
+        if self.generation_config.get("eos_token_id") is None:
+            eos = model_config.hf_config.get("eos_token_id")
+            if eos is not None:
+                self.generation_config["eos_token_id"] = eos
+
+    def process_inputs(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        trace_headers: dict[str, str] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+    ) -> EngineCoreRequest:
+        """Build the engine request for one prompt.
+
+        Args:
+            request_id: unique id of the request.
+            prompt: a string, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``.
+            params: the user's sampling params; never modified (a copy is filled in).
+            arrival_time: wall-clock seconds (``time.time()``); now when None.
+            priority: lower runs first under the priority scheduling policy.
+            trace_headers: W3C trace context to carry to the engine.
+            tokenization_kwargs: extra arguments for ``tokenizer.encode`` — e.g.
+                ``{"add_special_tokens": False}`` for text a chat template rendered.
+
+        Returns:
+            The ``EngineCoreRequest``. The prompt text for ``OutputProcessor.add_request``
+            is the caller's: the string itself, ``prompt["prompt"]``, or None for token ids.
+
+        Raises:
+            ValueError: the prompt is not one of the three shapes, is empty, holds a token
+                id outside ``[0, vocab_size)``, or is longer than ``max_model_len``; or
+                ``stop`` strings are asked for with ``detokenize=False``.
+        """
+        prompt_token_ids = self._tokenize(prompt, tokenization_kwargs or {})
+        self._validate_prompt(prompt_token_ids)
+        if params.stop and not params.detokenize:
+            raise ValueError("stop strings need detokenized text: set detokenize=True or drop stop")
+
+        params = params.clone()
+        if params.max_tokens is None:
+            # At least 1: a prompt of exactly max_model_len still yields one token (the
+            # scheduler then stops it on length), and msgspec re-validates the params.
+            params.max_tokens = max(1, self.model_config.max_model_len - len(prompt_token_ids))
+        params.update_from_generation_config(self.generation_config, self.eos_token_id)
+
+        return EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=params,
+            eos_token_id=self.eos_token_id,
+            arrival_time=arrival_time if arrival_time is not None else time.time(),
+            priority=priority,
+            trace_headers=trace_headers,
+        )
+
+    def _tokenize(self, prompt: PromptType, tokenization_kwargs: dict[str, Any]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt, **tokenization_kwargs))
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            try:  # numpy integers are fine too
+                return [operator.index(t) for t in prompt["prompt_token_ids"]]
+            except TypeError:
+                raise ValueError(
+                    f"prompt_token_ids must be integers, got {prompt['prompt_token_ids']!r:.80}"
+                ) from None
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            return list(self.tokenizer.encode(prompt["prompt"], **tokenization_kwargs))
+        raise ValueError(
+            'a prompt must be a string, {"prompt": str} or {"prompt_token_ids": [int, ...]}, '
+            f"got {type(prompt).__name__}"
+        )
+
+    def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise ValueError("The decoder prompt cannot be empty")
+        vocab_size = self.model_config.vocab_size
+        for token_id in prompt_token_ids:
+            if not 0 <= token_id < vocab_size:
+                raise ValueError(f"Token id {token_id!r} is out of vocabulary (vocab_size={vocab_size})")
+        max_model_len = self.model_config.max_model_len
+        if len(prompt_token_ids) > max_model_len:
+            raise ValueError(
+                f"The decoder prompt (length {len(prompt_token_ids)}) is longer than the maximum "
+                f"model length of {max_model_len}. Make sure that `max_model_len` is no smaller "
+                "than the number of text tokens."
+            )

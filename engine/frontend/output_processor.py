@@ -1,0 +1,425 @@
+"""Engine-core outputs (token ids) → ``RequestOutput``s (text), in the frontend.
+
+Mirrors vLLM's ``vllm/v1/engine/output_processor.py`` (``OutputProcessor``,
+``RequestState``, ``OutputProcessorOutput``), ``vllm/v1/engine/logprobs.py`` (logprob rows
+→ dicts) and ``vllm/v1/engine/parallel_sampling.py`` (``ParentRequest``).
+
+The idea: the engine core knows token ids only. For each request the frontend keeps a
+``RequestState`` — its detokenizer, logprobs so far, timings — and turns each step's
+``EngineCoreOutput`` into the user's ``RequestOutput``. Stop strings are matched here, on
+text; a match finishes the request at once and its id goes into ``reqs_to_abort`` so the
+caller tells the engine to free it.
+
+``n`` > 1: the engine has no notion of a request with several samples. The frontend turns
+parent request "abc" into children "0_abc", "1_abc", ... (``ParentRequest``), each an
+ordinary ``n=1`` request, and gathers their ``CompletionOutput``s back under "abc" by index.
+
+Output kinds (``SamplingParams.output_kind``): CUMULATIVE — everything so far each time;
+DELTA — only what is new since the request's previous output; FINAL_ONLY — one output, when
+the request (all its children) finished.
+
+Deviation from vLLM: a parent gets *one* ``RequestOutput`` per ``process_outputs`` call,
+holding all children (CUMULATIVE), the children that moved (DELTA) or all of them at the
+end (FINAL_ONLY); vLLM emits one per child output and lets the per-request collector merge
+them.
+
+Left out: per-request asyncio queues (the caller routes ``request_outputs`` by
+``request_id``), iteration stats for the stat loggers, LoRA, pooling, tracing spans.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from engine.core.messages import EngineCoreOutput, EngineCoreRequest
+from engine.frontend.detokenizer import IncrementalDetokenizer, backend_tokenizer
+from engine.frontend.outputs import (
+    CompletionOutput,
+    Logprob,
+    LogprobsDict,
+    RequestOutput,
+    RequestStateStats,
+)
+from engine.outputs import LogprobsLists
+from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.sched.request import FinishReason
+
+
+class ParentRequest:
+    """A request with ``n`` > 1, fanned out into ``n`` child requests.
+
+    Args:
+        request_id: the user's request id; children are ``f"{index}_{request_id}"``.
+        sampling_params: the user's params (``n`` > 1); not modified.
+    """
+
+    def __init__(self, request_id: str, sampling_params: SamplingParams) -> None:
+        self.request_id = request_id
+        self.sampling_params = sampling_params
+        self.output_kind = sampling_params.output_kind
+        # Children not finished yet.
+        self.child_requests: set[str] = set()
+        # index → the child's latest CompletionOutput (CUMULATIVE, FINAL_ONLY) or its
+        # deltas not yet handed out (DELTA).
+        self.completions: dict[int, CompletionOutput] = {}
+        # Taken from child 0 only, so that each prompt position is reported once.
+        self.prompt_logprobs: list[LogprobsDict | None] | None = None
+        self.num_cached_tokens = 0
+        self.metrics: RequestStateStats | None = None
+
+    @property
+    def n(self) -> int:
+        return self.sampling_params.n
+
+    def get_child_info(self, index: int) -> tuple[str, SamplingParams]:
+        """The child's request id and params for sample ``index`` (0 ≤ index < n).
+
+        Each child gets its own copy with ``n=1``. With a seed, child ``i`` gets
+        ``seed + i`` (vLLM's rule): the ``n`` samples differ from each other, a rerun
+        repeats them, and child 0 repeats what ``n=1`` with that seed would give.
+        """
+        if not 0 <= index < self.n:
+            raise ValueError(f"child index {index} is outside [0, n={self.n})")
+        child_id = f"{index}_{self.request_id}"
+        params = self.sampling_params.clone()
+        params.n = 1
+        if params.seed is not None:
+            params.seed = params.seed + index
+        self.child_requests.add(child_id)
+        return child_id, params
+
+    def add_child_output(self, child_id: str, completion: CompletionOutput) -> None:
+        """Record a child's completion from this step."""
+        if completion.finished():
+            self.child_requests.discard(child_id)
+        old = self.completions.get(completion.index)
+        if self.output_kind == RequestOutputKind.DELTA and old is not None:
+            # Two deltas of one child before the parent's output was made: join them.
+            completion = CompletionOutput(
+                index=completion.index,
+                text=old.text + completion.text,
+                token_ids=old.token_ids + completion.token_ids,
+                cumulative_logprob=completion.cumulative_logprob,
+                logprobs=None if completion.logprobs is None else (old.logprobs or []) + completion.logprobs,
+                finish_reason=completion.finish_reason,
+                stop_reason=completion.stop_reason,
+            )
+        self.completions[completion.index] = completion
+
+    @property
+    def finished(self) -> bool:
+        return not self.child_requests
+
+    def make_request_output(self, prompt: str | None, prompt_token_ids: list[int]) -> RequestOutput | None:
+        """The parent's output after this step, or None when its kind says not yet."""
+        if self.output_kind == RequestOutputKind.FINAL_ONLY and not self.finished:
+            return None
+        if not self.completions:
+            return None
+        outputs = [self.completions[i] for i in sorted(self.completions)]
+        prompt_logprobs = self.prompt_logprobs
+        if self.output_kind == RequestOutputKind.DELTA:
+            self.completions = {}
+            self.prompt_logprobs = None
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=prompt,
+            prompt_token_ids=prompt_token_ids,
+            prompt_logprobs=prompt_logprobs,
+            outputs=outputs,
+            finished=self.finished,
+            num_cached_tokens=self.num_cached_tokens,
+            metrics=self.metrics,
+        )
+
+
+class RequestState:
+    """The frontend's state of one engine request (one child when ``n`` > 1)."""
+
+    def __init__(
+        self,
+        request: EngineCoreRequest,
+        prompt: str | None,
+        tokenizer: object,
+        parent_req: ParentRequest | None,
+        request_index: int,
+        log_stats: bool,
+    ) -> None:
+        params = request.sampling_params
+        self.request_id = request.request_id
+        self.prompt = prompt
+        self.prompt_token_ids = request.prompt_token_ids
+        self.parent_req = parent_req
+        self.request_index = request_index
+        self.output_kind = params.output_kind
+        self.detokenizer = IncrementalDetokenizer.from_new_request(tokenizer, request)
+        self.decode_logprob_tokens = params.detokenize
+
+        self.logprobs: list[LogprobsDict] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        # Position 0 has no logprob: nothing comes before the first prompt token.
+        self.prompt_logprobs: list[LogprobsDict | None] | None = (
+            [None] if params.prompt_logprobs is not None else None
+        )
+        # DELTA: how many prompt-logprob entries earlier outputs already carried.
+        self.num_prompt_logprobs_sent = 0
+        self.num_cached_tokens = 0
+        self.stats = RequestStateStats(arrival_time=request.arrival_time) if log_stats else None
+
+    def make_completion_output(
+        self, new_token_ids: list[int], finish_reason: FinishReason | None, stop_reason: int | str | None
+    ) -> CompletionOutput:
+        """This step's completion, shaped by the output kind (DELTA: only what is new)."""
+        finished = finish_reason is not None
+        delta = self.output_kind == RequestOutputKind.DELTA
+        text = self.detokenizer.get_next_output_text(finished, delta)
+        if delta:
+            token_ids = list(new_token_ids)
+            logprobs = (
+                self.logprobs[len(self.logprobs) - len(new_token_ids) :]
+                if self.logprobs is not None
+                else None
+            )
+        else:
+            # Copies: later steps append to our lists, and an output already handed to the
+            # user must not change under them.
+            token_ids = list(self.detokenizer.output_token_ids)
+            logprobs = list(self.logprobs) if self.logprobs is not None else None
+        return CompletionOutput(
+            index=self.request_index,
+            text=text,
+            token_ids=token_ids,
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=logprobs,
+            finish_reason=str(finish_reason) if finished else None,
+            stop_reason=stop_reason if finished else None,
+        )
+
+    def take_prompt_logprobs(self) -> list[LogprobsDict | None] | None:
+        """Prompt logprobs for the next output: all so far, or (DELTA) the unsent ones."""
+        if self.prompt_logprobs is None:
+            return None
+        if self.output_kind != RequestOutputKind.DELTA:
+            return list(self.prompt_logprobs)
+        unsent = self.prompt_logprobs[self.num_prompt_logprobs_sent :]
+        self.num_prompt_logprobs_sent = len(self.prompt_logprobs)
+        return unsent or None
+
+    def make_request_output(self, completion: CompletionOutput, finished: bool) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            prompt_logprobs=self.take_prompt_logprobs(),
+            outputs=[completion],
+            finished=finished,
+            num_cached_tokens=self.num_cached_tokens,
+            metrics=self.stats,
+        )
+
+
+@dataclass
+class OutputProcessorOutput:
+    """What one ``process_outputs`` call produced.
+
+    ``request_outputs``: one per user request that has something to show (a parent's id
+    for ``n`` > 1). ``reqs_to_abort``: engine request ids a stop string finished; the
+    caller must abort them in the engine core, which has not seen the stop.
+    """
+
+    request_outputs: list[RequestOutput]
+    reqs_to_abort: list[str]
+
+
+class OutputProcessor:
+    """Turns ``EngineCoreOutput``s into ``RequestOutput``s (vLLM's ``OutputProcessor``).
+
+    Args:
+        tokenizer: the model's ``PreTrainedTokenizerFast`` (or a ``tokenizers.Tokenizer``).
+        log_stats: fill ``RequestOutput.metrics`` with timings.
+    """
+
+    def __init__(self, tokenizer: object, log_stats: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.log_stats = log_stats
+        self.request_states: dict[str, RequestState] = {}
+        self.parent_requests: dict[str, ParentRequest] = {}
+
+    def get_num_unfinished_requests(self) -> int:
+        """Unfinished engine requests (each child of an ``n`` > 1 request counts)."""
+        return len(self.request_states)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.request_states)
+
+    def add_request(
+        self,
+        request: EngineCoreRequest,
+        prompt: str | None,
+        parent_req: ParentRequest | None = None,
+        request_index: int = 0,
+    ) -> None:
+        """Start tracking an engine request (a child of ``parent_req`` when given).
+
+        Raises:
+            ValueError: the request id is already being tracked.
+        """
+        request_id = request.request_id
+        if request_id in self.request_states:
+            raise ValueError(f"request id {request_id!r} is already running")
+        self.request_states[request_id] = RequestState(
+            request, prompt, self.tokenizer, parent_req, request_index, self.log_stats
+        )
+        if parent_req is not None:
+            self.parent_requests[parent_req.request_id] = parent_req
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
+        """Stop tracking requests; return the engine request ids to abort.
+
+        Accepts engine request ids and parent ids (a parent id stands for all of its
+        unfinished children). Unknown ids are ignored. No output is produced for them.
+        """
+        to_abort: list[str] = []
+        for request_id in request_ids:
+            state = self.request_states.pop(request_id, None)
+            if state is not None:
+                to_abort.append(request_id)
+                if state.parent_req is not None:
+                    state.parent_req.child_requests.discard(request_id)
+                    if state.parent_req.finished:
+                        self.parent_requests.pop(state.parent_req.request_id, None)
+            elif (parent := self.parent_requests.pop(request_id, None)) is not None:
+                children = sorted(parent.child_requests)
+                to_abort.extend(self.abort_requests(children))
+        return to_abort
+
+    def process_outputs(
+        self,
+        engine_core_outputs: list[EngineCoreOutput],
+        engine_core_timestamp: float | None = None,
+    ) -> OutputProcessorOutput:
+        """Detokenize one step's outputs, match stop strings, build ``RequestOutput``s.
+
+        Args:
+            engine_core_outputs: ``EngineCoreOutputs.outputs`` of one step (or a chunk of it).
+            engine_core_timestamp: ``EngineCoreOutputs.timestamp`` (engine-core monotonic
+                seconds), used for ``metrics`` only.
+
+        Outputs for ids no longer tracked (aborted, or stopped by a stop string while the
+        engine was already computing the next step) are ignored.
+        """
+        request_outputs: list[RequestOutput] = []
+        reqs_to_abort: list[str] = []
+        # Parents touched this call, in first-touch order; each gets one output at the end.
+        parents: dict[str, tuple[ParentRequest, RequestState]] = {}
+
+        for output in engine_core_outputs:
+            state = self.request_states.get(output.request_id)
+            if state is None:
+                continue
+            new_token_ids = output.new_token_ids
+            finish_reason = output.finish_reason
+            stop_reason = output.stop_reason
+            state.num_cached_tokens = output.num_cached_tokens
+            if state.stats is not None:
+                _update_stats(state.stats, len(new_token_ids), engine_core_timestamp)
+
+            # 1) Text, and stop strings. EOS / a stop token id ended it in the engine when
+            #    it finished with "stop" and no stop string.
+            stop_terminated = finish_reason == FinishReason.STOP and not isinstance(stop_reason, str)
+            stop_str = state.detokenizer.update(new_token_ids, stop_terminated)
+            if stop_str is not None:
+                finish_reason = FinishReason.STOP
+                stop_reason = stop_str
+                if not output.finished:
+                    reqs_to_abort.append(output.request_id)
+
+            # 2) Logprobs.
+            self._update_logprobs(state, output)
+
+            # 3) Outputs. A step that only computed part of the prompt has no tokens.
+            finished = finish_reason is not None
+            if finished:
+                del self.request_states[output.request_id]
+                if state.stats is not None:
+                    state.stats.finished_time = time.time()
+            if not finished and (not new_token_ids or state.output_kind == RequestOutputKind.FINAL_ONLY):
+                continue
+            completion = state.make_completion_output(new_token_ids, finish_reason, stop_reason)
+            parent = state.parent_req
+            if parent is None:
+                request_outputs.append(state.make_request_output(completion, finished))
+                continue
+            parent.add_child_output(state.request_id, completion)
+            if state.request_index == 0:
+                prompt_logprobs = state.take_prompt_logprobs()
+                if prompt_logprobs is not None:
+                    parent.prompt_logprobs = (
+                        (parent.prompt_logprobs or []) + prompt_logprobs
+                        if state.output_kind == RequestOutputKind.DELTA
+                        else prompt_logprobs
+                    )
+                parent.num_cached_tokens = state.num_cached_tokens
+                parent.metrics = state.stats
+            parents.setdefault(parent.request_id, (parent, state))
+
+        for parent, state in parents.values():
+            parent_output = parent.make_request_output(state.prompt, state.prompt_token_ids)
+            if parent_output is not None:
+                request_outputs.append(parent_output)
+            if parent.finished:
+                self.parent_requests.pop(parent.request_id, None)
+        return OutputProcessorOutput(request_outputs=request_outputs, reqs_to_abort=reqs_to_abort)
+
+    # ------------------------------------------------------------------ logprobs
+
+    def _update_logprobs(self, state: RequestState, output: EngineCoreOutput) -> None:
+        if state.logprobs is not None and output.new_logprobs is not None:
+            rows = self._to_dicts(output.new_logprobs, state.decode_logprob_tokens)
+            state.logprobs.extend(rows)
+            # The first entry of each row is the sampled token.
+            state.cumulative_logprob += sum(lp[0] for lp in output.new_logprobs.logprobs)
+        if state.prompt_logprobs is not None and output.new_prompt_logprobs is not None:
+            state.prompt_logprobs.extend(
+                self._to_dicts(output.new_prompt_logprobs, state.decode_logprob_tokens)
+            )
+
+    def _to_dicts(self, lists: LogprobsLists, decode: bool) -> list[LogprobsDict]:
+        """Logprob rows → one ``{token_id: Logprob}`` per position.
+
+        Row layout (``LogprobsLists``): the chosen token first, with its vocabulary rank
+        from ``ranks``, then the top-N best first, ranked 1..N. When the chosen token is
+        also in the top-N, both entries agree, so one dict key is enough.
+        """
+        decoded: list[str] | list[None]
+        flat_ids = [t for row in lists.logprob_token_ids for t in row]
+        if decode:
+            # Each token decoded alone, special tokens shown (vLLM does the same).
+            tokenizer = backend_tokenizer(self.tokenizer)
+            decoded = tokenizer.decode_batch([[t] for t in flat_ids], skip_special_tokens=False)
+        else:
+            decoded = [None] * len(flat_ids)
+        rows: list[LogprobsDict] = []
+        k = 0
+        for token_ids, logprobs, rank in zip(lists.logprob_token_ids, lists.logprobs, lists.ranks):
+            row: LogprobsDict = {}
+            for j, (token_id, logprob) in enumerate(zip(token_ids, logprobs)):
+                row[token_id] = Logprob(
+                    logprob=logprob, rank=rank if j == 0 else j, decoded_token=decoded[k + j]
+                )
+            k += len(token_ids)
+            rows.append(row)
+        return rows
+
+
+def _update_stats(stats: RequestStateStats, num_new_tokens: int, engine_core_timestamp: float | None) -> None:
+    if num_new_tokens == 0:
+        return
+    now = engine_core_timestamp if engine_core_timestamp is not None else time.monotonic()
+    if stats.num_generation_tokens == 0:
+        stats.first_token_ts = now
+        stats.first_token_latency = time.time() - stats.arrival_time
+    stats.last_token_ts = now
+    stats.num_generation_tokens += num_new_tokens

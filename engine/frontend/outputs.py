@@ -1,0 +1,161 @@
+"""What a user gets back: ``RequestOutput`` and its ``CompletionOutput``s, and prompt types.
+
+Mirrors vLLM's ``vllm/outputs.py`` (``RequestOutput``, ``CompletionOutput``),
+``vllm/logprobs.py`` (``Logprob``), ``vllm/inputs/data.py`` (``TextPrompt``,
+``TokensPrompt``, ``PromptType``) and ``vllm/v1/metrics/stats.py`` (``RequestStateStats``),
+with the same names and fields. Plain dataclasses: these objects live in the user's (or the
+API server's) process only and never cross a process boundary.
+
+Left out: pooling outputs, LoRA, multimodal fields, KV-transfer params, encoder-decoder
+prompts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TypedDict
+
+
+class TextPrompt(TypedDict):
+    """A prompt as text; the input processor tokenizes it (``{"prompt": "Hello"}``)."""
+
+    prompt: str
+
+
+class TokensPrompt(TypedDict):
+    """A prompt already tokenized (``{"prompt_token_ids": [1, 15043]}``); used as is."""
+
+    prompt_token_ids: list[int]
+
+
+# A bare string is the same as ``TextPrompt(prompt=...)``.
+PromptType = str | TextPrompt | TokensPrompt
+
+
+@dataclass
+class Logprob:
+    """The log-probability of one token at one position.
+
+    Attributes:
+        logprob: natural-log probability under the model's raw distribution.
+        rank: 1 for the most likely token of the vocabulary, 2 for the next, ...
+        decoded_token: the token decoded on its own (a piece of a multi-byte character
+            shows as U+FFFD), or None when the request has ``detokenize=False``.
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One position's logprobs: token id → Logprob (the chosen token plus the top-N).
+LogprobsDict = dict[int, Logprob]
+
+
+@dataclass
+class RequestStateStats:
+    """Timings of one request, as the frontend saw them (filled only with ``log_stats``).
+
+    ``arrival_time`` and ``finished_time`` are wall-clock seconds (``time.time()``);
+    ``first_token_ts`` and ``last_token_ts`` are the engine core's monotonic timestamps
+    (``time.monotonic()`` in the engine core process) of the steps that produced the first
+    and the latest token, so their difference is a decode duration. ``first_token_latency``
+    is seconds from arrival to the first token reaching the frontend (time to first token).
+    """
+
+    arrival_time: float = 0.0
+    num_generation_tokens: int = 0
+    first_token_ts: float = 0.0
+    last_token_ts: float = 0.0
+    first_token_latency: float = 0.0
+    finished_time: float | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence of a request (``n`` > 1 gives several, by ``index``).
+
+    Attributes:
+        index: which of the request's ``n`` samples this is (0-based).
+        text: the generated text (with DELTA output: only the text new since the last
+            output). A matched stop string is cut off unless ``include_stop_str_in_output``.
+        token_ids: generated token ids (DELTA: only the new ones). A stop string does not
+            cut tokens: the token that completed it stays.
+        cumulative_logprob: sum of the sampled tokens' logprobs; None unless
+            ``logprobs`` was requested.
+        logprobs: one dict per generated token (DELTA: per new token), or None.
+        finish_reason: None while running, then "stop", "length" or "abort".
+        stop_reason: the stop string or stop token id that ended the request; None when
+            it ended on EOS or on length.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[LogprobsDict] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """Everything a request produced so far (vLLM's ``RequestOutput``).
+
+    Attributes:
+        request_id: the id the user's request carries (the parent id when ``n`` > 1).
+        prompt: the prompt text, or None when the prompt was given as token ids.
+        prompt_token_ids: the prompt as the engine saw it.
+        prompt_logprobs: one entry per prompt position, the first None (the first token
+            has nothing before it to be predicted from); None unless ``prompt_logprobs``
+            was requested. DELTA outputs carry each position once.
+        outputs: the completions, sorted by ``index``.
+        finished: True in the last output of the request.
+        num_cached_tokens: prompt tokens served from the prefix cache.
+        metrics: timings, when the output processor was built with ``log_stats``.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[LogprobsDict | None] | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: RequestStateStats | None = None
+
+    def add(self, next_output: RequestOutput, aggregate: bool) -> None:
+        """Fold a later output of the same request into this one.
+
+        Used by a consumer that falls behind (vLLM: ``RequestOutputCollector``): with
+        ``aggregate`` (DELTA outputs) text, tokens and logprobs are appended; otherwise
+        (CUMULATIVE) each completion is replaced by its newer version.
+        """
+        self.finished |= next_output.finished
+        self.num_cached_tokens = next_output.num_cached_tokens
+        self.metrics = next_output.metrics
+        if next_output.prompt_logprobs:
+            if aggregate and self.prompt_logprobs:
+                self.prompt_logprobs = self.prompt_logprobs + next_output.prompt_logprobs
+            else:
+                self.prompt_logprobs = next_output.prompt_logprobs
+        by_index = {c.index: i for i, c in enumerate(self.outputs)}
+        for new in next_output.outputs:
+            i = by_index.get(new.index)
+            if i is None:
+                self.outputs.append(new)
+            elif not aggregate:
+                self.outputs[i] = new
+            else:
+                old = self.outputs[i]
+                old.text += new.text
+                old.token_ids = old.token_ids + new.token_ids
+                if new.logprobs is not None:
+                    old.logprobs = (old.logprobs or []) + new.logprobs
+                old.cumulative_logprob = new.cumulative_logprob
+                old.finish_reason = new.finish_reason
+                old.stop_reason = new.stop_reason
+        self.outputs.sort(key=lambda c: c.index)
