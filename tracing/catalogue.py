@@ -84,7 +84,9 @@ def _span(name: str, level: str, doc: str, attributes: tuple[str, ...] = ()) -> 
 ATTR_ROLE = _attr("glassbox.role", "str", "Process role, e.g. EngineCore_DP0 or Worker_DP0_PP0_TP1.")
 ATTR_RANK = _attr("glassbox.rank", "int", "Rank of the worker (or DP rank of the engine core) in its group.")
 ATTR_PID = _attr("glassbox.pid", "int", "Operating-system process id.")
-ATTR_STAGE = _attr("glassbox.stage", "str", "Name of the stage a record refers to (status file, live events).")
+ATTR_STAGE = _attr(
+    "glassbox.stage", "str", "Name of the stage a record refers to (status file, live events)."
+)
 
 ATTR_STEP_ID = _attr("glassbox.step.id", "int", "Engine step counter, from 0 at engine start.")
 ATTR_STEP_NUM_SCHEDULED_TOKENS = _attr(
@@ -105,7 +107,9 @@ ATTR_STEP_NUM_PREEMPTED = _attr(
 ATTR_STEP_NUM_RUNNING = _attr("glassbox.step.num_running", "int", "Requests in RUNNING after the step.")
 ATTR_STEP_NUM_WAITING = _attr("glassbox.step.num_waiting", "int", "Requests in WAITING after the step.")
 
-ATTR_KV_NUM_BLOCKS = _attr("glassbox.kv.num_blocks", "int", "KV-cache blocks in the pool (null block included).")
+ATTR_KV_NUM_BLOCKS = _attr(
+    "glassbox.kv.num_blocks", "int", "KV-cache blocks in the pool (null block included)."
+)
 ATTR_KV_USAGE = _attr("glassbox.kv.usage", "float", "Fraction of KV-cache blocks in use, 0.0 to 1.0.")
 ATTR_KV_BLOCK_SIZE = _attr("glassbox.kv.block_size", "int", "Tokens per KV-cache block.")
 ATTR_KV_AVAILABLE_BYTES = _attr(
@@ -125,11 +129,15 @@ ATTR_GEN_AI_USAGE_COMPLETION_TOKENS = _attr(
 ATTR_GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN = _attr(
     "gen_ai.latency.time_to_first_token", "float", "Seconds from arrival to the first output token."
 )
-ATTR_GEN_AI_LATENCY_E2E = _attr("gen_ai.latency.e2e", "float", "Seconds from arrival to the last output token.")
+ATTR_GEN_AI_LATENCY_E2E = _attr(
+    "gen_ai.latency.e2e", "float", "Seconds from arrival to the last output token."
+)
 ATTR_GEN_AI_LATENCY_TIME_IN_QUEUE = _attr(
     "gen_ai.latency.time_in_queue", "float", "Seconds spent WAITING before first being scheduled."
 )
-ATTR_GEN_AI_REQUEST_MAX_TOKENS = _attr("gen_ai.request.max_tokens", "int", "max_tokens of the sampling params.")
+ATTR_GEN_AI_REQUEST_MAX_TOKENS = _attr(
+    "gen_ai.request.max_tokens", "int", "max_tokens of the sampling params."
+)
 ATTR_GEN_AI_REQUEST_TEMPERATURE = _attr(
     "gen_ai.request.temperature", "float", "temperature of the sampling params."
 )
@@ -155,47 +163,63 @@ CLI_VALIDATE_CONFIG = _span(
     "cli.validate_config", LIFECYCLE, "Build and validate the whole EngineConfig before anything is spawned."
 )
 LLM_INIT = _span(
-    "llm.init", LIFECYCLE, "The offline LLM constructor: config, tokenizer, engine (vLLM: LLM.__init__).",
+    "llm.init",
+    LIFECYCLE,
+    "The offline LLM constructor: config, tokenizer, engine (vLLM: LLM.__init__).",
     (ATTR_MODEL_NAME,),
 )
 ENGINE_CORE_INIT = _span(
-    "engine_core.init", LIFECYCLE, "EngineCore.__init__: executor, KV-cache sizing, scheduler.",
+    "engine_core.init",
+    LIFECYCLE,
+    "EngineCore.__init__: executor, KV-cache sizing, scheduler.",
     (ATTR_RANK,),
 )
 EXECUTOR_INIT = _span(
     "executor.init", LIFECYCLE, "Executor start-up: build the workers, init_device and load_model on each."
 )
 WORKER_WRAPPER_INIT = _span(
-    "worker.wrapper_init", LIFECYCLE, "WorkerWrapperBase.__init__: keep config and rpc rank; nothing heavy.",
+    "worker.wrapper_init",
+    LIFECYCLE,
+    "WorkerWrapperBase.__init__: keep config and rpc rank; nothing heavy.",
     _WORKER,
 )
 WORKER_INIT_WORKER = _span(
     "worker.init_worker", LIFECYCLE, "Resolve the worker class and build the Worker.", _WORKER
 )
 WORKER_INIT_DEVICE = _span(
-    "worker.init_device", LIFECYCLE, "Pick device and dtype, seed the RNGs, set up distributed groups.",
+    "worker.init_device",
+    LIFECYCLE,
+    "Pick device and dtype, seed the RNGs, set up distributed groups.",
     (ATTR_RANK, ATTR_DEVICE, ATTR_MODEL_DTYPE),
 )
 WORKER_LOAD_MODEL = _span(
-    "worker.load_model", LIFECYCLE, "Build the model and load (this rank's shard of) the weights.",
+    "worker.load_model",
+    LIFECYCLE,
+    "Build the model and load (this rank's shard of) the weights.",
     (ATTR_RANK, ATTR_MODEL_NAME),
 )
 WORKER_DETERMINE_AVAILABLE_MEMORY = _span(
-    "worker.determine_available_memory", LIFECYCLE,
+    "worker.determine_available_memory",
+    LIFECYCLE,
     "Profile run at the largest batch; report the bytes left for the KV cache.",
     (ATTR_RANK, ATTR_KV_AVAILABLE_BYTES),
 )
 ENGINE_CORE_INITIALIZE_KV_CACHE = _span(
-    "engine_core.initialize_kv_cache", LIFECYCLE,
+    "engine_core.initialize_kv_cache",
+    LIFECYCLE,
     "Size the KV cache: num_blocks = available bytes / bytes per block, then tell the workers.",
     (ATTR_KV_AVAILABLE_BYTES, ATTR_KV_NUM_BLOCKS, ATTR_KV_BLOCK_SIZE),
 )
 WORKER_INITIALIZE_KV_CACHE = _span(
-    "worker.initialize_kv_cache", LIFECYCLE, "Allocate the KV-cache tensors and bind them to the layers.",
+    "worker.initialize_kv_cache",
+    LIFECYCLE,
+    "Allocate the KV-cache tensors and bind them to the layers.",
     (ATTR_RANK, ATTR_KV_NUM_BLOCKS),
 )
 WORKER_COMPILE_OR_WARM_UP_MODEL = _span(
-    "worker.compile_or_warm_up_model", LIFECYCLE, "Warm-up (or compile) runs so the first request pays no one-time cost.",
+    "worker.compile_or_warm_up_model",
+    LIFECYCLE,
+    "Warm-up (or compile) runs so the first request pays no one-time cost.",
     _WORKER,
 )
 ENGINE_CORE_SHUTDOWN = _span(
@@ -207,18 +231,24 @@ ENGINE_CORE_SHUTDOWN = _span(
 # ---------------------------------------------------------------------------------------
 
 ENGINE_CORE_STEP = _span(
-    "engine_core.step", STEP, "One engine step (parent of the three below).",
+    "engine_core.step",
+    STEP,
+    "One engine step (parent of the three below).",
     (*_STEP_BATCH, ATTR_STEP_NUM_RUNNING, ATTR_STEP_NUM_WAITING, ATTR_KV_USAGE),
 )
 SCHEDULER_SCHEDULE = _span(
-    "scheduler.schedule", STEP, "Scheduler.schedule(): pick requests and tokens under the token budget.",
+    "scheduler.schedule",
+    STEP,
+    "Scheduler.schedule(): pick requests and tokens under the token budget.",
     _STEP_BATCH,
 )
 EXECUTOR_EXECUTE_MODEL = _span(
     "executor.execute_model", STEP, "Run the forward pass and sampling on the workers.", (ATTR_STEP_ID,)
 )
 SCHEDULER_UPDATE_FROM_OUTPUT = _span(
-    "scheduler.update_from_output", STEP, "Append sampled tokens, check stop conditions, free finished requests.",
+    "scheduler.update_from_output",
+    STEP,
+    "Append sampled tokens, check stop conditions, free finished requests.",
     (ATTR_STEP_ID, ATTR_STEP_NUM_RUNNING, ATTR_STEP_NUM_WAITING, ATTR_KV_USAGE),
 )
 
@@ -227,7 +257,9 @@ SCHEDULER_UPDATE_FROM_OUTPUT = _span(
 # ---------------------------------------------------------------------------------------
 
 LLM_REQUEST = _span(
-    "llm_request", REQUEST, "One finished request, from arrival to its last token (vLLM's span name).",
+    "llm_request",
+    REQUEST,
+    "One finished request, from arrival to its last token (vLLM's span name).",
     (
         ATTR_GEN_AI_REQUEST_ID,
         ATTR_GEN_AI_RESPONSE_MODEL,

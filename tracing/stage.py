@@ -1,0 +1,283 @@
+"""``stage(...)``: the one way into a stage.
+
+Every lifecycle stage, engine step phase and request span of Glassbox is entered here::
+
+    with stage(catalogue.WORKER_LOAD_MODEL, rank=0) as st:
+        load_weights()
+        st.set(catalogue.ATTR_MODEL_NAME, name)
+
+That one ``with`` does everything a watcher needs, so no caller can forget a part of it:
+
+1. checks the name (and attribute keys) against the catalogue — a typo raises ``KeyError``;
+2. opens an OpenTelemetry span, a child of the current span (nesting gives parent links);
+3. records the stage as open in an in-process, per-thread stack (``current_stage()``,
+   ``open_stages()``) — what a live view asks "where is this process now?";
+4. for ``lifecycle`` stages, atomically rewrites the process's status file, so the stage
+   can be named even if the process then freezes (``step`` stages skip this: no file I/O
+   per step);
+5. calls the stage hooks (``add_stage_hook``): the single place where live telemetry and
+   fault injection (hang, crash, slow) plug in. An ``enter`` hook runs *inside* the stage,
+   so a fault it raises looks exactly like the stage failing;
+6. on the way out: records an exception and an ERROR status if the body raised (and
+   re-raises), ends the span, logs ``left <stage> (<ms> ms)`` at DEBUG.
+
+Without ``setup_tracing``, or with no exporter, there is no span (nothing could see it),
+but the stack, hooks and log still work.
+
+vLLM's counterpart is the 0.33 ``instrument(span_name=...)`` decorator in
+``vllm/tracing/``; it only opens spans. The stack, status file and hooks are Glassbox's.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from tracing import catalogue, setup
+
+logger = logging.getLogger(__name__)
+
+StageHook = Callable[[str, str, Mapping[str, Any]], None]
+"""``hook(event, name, attrs)``. Events: ``enter`` and ``exit`` (stages), ``wait_start`` and
+``wait_end`` (``tracing.waits``). For ``exit``, ``attrs`` also holds ``duration_ms`` and
+``error`` (``"Type: message"`` or None); these two are hook fields, not span attributes."""
+
+_hooks: tuple[StageHook, ...] = ()  # replaced, never mutated: emitters iterate a snapshot
+_hooks_lock = threading.Lock()
+
+
+def add_stage_hook(hook: StageHook) -> Callable[[], None]:
+    """Call ``hook`` on every stage and wait event of this process; returns its remover.
+
+    A hook that raises on ``enter`` fails the stage (the fault-injection path); keep hooks
+    fast, as they run on every step stage too.
+    """
+    global _hooks
+    with _hooks_lock:
+        _hooks = (*_hooks, hook)
+    return lambda: remove_stage_hook(hook)
+
+
+def remove_stage_hook(hook: StageHook) -> None:
+    """Stop calling ``hook``; a hook that is not registered is ignored."""
+    global _hooks
+    with _hooks_lock:
+        _hooks = tuple(h for h in _hooks if h is not hook)
+
+
+def emit(event: str, name: str, attrs: Mapping[str, Any]) -> None:
+    """Send one event to every hook (used by ``stage`` and ``tracing.waits``)."""
+    for hook in _hooks:
+        hook(event, name, attrs)
+
+
+@dataclass(slots=True)
+class OpenStage:
+    """A stage that has been entered and not left yet."""
+
+    name: str
+    level: str
+    thread: str
+    entered_at: float  # Unix time, s
+
+
+# Each thread's stack is a plain list touched only by its own thread; _stacks maps thread
+# id → that list so other threads can read every open stage (the status file, live views).
+_local = threading.local()
+_stacks: dict[int, list[OpenStage]] = {}
+_stacks_lock = threading.Lock()
+_last_finished: dict[str, Any] | None = None
+
+
+def _thread_stack() -> list[OpenStage]:
+    try:
+        return _local.stack
+    except AttributeError:
+        stack: list[OpenStage] = []
+        _local.stack = stack
+        with _stacks_lock:
+            # Forget finished threads' (empty) stacks so the map does not grow forever.
+            alive = {t.ident for t in threading.enumerate()}
+            for ident in [i for i, s in _stacks.items() if not s and i not in alive]:
+                del _stacks[ident]
+            _stacks[threading.get_ident()] = stack
+        return stack
+
+
+def current_stage() -> str | None:
+    """The innermost open stage of the calling thread, or None."""
+    stack = _thread_stack()
+    return stack[-1].name if stack else None
+
+
+def open_stages() -> list[OpenStage]:
+    """Every open stage of this process, all threads, oldest first."""
+    with _stacks_lock:
+        stacks = [list(s) for s in _stacks.values()]
+    return sorted((st for s in stacks for st in s), key=lambda st: st.entered_at)
+
+
+def _write_status(handle: setup.TracingHandle) -> None:
+    lifecycle = [s for s in open_stages() if s.level == catalogue.LIFECYCLE]
+    innermost = lifecycle[-1] if lifecycle else None
+    handle.write_status(
+        {
+            "stage": innermost.name if innermost else None,
+            "stage_stack": [s.name for s in lifecycle],
+            "entered_at": innermost.entered_at if innermost else None,
+            "last_finished": _last_finished,
+        }
+    )
+
+
+class Stage:
+    """One entered stage; ``with stage(...) as st`` gives this object.
+
+    Use ``st.set(key, value)`` to add an attribute learned inside the stage; ``st.span`` is
+    the OpenTelemetry span (None when tracing is not set up).
+    """
+
+    __slots__ = ("name", "level", "attributes", "span", "_token", "_t0", "_record", "_stack")
+
+    def __init__(self, name: str, attributes: Mapping[str, Any]) -> None:
+        self.name = name
+        self.level = catalogue.span_def(name).level
+        self.attributes = {catalogue.attr_key(k): v for k, v in attributes.items() if v is not None}
+        self.span: trace.Span | None = None
+        self._token: object | None = None
+
+    def set(self, key: str, value: Any) -> None:
+        """Add one attribute (full key or keyword alias; None is ignored).
+
+        Raises:
+            KeyError: ``key`` is not in the catalogue.
+        """
+        key = catalogue.attr_key(key)
+        if value is None:
+            return
+        self.attributes[key] = value
+        if self.span is not None:
+            self.span.set_attribute(key, value)
+
+    def __enter__(self) -> Stage:
+        handle = setup._handle
+        if handle is not None and handle.recording:
+            self.span = handle.tracer.start_span(self.name, attributes=self.attributes)
+            self._token = otel_context.attach(trace.set_span_in_context(self.span))
+        self._record = OpenStage(self.name, self.level, threading.current_thread().name, time.time())
+        self._stack = _thread_stack()
+        self._stack.append(self._record)
+        self._t0 = time.perf_counter()
+        if self.level == catalogue.LIFECYCLE and handle is not None:
+            _write_status(handle)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("entered %s", self.name)
+        if _hooks:
+            try:
+                emit("enter", self.name, self.attributes)
+            except BaseException as e:
+                self.__exit__(type(e), e, e.__traceback__)
+                raise
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        global _last_finished
+        duration_ms = (time.perf_counter() - self._t0) * 1e3
+        stack = self._stack
+        if stack and stack[-1] is self._record:
+            stack.pop()
+        elif self._record in stack:  # left out of order (generators): drop just this one
+            stack.remove(self._record)
+        error = f"{exc_type.__name__}: {exc}" if exc_type is not None else None
+        span = self.span
+        if span is not None:
+            if exc is not None:
+                span.record_exception(exc)
+                span.set_status(Status(StatusCode.ERROR, error))
+            span.end()
+            otel_context.detach(self._token)
+        if self.level == catalogue.LIFECYCLE:
+            _last_finished = {
+                "name": self.name,
+                "duration_ms": round(duration_ms, 3),
+                "error": error,
+                "finished_at": time.time(),
+            }
+            handle = setup._handle
+            if handle is not None:
+                _write_status(handle)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("left %s (%.3f ms)%s", self.name, duration_ms, f" with {error}" if error else "")
+        if _hooks:
+            emit("exit", self.name, {**self.attributes, "duration_ms": duration_ms, "error": error})
+
+
+def stage(name: str, /, **attributes: Any) -> Stage:
+    """Enter stage ``name`` (a ``catalogue`` span name) with ``attributes``.
+
+    Attribute keys may be full keys (``**{catalogue.ATTR_RANK: 0}``) or keyword aliases
+    (``rank=0``); None values are skipped.
+
+    Raises:
+        KeyError: ``name`` or an attribute key is not in the catalogue.
+    """
+    return Stage(name, attributes)
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def staged(name: str, /, **attributes: Any) -> Callable[[F], F]:
+    """Decorator form: each call of the function runs inside ``stage(name, **attributes)``."""
+    catalogue.span_def(name)  # fail at decoration time, not at the first call
+
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def inner(*args: Any, **kwargs: Any) -> Any:
+            with Stage(name, attributes):
+                return fn(*args, **kwargs)
+
+        return inner  # type: ignore[return-value]
+
+    return wrap
+
+
+def record_span(
+    name: str,
+    *,
+    start_ns: int,
+    end_ns: int | None = None,
+    attributes: Mapping[str, Any] | None = None,
+    parent: otel_context.Context | None = None,
+    kind: SpanKind = SpanKind.INTERNAL,
+) -> None:
+    """Record a span whose timing is known after the fact (e.g. ``llm_request`` at finish).
+
+    Args:
+        name: a catalogue span name.
+        start_ns: start, Unix epoch nanoseconds (e.g. the request's arrival time).
+        end_ns: end, same clock; now when None.
+        attributes: catalogue keys or aliases; None values are skipped.
+        parent: context to parent the span under (e.g. one extracted from ``traceparent``);
+            the current context when None.
+        kind: span kind (vLLM records ``llm_request`` as SERVER).
+
+    Raises:
+        KeyError: ``name`` or an attribute key is not in the catalogue.
+    """
+    catalogue.span_def(name)
+    attrs = {catalogue.attr_key(k): v for k, v in (attributes or {}).items() if v is not None}
+    handle = setup._handle
+    if handle is None or not handle.recording:
+        return
+    span = handle.tracer.start_span(name, context=parent, kind=kind, attributes=attrs, start_time=start_ns)
+    span.end(end_time=end_ns)
