@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 # Keep every run directory of the test session in one place we can inspect.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -29,7 +29,7 @@ from engine.frontend.tokenizer import apply_chat_template, get_tokenizer
 from engine.logger import init_logger
 from engine.sampling_params import SamplingParams
 from engine.utils import run_dir as run_dirs
-from tracing import catalogue, setup_tracing, stage
+from tracing import catalogue, get_handle, setup_tracing, stage
 
 logger = init_logger(__name__)
 
@@ -59,10 +59,13 @@ class LLM:
         self.run_dir = run_dirs.create_run_dir()
         self._closed = False
         obs = self.config.observability_config
+        previous = get_handle()
         self.tracing = setup_tracing(
             "LLM",
             trace_file=obs.trace_file,
             otlp_endpoint=obs.otlp_traces_endpoint,
+            # A test that collects spans in memory keeps doing so across engines.
+            in_memory=previous is not None and previous.in_memory is not None,
             status_file=str(run_dirs.status_file(self.run_dir, "LLM")),
         )
         try:

@@ -161,7 +161,9 @@ def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> N
         ValueError: when the shapes differ.
     """
     if param.shape != loaded_weight.shape:
-        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)}, checkpoint {tuple(loaded_weight.shape)}")
+        raise ValueError(
+            f"shape mismatch: parameter {tuple(param.shape)}, checkpoint {tuple(loaded_weight.shape)}"
+        )
     param.data.copy_(loaded_weight)
 
 
@@ -301,7 +303,9 @@ class RowParallelLinear(nn.Module):
         self.weight = _set_loader(
             nn.Parameter(torch.empty(output_size, self.input_size_per_partition)), self.weight_loader
         )
-        self.bias = _set_loader(nn.Parameter(torch.empty(output_size)), default_weight_loader) if bias else None
+        self.bias = (
+            _set_loader(nn.Parameter(torch.empty(output_size)), default_weight_loader) if bias else None
+        )
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
         n = self.input_size_per_partition
@@ -332,11 +336,11 @@ class VocabParallelEmbedding(nn.Module):
         )
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
-        start = self.vocab_start_index
-        rows = min(self.num_embeddings_per_partition, loaded_weight.shape[0] - start)
         if self.tp_size == 1:
             default_weight_loader(param, loaded_weight)
             return
+        start = self.vocab_start_index
+        rows = min(self.num_embeddings_per_partition, loaded_weight.shape[0] - start)
         param.data.zero_()  # the last rank's tail past the vocabulary stays zero
         param.data[:rows].copy_(loaded_weight.narrow(0, start, rows))
 

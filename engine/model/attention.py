@@ -1,0 +1,242 @@
+"""Paged attention in plain torch, and the metadata that describes one step's batch.
+
+Mirrors vLLM's ``vllm/attention/layer.py`` (``Attention``) and the metadata its backends
+build (``vllm/v1/attention/backends/``; ``CommonAttentionMetadata``). vLLM's kernels read
+K/V straight out of the paged cache; here torch gathers the pages a request owns into a
+dense tensor and calls ``scaled_dot_product_attention`` (SDPA). Slower, but every step is
+an ordinary tensor operation a reader can print.
+
+The KV cache of one layer is two tensors, K and V, each
+``(num_blocks, block_size, num_kv_heads, head_dim)``. Token ``p`` of a request lives in
+slot ``block_table[p // block_size] * block_size + p % block_size``; the model runner
+computes these slots (``slot_mapping``) and new K/V are written through them before
+attention reads the cache.
+
+One step mixes two kinds of request, and the runner orders the batch so that all
+*decodes* (one query token) come first, then the *prefill chunks*:
+
+- decodes are batched: their pages are gathered into one padded
+  ``(num_decodes, max_len, kv_heads, head_dim)`` tensor and a length mask hides the
+  padding. Padding decodes to one another costs little: their lengths are similar.
+- each prefill chunk runs on its own, attending to its cached prefix plus itself. Its
+  causal mask is aligned *bottom-right*: query ``t`` of a chunk that follows ``c`` cached
+  tokens sits at position ``c + t`` and sees keys ``0..c + t``. SDPA's ``is_causal`` aligns
+  the mask top-left, which is only right when ``c == 0``. A long prefill is never padded
+  together with decodes into one dense tensor, which would waste
+  ``num_decodes × prefill_len²`` work.
+
+There is no hidden global "forward context" (vLLM's ``set_forward_context``): the
+``AttentionMetadata`` is an argument of every forward.
+
+Left out: fused kernels, cascade attention, cross-attention, encoder-only attention,
+attention sinks, ALiBi, logits soft-capping, FP8 KV caches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # K, V: (num_blocks, block_size, num_kv_heads, head_dim)
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's batch, as attention needs it. Built by the model runner.
+
+    Requests ``[0, num_decodes)`` have exactly one query token (decodes); requests
+    ``[num_decodes, num_reqs)`` are prefill chunks. Tokens are laid out request by request,
+    in the same order.
+
+    Device tensors:
+        slot_mapping: ``(num_tokens,)`` int64, the cache slot each new token's K/V goes to.
+        query_start_loc: ``(num_reqs + 1,)`` int32, where each request's tokens start.
+        seq_lens: ``(num_reqs,)`` int32, tokens in the cache after this step.
+        block_table: ``(num_reqs, max_num_blocks)`` int32, each request's block ids
+            (unused entries are 0, the null block).
+
+    Host copies (plain ints, so the prefill loop never waits on the device):
+        query_start_loc_cpu, seq_lens_cpu, num_computed_tokens_cpu (tokens already in the
+        cache before this step: the context a chunk follows), max_decode_seq_len.
+
+    ``is_profile``: no KV cache exists yet (the memory-profiling run); every request is a
+    prefill from position 0 and attends causally to itself only.
+    """
+
+    num_reqs: int
+    num_decodes: int
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    num_computed_tokens_cpu: list[int]
+    max_decode_seq_len: int
+    block_size: int
+    is_profile: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc_cpu[-1]
+
+    @classmethod
+    def for_profile(cls, seq_lens: list[int], device: torch.device) -> AttentionMetadata:
+        """Metadata for a run with no KV cache: each of ``seq_lens`` is a fresh prefill."""
+        starts = [0]
+        for n in seq_lens:
+            starts.append(starts[-1] + n)
+        empty = torch.empty(0, dtype=torch.int32, device=device)
+        return cls(
+            num_reqs=len(seq_lens),
+            num_decodes=0,
+            slot_mapping=empty.long(),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_table=empty.view(len(seq_lens), 0) if seq_lens else empty.view(0, 0),
+            query_start_loc_cpu=starts,
+            seq_lens_cpu=list(seq_lens),
+            num_computed_tokens_cpu=[0] * len(seq_lens),
+            max_decode_seq_len=0,
+            block_size=1,
+            is_profile=True,
+        )
+
+
+class Attention(nn.Module):
+    """Multi-head attention over the paged KV cache, with grouped-query heads.
+
+    Args:
+        num_heads: query heads on this rank.
+        head_dim: size of each head.
+        num_kv_heads: key/value heads on this rank (divides ``num_heads``).
+        scale: multiplier of ``q·k`` (``head_dim ** -0.5`` for Llama).
+        sliding_window: when set, a query at position ``p`` sees only keys at positions
+            ``> p - sliding_window`` (Mistral; Qwen2 layers with ``use_sliding_window``).
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        num_kv_heads: int,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+        self.sliding_window = sliding_window
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache | None,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Attend; returns ``(num_tokens, num_heads * head_dim)``.
+
+        ``q`` is ``(num_tokens, num_heads, head_dim)``; ``k`` and ``v`` are
+        ``(num_tokens, num_kv_heads, head_dim)``. Writes ``k``/``v`` into ``kv_cache``
+        at ``slot_mapping`` first (unless profiling).
+        """
+        meta = attn_metadata
+        if kv_cache is not None and not meta.is_profile:
+            k_cache, v_cache = kv_cache
+            flat = (-1, self.num_kv_heads, self.head_dim)
+            k_cache.view(flat).index_copy_(0, meta.slot_mapping, k)
+            v_cache.view(flat).index_copy_(0, meta.slot_mapping, v)
+
+        out = torch.empty_like(q)  # (num_tokens, num_heads, head_dim)
+        nd = meta.num_decodes
+        if nd > 0:
+            assert kv_cache is not None, "decodes need a KV cache"
+            out[:nd] = self._decode(q[:nd], kv_cache, meta)
+        for i in range(nd, meta.num_reqs):
+            start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
+            out[start:end] = self._prefill(i, q[start:end], k[start:end], v[start:end], kv_cache, meta)
+        return out.view(out.shape[0], self.num_heads * self.head_dim)
+
+    def _decode(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """All one-token queries at once: ``q`` (num_decodes, num_heads, head_dim) → same shape."""
+        nd, bs = q.shape[0], meta.block_size
+        num_blocks = -(-meta.max_decode_seq_len // bs)
+        blocks = meta.block_table[:nd, :num_blocks]  # (num_decodes, num_blocks)
+        max_len = num_blocks * bs
+        # (num_decodes, num_blocks, block_size, kv_heads, head_dim) -> (num_decodes, kv_heads, max_len, head_dim)
+        keys = kv_cache[0][blocks].view(nd, max_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        values = kv_cache[1][blocks].view(nd, max_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        key_pos = torch.arange(max_len, device=q.device)[None, :]  # (1, max_len)
+        seq_lens = meta.seq_lens[:nd, None]  # (num_decodes, 1)
+        mask = key_pos < seq_lens  # (num_decodes, max_len): hides each row's padding
+        if self.sliding_window is not None:
+            # The query sits at position seq_len - 1 and sees keys > seq_len - 1 - window.
+            mask &= key_pos >= seq_lens - self.sliding_window
+        o = F.scaled_dot_product_attention(
+            q[:, :, None, :],  # (num_decodes, num_heads, 1, head_dim)
+            keys,
+            values,
+            attn_mask=mask[:, None, None, :],  # (num_decodes, 1, 1, max_len)
+            scale=self.scale,
+            enable_gqa=self.num_kv_heads != self.num_heads,
+        )  # (num_decodes, num_heads, 1, head_dim)
+        return o[:, :, 0, :]
+
+    def _prefill(
+        self,
+        i: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache | None,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """One chunk of request ``i``: ``q`` (n, num_heads, head_dim) → (n, num_heads, head_dim)."""
+        n = q.shape[0]
+        context = meta.num_computed_tokens_cpu[i]  # cached tokens before this chunk
+        seq_len = context + n
+        window = self.sliding_window
+        if context == 0:
+            # Nothing cached before the chunk: its own K/V are all it can see.
+            key_start, keys, values = 0, k, v  # (n, kv_heads, head_dim)
+        else:
+            assert kv_cache is not None, "a chunk after cached tokens needs the KV cache"
+            # The first query (position `context`) sees nothing before context + 1 - window.
+            key_start = max(0, context + 1 - window) if window is not None else 0
+            keys, values = self._gather(i, key_start, seq_len, kv_cache, meta)  # (S, kv_heads, head_dim)
+
+        mask = None
+        if context > 0 or (window is not None and n > window):
+            q_pos = torch.arange(context, seq_len, device=q.device)[:, None]  # (n, 1)
+            k_pos = torch.arange(key_start, seq_len, device=q.device)[None, :]  # (1, S)
+            mask = k_pos <= q_pos  # bottom-right causal: (n, S)
+            if window is not None:
+                mask &= k_pos > q_pos - window
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],  # (1, num_heads, n, head_dim)
+            keys.transpose(0, 1)[None],  # (1, kv_heads, S, head_dim)
+            values.transpose(0, 1)[None],
+            attn_mask=mask,
+            is_causal=mask is None,  # top-left alignment is right only when context == 0
+            scale=self.scale,
+            enable_gqa=self.num_kv_heads != self.num_heads,
+        )  # (1, num_heads, n, head_dim)
+        return o[0].transpose(0, 1)
+
+    def _gather(
+        self, i: int, key_start: int, seq_len: int, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of request ``i`` at positions ``[key_start, seq_len)``, each (S, kv_heads, head_dim)."""
+        bs = meta.block_size
+        first_block, end_block = key_start // bs, -(-seq_len // bs)
+        blocks = meta.block_table[i, first_block:end_block]  # (num_blocks,)
+        lo, hi = key_start - first_block * bs, seq_len - first_block * bs
+        flat = (-1, self.num_kv_heads, self.head_dim)
+        return kv_cache[0][blocks].view(flat)[lo:hi], kv_cache[1][blocks].view(flat)[lo:hi]

@@ -1,0 +1,328 @@
+"""The Llama-family decoder: Llama 2/3.x, Mistral, Qwen2/2.5 and Qwen3 in one module.
+
+Mirrors vLLM's ``vllm/model_executor/models/llama.py`` (and the small differences of
+``qwen2.py`` and ``qwen3.py``). The four architectures share one block:
+
+    x → RMSNorm → attention (QKV → RoPE → paged attention → O) → + x
+      → RMSNorm → MLP (gate_up → SiLU·mul → down) → + x
+
+and differ only in small switches, kept as class attributes of the subclasses:
+
+- Qwen2 always has a bias on the Q/K/V projections (none on O);
+- Qwen3 normalises each query and key head (``q_norm``/``k_norm``, RMSNorm over
+  ``head_dim``) before RoPE;
+- Mistral applies ``sliding_window`` on every layer when the config sets it; Qwen2/Qwen3
+  only when ``use_sliding_window`` is true, and then on layers
+  ``>= max_window_layers`` (or as ``layer_types`` says).
+
+The model maps token ids and attention metadata to hidden states and logits; it knows
+nothing of requests, scheduling or processes.
+
+Tied embeddings (``tie_word_embeddings``) make the LM head the embedding table itself.
+
+Left out: pipeline parallelism (``IntermediateTensors``), LoRA, quantized weights,
+``inputs_embeds``, fused residual-add norms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.model.attention import Attention, AttentionMetadata, KVCache
+from engine.model.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    SiluAndMul,
+    VocabParallelEmbedding,
+    default_weight_loader,
+    rope_parameters_from_config,
+)
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``, (num_tokens, hidden) → same."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # (num_tokens, hidden)
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention of one layer: QKV projection, optional per-head q/k norm, RoPE, attention, O."""
+
+    def __init__(
+        self,
+        config: dict[str, Any],
+        head_dim: int,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+        sliding_window: int | None,
+    ) -> None:
+        super().__init__()
+        hidden = int(config["hidden_size"])
+        total_heads = int(config["num_attention_heads"])
+        total_kv_heads = int(config.get("num_key_value_heads") or total_heads)
+        self.qkv_proj = QKVParallelLinear(hidden, head_dim, total_heads, total_kv_heads, bias=qkv_bias)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_dim = head_dim
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        self.o_proj = RowParallelLinear(total_heads * head_dim, hidden, bias=o_bias)
+        eps = float(config.get("rms_norm_eps", 1e-6))
+        self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, head_dim**-0.5, sliding_window)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache | None,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)  # (num_tokens, (heads + 2 * kv_heads) * head_dim)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # Qwen3: per head, before RoPE
+        q, k = RotaryEmbedding.apply(q, k, *cos_sin)
+        out = self.attn(q, k, v, kv_cache, attn_metadata)  # (num_tokens, heads * head_dim)
+        return self.o_proj(out)  # (num_tokens, hidden)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention and MLP, each with a residual connection."""
+
+    def __init__(self, config: dict[str, Any], attention: LlamaAttention, mlp_bias: bool) -> None:
+        super().__init__()
+        hidden = int(config["hidden_size"])
+        eps = float(config.get("rms_norm_eps", 1e-6))
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.self_attn = attention
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.mlp = LlamaMLP(hidden, int(config["intermediate_size"]), bias=mlp_bias)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache | None,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, kv_cache, attn_metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))  # (num_tokens, hidden)
+
+
+class LlamaModel(nn.Module):
+    """Embedding, the decoder layers and the final norm (Hugging Face prefix ``model.``)."""
+
+    def __init__(self, layers: list[LlamaDecoderLayer], config: dict[str, Any], head_dim: int) -> None:
+        super().__init__()
+        hidden = int(config["hidden_size"])
+        self.embed_tokens = VocabParallelEmbedding(int(config["vocab_size"]), hidden)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(hidden, float(config.get("rms_norm_eps", 1e-6)))
+        self.rotary_emb = RotaryEmbedding(head_dim, rope_parameters_from_config(config))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        kv_caches: list[KVCache] | None,
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # (num_tokens, hidden)
+        cos_sin = self.rotary_emb.get_cos_sin(positions, hidden.dtype)  # 2 x (num_tokens, 1, head_dim)
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, cos_sin, kv_caches[i] if kv_caches else None, attn_metadata)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """A causal LM of the Llama family, built from a ``config.json`` dict.
+
+    ``forward(input_ids (T,), positions (T,), attn_metadata, kv_caches) -> (T, hidden)``;
+    ``compute_logits(hidden (N, hidden)) -> (N, vocab)`` float32;
+    ``load_weights(iterable of (hf_name, tensor)) -> set of loaded parameter names``.
+    ``kv_caches`` holds one (K, V) pair per layer, or is None/empty when profiling.
+    """
+
+    qkv_bias_always = False  # Qwen2: bias on q/k/v whatever the config says
+    has_qk_norm = False  # Qwen3
+    sliding_window_needs_flag = False  # Qwen2/3: the window applies only with use_sliding_window
+
+    # checkpoint name fragment → (our parameter fragment, shard id)
+    stacked_params_mapping = (
+        (".q_proj.", ".qkv_proj.", "q"),
+        (".k_proj.", ".qkv_proj.", "k"),
+        (".v_proj.", ".qkv_proj.", "v"),
+        (".gate_proj.", ".gate_up_proj.", 0),
+        (".up_proj.", ".gate_up_proj.", 1),
+    )
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__()
+        self.config = config
+        hidden = int(config["hidden_size"])
+        num_heads = int(config["num_attention_heads"])
+        self.head_dim = int(config.get("head_dim") or hidden // num_heads)
+        attention_bias = bool(config.get("attention_bias", False))
+        qkv_bias = attention_bias or self.qkv_bias_always
+        o_bias = attention_bias and not self.qkv_bias_always
+        layers = []
+        for i in range(int(config["num_hidden_layers"])):
+            attention = LlamaAttention(
+                config, self.head_dim, qkv_bias, o_bias, self.has_qk_norm, self.layer_sliding_window(i)
+            )
+            layers.append(LlamaDecoderLayer(config, attention, bool(config.get("mlp_bias", False))))
+        self.model = LlamaModel(layers, config, self.head_dim)
+        self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            # Tied: the output projection *is* the embedding table (one tensor, loaded once).
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = ParallelLMHead(int(config["vocab_size"]), hidden)
+
+    def layer_sliding_window(self, layer_idx: int) -> int | None:
+        """The sliding window of layer ``layer_idx`` in tokens, or None for full attention."""
+        window = self.config.get("sliding_window")
+        if window is None:
+            return None
+        if self.sliding_window_needs_flag and not self.config.get("use_sliding_window", False):
+            return None
+        layer_types = self.config.get("layer_types")
+        if layer_types:
+            return int(window) if layer_types[layer_idx] == "sliding_attention" else None
+        if self.sliding_window_needs_flag:
+            first = int(self.config.get("max_window_layers", 0))
+            return int(window) if layer_idx >= first else None
+        return int(window)
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window shared by every layer, or None when any layer attends fully."""
+        windows = {layer.self_attn.attn.sliding_window for layer in self.model.layers}
+        return windows.pop() if len(windows) == 1 else None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        kv_caches: list[KVCache] | None = None,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, attn_metadata, kv_caches)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``(N, hidden)`` → ``(N, vocab)`` float32. TP > 1 needs an all-gather of the vocab slices."""
+        return torch.nn.functional.linear(hidden, self.lm_head.weight).float()
+
+    def describe_parameter(self, name: str) -> str:
+        """``name``, plus the checkpoint tensors it is stacked from (for error messages)."""
+        sources = [
+            fragment.strip(".") for fragment, target, _ in self.stacked_params_mapping if target in name
+        ]
+        return f"{name} (from {'/'.join(sources)})" if sources else name
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy Hugging Face tensors into our parameters.
+
+        ``q_proj``/``k_proj``/``v_proj`` land in ``qkv_proj`` and ``gate_proj``/``up_proj``
+        in ``gate_up_proj``, each as a shard. Rotary ``inv_freq`` buffers are skipped, and so
+        is ``lm_head.weight`` when the embeddings are tied. Returns the names of parameters
+        fully loaded (a merged one counts once all its shards arrived).
+
+        Raises:
+            KeyError: a checkpoint tensor matches no parameter.
+            ValueError: a tensor's shape does not fit its parameter.
+        """
+        params = dict(self.named_parameters())
+        shards_needed = {name: 0 for name in params}
+        for _, target, _ in self.stacked_params_mapping:
+            for name in params:
+                if target in name:
+                    shards_needed[name] += 1
+        shards_seen: dict[str, int] = {}
+        for hf_name, tensor in weights:
+            if "rotary_emb.inv_freq" in hf_name or "rotary_emb.cos_cached" in hf_name:
+                continue
+            if hf_name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            for fragment, target, shard_id in self.stacked_params_mapping:
+                if fragment in hf_name:
+                    name = hf_name.replace(fragment, target)
+                    if name not in params:
+                        raise KeyError(f"checkpoint tensor {hf_name!r} has no parameter {name!r}")
+                    params[name].weight_loader(params[name], tensor, shard_id)
+                    break
+            else:
+                name = hf_name
+                if name not in params:
+                    raise KeyError(
+                        f"checkpoint tensor {hf_name!r} matches no parameter of {type(self).__name__}"
+                    )
+                loader = getattr(params[name], "weight_loader", None)
+                if loader is None:
+                    default_weight_loader(params[name], tensor)
+                else:
+                    loader(params[name], tensor)
+            shards_seen[name] = shards_seen.get(name, 0) + 1
+        return {name for name, n in shards_seen.items() if n >= max(1, shards_needed[name])}
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama with (optionally) a sliding window on every layer."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2/2.5: bias on the Q/K/V projections; sliding window only with ``use_sliding_window``."""
+
+    qkv_bias_always = True
+    sliding_window_needs_flag = True
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3: per-head RMSNorm on queries and keys before RoPE; bias from ``attention_bias``."""
+
+    has_qk_norm = True
+    sliding_window_needs_flag = True
+
+
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def get_model_class(architecture: str) -> type[LlamaForCausalLM]:
+    """The class for a ``config.json`` architecture name (vLLM: ``ModelRegistry``).
+
+    Raises:
+        ValueError: the architecture is not one we implement.
+    """
+    try:
+        return MODEL_REGISTRY[architecture]
+    except KeyError:
+        raise ValueError(
+            f"architecture {architecture!r} is not supported; supported: {', '.join(MODEL_REGISTRY)}"
+        ) from None

@@ -1,0 +1,124 @@
+"""Build the model and fill it from a local Hugging Face checkpoint.
+
+Mirrors vLLM's ``vllm/model_executor/model_loader/`` (``DefaultModelLoader`` with
+safetensors) and the dtype/device resolution of ``vllm/config/model.py``. The module is
+built directly on the target device and dtype with uninitialised parameters, then every
+``*.safetensors`` file in the directory is streamed tensor by tensor into the model's
+``load_weights``; a parameter that no file provided is an error, not a silent random
+weight.
+
+Left out: ``.bin``/``.pt`` checkpoints, downloads from the Hub, quantized formats, sharded
+loading for TP > 1 (the layers' ``weight_loader`` already cuts the rank's slice).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.model.llama import get_model_class
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def resolve_device(device: str, local_rank: int = 0) -> torch.device:
+    """``"auto"`` → CUDA when available, else CPU; ``"cpu"``/``"cuda"`` as given.
+
+    A CUDA device is ``cuda:<local_rank>`` (the worker's index on this machine).
+
+    Raises:
+        RuntimeError: ``"cuda"`` was asked for and torch sees no CUDA device.
+        ValueError: an unknown device name.
+    """
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False)"
+            )
+        return torch.device("cuda", local_rank)
+    if device == "cpu":
+        return torch.device("cpu")
+    raise ValueError(f"--device: unknown device {device!r} (allowed: auto, cpu, cuda)")
+
+
+def resolve_dtype(dtype: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
+    """The dtype weights and activations run in.
+
+    ``"auto"`` takes the checkpoint's dtype, except float16 on CPU, which becomes bfloat16
+    (float16 matmuls on CPU are slow and overflow-prone; vLLM does the same). float32
+    checkpoints stay float32. An explicit dtype is used as given.
+
+    Raises:
+        ValueError: an unknown dtype name.
+    """
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ValueError(f"--dtype: unknown dtype {dtype!r}")
+        return _DTYPES[dtype]
+    resolved = _DTYPES.get(str(checkpoint_dtype).removeprefix("torch."), torch.float32)
+    if resolved == torch.float16 and torch.device(device).type == "cpu":
+        return torch.bfloat16
+    return resolved
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def iterate_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of every ``*.safetensors`` file in ``model_dir``, as (name, CPU tensor).
+
+    Raises:
+        FileNotFoundError: the directory holds no ``*.safetensors`` file.
+    """
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"no *.safetensors files in {model_dir} (only safetensors checkpoints are supported)"
+        )
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has keys() but no __iter__
+                yield name, f.get_tensor(name)
+
+
+def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """Build ``model_config.architecture`` on ``device``/``dtype`` and load its weights.
+
+    Returns the model in eval mode.
+
+    Raises:
+        ValueError: an unsupported architecture, or parameters the checkpoint did not
+            provide (all of them named).
+        KeyError: a checkpoint tensor that matches no parameter.
+        FileNotFoundError: no safetensors files.
+    """
+    model_class = get_model_class(model_config.architecture)
+    with torch.device(device), _default_dtype(dtype):
+        model = model_class(model_config.hf_config)
+    loaded = model.load_weights(iterate_safetensors(model_config.model))
+    missing = sorted(set(dict(model.named_parameters())) - loaded)
+    if missing:
+        names = ", ".join(model.describe_parameter(name) for name in missing)
+        raise ValueError(f"checkpoint {model_config.model} is missing {len(missing)} weight(s): {names}")
+    return model.eval()

@@ -1,0 +1,466 @@
+"""The model runner: one step's ``SchedulerOutput`` in, sampled tokens out.
+
+Mirrors vLLM's ``vllm/v1/worker/gpu_model_runner.py`` (``GPUModelRunner``). Each step:
+
+1. ``_update_states``: keep the worker's mirror of every request (``CachedRequestState``)
+   in line with the scheduler — new requests arrive whole, known ones as deltas (new
+   block ids appended, or the whole block list replaced after a preemption);
+2. ``_prepare_inputs``: flatten the batch into ``input_ids``/``positions`` and compute each
+   token's KV-cache slot, ``slot = block_table[req, pos // block_size] * block_size +
+   pos % block_size``. Decodes (one token) go first so attention can batch them. Arrays
+   are built with numpy, per request, never per token;
+3. run the model, take the hidden state of each request's last scheduled token (only for
+   requests whose prompt is complete after this step: a chunk that leaves part of the
+   prompt for later samples nothing), compute logits and sample;
+4. append the sampled tokens to the mirror and return ``ModelRunnerOutput``.
+
+Left out: the persistent ``InputBatch`` (we rebuild small arrays each step), CUDA graphs,
+async scheduling, pipeline parallelism, speculative decoding, multimodal inputs, pooling.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from engine import envs
+from engine.config import EngineConfig
+from engine.kv_cache.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from engine.model.attention import AttentionMetadata, KVCache
+from engine.model.loader import load_model
+from engine.model.sampler import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
+from engine.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput
+from engine.sampling_params import SamplingParams
+from engine.sched.output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CachedRequestState:
+    """The worker's copy of one request (vLLM: ``CachedRequestState``).
+
+    ``num_computed_tokens`` is the scheduler's count before the current step;
+    ``output_token_ids`` grows by the token sampled each step. ``generator`` exists only
+    for a seeded request and is advanced by every draw, so a seed replays exactly.
+    ``num_prompt_logprobs_done`` counts prompt positions whose logprobs were already
+    returned (a resumed request does not report them twice).
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    block_ids: list[int]
+    num_computed_tokens: int
+    output_token_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    num_prompt_logprobs_done: int = 0
+    block_array: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.set_block_ids(self.block_ids)
+
+    def set_block_ids(self, block_ids: list[int]) -> None:
+        self.block_ids = block_ids
+        # A numpy copy, refreshed only when blocks change, so building the block table each
+        # step is a memcpy per request instead of a list conversion.
+        self.block_array = np.asarray(block_ids, dtype=np.int32)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens at positions ``[start, end)`` of prompt followed by outputs."""
+        num_prompt = len(self.prompt_token_ids)
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
+
+@dataclass
+class _Batch:
+    """One step's flattened inputs (device tensors) and what to read back after the forward."""
+
+    req_ids: list[str]
+    input_ids: torch.Tensor  # (num_tokens,) int64
+    positions: torch.Tensor  # (num_tokens,) int64
+    attn_metadata: AttentionMetadata
+    sample_rows: list[int]  # batch indices of requests that sample this step
+    logits_indices: torch.Tensor  # (len(sample_rows),) token index of each one's last token
+    # (batch index, index of the first token, its position, count) per prompt-logprobs request
+    prompt_logprob_spans: list[tuple[int, int, int, int]]
+
+
+class ModelRunner:
+    """Runs the model for the scheduler's batches on one device (vLLM: ``GPUModelRunner``).
+
+    Lifecycle (called by the worker, in this order): ``load_model`` → ``get_kv_cache_spec``
+    → ``profile_run`` → ``initialize_kv_cache`` → ``warm_up`` → ``execute_model`` per step.
+
+    Args:
+        config: the whole engine configuration.
+        device: the resolved device (``loader.resolve_device``).
+        dtype: the resolved weight/activation dtype (``loader.resolve_dtype``).
+    """
+
+    def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
+        self.config = config
+        self.model_config = config.model_config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.block_size = config.cache_config.block_size
+        self.max_num_tokens = config.scheduler_config.max_num_batched_tokens
+        self.max_num_reqs = config.scheduler_config.max_num_seqs
+        self.max_model_len = config.model_config.max_model_len
+        self.vocab_size = config.model_config.vocab_size
+        self.requests: dict[str, CachedRequestState] = {}
+        self.sampler = Sampler()
+        self.model: torch.nn.Module | None = None
+        self.model_memory_usage = 0  # bytes of weights and buffers
+        self.kv_caches: list[KVCache] = []
+        self._forward = None  # the model, or its torch.compile wrapper
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def load_model(self) -> None:
+        """Build the model on the device and load its weights; sets ``model_memory_usage`` (bytes)."""
+        self.model = load_model(self.model_config, self.device, self.dtype)
+        tensors = list(self.model.parameters()) + list(self.model.buffers())
+        self.model_memory_usage = sum(t.numel() * t.element_size() for t in tensors)
+        self._forward = self.model
+        logger.debug(
+            "model %s loaded on %s as %s: %.1f MiB",
+            self.model_config.architecture,
+            self.device,
+            self.dtype,
+            self.model_memory_usage / 2**20,
+        )
+
+    def get_kv_cache_spec(self) -> FullAttentionSpec:
+        """The page shape of one layer's KV cache (``load_model`` first)."""
+        assert self.model is not None, "load_model() first"
+        attn = self.model.model.layers[0].self_attn.attn
+        return FullAttentionSpec(
+            block_size=self.block_size,
+            num_kv_heads=attn.num_kv_heads,
+            head_size=attn.head_dim,
+            dtype_size=torch.empty(0, dtype=self.dtype).element_size(),
+            num_layers=len(self.model.model.layers),
+            sliding_window=self.model.sliding_window,
+        )
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """One forward over ``max_num_batched_tokens`` dummy tokens with no KV cache, plus a sampler run.
+
+        The worker measures the peak memory of this call to size the KV cache. The tokens
+        are split into sequences of at most ``max_model_len``, each attending causally to
+        itself.
+        """
+        total = self.max_num_tokens
+        seq_lens = [self.max_model_len] * (total // self.max_model_len)
+        if total % self.max_model_len:
+            seq_lens.append(total % self.max_model_len)
+        positions = torch.cat([torch.arange(n) for n in seq_lens]).to(self.device)
+        input_ids = torch.zeros(total, dtype=torch.int64, device=self.device)
+        meta = AttentionMetadata.for_profile(seq_lens, self.device)
+        hidden = self.model(input_ids, positions, meta, None)  # (total, hidden)
+        num_rows = min(self.max_num_reqs, total)
+        self._dummy_sample(self.model.compute_logits(hidden[-num_rows:]))
+        self._synchronize()
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        """Allocate each layer's K and V caches, ``(num_blocks, block_size, num_kv_heads, head_dim)``.
+
+        Zero-filled: a padded position is masked out of attention, but its value still meets
+        a zero weight in the matmul, and uninitialised memory could hold NaN (NaN × 0 = NaN).
+        """
+        spec = kv_cache_config.spec
+        if spec.block_size != self.block_size:
+            raise ValueError(
+                f"KV cache block size {spec.block_size} differs from the runner's {self.block_size}"
+            )
+        shape = (kv_cache_config.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(spec.num_layers)
+        ]
+        logger.debug(
+            "KV cache: %d blocks of %d tokens (%.1f MiB)",
+            kv_cache_config.num_blocks,
+            spec.block_size,
+            kv_cache_config.num_blocks * spec.bytes_per_block / 2**20,
+        )
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """A few dummy steps (a prefill, a batch of decodes, the sampler) before real traffic.
+
+        With ``GLASSBOX_TORCH_COMPILE=1`` and not ``enforce_eager``, the forward is wrapped
+        in ``torch.compile`` first (opt-in: a cold compile takes tens of seconds on CPU).
+        Dummy tokens write only to block 0, the null block, which no request reads.
+        """
+        if envs.GLASSBOX_TORCH_COMPILE and not self.model_config.enforce_eager:
+            logger.info("wrapping the model forward in torch.compile (dynamic shapes)")
+            self._forward = torch.compile(self.model, dynamic=True)
+        prefill_len = min(self.max_num_tokens, self.max_model_len, 4 * self.block_size)
+        self._dummy_step([prefill_len])
+        num_decodes = min(self.max_num_reqs, self.max_num_tokens, 8)
+        for _ in range(2):
+            self._dummy_step([1] * num_decodes)
+        self._synchronize()
+
+    # ------------------------------------------------------------------ one step
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one scheduled step and sample.
+
+        Returns one entry of ``sampled_token_ids`` per scheduled request, in batch order
+        (decodes first); an empty list for a prefill chunk that leaves prompt tokens for
+        later. ``logprobs`` and ``prompt_logprobs_dict`` hold rows for requests that asked.
+        """
+        self._update_states(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        batch = self._prepare_inputs(scheduler_output)
+        hidden = self._forward(batch.input_ids, batch.positions, batch.attn_metadata, self.kv_caches)
+
+        sampled_lists: list[list[int]] = [[] for _ in batch.req_ids]
+        logprobs: dict[str, LogprobsLists] = {}
+        if batch.sample_rows:
+            states = [self.requests[batch.req_ids[row]] for row in batch.sample_rows]
+            logits = self.model.compute_logits(hidden[batch.logits_indices])  # (num_sample, vocab) float32
+            sampling_metadata = SamplingMetadata.build(
+                [s.sampling_params for s in states],
+                [s.prompt_token_ids for s in states],
+                [s.output_token_ids for s in states],
+                [s.generator for s in states],
+                [s.eos_token_id for s in states],
+                self.vocab_size,
+                self.device,
+            )
+            out = self.sampler(logits, sampling_metadata)
+            sampled = out.sampled_token_ids.tolist()
+            for j, (row, state) in enumerate(zip(batch.sample_rows, states)):
+                state.output_token_ids.append(sampled[j])
+                sampled_lists[row] = [sampled[j]]
+            if out.logprobs_tensors is not None:
+                logprobs = self._logprobs_lists(out.logprobs_tensors, states)
+
+        prompt_logprobs = self._prompt_logprobs(batch, hidden) if batch.prompt_logprob_spans else {}
+        return ModelRunnerOutput(
+            req_ids=batch.req_ids,
+            req_id_to_index={rid: i for i, rid in enumerate(batch.req_ids)},
+            sampled_token_ids=sampled_lists,
+            logprobs=logprobs,
+            prompt_logprobs_dict=prompt_logprobs,
+        )
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        """Apply the scheduler's news to the request mirror (see ``engine/sched/output.py``)."""
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            params = new.sampling_params
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(params.seed)
+            self.requests[new.req_id] = CachedRequestState(
+                req_id=new.req_id,
+                prompt_token_ids=list(new.prompt_token_ids),
+                sampling_params=params,
+                eos_token_id=new.eos_token_id,
+                block_ids=list(new.block_ids[0]),
+                num_computed_tokens=new.num_computed_tokens,
+                generator=generator,
+            )
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests[req_id]
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            new_block_ids = cached.new_block_ids[i]
+            if cached.resumed_from_preemption[i]:
+                # Preemption freed the old blocks: the new list replaces them.
+                state.set_block_ids(list(new_block_ids[0]) if new_block_ids else [])
+                tokens = cached.resumed_req_token_ids[i]
+                if tokens is not None:
+                    state.output_token_ids = list(tokens[state.num_prompt_tokens :])
+            elif new_block_ids is not None and new_block_ids[0]:
+                state.set_block_ids(state.block_ids + list(new_block_ids[0]))
+
+    def _prepare_inputs(self, so: SchedulerOutput) -> _Batch:
+        """Flatten the scheduled requests (decodes first) into token arrays and metadata."""
+        scheduled = so.num_scheduled_tokens
+        req_ids = [r for r, n in scheduled.items() if n == 1] + [r for r, n in scheduled.items() if n > 1]
+        num_decodes = sum(1 for n in scheduled.values() if n == 1)
+        states = [self.requests[r] for r in req_ids]
+        num_reqs = len(req_ids)
+
+        num_scheduled = np.fromiter((scheduled[r] for r in req_ids), dtype=np.int64, count=num_reqs)
+        num_computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=num_reqs)
+        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(num_scheduled, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        seq_lens = num_computed + num_scheduled  # (num_reqs,) tokens in the cache after this step
+
+        # Per token: which request it belongs to, and its position in that request.
+        req_index = np.repeat(np.arange(num_reqs), num_scheduled)  # (num_tokens,)
+        positions = num_computed[req_index] + np.arange(num_tokens) - query_start_loc[req_index]
+
+        input_ids: list[int] = []
+        for state, start, end in zip(states, num_computed.tolist(), seq_lens.tolist()):
+            input_ids.extend(state.token_ids(start, end))
+
+        max_blocks = max(len(s.block_array) for s in states)
+        block_table = np.zeros((num_reqs, max_blocks), dtype=np.int32)  # 0 = the null block
+        for i, state in enumerate(states):
+            block_table[i, : len(state.block_array)] = state.block_array
+        bs = self.block_size
+        slot_mapping = block_table[req_index, positions // bs].astype(np.int64) * bs + positions % bs
+
+        # Sampling rows: requests whose known tokens are all in the cache after this step.
+        sample_rows, logits_indices, spans = [], [], []
+        qsl = query_start_loc.tolist()
+        for i, (state, start, end) in enumerate(zip(states, num_computed.tolist(), seq_lens.tolist())):
+            if end >= state.num_tokens:
+                sample_rows.append(i)
+                logits_indices.append(qsl[i + 1] - 1)
+            if state.sampling_params.prompt_logprobs is not None:
+                # The hidden state at position p scores prompt token p + 1.
+                first = max(start, state.num_prompt_logprobs_done)
+                last = min(end, state.num_prompt_tokens - 1)
+                if last > first:
+                    spans.append((i, qsl[i] + first - start, first, last - first))
+                    state.num_prompt_logprobs_done = last
+
+        def to_device(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            return torch.from_numpy(array).to(device=self.device, dtype=dtype, non_blocking=True)
+
+        meta = AttentionMetadata(
+            num_reqs=num_reqs,
+            num_decodes=num_decodes,
+            slot_mapping=to_device(slot_mapping, torch.int64),
+            query_start_loc=to_device(query_start_loc, torch.int32),
+            seq_lens=to_device(seq_lens, torch.int32),
+            block_table=to_device(block_table, torch.int32),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq_lens.tolist(),
+            num_computed_tokens_cpu=num_computed.tolist(),
+            max_decode_seq_len=int(seq_lens[:num_decodes].max()) if num_decodes else 0,
+            block_size=bs,
+        )
+        return _Batch(
+            req_ids=req_ids,
+            input_ids=to_device(np.asarray(input_ids, dtype=np.int64), torch.int64),
+            positions=to_device(positions, torch.int64),
+            attn_metadata=meta,
+            sample_rows=sample_rows,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=self.device),
+            prompt_logprob_spans=spans,
+        )
+
+    # ------------------------------------------------------------------ logprobs
+
+    @staticmethod
+    def _logprobs_lists(
+        tensors: LogprobsTensors, states: list[CachedRequestState]
+    ) -> dict[str, LogprobsLists]:
+        """One row per requesting state: the sampled token first, then its own top N."""
+        ids, lps, ranks = tensors.token_ids.tolist(), tensors.logprobs.tolist(), tensors.ranks.tolist()
+        out = {}
+        for j, state in enumerate(states):
+            n = state.sampling_params.logprobs
+            if n is not None:
+                out[state.req_id] = LogprobsLists(
+                    logprob_token_ids=[ids[j][: n + 1]], logprobs=[lps[j][: n + 1]], ranks=[ranks[j]]
+                )
+        return out
+
+    def _prompt_logprobs(self, batch: _Batch, hidden: torch.Tensor) -> dict[str, LogprobsLists]:
+        """Rows for the prompt positions computed this step; row k scores the prompt's next token."""
+        states = [self.requests[batch.req_ids[row]] for row, _, _, _ in batch.prompt_logprob_spans]
+        index, targets = [], []
+        for state, (_, first_token, position, count) in zip(states, batch.prompt_logprob_spans):
+            index.extend(range(first_token, first_token + count))
+            targets.extend(state.prompt_token_ids[position + 1 : position + 1 + count])
+        index_t = torch.tensor(index, dtype=torch.int64, device=self.device)
+        logprobs = self.model.compute_logits(hidden[index_t]).log_softmax(dim=-1)  # (rows, vocab)
+        max_n = max(s.sampling_params.prompt_logprobs for s in states)
+        tensors = gather_logprobs(logprobs, max_n, torch.tensor(targets, device=self.device))
+        ids, lps, ranks = tensors.token_ids.tolist(), tensors.logprobs.tolist(), tensors.ranks.tolist()
+        out, k = {}, 0
+        for state, (_, _, _, count) in zip(states, batch.prompt_logprob_spans):
+            n = state.sampling_params.prompt_logprobs + 1
+            out[state.req_id] = LogprobsLists(
+                logprob_token_ids=[r[:n] for r in ids[k : k + count]],
+                logprobs=[r[:n] for r in lps[k : k + count]],
+                ranks=ranks[k : k + count],
+            )
+            k += count
+        return out
+
+    # ------------------------------------------------------------------ dummy runs
+
+    def _dummy_step(self, query_lens: list[int]) -> None:
+        """A forward and a sampler run over fresh dummy requests writing into the null block."""
+        num_reqs = len(query_lens)
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        num_tokens = starts[-1]
+        positions = torch.cat([torch.arange(n) for n in query_lens]).to(self.device)
+        num_decodes = sum(1 for n in query_lens if n == 1)
+        meta = AttentionMetadata(
+            num_reqs=num_reqs,
+            num_decodes=num_decodes,
+            slot_mapping=positions % self.block_size,  # block 0: the null block
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor(query_lens, dtype=torch.int32, device=self.device),
+            block_table=torch.zeros(
+                (num_reqs, -(-max(query_lens) // self.block_size)), dtype=torch.int32, device=self.device
+            ),
+            query_start_loc_cpu=starts,
+            seq_lens_cpu=list(query_lens),
+            num_computed_tokens_cpu=[0] * num_reqs,
+            max_decode_seq_len=1 if num_decodes else 0,
+            block_size=self.block_size,
+        )
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        hidden = self._forward(input_ids, positions, meta, self.kv_caches)
+        last = torch.tensor(starts[1:], device=self.device) - 1
+        self._dummy_sample(self.model.compute_logits(hidden[last]))
+
+    def _dummy_sample(self, logits: torch.Tensor) -> None:
+        """Run the sampler's heaviest path (random rows with top-k, top-p and logprobs)."""
+        rows = logits.shape[0]
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=min(5, self.vocab_size))
+        meta = SamplingMetadata.build(
+            [params] * rows,
+            [[]] * rows,
+            [[]] * rows,
+            [None] * rows,
+            [None] * rows,
+            self.vocab_size,
+            self.device,
+        )
+        self.sampler(logits, meta)
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

@@ -1,0 +1,466 @@
+"""The model runner against transformers, without the scheduler.
+
+Each test drives ``ModelRunner.execute_model`` with hand-built ``SchedulerOutput``s (a
+tiny block allocator lives in ``Driver`` below) and checks greedy tokens against
+``transformers`` ``generate`` token for token, on tiny random checkpoints of each family:
+
+- llama: grouped-query attention, tied embeddings, "llama3" RoPE scaling;
+- qwen2: untied embeddings, Q/K/V bias;
+- qwen3: per-head q/k norm, ``head_dim`` larger than ``hidden_size / num_heads``;
+- mistral: a sliding window smaller than the prompts and not a multiple of the block size.
+
+Also: the sampler's masks, penalties and min_tokens on hand-made logits; seeded sampling;
+logprobs and prompt logprobs against transformers' log-softmax; bfloat16; the loader's
+errors and dtype rules; RoPE parameters in both config.json formats.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.kv_cache.kv_cache_interface import KVCacheConfig
+from engine.model.layers import compute_inv_freq, rope_parameters_from_config
+from engine.model.loader import load_model, resolve_dtype
+from engine.model.sampler import Sampler, SamplingMetadata, apply_penalties, apply_top_k_top_p
+from engine.outputs import ModelRunnerOutput
+from engine.sampling_params import SamplingParams
+from engine.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from engine.worker.model_runner import ModelRunner
+from tests.tiny_models import build_tiny_checkpoint, hf_greedy, hf_logits
+
+BLOCK_SIZE = 8
+NUM_BLOCKS = 48
+VOCAB = 256
+EOS = 2
+GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+ARCH_KWARGS = {
+    "llama": dict(tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE),
+    "qwen2": dict(tie_word_embeddings=False),
+    "qwen3": dict(head_dim=32),
+    "mistral": dict(sliding_window=6),
+}
+ARCHS = list(ARCH_KWARGS)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: str(build_tiny_checkpoint(root / arch, arch, **kw)) for arch, kw in ARCH_KWARGS.items()}
+
+
+def make_runner(
+    path: str, dtype: torch.dtype = torch.float32, max_num_batched_tokens: int = 128
+) -> ModelRunner:
+    config = EngineConfig(
+        ModelConfig(model=path),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE),
+        scheduler_config=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=16),
+    )
+    runner = ModelRunner(config, torch.device("cpu"), dtype)
+    runner.load_model()
+    runner.profile_run()
+    runner.initialize_kv_cache(KVCacheConfig(num_blocks=NUM_BLOCKS, spec=runner.get_kv_cache_spec()))
+    runner.warm_up()
+    return runner
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(VOCAB) for _ in range(length)]
+
+
+class _Req:
+    def __init__(self, prompt_ids, params, blocks, num_computed):
+        self.tokens = list(prompt_ids)
+        self.num_prompt = len(prompt_ids)
+        self.params = params
+        self.blocks = list(blocks)
+        self.num_computed = num_computed
+        self.known_to_worker = False
+        self.resumed = False
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[self.num_prompt :]
+
+
+class Driver:
+    """Plays the scheduler: allocates blocks, builds SchedulerOutputs, records sampled tokens.
+
+    Block 0 is the null block. Freed blocks go to the front of the free list, so the next
+    allocation reuses (and overwrites) them.
+    """
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.free = list(range(1, NUM_BLOCKS))
+        self.reqs: dict[str, _Req] = {}
+        self.finished: set[str] = set()
+
+    def add(self, req_id, prompt_ids, params=GREEDY, cached_blocks=(), num_cached=0):
+        self.reqs[req_id] = _Req(prompt_ids, params, cached_blocks, num_cached)
+
+    def step(self, plan: dict[str, int]) -> ModelRunnerOutput:
+        new_reqs, cached = [], CachedRequestData()
+        for req_id, n in plan.items():
+            req = self.reqs[req_id]
+            needed = -(-(req.num_computed + n) // BLOCK_SIZE) - len(req.blocks)
+            added = [self.free.pop(0) for _ in range(max(0, needed))]
+            req.blocks += added
+            if not req.known_to_worker:
+                req.known_to_worker = True
+                new_reqs.append(
+                    NewRequestData(
+                        req_id=req_id,
+                        prompt_token_ids=req.tokens[: req.num_prompt],
+                        sampling_params=req.params,
+                        eos_token_id=EOS,
+                        block_ids=(list(req.blocks),),
+                        num_computed_tokens=req.num_computed,
+                    )
+                )
+                continue
+            cached.req_ids.append(req_id)
+            cached.resumed_from_preemption.append(req.resumed)
+            cached.resumed_req_token_ids.append(list(req.tokens) if req.resumed else None)
+            if req.resumed:
+                cached.new_block_ids.append((list(req.blocks),))
+            else:
+                cached.new_block_ids.append((added,) if added else None)
+            cached.num_computed_tokens.append(req.num_computed)
+            req.resumed = False
+        so = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=dict(plan),
+            total_num_scheduled_tokens=sum(plan.values()),
+            finished_req_ids=self.finished,
+        )
+        self.finished = set()
+        out = self.runner.execute_model(so)
+        assert sorted(out.req_ids) == sorted(plan)
+        for req_id, n in plan.items():
+            req = self.reqs[req_id]
+            req.num_computed += n
+            sampled = out.sampled_token_ids[out.req_id_to_index[req_id]]
+            if req.num_computed >= len(req.tokens):
+                assert len(sampled) == 1
+                req.tokens += sampled
+            else:
+                assert sampled == [], "a partial prefill must not sample"
+        return out
+
+    def decode(self, req_ids, steps: int) -> None:
+        for _ in range(steps):
+            self.step({r: 1 for r in req_ids})
+
+    def preempt(self, req_id) -> None:
+        req = self.reqs[req_id]
+        self.free = req.blocks + self.free
+        req.blocks, req.num_computed, req.resumed = [], 0, True
+
+    def finish(self, req_id) -> None:
+        self.free = self.reqs.pop(req_id).blocks + self.free
+        self.finished.add(req_id)
+
+
+def assert_matches_hf(path: str, driver: Driver, req_ids) -> None:
+    for req_id in req_ids:
+        req = driver.reqs[req_id]
+        expected = hf_greedy(path, req.tokens[: req.num_prompt], len(req.output))
+        assert req.output == expected, f"{req_id}: ours {req.output} vs transformers {expected}"
+
+
+# ---------------------------------------------------------------------------- vs transformers
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tiny_checkpoints_have_clear_greedy_margins(checkpoints, arch):
+    # Equivalence tests compare argmaxes; a near-tie could flip on a last-bit difference.
+    for seed, n in ((1, 5), (12, 33)):
+        ids = prompt(seed, n)
+        logits = hf_logits(checkpoints[arch], ids + hf_greedy(checkpoints[arch], ids, 10))[n - 1 :]
+        top2 = logits.topk(2, dim=-1).values  # (11, 2)
+        assert (top2[:, 0] - top2[:, 1]).min() > 1e-3
+        assert logits.softmax(-1).max(-1).values.mean() > 0.5  # peaked, not flat
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_mixed_prompts_in_one_step_then_batched_decodes(checkpoints, arch):
+    path = checkpoints[arch]
+    driver = Driver(make_runner(path))
+    lengths = {"a": 1, "b": 5, "c": 17, "d": 30}  # "a" is a one-token prompt: treated as a decode
+    for i, (req_id, n) in enumerate(lengths.items()):
+        driver.add(req_id, prompt(i, n))
+    driver.step(dict(lengths))
+    driver.decode(list(lengths), steps=11)
+    assert_matches_hf(path, driver, lengths)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_chunked_prefill_alongside_decodes(checkpoints, arch):
+    path = checkpoints[arch]
+    driver = Driver(make_runner(path))
+    driver.add("a", prompt(10, 7))
+    driver.add("b", prompt(11, 12))
+    driver.step({"a": 7, "b": 12})
+    # "long" is prefilled in chunks of 11, 13 and 9 (chunk edges off the block edges) while
+    # "a" and "b" decode in the same steps; each later chunk follows cached tokens.
+    driver.add("long", prompt(12, 33))
+    for chunk in (11, 13, 9):
+        driver.step({"a": 1, "b": 1, "long": chunk})
+    driver.decode(["a", "b", "long"], steps=6)
+    assert_matches_hf(path, driver, ["a", "b", "long"])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefix_cache_hit_reuses_blocks_of_an_earlier_request(checkpoints, arch):
+    path = checkpoints[arch]
+    driver = Driver(make_runner(path))
+    first = prompt(20, 21)
+    driver.add("first", first)
+    driver.step({"first": 21})
+    driver.decode(["first"], steps=3)
+    # "second" shares first's two full blocks (16 tokens): only its tail is computed.
+    second = first[:16] + prompt(21, 6)
+    driver.add("second", second, cached_blocks=driver.reqs["first"].blocks[:2], num_cached=16)
+    driver.step({"first": 1, "second": 6})
+    driver.decode(["first", "second"], steps=8)
+    assert_matches_hf(path, driver, ["first", "second"])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_preempted_request_resumes_with_replaced_blocks(checkpoints, arch):
+    path = checkpoints[arch]
+    driver = Driver(make_runner(path))
+    driver.add("victim", prompt(30, 13))
+    driver.add("other", prompt(31, 9))
+    driver.step({"victim": 13, "other": 9})
+    driver.decode(["victim", "other"], steps=4)
+    old_blocks = list(driver.reqs["victim"].blocks)
+    driver.preempt("victim")
+    # "intruder" takes the freed blocks and keeps writing into them while the victim
+    # resumes: a runner that kept the victim's old block ids would corrupt both.
+    driver.add("intruder", prompt(32, 20))
+    driver.step({"other": 1, "intruder": 20})
+    assert driver.reqs["intruder"].blocks[:3] == old_blocks
+    # The victim recomputes prompt + 5 outputs (18 tokens) in two chunks, into new blocks.
+    driver.step({"other": 1, "intruder": 1, "victim": 10})
+    driver.step({"other": 1, "intruder": 1, "victim": 8})
+    assert not set(driver.reqs["victim"].blocks) & set(old_blocks)
+    driver.decode(["victim", "other", "intruder"], steps=5)
+    assert len(driver.reqs["victim"].output) == 11
+    assert_matches_hf(path, driver, ["victim", "other", "intruder"])
+
+
+def test_bfloat16_run_picks_tokens_transformers_rates_near_best(checkpoints):
+    path = checkpoints["qwen2"]
+    driver = Driver(make_runner(path, dtype=torch.bfloat16))
+    assert driver.runner.kv_caches[0][0].dtype == torch.bfloat16
+    prompts = {f"p{i}": prompt(40 + i, n) for i, n in enumerate((4, 11, 19))}
+    for req_id, ids in prompts.items():
+        driver.add(req_id, ids)
+    driver.step({r: len(p) for r, p in prompts.items()})
+    for req_id, ids in prompts.items():
+        logprobs = hf_logits(path, ids)[-1].log_softmax(-1)
+        picked = driver.reqs[req_id].output[0]
+        # bf16 may flip a near-tie, never pick a token float32 finds unlikely.
+        assert logprobs[picked] >= logprobs.max() - 1.0
+
+
+# ---------------------------------------------------------------------------- sampling
+
+
+def test_seeded_sampling_repeats_whatever_the_batch(checkpoints):
+    path = checkpoints["llama"]
+    hot = dict(temperature=3.0, max_tokens=64, ignore_eos=True)  # flat enough to vary
+    ids = prompt(50, 9)
+
+    driver = Driver(make_runner(path))
+    driver.add("s1", ids, SamplingParams(seed=7, **hot))
+    driver.add("s2", ids, SamplingParams(seed=7, **hot))
+    driver.add("s3", ids, SamplingParams(seed=8, **hot))
+    driver.step({"s1": 9, "s2": 9, "s3": 9})
+    driver.decode(["s1", "s2", "s3"], steps=15)
+    s1, s2, s3 = (driver.reqs[r].output for r in ("s1", "s2", "s3"))
+    assert s1 == s2
+    assert s1 != s3
+
+    alone = Driver(make_runner(path))  # a different runner, and no batch mates
+    alone.add("solo", ids, SamplingParams(seed=7, **hot))
+    alone.step({"solo": 9})
+    alone.decode(["solo"], steps=15)
+    assert alone.reqs["solo"].output == s1
+
+
+def test_logprobs_and_prompt_logprobs_match_transformers(checkpoints):
+    path = checkpoints["qwen3"]
+    driver = Driver(make_runner(path))
+    ids = prompt(60, 14)
+    driver.add("r", ids, SamplingParams(temperature=0.0, logprobs=3, prompt_logprobs=2, ignore_eos=True))
+    first = driver.step({"r": 6})  # prompt logprobs arrive a chunk at a time
+    second = driver.step({"r": 8})
+    assert "r" not in first.logprobs  # nothing sampled yet
+
+    rows = first.prompt_logprobs_dict["r"].logprobs + second.prompt_logprobs_dict["r"].logprobs
+    row_ids = (
+        first.prompt_logprobs_dict["r"].logprob_token_ids + second.prompt_logprobs_dict["r"].logprob_token_ids
+    )
+    assert len(rows) == len(ids) - 1  # position 0 has no logprob
+    reference = hf_logits(path, ids).log_softmax(-1)  # (14, vocab)
+    for k, (row, row_tokens) in enumerate(zip(rows, row_ids)):
+        assert len(row) == 3 and row_tokens[0] == ids[k + 1]
+        assert row[0] == pytest.approx(reference[k, ids[k + 1]].item(), abs=1e-4)
+        assert row_tokens[1:] == reference[k].topk(2).indices.tolist()
+
+    sampled = second.sampled_token_ids[second.req_id_to_index["r"]][0]
+    lp = second.logprobs["r"]
+    assert len(lp.logprob_token_ids) == 1 and len(lp.logprob_token_ids[0]) == 4
+    assert lp.logprob_token_ids[0][0] == sampled
+    assert lp.logprobs[0][0] == pytest.approx(reference[-1, sampled].item(), abs=1e-4)
+    assert lp.logprob_token_ids[0][1:] == reference[-1].topk(3).indices.tolist()
+    assert lp.ranks == [1]  # greedy picks the best token
+
+
+def _meta(params, outputs=None, prompts=None, generators=None, vocab=6):
+    n = len(params)
+    return SamplingMetadata.build(
+        params,
+        prompts or [[] for _ in range(n)],
+        outputs or [[] for _ in range(n)],
+        generators or [None] * n,
+        [EOS] * n,
+        vocab,
+        torch.device("cpu"),
+    )
+
+
+def test_top_k_top_p_min_p_masks():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 4))
+    kept = apply_top_k_top_p(logits, torch.tensor([2, 4, 4, 1]), torch.tensor([1.0, 0.8, 0.81, 1.0]))
+    assert (kept > float("-inf")).tolist() == [
+        [True, True, False, False],  # top-k 2
+        [True, True, False, False],  # top-p 0.8: 0.5 + 0.3 reaches it
+        [True, True, True, False],  # top-p 0.81 needs the third token
+        [True, False, False, False],  # top-k 1
+    ]
+    # min-p 0.25: tokens below 0.25 * 0.5 are out; sampling never picks them.
+    params = [SamplingParams(temperature=1.0, min_p=0.25, seed=s) for s in range(64)]
+    gens = [torch.Generator().manual_seed(s) for s in range(64)]
+    picks = Sampler()(
+        logits[:1].expand(64, 4).clone(), _meta(params, generators=gens, vocab=4)
+    ).sampled_token_ids
+    assert set(picks.tolist()) == {0, 1, 2}
+
+
+def test_penalties_follow_vllm_rules():
+    logits = torch.tensor([[3.0, -2.0, 2.0, 0.5, 0.0, 0.0]])
+    rep = SamplingParams(temperature=0.0, repetition_penalty=2.0)
+    # Token 0 is in the prompt: 3.0 / 2 = 1.5 falls below token 2, which greedy now picks.
+    out = Sampler()(logits.clone(), _meta([rep], outputs=[[1]], prompts=[[0]]))
+    assert out.sampled_token_ids.tolist() == [2]
+
+    meta = _meta(
+        [
+            SamplingParams(
+                temperature=0.0, repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.3
+            )
+        ],
+        outputs=[[1, 3, 3]],
+        prompts=[[0]],
+    )
+    penalised = apply_penalties(logits.clone(), meta)[0].tolist()
+    # repetition: positive logits divided, negative multiplied (prompt and output tokens);
+    # frequency: 0.5 per output occurrence; presence: 0.3 once per output token.
+    assert penalised == pytest.approx([1.5, -4.0 - 0.5 - 0.3, 2.0, 0.25 - 1.0 - 0.3, 0.0, 0.0])
+
+
+def test_min_tokens_blocks_stop_tokens_until_reached():
+    logits = torch.tensor([[0.0, 1.0, 5.0, 0.0, 4.0, 0.0]])  # EOS (2) is the argmax, 4 next
+    params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[4])
+    early = Sampler()(logits.clone(), _meta([params], outputs=[[1]]))
+    assert early.sampled_token_ids.tolist() == [1]  # neither EOS nor the stop id 4
+    done = Sampler()(logits.clone(), _meta([params], outputs=[[1, 1]]))
+    assert done.sampled_token_ids.tolist() == [2]
+
+
+def test_greedy_rows_ignore_the_random_path_and_logprobs_rank():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0], [5.0, 0.0, 0.0, 4.9]])
+    params = [
+        SamplingParams(temperature=0.0, logprobs=2),
+        SamplingParams(temperature=1.0, top_k=1, logprobs=0),  # top-k 1: the random path is forced
+        SamplingParams(temperature=0.0),
+    ]
+    out = Sampler()(logits.clone(), _meta(params, vocab=4))
+    assert out.sampled_token_ids.tolist() == [1, 0, 0]
+    lp = out.logprobs_tensors
+    raw = logits.log_softmax(-1)
+    assert lp.token_ids[0].tolist() == [1, 1, 2]  # sampled first, then the top 2
+    assert lp.logprobs[0, 0].item() == pytest.approx(raw[0, 1].item())
+    assert lp.ranks.tolist() == [1, 4, 1]  # all four entries of row 1 tie: rank counts them
+
+
+# ---------------------------------------------------------------------------- loader, rope
+
+
+def test_loader_names_missing_weights(checkpoints, tmp_path):
+    import shutil
+
+    shutil.copytree(checkpoints["qwen2"], tmp_path / "m")
+    weights = load_file(tmp_path / "m" / "model.safetensors")
+    del weights["model.layers.1.self_attn.k_proj.bias"]
+    del weights["lm_head.weight"]
+    save_file(weights, tmp_path / "m" / "model.safetensors")
+    with pytest.raises(
+        ValueError,
+        match=r"missing 2 weight\(s\): lm_head\.weight, model\.layers\.1\.self_attn\.qkv_proj\.bias \(from q_proj/k_proj/v_proj\)",
+    ):
+        load_model(ModelConfig(model=str(tmp_path / "m")), torch.device("cpu"), torch.float32)
+
+
+def test_resolve_dtype_rules():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_dtype("auto", "float16", cpu) == torch.bfloat16
+    assert resolve_dtype("auto", "float16", cuda) == torch.float16
+    assert resolve_dtype("auto", "float32", cuda) == torch.float32
+    assert resolve_dtype("auto", "bfloat16", cpu) == torch.bfloat16
+    assert resolve_dtype("float32", "bfloat16", cpu) == torch.float32
+
+
+@pytest.mark.parametrize("rope_type", ["default", "linear", "llama3"])
+def test_rope_parameters_in_both_config_formats_match_transformers(rope_type):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = {"linear": {"factor": 4.0}, "llama3": dict(LLAMA3_ROPE)}.get(rope_type, {})
+    scaling.pop("rope_theta", None)
+    v5 = {
+        "rope_parameters": {"rope_type": rope_type, "rope_theta": 5e5, **scaling},
+        "max_position_embeddings": 4096,
+    }
+    v4 = {"rope_theta": 5e5, "max_position_embeddings": 4096}
+    if scaling:
+        v4["rope_scaling"] = {"type": rope_type, **scaling}  # the oldest spelling
+    ours_v5 = compute_inv_freq(64, rope_parameters_from_config(v5))
+    ours_v4 = compute_inv_freq(64, rope_parameters_from_config(v4))
+    hf_config = LlamaConfig(hidden_size=256, num_attention_heads=4, **v5)
+    if rope_type == "default":
+        expected = 1.0 / (5e5 ** (torch.arange(0, 64, 2).float() / 64))
+    else:
+        expected, _ = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+    torch.testing.assert_close(ours_v5, expected)
+    torch.testing.assert_close(ours_v4, expected)
