@@ -50,7 +50,9 @@ def build_small_model(path: Path) -> Path:
 
 def make_workload(n: int, seed: int, in_range: tuple[int, int], out_range: tuple[int, int]):
     rng = random.Random(seed)
-    prompts = [[rng.randrange(3, SMALL["vocab_size"]) for _ in range(rng.randint(*in_range))] for _ in range(n)]
+    prompts = [
+        [rng.randrange(3, SMALL["vocab_size"]) for _ in range(rng.randint(*in_range))] for _ in range(n)
+    ]
     outputs = [rng.randint(*out_range) for _ in range(n)]
     return prompts, outputs
 
@@ -108,7 +110,9 @@ def run_glassbox(llm, prompts, out_lens) -> tuple[float, float]:
     """Seconds for the whole workload through ``LLM.generate``, and the forward share of step time."""
     from engine import SamplingParams
 
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False) for n in out_lens]
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False) for n in out_lens
+    ]
     timer = StepTimer(llm)
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -131,7 +135,9 @@ def main() -> None:
 
     from engine import LLM
 
-    prompts, out_lens = make_workload(args.num_prompts, args.seed, tuple(args.input_len), tuple(args.output_len))
+    prompts, out_lens = make_workload(
+        args.num_prompts, args.seed, tuple(args.input_len), tuple(args.output_len)
+    )
     total_out = sum(out_lens)
     dtypes = ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]
     rows = []
@@ -147,7 +153,9 @@ def main() -> None:
                     shares.append(share)
             if not args.skip_transformers:
                 for _ in range(args.runs):
-                    hf_times.append(run_transformers(path, prompts, out_lens, getattr(torch, dtype), args.hf_batch_size))
+                    hf_times.append(
+                        run_transformers(path, prompts, out_lens, getattr(torch, dtype), args.hf_batch_size)
+                    )
             gb = total_out / statistics.median(gb_times)
             hf = total_out / statistics.median(hf_times) if hf_times else float("nan")
             rows.append((dtype, hf, gb, gb / hf if hf_times else float("nan"), statistics.median(shares)))

@@ -192,9 +192,7 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if self.block_size not in BLOCK_SIZES:
-            raise ConfigError(
-                "--block-size", self.block_size, f"allowed: {', '.join(map(str, BLOCK_SIZES))}"
-            )
+            raise ConfigError("--block-size", self.block_size, f"allowed: {', '.join(map(str, BLOCK_SIZES))}")
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not (
             0.0 < self.gpu_memory_utilization <= 1.0
         ):
@@ -277,7 +275,9 @@ class SchedulerConfig:
                 "--long-prefill-token-threshold", self.long_prefill_token_threshold, "must be >= 0"
             )
         if self.policy not in SCHEDULING_POLICIES:
-            raise ConfigError("--scheduling-policy", self.policy, f"allowed: {', '.join(SCHEDULING_POLICIES)}")
+            raise ConfigError(
+                "--scheduling-policy", self.policy, f"allowed: {', '.join(SCHEDULING_POLICIES)}"
+            )
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(
                 "--max-num-batched-tokens",

@@ -69,36 +69,142 @@ class EngineArgs:
         """Add the engine flags (vLLM's names) to ``parser``, grouped by sub-config."""
         d = EngineArgs()
         g = parser.add_argument_group("ModelConfig")
-        g.add_argument("--model", default=None, help="Local Hugging Face model directory (default: the bundled tiny model).")
-        g.add_argument("--tokenizer", default=None, help="Tokenizer directory (default: the model directory).")
-        g.add_argument("--dtype", default=d.dtype, choices=DTYPES, help="Weight and activation dtype; auto = the checkpoint's (float16 → bfloat16 on CPU).")
+        g.add_argument(
+            "--model",
+            default=None,
+            help="Local Hugging Face model directory (default: the bundled tiny model).",
+        )
+        g.add_argument(
+            "--tokenizer", default=None, help="Tokenizer directory (default: the model directory)."
+        )
+        g.add_argument(
+            "--dtype",
+            default=d.dtype,
+            choices=DTYPES,
+            help="Weight and activation dtype; auto = the checkpoint's (float16 → bfloat16 on CPU).",
+        )
         g.add_argument("--seed", type=int, default=d.seed, help="Random seed of the worker.")
-        g.add_argument("--max-model-len", type=int, default=None, help="Longest prompt + output, in tokens (default: the model's max_position_embeddings).")
-        g.add_argument("--served-model-name", default=None, help="Model name reported to clients (default: the model path).")
-        g.add_argument("--enforce-eager", action="store_true", help="Never use torch.compile (it is opt-in anyway: GLASSBOX_TORCH_COMPILE=1).")
+        g.add_argument(
+            "--max-model-len",
+            type=int,
+            default=None,
+            help="Longest prompt + output, in tokens (default: the model's max_position_embeddings).",
+        )
+        g.add_argument(
+            "--served-model-name",
+            default=None,
+            help="Model name reported to clients (default: the model path).",
+        )
+        g.add_argument(
+            "--enforce-eager",
+            action="store_true",
+            help="Never use torch.compile (it is opt-in anyway: GLASSBOX_TORCH_COMPILE=1).",
+        )
         g = parser.add_argument_group("CacheConfig")
-        g.add_argument("--block-size", type=int, default=d.block_size, choices=BLOCK_SIZES, help="Tokens per KV-cache block.")
-        g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization, help="CUDA only: share of device memory for weights, activations and KV cache.")
-        g.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV-cache size in bytes (overrides GLASSBOX_CPU_KVCACHE_SPACE and --gpu-memory-utilization).")
-        g.add_argument("--num-gpu-blocks-override", type=int, default=None, help="Use exactly this many KV blocks (testing preemption).")
-        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching, help="Reuse KV blocks of shared prompt prefixes.")
+        g.add_argument(
+            "--block-size",
+            type=int,
+            default=d.block_size,
+            choices=BLOCK_SIZES,
+            help="Tokens per KV-cache block.",
+        )
+        g.add_argument(
+            "--gpu-memory-utilization",
+            type=float,
+            default=d.gpu_memory_utilization,
+            help="CUDA only: share of device memory for weights, activations and KV cache.",
+        )
+        g.add_argument(
+            "--kv-cache-memory-bytes",
+            type=int,
+            default=None,
+            help="KV-cache size in bytes (overrides GLASSBOX_CPU_KVCACHE_SPACE and --gpu-memory-utilization).",
+        )
+        g.add_argument(
+            "--num-gpu-blocks-override",
+            type=int,
+            default=None,
+            help="Use exactly this many KV blocks (testing preemption).",
+        )
+        g.add_argument(
+            "--enable-prefix-caching",
+            action=argparse.BooleanOptionalAction,
+            default=d.enable_prefix_caching,
+            help="Reuse KV blocks of shared prompt prefixes.",
+        )
         g = parser.add_argument_group("SchedulerConfig")
-        g.add_argument("--max-num-seqs", type=int, default=None, help="Most requests running at once (default 256 offline, 128 serving).")
-        g.add_argument("--max-num-batched-tokens", type=int, default=None, help="Token budget of one scheduler step (default 4096 offline, 2048 serving).")
-        g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=d.enable_chunked_prefill, help="Split long prompts across steps (on by default, as in vLLM V1).")
-        g.add_argument("--long-prefill-token-threshold", type=int, default=d.long_prefill_token_threshold, help="Cap each prefill chunk at this many tokens (0 = no cap).")
-        g.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=SCHEDULING_POLICIES, help="Order of waiting requests.")
+        g.add_argument(
+            "--max-num-seqs",
+            type=int,
+            default=None,
+            help="Most requests running at once (default 256 offline, 128 serving).",
+        )
+        g.add_argument(
+            "--max-num-batched-tokens",
+            type=int,
+            default=None,
+            help="Token budget of one scheduler step (default 4096 offline, 2048 serving).",
+        )
+        g.add_argument(
+            "--enable-chunked-prefill",
+            action=argparse.BooleanOptionalAction,
+            default=d.enable_chunked_prefill,
+            help="Split long prompts across steps (on by default, as in vLLM V1).",
+        )
+        g.add_argument(
+            "--long-prefill-token-threshold",
+            type=int,
+            default=d.long_prefill_token_threshold,
+            help="Cap each prefill chunk at this many tokens (0 = no cap).",
+        )
+        g.add_argument(
+            "--scheduling-policy",
+            default=d.scheduling_policy,
+            choices=SCHEDULING_POLICIES,
+            help="Order of waiting requests.",
+        )
         g = parser.add_argument_group("ParallelConfig")
-        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="Workers per pipeline stage (1 in this version).")
-        g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="Pipeline stages (1 in this version).")
-        g.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="Engine cores (1 in this version).")
-        g.add_argument("--distributed-executor-backend", default=None, choices=EXECUTOR_BACKENDS, help="uni: the worker runs inside the engine core.")
+        g.add_argument(
+            "--tensor-parallel-size",
+            "-tp",
+            type=int,
+            default=1,
+            help="Workers per pipeline stage (1 in this version).",
+        )
+        g.add_argument(
+            "--pipeline-parallel-size",
+            "-pp",
+            type=int,
+            default=1,
+            help="Pipeline stages (1 in this version).",
+        )
+        g.add_argument(
+            "--data-parallel-size", "-dp", type=int, default=1, help="Engine cores (1 in this version)."
+        )
+        g.add_argument(
+            "--distributed-executor-backend",
+            default=None,
+            choices=EXECUTOR_BACKENDS,
+            help="uni: the worker runs inside the engine core.",
+        )
         g = parser.add_argument_group("DeviceConfig / LoadConfig")
-        g.add_argument("--device", default=d.device, choices=DEVICES, help="auto = CUDA when present, else CPU.")
-        g.add_argument("--load-format", default=d.load_format, choices=("auto", "safetensors"), help="Weight format.")
+        g.add_argument(
+            "--device", default=d.device, choices=DEVICES, help="auto = CUDA when present, else CPU."
+        )
+        g.add_argument(
+            "--load-format", default=d.load_format, choices=("auto", "safetensors"), help="Weight format."
+        )
         g = parser.add_argument_group("ObservabilityConfig")
-        g.add_argument("--otlp-traces-endpoint", default=None, help="Send spans over OTLP to this collector (e.g. Jaeger).")
-        g.add_argument("--trace-file", default=None, help="Write every finished span as a JSON line to this file (or GLASSBOX_TRACE_FILE).")
+        g.add_argument(
+            "--otlp-traces-endpoint",
+            default=None,
+            help="Send spans over OTLP to this collector (e.g. Jaeger).",
+        )
+        g.add_argument(
+            "--trace-file",
+            default=None,
+            help="Write every finished span as a JSON line to this file (or GLASSBOX_TRACE_FILE).",
+        )
         return parser
 
     @classmethod
@@ -150,7 +256,9 @@ class EngineArgs:
                 batched = max(batched, max_len)
         scheduler_config = SchedulerConfig(
             max_num_batched_tokens=batched,
-            max_num_seqs=self.max_num_seqs or DEFAULT_MAX_NUM_SEQS[usage_context],
+            max_num_seqs=self.max_num_seqs
+            if self.max_num_seqs is not None
+            else DEFAULT_MAX_NUM_SEQS[usage_context],
             max_model_len=max_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
             long_prefill_token_threshold=self.long_prefill_token_threshold,

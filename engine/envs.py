@@ -58,8 +58,7 @@ ENV_VARS: dict[str, EnvVar] = {
             "GLASSBOX_TRACE_FILE",
             str,
             None,
-            "Write every finished OpenTelemetry span as one JSON line to this file "
-            "(same as --trace-file).",
+            "Write every finished OpenTelemetry span as one JSON line to this file (same as --trace-file).",
         ),
         EnvVar(
             "GLASSBOX_RUN_DIR_BASE",

@@ -28,7 +28,9 @@ def test_start_up_stages_in_order_with_parents_and_step_phases():
     tracing.setup_tracing("test", in_memory=True)
     try:
         with LLM(max_model_len=128) as llm:
-            llm.generate(["a b c", "d"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+            llm.generate(
+                ["a b c", "d"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False
+            )
             steps_run = llm.engine_core.engine_core.step_counter
         spans = tracing.get_finished_spans()
     finally:
@@ -55,7 +57,11 @@ def test_start_up_stages_in_order_with_parents_and_step_phases():
     # Steps: one engine_core.step per step run, each with exactly one span per phase.
     steps = by_name[catalogue.ENGINE_CORE_STEP]
     assert len(steps) == steps_run >= 3
-    for phase in (catalogue.SCHEDULER_SCHEDULE, catalogue.EXECUTOR_EXECUTE_MODEL, catalogue.SCHEDULER_UPDATE_FROM_OUTPUT):
+    for phase in (
+        catalogue.SCHEDULER_SCHEDULE,
+        catalogue.EXECUTOR_EXECUTE_MODEL,
+        catalogue.SCHEDULER_UPDATE_FROM_OUTPUT,
+    ):
         assert sorted(s.parent.span_id for s in by_name[phase]) == sorted(s.context.span_id for s in steps)
     first_schedule = min(by_name[catalogue.SCHEDULER_SCHEDULE], key=lambda s: s.start_time)
     assert first_schedule.attributes[catalogue.ATTR_STEP_NUM_NEW_REQS] == 2
@@ -69,7 +75,11 @@ def test_trace_file_gets_one_json_line_per_span(tmp_path):
     tracing.shutdown_tracing()
     lines = [json.loads(line) for line in trace_file.read_text().splitlines()]
     names = {line["name"] for line in lines}
-    assert {catalogue.WORKER_LOAD_MODEL, catalogue.ENGINE_CORE_STEP, catalogue.EXECUTOR_EXECUTE_MODEL} <= names
+    assert {
+        catalogue.WORKER_LOAD_MODEL,
+        catalogue.ENGINE_CORE_STEP,
+        catalogue.EXECUTOR_EXECUTE_MODEL,
+    } <= names
 
 
 def test_status_file_names_the_stage_and_run_dir_is_removed():

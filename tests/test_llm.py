@@ -48,14 +48,18 @@ def checkpoint(request, tmp_path_factory, default_model_dir):
     vocab = AutoConfig.from_pretrained(path).vocab_size
     prompts = _prompts(vocab)
     reference = [hf_greedy(path, p, MAX_NEW) for p in prompts]
-    return path, prompts, reference
+    # Ten 14-15 token prompts: one block each to start, a second block each to finish.
+    rng = random.Random(1)
+    short = [[rng.randrange(5, vocab) for _ in range(rng.choice((14, 15)))] for _ in range(10)]
+    short_reference = [hf_greedy(path, p, MAX_NEW) for p in short]
+    return path, prompts, reference, short, short_reference
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 
 
-def _run(path, prompts, **engine_kwargs):
-    with LLM(str(path), max_model_len=256, **engine_kwargs) as llm:
+def _run(path, prompts, max_model_len=256, **engine_kwargs):
+    with LLM(str(path), max_model_len=max_model_len, **engine_kwargs) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
         stats = llm.engine_core.engine_core.scheduler.make_stats()
         free = llm.engine_core.engine_core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
@@ -64,7 +68,7 @@ def _run(path, prompts, **engine_kwargs):
 
 
 def test_greedy_equals_transformers(checkpoint):
-    path, prompts, reference = checkpoint
+    path, prompts, reference, _, _ = checkpoint
     got, stats, free, total = _run(path, prompts)
     assert got == reference
     # The two prompts with a shared 40-token prefix share its two full blocks.
@@ -73,7 +77,7 @@ def test_greedy_equals_transformers(checkpoint):
 
 
 def test_greedy_equals_transformers_with_chunked_prefill(checkpoint):
-    path, prompts, reference = checkpoint
+    path, prompts, reference, _, _ = checkpoint
     # A 16-token budget splits every prompt longer than 16 tokens over several steps.
     got, stats, _, _ = _run(path, prompts, max_num_batched_tokens=16, max_num_seqs=4)
     assert got == reference
@@ -81,10 +85,11 @@ def test_greedy_equals_transformers_with_chunked_prefill(checkpoint):
 
 
 def test_greedy_equals_transformers_under_preemption(checkpoint):
-    path, prompts, reference = checkpoint
-    # 18 usable blocks of 16 tokens cannot hold all 10 requests at once: some are preempted
-    # (recompute) and resumed later, and must still produce the same tokens.
-    got, stats, free, total = _run(path, prompts, num_gpu_blocks_override=19)
+    path, _, _, prompts, reference = checkpoint
+    # All ten requests are admitted with one block each; crossing 16 tokens each needs a
+    # second block, but only 11 usable blocks exist: running requests are preempted
+    # (recompute), resumed later, and must still produce the same tokens.
+    got, stats, free, total = _run(path, prompts, max_model_len=128, num_gpu_blocks_override=12)
     assert stats.num_preemptions > 0
     assert got == reference
     assert free == total - 1
@@ -115,7 +120,9 @@ def test_seeded_sampling_is_reproducible(tmp_path, default_model_dir):
         b = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     with LLM(str(path), max_model_len=128) as llm:
         c = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        other = llm.generate(prompts, SamplingParams(temperature=1.0, seed=99, max_tokens=16, ignore_eos=True))
+        other = llm.generate(
+            prompts, SamplingParams(temperature=1.0, seed=99, max_tokens=16, ignore_eos=True)
+        )
     assert a == b == c
     assert [o.outputs[0].token_ids for o in other] != a
 
@@ -124,7 +131,9 @@ def test_default_model_generates_text(default_model_dir):
     with LLM() as llm:
         out = llm.generate(["Once upon a time", "The engine"], SamplingParams(temperature=0, max_tokens=8))
         chat = llm.chat([{"role": "user", "content": "Hello!"}], SamplingParams(temperature=0, max_tokens=8))
-        n2 = llm.generate("Hi", SamplingParams(temperature=1.0, n=2, seed=3, max_tokens=8, ignore_eos=True))[0]
+        n2 = llm.generate("Hi", SamplingParams(temperature=1.0, n=2, seed=3, max_tokens=8, ignore_eos=True))[
+            0
+        ]
     assert [o.prompt for o in out] == ["Once upon a time", "The engine"]
     assert all(o.finished and 1 <= len(o.outputs[0].token_ids) <= 8 for o in out)
     assert all(isinstance(o.outputs[0].text, str) for o in out)

@@ -16,15 +16,24 @@ def add_subparser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="Generate text offline from prompts.", description=DESCRIPTION)
     p.add_argument("prompts", nargs="*", metavar="PROMPT", help="Prompt text (several allowed).")
     p.add_argument("--prompts-file", help="Read more prompts from this file, one per line.")
-    p.add_argument("--chat", action="store_true", help="Wrap each prompt as a user message in the chat template.")
+    p.add_argument(
+        "--chat", action="store_true", help="Wrap each prompt as a user message in the chat template."
+    )
     s = p.add_argument_group("SamplingParams")
     s.add_argument("--max-tokens", type=int, default=64, help="Tokens to generate per prompt (default 64).")
-    s.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the model's generation_config, else 1.0).")
+    s.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="0 = greedy (default: the model's generation_config, else 1.0).",
+    )
     s.add_argument("--top-p", type=float, default=None)
     s.add_argument("--top-k", type=int, default=None)
     s.add_argument("--min-p", type=float, default=None)
     s.add_argument("--n", type=int, default=1, help="Completions per prompt.")
-    s.add_argument("--sampling-seed", type=int, default=None, help="Per-request seed for reproducible sampling.")
+    s.add_argument(
+        "--sampling-seed", type=int, default=None, help="Per-request seed for reproducible sampling."
+    )
     s.add_argument("--stop", action="append", default=None, help="Stop string (repeatable).")
     s.add_argument("--ignore-eos", action="store_true", help="Keep generating past EOS.")
     EngineArgs.add_cli_args(p)
@@ -73,7 +82,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(str(e))
     with llm:
         defaults = llm.get_default_sampling_params()
-        values = {f: getattr(defaults, f) for f in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+        values = {
+            f: getattr(defaults, f) for f in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+        }
         values.update(overrides)
         try:
             params = SamplingParams(
@@ -84,7 +95,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error(f"{flag.get(field, field)}: {e}")
         try:
             if args.chat:
-                outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=_progress(len(prompts)))
+                outputs = llm.chat(
+                    [[{"role": "user", "content": p}] for p in prompts],
+                    params,
+                    use_tqdm=_progress(len(prompts)),
+                )
             else:
                 outputs = llm.generate(prompts, params, use_tqdm=_progress(len(prompts)))
         except ValueError as e:

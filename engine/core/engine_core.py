@@ -13,7 +13,6 @@ capacity, and only then builds the ``Scheduler`` over that many blocks.
 
 from __future__ import annotations
 
-
 from engine.config import EngineConfig
 from engine.core.messages import EngineCoreOutputs, EngineCoreRequest
 from engine.executor.abstract import Executor
@@ -40,7 +39,9 @@ class EngineCore:
         ValueError: the KV cache cannot hold one ``max_model_len`` request.
     """
 
-    def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None, log_stats: bool = True):
+    def __init__(
+        self, config: EngineConfig, executor_class: type[Executor] | None = None, log_stats: bool = True
+    ):
         with stage(catalogue.ENGINE_CORE_INIT):
             self.config = config
             self.log_stats = log_stats
@@ -119,10 +120,16 @@ class EngineCore:
             with stage(catalogue.SCHEDULER_SCHEDULE) as sched_span:
                 scheduler_output = self.scheduler.schedule()
                 num_running, num_waiting = self.scheduler.get_request_counts()
-                sched_span.set(catalogue.ATTR_STEP_NUM_SCHEDULED_TOKENS, scheduler_output.total_num_scheduled_tokens)
-                sched_span.set(catalogue.ATTR_STEP_TOKEN_BUDGET, self.config.scheduler_config.max_num_batched_tokens)
+                sched_span.set(
+                    catalogue.ATTR_STEP_NUM_SCHEDULED_TOKENS, scheduler_output.total_num_scheduled_tokens
+                )
+                sched_span.set(
+                    catalogue.ATTR_STEP_TOKEN_BUDGET, self.config.scheduler_config.max_num_batched_tokens
+                )
                 sched_span.set(catalogue.ATTR_STEP_NUM_NEW_REQS, len(scheduler_output.scheduled_new_reqs))
-                sched_span.set(catalogue.ATTR_STEP_NUM_CACHED_REQS, scheduler_output.scheduled_cached_reqs.num_reqs)
+                sched_span.set(
+                    catalogue.ATTR_STEP_NUM_CACHED_REQS, scheduler_output.scheduled_cached_reqs.num_reqs
+                )
                 sched_span.set(catalogue.ATTR_STEP_NUM_PREEMPTED, len(scheduler_output.preempted_req_ids))
                 sched_span.set(catalogue.ATTR_STEP_NUM_RUNNING, num_running)
                 sched_span.set(catalogue.ATTR_STEP_NUM_WAITING, num_waiting)
@@ -136,5 +143,3 @@ class EngineCore:
     def shutdown(self) -> None:
         with stage(catalogue.ENGINE_CORE_SHUTDOWN):
             self.model_executor.shutdown()
-
-

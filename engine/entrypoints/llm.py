@@ -69,7 +69,9 @@ class LLM:
             status_file=str(run_dirs.status_file(self.run_dir, "LLM")),
         )
         try:
-            with stage(catalogue.LLM_INIT, **{catalogue.ATTR_MODEL_NAME: self.config.model_config.served_model_name}):
+            with stage(
+                catalogue.LLM_INIT, **{catalogue.ATTR_MODEL_NAME: self.config.model_config.served_model_name}
+            ):
                 run_dirs.write_manifest(
                     self.run_dir,
                     mode="inproc",
@@ -124,7 +126,9 @@ class LLM:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = (
-            [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+            [sampling_params] * len(prompts)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
         )
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
@@ -151,11 +155,15 @@ class LLM:
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
-            apply_chat_template(self.tokenizer, conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template)
+            apply_chat_template(
+                self.tokenizer, conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+            )
             for conv in conversations
         ]
         # The template already holds the special tokens; do not add a second BOS.
-        token_prompts = [{"prompt_token_ids": self.tokenizer.encode(p, add_special_tokens=False)} for p in prompts]
+        token_prompts = [
+            {"prompt_token_ids": self.tokenizer.encode(p, add_special_tokens=False)} for p in prompts
+        ]
         outputs = self.generate(token_prompts, sampling_params, use_tqdm=use_tqdm)
         for out, text in zip(outputs, prompts):
             out.prompt = text
@@ -217,7 +225,9 @@ class LLM:
                 self.engine_core.add_request(req)
         return [request_id for request_id, _ in prepared]
 
-    def _run_engine(self, request_ids: list[str], use_tqdm: bool | Callable[[int, int], None]) -> list[RequestOutput]:
+    def _run_engine(
+        self, request_ids: list[str], use_tqdm: bool | Callable[[int, int], None]
+    ) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         total = len(request_ids)
         progress = _Progress(total, use_tqdm)
@@ -232,7 +242,11 @@ class LLM:
                     if out.finished:
                         finished[out.request_id] = out
                         progress.advance(len(finished))
-                idle_steps = 0 if outputs.outputs or getattr(self.engine_core, "last_step_executed", True) else idle_steps + 1
+                idle_steps = (
+                    0
+                    if outputs.outputs or getattr(self.engine_core, "last_step_executed", True)
+                    else idle_steps + 1
+                )
                 if idle_steps > MAX_IDLE_STEPS:
                     raise RuntimeError(
                         f"the engine made no progress for {MAX_IDLE_STEPS} steps with "
@@ -286,5 +300,3 @@ class _Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()
-
-

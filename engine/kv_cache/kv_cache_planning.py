@@ -44,7 +44,9 @@ def check_enough_kv_cache_memory(config: EngineConfig, spec: FullAttentionSpec, 
         )
 
 
-def get_kv_cache_config(config: EngineConfig, spec: FullAttentionSpec, available_bytes: list[int]) -> KVCacheConfig:
+def get_kv_cache_config(
+    config: EngineConfig, spec: FullAttentionSpec, available_bytes: list[int]
+) -> KVCacheConfig:
     """Size the cache from each worker's budget (the minimum wins).
 
     Raises:
