@@ -17,15 +17,22 @@ import sys
 from engine import __version__
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a bad value is one line (no usage block): ``prog: error: --flag: ...``."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _make_parser() -> argparse.ArgumentParser:
     from engine.cli import generate
 
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="glassbox",
         description="Glassbox: a see-through LLM serving engine (the vLLM V1 architecture, watchable).",
     )
     parser.add_argument("--version", action="version", version=f"glassbox {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=ArgumentParser)
     generate.add_subparser(sub)
     return parser
 
