@@ -212,8 +212,11 @@ class CacheConfig:
 class ParallelConfig:
     """How the model is split across workers (``world_size = tp × pp``) and engines (dp).
 
-    This version runs one worker inside one engine core; larger sizes are validated and
-    rejected with a clear message until the multiprocess executor exists.
+    ``distributed_executor_backend``: "mp" runs each worker in its own process (the default,
+    so the whole tree can be watched — vLLM defaults to "uni" at world size 1); "uni" keeps
+    the single worker inside the engine core. With ``GLASSBOX_ENABLE_MULTIPROCESSING=0`` the
+    default is "uni": everything in the caller's process.
+    Tensor, pipeline and data parallel sizes above 1 are validated and refused for now.
     """
 
     tensor_parallel_size: int = 1
@@ -226,7 +229,9 @@ class ParallelConfig:
         _positive_int("--pipeline-parallel-size", self.pipeline_parallel_size, allow_none=False)
         _positive_int("--data-parallel-size", self.data_parallel_size, allow_none=False)
         if self.distributed_executor_backend is None:
-            self.distributed_executor_backend = "uni" if self.world_size == 1 else "mp"
+            from engine import envs
+
+            self.distributed_executor_backend = "mp" if envs.GLASSBOX_ENABLE_MULTIPROCESSING else "uni"
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ConfigError(
                 "--distributed-executor-backend",
@@ -240,10 +245,6 @@ class ParallelConfig:
         ):
             if value != 1:
                 raise ConfigError(flag, value, "only 1 is supported in this version")
-        if self.distributed_executor_backend == "mp":
-            raise ConfigError(
-                "--distributed-executor-backend", "mp", "only 'uni' is supported in this version"
-            )
 
     @property
     def world_size(self) -> int:

@@ -67,6 +67,35 @@ ENV_VARS: dict[str, EnvVar] = {
             "Where run directories are created (default: $XDG_RUNTIME_DIR, else the temp dir).",
         ),
         EnvVar(
+            "GLASSBOX_ENABLE_MULTIPROCESSING",
+            _bool,
+            True,
+            "1: the offline LLM runs the engine core in its own process (SyncMPClient); 0: in the "
+            "caller's process (InprocClient), for repeatable debugging (vLLM: "
+            "VLLM_ENABLE_V1_MULTIPROCESSING).",
+        ),
+        EnvVar(
+            "GLASSBOX_ENGINE_READY_TIMEOUT_S",
+            float,
+            600.0,
+            "Deadline, in seconds, for the engine core to say READY after it was started; the "
+            "expiry message names the late process and its stage (vLLM: VLLM_ENGINE_READY_TIMEOUT_S).",
+        ),
+        EnvVar(
+            "GLASSBOX_EXECUTE_MODEL_TIMEOUT_S",
+            float,
+            300.0,
+            "Deadline, in seconds, for the workers to answer one execute_model or collective_rpc "
+            "call (vLLM: VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS).",
+        ),
+        EnvVar(
+            "GLASSBOX_MQ_TIMEOUT_S",
+            float,
+            300.0,
+            "Deadline, in seconds, of one wait on the shared-memory broadcast queue; the expiry "
+            "message names the reader that is behind.",
+        ),
+        EnvVar(
             "GLASSBOX_DEFAULT_WAIT_TIMEOUT_S",
             float,
             300.0,

@@ -151,6 +151,19 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                 merged.append(t)
         self.all_stop_token_ids = merged
 
+    @classmethod
+    def from_generation_config(cls, generation_config: dict[str, Any], **overrides: Any) -> SamplingParams:
+        """vLLM's defaults, then the model's ``generation_config.json`` values, then ``overrides``.
+
+        vLLM: ``ModelConfig.get_diff_sampling_param`` feeding ``LLM.get_default_sampling_params``.
+        """
+        keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+        values = {k: generation_config[k] for k in keys if generation_config.get(k) is not None}
+        if generation_config.get("do_sample") is False:
+            values["temperature"] = 0.0
+        values.update(overrides)
+        return cls(**values)
+
     def clone(self) -> SamplingParams:
         """A deep copy (used to fan out ``n`` child requests)."""
         return msgspec.structs.replace(

@@ -24,14 +24,16 @@ START_UP = [
 ]
 
 
-def test_start_up_stages_in_order_with_parents_and_step_phases():
+def test_start_up_stages_in_order_with_parents_and_step_phases(monkeypatch):
+    # In-process, so the in-memory exporter sees the worker's stages too.
+    monkeypatch.setenv("GLASSBOX_ENABLE_MULTIPROCESSING", "0")
     tracing.setup_tracing("test", in_memory=True)
     try:
         with LLM(max_model_len=128) as llm:
             llm.generate(
                 ["a b c", "d"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False
             )
-            steps_run = llm.engine_core.engine_core.step_counter
+            steps_run = llm.engine_core.call_utility("get_scheduler_stats").step_counter
         spans = tracing.get_finished_spans()
     finally:
         tracing.shutdown_tracing()
@@ -82,7 +84,8 @@ def test_trace_file_gets_one_json_line_per_span(tmp_path):
     } <= names
 
 
-def test_status_file_names_the_stage_and_run_dir_is_removed():
+def test_status_file_names_the_stage_and_run_dir_is_removed(monkeypatch):
+    monkeypatch.setenv("GLASSBOX_ENABLE_MULTIPROCESSING", "0")
     seen = {}
 
     def hook(event, name, attrs):

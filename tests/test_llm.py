@@ -18,6 +18,13 @@ from engine import LLM, SamplingParams
 MAX_NEW = 12
 
 
+@pytest.fixture(autouse=True)
+def _in_process(monkeypatch):
+    # Equivalence with transformers is about the model and the scheduler: run the engine in
+    # this process (InprocClient); test_process_tree.py checks the tree gives the same tokens.
+    monkeypatch.setenv("GLASSBOX_ENABLE_MULTIPROCESSING", "0")
+
+
 def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     """10 prompts of mixed lengths; two share a 40-token prefix, one is 32 tokens (block-aligned)."""
     rng = random.Random(seed)
@@ -61,10 +68,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 def _run(path, prompts, max_model_len=256, **engine_kwargs):
     with LLM(str(path), max_model_len=max_model_len, **engine_kwargs) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-        stats = llm.engine_core.engine_core.scheduler.make_stats()
-        free = llm.engine_core.engine_core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
-        total = llm.engine_core.engine_core.kv_cache_config.num_blocks
-    return [list(o.outputs[0].token_ids) for o in outputs], stats, free, total
+        stats = llm.engine_core.call_utility("get_scheduler_stats")
+        kv = llm.engine_core.call_utility("get_kv_cache_info")
+    return [list(o.outputs[0].token_ids) for o in outputs], stats, kv["num_free_blocks"], kv["num_blocks"]
 
 
 def test_greedy_equals_transformers(checkpoint):
@@ -102,7 +108,7 @@ def test_block_aligned_prompt_sent_twice_hits_cache(tmp_path, default_model_dir)
     with LLM(str(path), max_model_len=128) as llm:
         first = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0]
         second = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0]
-        stats = llm.engine_core.engine_core.scheduler.make_stats()
+        stats = llm.engine_core.call_utility("get_scheduler_stats")
     assert list(first.outputs[0].token_ids) == reference
     assert list(second.outputs[0].token_ids) == reference
     # The whole prompt is cached, but the last token is always recomputed: the hit stops

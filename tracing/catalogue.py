@@ -168,6 +168,18 @@ LLM_INIT = _span(
     "The offline LLM constructor: config, tokenizer, engine (vLLM: LLM.__init__).",
     (ATTR_MODEL_NAME,),
 )
+PROCESS_SPAWN = _span(
+    "process.spawn",
+    LIFECYCLE,
+    "Start one child process (engine core or worker): a fresh interpreter titled glassbox::<role>.",
+    (ATTR_ROLE, ATTR_PID, ATTR_RANK),
+)
+ENGINE_CORE_HANDSHAKE = _span(
+    "engine_core.handshake",
+    LIFECYCLE,
+    "Frontend side of start-up: spawn the engine core, wait for HELLO then READY (one deadline).",
+    (ATTR_KV_NUM_BLOCKS,),
+)
 ENGINE_CORE_INIT = _span(
     "engine_core.init",
     LIFECYCLE,

@@ -53,27 +53,31 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error(f"--prompts-file: {e}")
     if not prompts:
         parser.error("give at least one PROMPT (or --prompts-file)")
-    try:
-        with stage(catalogue.CLI_VALIDATE_CONFIG):
-            engine_args = EngineArgs.from_cli_args(args)
-            engine_args.create_engine_config()  # validate before anything heavy loads
-            from engine.sampling_params import SamplingParams
+    flags = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p",
+             "seed": "--sampling-seed", "max_tokens": "--max-tokens", "n": "--n", "stop": "--stop"}  # fmt: skip
+    # Validate everything — engine flags and sampling flags — before starting the engine.
+    with stage(catalogue.CLI_VALIDATE_CONFIG):
+        engine_args = EngineArgs.from_cli_args(args)
+        try:
+            config = engine_args.create_engine_config()
+        except ConfigError as e:
+            parser.error(str(e))
+        from engine.sampling_params import SamplingParams
 
-            overrides = {
-                k: v
-                for k, v in {
-                    "temperature": args.temperature,
-                    "top_p": args.top_p,
-                    "top_k": args.top_k,
-                    "min_p": args.min_p,
-                    "seed": args.sampling_seed,
-                }.items()
-                if v is not None
-            }
-            flag = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p",
-                    "seed": "--sampling-seed", "max_tokens": "--max-tokens", "n": "--n"}  # fmt: skip
-    except ConfigError as e:
-        parser.error(str(e))
+        sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
+                    "seed": args.sampling_seed}  # fmt: skip
+        try:
+            params = SamplingParams.from_generation_config(
+                config.model_config.generation_config,
+                max_tokens=args.max_tokens,
+                n=args.n,
+                stop=args.stop,
+                ignore_eos=args.ignore_eos,
+                **{k: v for k, v in sampling.items() if v is not None},
+            )
+        except ValueError as e:
+            field = str(e).split(" ", 1)[0]
+            parser.error(f"{flags.get(field, field)}: {e}")
     from engine.entrypoints.llm import LLM
 
     try:
@@ -81,25 +85,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except ValueError as e:  # e.g. the KV budget cannot hold one request
         parser.error(str(e))
     with llm:
-        defaults = llm.get_default_sampling_params()
-        values = {
-            f: getattr(defaults, f) for f in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-        }
-        values.update(overrides)
-        try:
-            params = SamplingParams(
-                max_tokens=args.max_tokens, n=args.n, stop=args.stop, ignore_eos=args.ignore_eos, **values
-            )
-        except ValueError as e:
-            field = str(e).split(" ", 1)[0]
-            parser.error(f"{flag.get(field, field)}: {e}")
         try:
             if args.chat:
-                outputs = llm.chat(
-                    [[{"role": "user", "content": p}] for p in prompts],
-                    params,
-                    use_tqdm=_progress(len(prompts)),
-                )
+                conversations = [[{"role": "user", "content": p}] for p in prompts]
+                outputs = llm.chat(conversations, params, use_tqdm=_progress(len(prompts)))
             else:
                 outputs = llm.generate(prompts, params, use_tqdm=_progress(len(prompts)))
         except ValueError as e:

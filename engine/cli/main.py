@@ -4,6 +4,8 @@ Subcommands (more arrive with the process tree and the API server):
 
 - ``glassbox generate PROMPT...`` — run prompts through the offline ``LLM`` and print the
   completions (vLLM has no exact twin; it is ``LLM.generate`` from a shell).
+- ``glassbox ps`` — list running instances from their run directories: each process's
+  role, pid, stage, uptime and memory, and the found/expected process count.
 
 Flags are ``vllm serve``'s engine flags. The config is validated before anything heavy is
 imported; a bad value prints one line naming the flag and exits with status 2.
@@ -25,7 +27,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def _make_parser() -> argparse.ArgumentParser:
-    from engine.cli import generate
+    from engine.cli import generate, ps
 
     parser = ArgumentParser(
         prog="glassbox",
@@ -34,6 +36,7 @@ def _make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"glassbox {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=ArgumentParser)
     generate.add_subparser(sub)
+    ps.add_subparser(sub)
     return parser
 
 

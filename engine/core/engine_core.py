@@ -40,13 +40,17 @@ class EngineCore:
     """
 
     def __init__(
-        self, config: EngineConfig, executor_class: type[Executor] | None = None, log_stats: bool = True
+        self,
+        config: EngineConfig,
+        executor_class: type[Executor] | None = None,
+        log_stats: bool = True,
+        run_dir: str | None = None,
     ):
         with stage(catalogue.ENGINE_CORE_INIT):
             self.config = config
             self.log_stats = log_stats
             executor_class = executor_class or Executor.get_class(config)
-            self.model_executor = executor_class(config)
+            self.model_executor = executor_class(config, run_dir=run_dir)
             self.kv_cache_config = self._initialize_kv_caches()
             self.scheduler = Scheduler(
                 config.scheduler_config,
@@ -139,6 +143,15 @@ class EngineCore:
                 outputs = self.scheduler.update_from_output(scheduler_output, model_output)
             st.set(catalogue.ATTR_KV_USAGE, self.scheduler.kv_cache_manager.usage)
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
+
+    # Utility calls (the frontend reaches these through ``call_utility``).
+
+    def get_scheduler_stats(self):
+        return self.scheduler.make_stats()
+
+    def get_kv_cache_info(self) -> dict[str, int]:
+        pool = self.scheduler.kv_cache_manager.block_pool
+        return {"num_blocks": self.kv_cache_config.num_blocks, "num_free_blocks": pool.get_num_free_blocks()}
 
     def shutdown(self) -> None:
         with stage(catalogue.ENGINE_CORE_SHUTDOWN):

@@ -23,6 +23,8 @@ class EngineCoreRequestType(enum.Enum):
     ABORT = b"\x01"
     START_DP_WAVE = b"\x02"
     UTILITY = b"\x03"
+    # Internal: put on the engine core's own input queue when a worker died.
+    EXECUTOR_FAILED = b"\x04"
 
 
 class EngineCoreRequest(msgspec.Struct, kw_only=True):
@@ -81,3 +83,30 @@ class EngineCoreOutputs(msgspec.Struct, kw_only=True):
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = msgspec.field(default_factory=time.monotonic)
     finished_requests: set[str] | None = None
+
+
+class EngineHandshake(msgspec.Struct, kw_only=True):
+    """Start-up messages from an engine core to its frontend.
+
+    HELLO is sent as soon as the engine core's sockets are connected (nothing heavy has
+    happened yet); READY once its workers are up and the KV cache is sized, carrying what
+    only the worker could resolve (device, dtype) and the number of KV blocks.
+    """
+
+    kind: str  # "HELLO" | "READY"
+    role: str
+    pid: int
+    data_parallel_rank: int = 0
+    num_gpu_blocks: int = 0
+    device: str = ""
+    dtype: str = ""
+    max_model_len: int = 0
+
+
+# Frame tags on the engine → frontend socket (the first frame of each multipart message).
+TAG_HANDSHAKE = b"H"
+TAG_OUTPUTS = b"O"
+TAG_UTILITY = b"U"
+# A lone frame the engine core sends when it dies (vLLM: ``EngineCoreProc.ENGINE_CORE_DEAD``),
+# followed by a frame with the root-cause block.
+ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from engine import envs
 from engine.engine_args import EngineArgs
 from engine.frontend.core_client import EngineCoreClient
 from engine.frontend.input_processor import InputProcessor
@@ -72,32 +74,27 @@ class LLM:
             with stage(
                 catalogue.LLM_INIT, **{catalogue.ATTR_MODEL_NAME: self.config.model_config.served_model_name}
             ):
+                multiprocess = envs.GLASSBOX_ENABLE_MULTIPROCESSING
                 run_dirs.write_manifest(
-                    self.run_dir,
-                    mode="inproc",
-                    roles=[{"role": "LLM", "pid": _pid()}],
-                    expected_process_count=1,
+                    self.run_dir, **run_dirs.plan_tree(self.config, multiprocess, frontend_role="LLM")
                 )
                 self.tokenizer = get_tokenizer(self.config.model_config.tokenizer)
                 self.input_processor = InputProcessor(self.config.model_config, self.tokenizer)
                 self.output_processor = OutputProcessor(self.tokenizer, log_stats=False)
-                self.engine_core = EngineCoreClient.make_client(self.config)
+                self.engine_core = EngineCoreClient.make_client(self.config, self.run_dir, multiprocess)
         except BaseException:
             run_dirs.remove_run_dir(self.run_dir)
             raise
+        # Stops the tree and removes the run directory at shutdown(), when the LLM is
+        # garbage-collected, or at interpreter exit — whichever comes first.
+        self._finalizer = weakref.finalize(self, _shutdown_engine, self.engine_core, self.run_dir)
         self.request_counter = itertools.count()
 
     # ----------------------------------------------------------------- public API
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's defaults, overridden by the model's ``generation_config.json`` values."""
-        gen = self.config.model_config.generation_config
-        keys = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                "repetition_penalty": "repetition_penalty"}  # fmt: skip
-        overrides = {ours: gen[theirs] for ours, theirs in keys.items() if gen.get(theirs) is not None}
-        if gen.get("do_sample") is False:
-            overrides["temperature"] = 0.0
-        return SamplingParams(**overrides)
+        return SamplingParams.from_generation_config(self.config.model_config.generation_config)
 
     def generate(
         self,
@@ -174,23 +171,13 @@ class LLM:
         if self._closed:
             return
         self._closed = True
-        try:
-            self.engine_core.shutdown()
-        finally:
-            run_dirs.remove_run_dir(self.run_dir)
+        self._finalizer()
 
     def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-    def __del__(self) -> None:
-        try:
-            if not self._closed:
-                run_dirs.remove_run_dir(self.run_dir)
-        except Exception:
-            pass
 
     # ----------------------------------------------------------------- internals
 
@@ -263,16 +250,17 @@ class LLM:
         return [finished[rid] for rid in request_ids]
 
 
+def _shutdown_engine(engine_core: EngineCoreClient, run_dir) -> None:
+    try:
+        engine_core.shutdown()
+    finally:
+        run_dirs.remove_run_dir(run_dir)
+
+
 def _prompt_text(prompt: PromptType) -> str | None:
     if isinstance(prompt, str):
         return prompt
     return prompt.get("prompt") if isinstance(prompt, dict) else None
-
-
-def _pid() -> int:
-    import os
-
-    return os.getpid()
 
 
 class _Progress:

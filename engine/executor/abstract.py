@@ -25,8 +25,10 @@ class Executor(ABC):
         ValueError: unknown ``distributed_executor_backend``.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, run_dir: str | None = None) -> None:
         self.config = config
+        # Where multiprocess executors keep their queues and workers their status files.
+        self.run_dir = run_dir
         # Set by init_device on every worker; the driver's copy is reported to the frontend.
         self.device_info: dict[str, str] = {}
         self._init_executor()
@@ -38,6 +40,10 @@ class Executor(ABC):
             from engine.executor.uniproc_executor import UniProcExecutor
 
             return UniProcExecutor
+        if backend == "mp":
+            from engine.executor.multiproc_executor import MultiprocExecutor
+
+            return MultiprocExecutor
         raise ValueError(f"distributed_executor_backend {backend!r} is not available in this version")
 
     @abstractmethod
@@ -71,6 +77,10 @@ class Executor(ABC):
 
     def check_health(self) -> None:
         self.collective_rpc("check_health")
+
+    def register_failure_callback(self, callback) -> None:
+        """Call ``callback(error)`` when a worker dies (executors with worker processes)."""
+        self.failure_callback = callback
 
     @abstractmethod
     def shutdown(self) -> None:

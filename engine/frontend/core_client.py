@@ -1,19 +1,52 @@
 """Clients through which the frontend talks to the engine core.
 
 Mirrors vLLM's ``vllm/v1/engine/core_client.py``. The frontend never touches the engine
-core's internals: it adds requests, aborts them and asks for outputs through an
-``EngineCoreClient``. ``InprocClient`` (``GLASSBOX_ENABLE_MULTIPROCESSING=0`` once the
-process tree exists) holds the ``EngineCore`` in the caller's process and steps it on each
-``get_output()``; ``SyncMPClient`` and ``AsyncMPClient`` (next versions) talk to an engine
-core process over ZMQ with the same three verbs.
+core's internals: it adds requests, aborts them, asks for outputs and makes utility calls
+through an ``EngineCoreClient``:
+
+- ``InprocClient`` (``GLASSBOX_ENABLE_MULTIPROCESSING=0``): the ``EngineCore`` lives in the
+  caller's process and ``get_output()`` runs one ``step()``.
+- ``SyncMPClient`` (the offline default): the engine core runs in its own process
+  (``EngineCoreProc``); requests go out on a ROUTER socket, outputs come back on a PULL
+  socket, both bound by this client on ``ipc://`` paths in the run directory.
+- ``AsyncMPClient`` (the API server's) arrives with ``glassbox serve``.
 """
 
 from __future__ import annotations
 
+import itertools
+import json
+import pickle
+import time
 from abc import ABC, abstractmethod
+from collections import deque
+from pathlib import Path
+from typing import Any
 
+import msgspec
+import zmq
+
+from engine import envs
 from engine.config import EngineConfig
-from engine.core.messages import EngineCoreOutputs, EngineCoreRequest
+from engine.core.messages import (
+    ENGINE_CORE_DEAD,
+    TAG_HANDSHAKE,
+    TAG_OUTPUTS,
+    TAG_UTILITY,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    EngineHandshake,
+)
+from engine.logger import init_logger
+from engine.utils import processes
+from engine.utils import run_dir as run_dirs
+from engine.utils.processes import EngineDeadError
+
+logger = init_logger(__name__)
+
+# One bounded wait on the output socket; between waits the client checks the engine is alive.
+POLL_MS = 100
 
 
 class EngineCoreClient(ABC):
@@ -24,8 +57,12 @@ class EngineCoreClient(ABC):
     num_gpu_blocks: int
 
     @staticmethod
-    def make_client(config: EngineConfig) -> EngineCoreClient:
-        return InprocClient(config)
+    def make_client(
+        config: EngineConfig, run_dir: Path, multiprocess_mode: bool | None = None
+    ) -> EngineCoreClient:
+        if multiprocess_mode is None:
+            multiprocess_mode = envs.GLASSBOX_ENABLE_MULTIPROCESSING
+        return SyncMPClient(config, run_dir) if multiprocess_mode else InprocClient(config, run_dir)
 
     @abstractmethod
     def add_request(self, request: EngineCoreRequest) -> None: ...
@@ -38,16 +75,20 @@ class EngineCoreClient(ABC):
         """The next batch of outputs (in-process: runs one engine step to make it)."""
 
     @abstractmethod
+    def call_utility(self, method: str, *args: Any) -> Any:
+        """Run ``EngineCore.<method>(*args)`` where the engine lives; return its result."""
+
+    @abstractmethod
     def shutdown(self) -> None: ...
 
 
 class InprocClient(EngineCoreClient):
     """The engine core in the caller's process; ``get_output`` runs one ``step()``."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, run_dir: Path | None = None) -> None:
         from engine.core.engine_core import EngineCore
 
-        self.engine_core = EngineCore(config)
+        self.engine_core = EngineCore(config, run_dir=str(run_dir) if run_dir else None)
         self.device_info = self.engine_core.model_executor.device_info
         self.num_gpu_blocks = self.engine_core.kv_cache_config.num_blocks
         self.last_step_executed = False
@@ -63,5 +104,238 @@ class InprocClient(EngineCoreClient):
         outputs, self.last_step_executed = self.engine_core.step()
         return outputs.get(0) or EngineCoreOutputs()
 
+    def call_utility(self, method: str, *args: Any) -> Any:
+        return getattr(self.engine_core, method)(*args)
+
     def shutdown(self) -> None:
         self.engine_core.shutdown()
+
+
+class SyncMPClient(EngineCoreClient):
+    """The engine core in its own process, driven synchronously (the offline ``LLM``'s client).
+
+    Start-up waits for HELLO then READY under one deadline
+    (``GLASSBOX_ENGINE_READY_TIMEOUT_S``); on expiry the error names the late process and
+    the stage it is in (from the status files). Every later wait is a bounded poll that
+    checks the engine process is alive between polls.
+
+    Raises:
+        EngineDeadError: the engine core (or a worker) died; ``root_cause`` says which.
+        TimeoutError: start-up took longer than the deadline.
+    """
+
+    def __init__(self, config: EngineConfig, run_dir: Path) -> None:
+        self.config = config
+        self.run_dir = run_dir
+        self.ctx = zmq.Context()
+        self.input_address = f"ipc://{run_dir}/in.sock"
+        self.output_address = f"ipc://{run_dir}/out.sock"
+        self.input_socket = self.ctx.socket(zmq.ROUTER)
+        self.input_socket.setsockopt(zmq.LINGER, 0)
+        self.input_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.input_socket.bind(self.input_address)
+        self.output_socket = self.ctx.socket(zmq.PULL)
+        self.output_socket.setsockopt(zmq.LINGER, 0)
+        self.output_socket.bind(self.output_address)
+        self.engine_identity = (0).to_bytes(2, "little")
+        self.encoder = msgspec.msgpack.Encoder()
+        self.outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        self.pending: deque[EngineCoreOutputs] = deque()
+        self.utility_results: dict[int, tuple[bool, Any]] = {}
+        self.call_ids = itertools.count()
+        self.dead: EngineDeadError | None = None
+        self.engine_proc: processes.ChildProcess | None = None
+        self._closed = False
+        try:
+            self._launch_and_wait_ready()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ------------------------------------------------------------------ start-up
+
+    def _launch_and_wait_ready(self) -> None:
+        from tracing import catalogue, stage
+        from tracing.propagation import inject_trace_headers
+
+        with stage(catalogue.ENGINE_CORE_HANDSHAKE) as st:
+            payload = {
+                "config": self.config,
+                "input_address": self.input_address,
+                "output_address": self.output_address,
+                "data_parallel_rank": 0,
+                "trace_headers": inject_trace_headers(),
+            }
+            self.engine_proc = processes.spawn_process(
+                "EngineCore_DP0",
+                "engine.core.engine_core_proc:EngineCoreProc.run_engine_core",
+                payload,
+                self.run_dir,
+            )
+            timeout = envs.GLASSBOX_ENGINE_READY_TIMEOUT_S
+            deadline = time.monotonic() + timeout
+            seen_hello = False
+            while True:
+                msg = self._recv(deadline, during_startup=True)
+                if msg is None:
+                    raise TimeoutError(self._startup_timeout_message(timeout, seen_hello))
+                tag, frames = msg
+                if tag != TAG_HANDSHAKE:
+                    continue
+                hs = msgspec.msgpack.decode(frames[0], type=EngineHandshake)
+                if hs.kind == "HELLO":
+                    seen_hello = True
+                    logger.debug("engine core %s (pid %d) said HELLO", hs.role, hs.pid)
+                elif hs.kind == "READY":
+                    self.num_gpu_blocks = hs.num_gpu_blocks
+                    self.device_info = {"device": hs.device, "dtype": hs.dtype}
+                    st.set(catalogue.ATTR_KV_NUM_BLOCKS, hs.num_gpu_blocks)
+                    break
+            # The engine's DEALER announces itself once connected; wait for it so the first
+            # request cannot be dropped by the ROUTER.
+            self._await_engine_registration(deadline)
+
+    def _await_engine_registration(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            if self.input_socket.poll(POLL_MS):
+                self.input_socket.recv_multipart()
+                return
+            self._check_alive()
+        raise TimeoutError("the engine core never connected its input socket")
+
+    def _startup_timeout_message(self, timeout: float, seen_hello: bool) -> str:
+        late = describe_laggard(self.run_dir)
+        return (
+            f"The engine did not become ready within GLASSBOX_ENGINE_READY_TIMEOUT_S={timeout:g} s "
+            f"({'it said HELLO' if seen_hello else 'it never said HELLO'}). {late}"
+        )
+
+    # ------------------------------------------------------------------ messages
+
+    def _recv(self, deadline: float | None, during_startup: bool = False) -> tuple[bytes, list[bytes]] | None:
+        """One message from the engine, or None at the deadline. Raises EngineDeadError."""
+        while True:
+            if self.output_socket.poll(POLL_MS):
+                tag, *frames = self.output_socket.recv_multipart()
+                if tag == ENGINE_CORE_DEAD:
+                    self._mark_dead(*_dead_frames(frames))
+                return tag, frames
+            self._check_alive()
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+
+    def _check_alive(self) -> None:
+        if self.dead is not None:
+            raise self.dead
+        proc = self.engine_proc
+        if proc is not None and not proc.is_alive():
+            # Give a dying engine a moment to deliver its ENGINE_CORE_DEAD message.
+            if self.output_socket.poll(200):
+                tag, *frames = self.output_socket.recv_multipart()
+                if tag == ENGINE_CORE_DEAD:
+                    self._mark_dead(*_dead_frames(frames))
+            self._mark_dead(None)
+
+    def _mark_dead(self, root_cause: str | None, error: dict[str, Any] | None = None) -> None:
+        if self.dead is None:
+            proc = self.engine_proc
+            if root_cause is None and proc is not None:
+                root_cause = processes.format_root_cause(self.run_dir, proc.role, proc.pid, proc.poll())
+            self.dead = EngineDeadError(root_cause or "the engine core died")
+            if error and error.get("during_startup") and error.get("type") in ("ValueError", "ConfigError"):
+                # A bad setting found by the engine (e.g. a KV budget too small for one
+                # request) is the caller's error, reported as in-process: a ValueError.
+                logger.error("engine start-up failed:\n%s", root_cause)
+                raise ValueError(error["message"]) from self.dead
+        raise self.dead
+
+    def _send(self, request_type: EngineCoreRequestType, body: bytes) -> None:
+        if self.dead is not None:
+            raise self.dead
+        try:
+            self.input_socket.send_multipart([self.engine_identity, request_type.value, body], copy=False)
+        except zmq.ZMQError:
+            self._check_alive()
+            raise
+
+    # ------------------------------------------------------------------ client API
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._send(EngineCoreRequestType.ADD, self.encoder.encode(request))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids and self.dead is None:
+            self._send(EngineCoreRequestType.ABORT, self.encoder.encode(list(request_ids)))
+
+    def get_output(self) -> EngineCoreOutputs:
+        while not self.pending:
+            self._dispatch(self._recv(deadline=None))
+        return self.pending.popleft()
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        call_id = next(self.call_ids)
+        self._send(EngineCoreRequestType.UTILITY, pickle.dumps((call_id, method, args)))
+        deadline = time.monotonic() + envs.GLASSBOX_EXECUTE_MODEL_TIMEOUT_S
+        while call_id not in self.utility_results:
+            msg = self._recv(deadline)
+            if msg is None:
+                raise TimeoutError(f"utility call {method!r} got no answer in time")
+            self._dispatch(msg)
+        ok, result = self.utility_results.pop(call_id)
+        if not ok:
+            raise RuntimeError(f"engine utility {method!r} failed: {result}")
+        return result
+
+    def _dispatch(self, msg: tuple[bytes, list[bytes]] | None) -> None:
+        if msg is None:
+            return
+        tag, frames = msg
+        if tag == TAG_OUTPUTS:
+            self.pending.append(self.outputs_decoder.decode(frames[0]))
+        elif tag == TAG_UTILITY:
+            call_id, ok, result = pickle.loads(frames[0])
+            self.utility_results[call_id] = (ok, result)
+
+    def shutdown(self) -> None:
+        """Stop the engine core (and through it its workers) within a few seconds."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.engine_proc is not None:
+            self.engine_proc.stop(timeout=4.0)
+        self.input_socket.close(linger=0)
+        self.output_socket.close(linger=0)
+        self.ctx.term()
+
+
+def _dead_frames(frames: list[bytes]) -> tuple[str | None, dict[str, Any] | None]:
+    root = frames[0].decode() if frames else None
+    error = json.loads(frames[1]) if len(frames) > 1 else None
+    return root, error
+
+
+def describe_laggard(run_dir: Path) -> str:
+    """Name the process that holds start-up back, and the stage it is in (from status files).
+
+    The laggard is the deepest planned process (workers before the engine core) that has
+    not finished start-up; a planned process with no status file has not started at all.
+    """
+    from tracing import read_status_file
+
+    try:
+        roles = [r["role"] for r in run_dirs.read_manifest(run_dir).get("roles", [])]
+    except (OSError, ValueError):
+        roles = []
+    now = time.time()
+    for role in sorted(roles, key=lambda r: (not r.startswith("Worker"), r)):
+        if not (role.startswith("Worker") or role.startswith("EngineCore")):
+            continue
+        status = read_status_file(run_dirs.status_file(run_dir, role))
+        if status is None:
+            return f"{role} has not started (no status file in {run_dir})."
+        if status.get("stage"):
+            return (
+                f"{role} (pid {status.get('pid')}) has been in stage {status['stage']} for "
+                f"{now - status.get('entered_at', now):.1f} s."
+            )
+    return "No process reports a stage; see the log above."

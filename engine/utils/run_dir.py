@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -21,6 +22,9 @@ from pathlib import Path
 
 RUN_DIR_PREFIX = "glassbox-"
 MANIFEST = "manifest.json"
+STATUS_SUFFIX = ".status.json"
+# create_run_dir names a directory glassbox-<creator pid>-<random>.
+_RUN_DIR_NAME = re.compile(rf"^{re.escape(RUN_DIR_PREFIX)}(\d+)-")
 
 
 def run_dir_base() -> Path:
@@ -39,7 +43,36 @@ def create_run_dir() -> Path:
 
 def status_file(run_dir: Path, role: str) -> Path:
     """Where process ``role`` records its current stage."""
-    return run_dir / f"{role}.status.json"
+    return run_dir / f"{role}{STATUS_SUFFIX}"
+
+
+def status_files(run_dir: Path) -> dict[str, Path]:
+    """Every status file in ``run_dir``, by role (empty when the directory is gone)."""
+    try:
+        names = sorted(p.name for p in run_dir.iterdir())
+    except OSError:
+        return {}
+    return {n[: -len(STATUS_SUFFIX)]: run_dir / n for n in names if n.endswith(STATUS_SUFFIX)}
+
+
+def list_run_dirs(base: Path | None = None) -> list[Path]:
+    """Every run directory under ``base`` (default: ``run_dir_base()``), sorted by name.
+
+    Only directories named like ``create_run_dir`` names them are listed; a stale one
+    (its creator gone) is listed too — telling live from stale is the caller's job.
+    """
+    base = run_dir_base() if base is None else Path(base)
+    try:
+        entries = list(base.iterdir())
+    except OSError:  # no base yet: nothing ever ran here
+        return []
+    return sorted(p for p in entries if _RUN_DIR_NAME.match(p.name) and p.is_dir())
+
+
+def creator_pid(run_dir: Path) -> int | None:
+    """The pid of the process that created ``run_dir`` (from its name), or None."""
+    m = _RUN_DIR_NAME.match(Path(run_dir).name)
+    return int(m.group(1)) if m else None
 
 
 def write_manifest(run_dir: Path, **fields: object) -> None:
@@ -56,3 +89,32 @@ def read_manifest(run_dir: Path) -> dict:
 
 def remove_run_dir(run_dir: Path) -> None:
     shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def plan_tree(config, multiprocess: bool, frontend_role: str, api_server_count: int = 0) -> dict:
+    """The manifest fields of the planned process tree (roles, expected count).
+
+    Expected count = A + DP + N (+1 when DP > 1): A API servers, DP engine cores, N workers
+    (N = DP × PP × TP when the workers run in their own processes, else 0). An offline
+    ``LLM`` is not an API server, so it is not counted.
+    """
+    pc = config.parallel_config
+    dp, world = pc.data_parallel_size, pc.world_size
+    roles: list[dict] = [{"role": frontend_role, "kind": "api_server" if api_server_count else "frontend"}]
+    if not multiprocess:
+        return {"mode": "inproc", "frontend_pid": os.getpid(), "roles": roles, "expected_process_count": 1,
+                "api_server_count": 0, "data_parallel_size": dp, "world_size": world}  # fmt: skip
+    workers_in_processes = pc.distributed_executor_backend == "mp"
+    for k in range(dp):
+        roles.append({"role": f"EngineCore_DP{k}", "rank": k, "kind": "engine_core"})
+        if workers_in_processes:
+            for p in range(pc.pipeline_parallel_size):
+                for t in range(pc.tensor_parallel_size):
+                    roles.append({"role": f"Worker_DP{k}_PP{p}_TP{t}", "rank": p * pc.tensor_parallel_size + t,
+                                  "kind": "worker"})  # fmt: skip
+    if dp > 1:
+        roles.append({"role": "DPCoordinator", "kind": "dp_coordinator"})
+    expected = api_server_count + dp + (dp * world if workers_in_processes else 0) + (1 if dp > 1 else 0)
+    return {"mode": "serve" if api_server_count else "mp", "frontend_pid": os.getpid(), "roles": roles,
+            "expected_process_count": expected, "api_server_count": api_server_count,
+            "data_parallel_size": dp, "world_size": world}  # fmt: skip

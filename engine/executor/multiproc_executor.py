@@ -1,0 +1,266 @@
+"""``MultiprocExecutor``: one process per worker, fed through a shared-memory broadcast queue.
+
+Mirrors vLLM's ``vllm/v1/executor/multiproc_executor.py``::
+
+    engine core ──enqueue──▶ [rpc broadcast MessageQueue: 1 writer, N readers] ──▶ Worker_DP0_PP0_TP{0..N-1}
+    engine core ◀─dequeue── [one response MessageQueue per worker: 1 writer, 1 reader] ◀──┘
+
+``collective_rpc(method, args)`` pickles ``(method, args, kwargs, output_rank)`` once and
+broadcasts it; every worker runs it and (if it is asked to answer) replies on its own
+response queue. ``execute_model`` is the same call with only rank 0 answering. Every wait
+is bounded and, between waits, the executor checks that every worker is alive: a dead
+worker is noticed within ``DEATH_CHECK_S`` seconds, also when the engine is idle (a monitor
+thread), and turns into an ``EngineDeadError`` whose root cause names it.
+
+The queues are files in the run directory, so removing the run directory removes them.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from engine import envs
+from engine.executor.abstract import Executor
+from engine.executor.shm_broadcast import MessageQueue, MessageQueueTimeout
+from engine.logger import init_logger
+from engine.utils import processes
+from engine.utils import run_dir as run_dirs
+from engine.utils.processes import ChildProcess, EngineDeadError
+from tracing import catalogue, current_stage, read_status_file, setup_tracing, stage
+from tracing.propagation import attached_trace_context, inject_trace_headers
+
+logger = init_logger(__name__)
+
+# How often waits look up from the queue to check the workers are alive (seconds).
+DEATH_CHECK_S = 0.5
+READY = "READY"
+
+
+def worker_role(dp_rank: int, pp_rank: int, tp_rank: int) -> str:
+    return f"Worker_DP{dp_rank}_PP{pp_rank}_TP{tp_rank}"
+
+
+class MultiprocExecutor(Executor):
+    """Workers in their own processes (``--distributed-executor-backend mp``).
+
+    Raises:
+        EngineDeadError: a worker died (root cause names it).
+        TimeoutError: a worker did not answer within ``GLASSBOX_EXECUTE_MODEL_TIMEOUT_S``.
+        RuntimeError: a worker raised; the message carries its traceback.
+    """
+
+    def _init_executor(self) -> None:
+        if self.run_dir is None:
+            raise ValueError("MultiprocExecutor needs the run directory")
+        run_dir = Path(self.run_dir)
+        pc = self.config.parallel_config
+        self.world_size = pc.world_size
+        self.roles = [
+            worker_role(0, r // pc.tensor_parallel_size, r % pc.tensor_parallel_size)
+            for r in range(self.world_size)
+        ]
+        self.failure: EngineDeadError | None = None
+        self.failure_callback: Callable[[EngineDeadError], None] | None = None
+        self._shutting_down = False
+        self.workers: list[ChildProcess] = []
+        with stage(catalogue.EXECUTOR_INIT):
+            handle = MessageQueue.create(run_dir, "rpc", self.world_size, reader_names=self.roles)
+            self.rpc_broadcast_mq = MessageQueue.open_writer(handle, describe_reader=self._describe_reader)
+            response_handles = [
+                MessageQueue.create(run_dir, f"r{rank}", 1, reader_names=["EngineCore_DP0"])
+                for rank in range(self.world_size)
+            ]
+            trace_headers = inject_trace_headers()
+            for rank, role in enumerate(self.roles):
+                payload = {
+                    "config": self.config,
+                    "rank": rank,
+                    "local_rank": rank,
+                    "rpc_handle": handle,
+                    "response_handle": response_handles[rank],
+                    "trace_headers": trace_headers,
+                }
+                self.workers.append(
+                    processes.spawn_process(
+                        role, "engine.executor.multiproc_executor:WorkerProc.worker_main", payload, run_dir
+                    )
+                )
+            self.response_mqs = [MessageQueue.open_reader(h, 0) for h in response_handles]
+            deadline = time.monotonic() + envs.GLASSBOX_ENGINE_READY_TIMEOUT_S
+            for rank in range(self.world_size):
+                assert self._receive(rank, deadline, "start-up") == READY
+            self._monitor = threading.Thread(target=self._monitor_workers, name="WorkerMonitor", daemon=True)
+            self._monitor.start()
+            kwargs = [
+                {"local_rank": r, "rank": r, "distributed_init_method": None, "is_driver_worker": r == 0}
+                for r in range(self.world_size)
+            ]
+            self.collective_rpc("init_worker", args=(kwargs,))
+            self.device_info = self.collective_rpc("init_device")[0]
+            self.collective_rpc("load_model")
+
+    # ------------------------------------------------------------------ RPC
+
+    def collective_rpc(
+        self,
+        method: str,
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+        unique_reply_rank: int | None = None,
+    ) -> list[Any]:
+        """Broadcast ``method(*args, **kwargs)`` to every worker; results in rank order
+        (only ``unique_reply_rank``'s when given)."""
+        self._raise_if_failed()
+        deadline = time.monotonic() + (timeout or envs.GLASSBOX_EXECUTE_MODEL_TIMEOUT_S)
+        message = pickle.dumps((method, args, kwargs or {}, unique_reply_rank), protocol=5)
+        try:
+            self.rpc_broadcast_mq.enqueue(message, timeout=max(deadline - time.monotonic(), 0.001))
+        except MessageQueueTimeout as e:
+            self._raise_if_failed()
+            raise TimeoutError(f"{method}: {e}") from None
+        ranks = range(self.world_size) if unique_reply_rank is None else [unique_reply_rank]
+        results = []
+        for rank in ranks:
+            status, value = self._receive(rank, deadline, method)
+            if status != "ok":
+                raise RuntimeError(f"{self.roles[rank]} failed in {method}:\n{value}")
+            results.append(value)
+        return results
+
+    def execute_model(self, scheduler_output):
+        return self.collective_rpc("execute_model", args=(scheduler_output,), unique_reply_rank=0)[0]
+
+    def _receive(self, rank: int, deadline: float, what: str) -> Any:
+        """One reply from worker ``rank``: bounded waits with a liveness check in between."""
+        mq = self.response_mqs[rank]
+        while True:
+            self._raise_if_failed()
+            self._check_worker(rank)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(
+                    f"{self.roles[rank]} did not answer {what} within its deadline; {self._describe_reader(rank)}"
+                )
+            try:
+                return pickle.loads(mq.dequeue(timeout=min(DEATH_CHECK_S, left)))
+            except MessageQueueTimeout:
+                continue
+
+    # ------------------------------------------------------------------ liveness
+
+    def _describe_reader(self, rank: int) -> str:
+        role = self.roles[rank]
+        status = read_status_file(run_dirs.status_file(Path(self.run_dir), role)) or {}
+        if status.get("stage"):
+            return f"{role} is in stage {status['stage']} for {time.time() - status.get('entered_at', time.time()):.1f} s"
+        last = (status.get("last_finished") or {}).get("name")
+        return f"{role} last finished stage {last}" if last else f"{role} reports no stage"
+
+    def _check_worker(self, rank: int) -> None:
+        proc = self.workers[rank]
+        code = proc.poll()
+        if code is not None and not self._shutting_down:
+            self._fail(rank, code)
+
+    def _fail(self, rank: int, code: int) -> None:
+        if self.failure is None:
+            proc = self.workers[rank]
+            root = processes.format_root_cause(Path(self.run_dir), proc.role, proc.pid, code, rank=rank)
+            logger.error("%s (pid %d) died: %s", proc.role, proc.pid, processes.describe_exit(code))
+            self.failure = EngineDeadError(root)
+            if self.failure_callback is not None:
+                self.failure_callback(self.failure)
+        raise self.failure
+
+    def _raise_if_failed(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    def _monitor_workers(self) -> None:
+        """Notice a dead worker while the engine is idle, within DEATH_CHECK_S."""
+        while not self._shutting_down and self.failure is None:
+            for rank in range(self.world_size):
+                if self.workers[rank].poll() is not None and not self._shutting_down:
+                    try:
+                        self._fail(rank, self.workers[rank].poll())
+                    except EngineDeadError:
+                        return
+            time.sleep(DEATH_CHECK_S)
+
+    def register_failure_callback(self, callback: Callable[[EngineDeadError], None]) -> None:
+        self.failure_callback = callback
+
+    def check_health(self) -> None:
+        for rank in range(self.world_size):
+            self._check_worker(rank)
+
+    def shutdown(self) -> None:
+        """Stop every worker (lifeline closed, SIGTERM, then SIGKILL) and remove the queues."""
+        self._shutting_down = True
+        for proc in getattr(self, "workers", []):
+            try:
+                proc.lifeline.close()
+            except OSError:
+                pass
+        for proc in getattr(self, "workers", []):
+            proc.stop(timeout=3.0)
+        for mq in [getattr(self, "rpc_broadcast_mq", None), *getattr(self, "response_mqs", [])]:
+            if mq is not None:
+                mq.close()
+                mq.unlink()
+
+
+class WorkerProc:
+    """The worker process: a ``WorkerWrapperBase`` behind the broadcast queue.
+
+    Its busy loop dequeues one RPC at a time (bounded waits, repeated while idle), runs it
+    on the wrapper, and answers on its response queue when asked to.
+    """
+
+    @staticmethod
+    def worker_main(payload: dict[str, Any], *, run_dir: Path, role: str) -> None:
+        from engine.worker.worker_base import WorkerWrapperBase
+
+        rank = payload["rank"]
+        config = payload["config"]
+        obs = config.observability_config
+        setup_tracing(role, rank=rank, trace_file=obs.trace_file, otlp_endpoint=obs.otlp_traces_endpoint,
+                      status_file=str(run_dirs.status_file(run_dir, role)))  # fmt: skip
+        processes.install_sigterm_exit()
+        rpc = MessageQueue.open_reader(payload["rpc_handle"], rank)
+        response = MessageQueue.open_writer(payload["response_handle"])
+        try:
+            with attached_trace_context(payload.get("trace_headers")):
+                wrapper = WorkerWrapperBase(config, rpc_rank=rank)
+            response.enqueue(pickle.dumps(READY))
+            while True:
+                try:
+                    message = rpc.dequeue(timeout=1.0)
+                except MessageQueueTimeout:
+                    continue
+                method, args, kwargs, output_rank = pickle.loads(message)
+                try:
+                    with attached_trace_context(payload.get("trace_headers")):
+                        reply = ("ok", wrapper.execute_method(method, *args, **kwargs))
+                except Exception as e:
+                    processes.write_crash_report(run_dir, role, e, current_stage(), rank)
+                    reply = ("error", "".join(traceback.format_exception(type(e), e, e.__traceback__)))
+                if output_rank is None or output_rank == rank:
+                    response.enqueue(pickle.dumps(reply, protocol=5))
+                if reply[0] == "error":
+                    raise SystemExit(1)
+        except SystemExit:
+            raise
+        except BaseException as e:
+            processes.write_crash_report(run_dir, role, e, current_stage(), rank)
+            raise
+        finally:
+            rpc.close()
+            response.close()

@@ -1,0 +1,59 @@
+"""Entry point of every Glassbox child process: ``python -m engine.utils.process_entry ROLE``.
+
+Reads the payload from stdin (see ``engine.utils.processes``), names the process, starts the
+lifeline watcher, and runs the target. Kept tiny so a child starts fast: torch is imported by
+the target, not here.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+# Seconds a child gives itself to stop cleanly after its parent died.
+PARENT_DEATH_GRACE_S = 3.0
+
+
+def main() -> None:
+    from engine.logger import init_logger, set_process_role
+    from engine.utils import processes
+
+    stdin_fd = sys.stdin.fileno()
+    spec = processes.read_payload(stdin_fd)
+    role, run_dir = spec["role"], Path(spec["run_dir"])
+    processes.set_process_title(role)
+    set_process_role(role)
+    logger = init_logger("engine.process")
+    # The user's terminal Ctrl-C reaches the whole foreground group; the parent decides
+    # when children stop (it closes their lifeline), so children ignore SIGINT.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    parent_pid = os.getppid()
+
+    def on_parent_death() -> None:
+        if os.getppid() != parent_pid:
+            logger.warning("parent process %d is gone; shutting down", parent_pid)
+        else:
+            logger.debug("the parent asked this process to stop")
+        # Ask the main thread to stop (SIGTERM runs the target's shutdown path); if it
+        # does not finish in time, leave anyway.
+        threading.Timer(PARENT_DEATH_GRACE_S, lambda: os._exit(1)).start()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    processes.watch_lifeline(stdin_fd, on_parent_death)
+    try:
+        module_name, qualname = spec["target"].split(":")
+        target = functools.reduce(getattr, qualname.split("."), importlib.import_module(module_name))
+    except Exception as e:
+        processes.write_crash_report(run_dir, role, e, stage=None)
+        raise
+    target(spec["payload"], run_dir=run_dir, role=role)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,257 @@
+"""Starting, naming, watching and reporting on Glassbox's processes.
+
+Every child (engine core, worker) is started the same way, by ``spawn_process``:
+
+- **spawn, not fork**: the child is a fresh interpreter, ``python -m
+  engine.utils.process_entry``, so it never inherits a forked torch state, and a user script
+  without an ``if __name__ == "__main__":`` guard still works — the child never re-imports
+  the user's ``__main__`` (multiprocessing's spawn would).
+- **the payload and the lifeline are one pipe**: the parent writes the pickled payload to
+  the child's stdin and keeps the pipe open. A watcher thread in the child then blocks on
+  that pipe; end-of-file means the parent is gone — however it died, SIGKILL included,
+  because the kernel closes a dead process's file descriptors. The child then stops its own
+  children (each has its own lifeline to it) and exits within a few seconds. This is the
+  "no orphan ever keeps running" rule, without ``PR_SET_PDEATHSIG`` (which tracks the
+  parent *thread*, not process).
+- **a name**: the title ``glassbox::<role>`` (setproctitle) and the log prefix
+  ``(<role> pid=N)``.
+- **a crash report**: an exception that escapes the child's target is written to
+  ``<role>.crash.json`` in the run directory (role, rank, pid, stage, exception) before the
+  child exits, so whoever notices the death can print one root-cause block.
+
+vLLM: ``vllm/v1/utils.py`` (process spawning), ``vllm/utils/system_utils.py``
+(``set_process_title``, ``decorate_logs``); the lifeline pipe is our own (vLLM leaves
+orphans when the API server is SIGKILLed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+TITLE_PREFIX = "glassbox"
+_LEN = struct.Struct("<Q")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine (or one of its processes) died; ``root_cause`` says which and why.
+
+    vLLM: ``vllm/v1/engine/exceptions.py`` ``EngineDeadError``.
+    """
+
+    def __init__(self, root_cause: str) -> None:
+        self.root_cause = root_cause
+        super().__init__("The engine died; see the root cause below.\n" + root_cause)
+
+
+def set_process_title(role: str) -> None:
+    """``glassbox::<role>`` in ps/top (vLLM: ``set_process_title``)."""
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(f"{TITLE_PREFIX}::{role}")
+    except ImportError:  # pragma: no cover - setproctitle is a dependency
+        pass
+
+
+@dataclass
+class ChildProcess:
+    """A child started by ``spawn_process``.
+
+    ``lifeline`` is the parent's end of the child's stdin: closing it tells the child to
+    exit (and happens by itself when the parent dies).
+    """
+
+    role: str
+    popen: subprocess.Popen
+    lifeline: Any
+    run_dir: Path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def poll(self) -> int | None:
+        """The exit status (negative: killed by that signal), or None while running."""
+        return self.popen.poll()
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self, timeout: float = 4.0) -> int | None:
+        """Ask the child to exit (close the lifeline, SIGTERM), SIGKILL it after ``timeout``."""
+        try:
+            self.lifeline.close()
+        except OSError:
+            pass
+        if self.popen.poll() is None:
+            try:
+                self.popen.send_signal(signal.SIGTERM)
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(2.0)
+            except ProcessLookupError:
+                pass
+        return self.popen.poll()
+
+
+def spawn_process(
+    role: str, target: str, payload: Any, run_dir: Path, env: dict[str, str] | None = None
+) -> ChildProcess:
+    """Start ``target`` ("package.module:function") in a fresh interpreter titled ``glassbox::<role>``.
+
+    ``target(payload)`` runs in the child after its title, log prefix and lifeline watcher
+    are in place. ``payload`` must be picklable.
+    """
+    child_env = dict(os.environ)
+    # The child must import this same `engine`, wherever the parent found it.
+    root = str(Path(__file__).resolve().parents[2])
+    child_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, child_env.get("PYTHONPATH", "")) if p)
+    child_env.update(env or {})
+    from tracing import catalogue, stage
+
+    with stage(catalogue.PROCESS_SPAWN, **{catalogue.ATTR_ROLE: role}) as st:
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "engine.utils.process_entry", role],
+            stdin=subprocess.PIPE,
+            env=child_env,
+            close_fds=True,
+        )
+        assert popen.stdin is not None
+        st.set(catalogue.ATTR_PID, popen.pid)
+        data = pickle.dumps({"role": role, "target": target, "payload": payload, "run_dir": str(run_dir)})
+        popen.stdin.write(_LEN.pack(len(data)) + data)
+        popen.stdin.flush()
+    return ChildProcess(role=role, popen=popen, lifeline=popen.stdin, run_dir=run_dir)
+
+
+# --------------------------------------------------------------------- child side
+
+
+def crash_file(run_dir: Path, role: str) -> Path:
+    return Path(run_dir) / f"{role}.crash.json"
+
+
+def write_crash_report(
+    run_dir: Path, role: str, exc: BaseException, stage: str | None, rank: int | None = None
+) -> None:
+    """Record why this process is about to die (best effort: the run dir may be gone)."""
+    report = {
+        "role": role,
+        "rank": rank,
+        "pid": os.getpid(),
+        "stage": stage,
+        "exception": f"{type(exc).__name__}: {exc}",
+        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        "time": time.time(),
+    }
+    try:
+        crash_file(run_dir, role).write_text(json.dumps(report, indent=2))
+    except OSError:
+        pass
+
+
+def read_crash_report(run_dir: Path, role: str) -> dict[str, Any] | None:
+    try:
+        return json.loads(crash_file(run_dir, role).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def describe_exit(returncode: int | None) -> str:
+    if returncode is None:
+        return "still running"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"killed by {name} (exit status {returncode})"
+    return f"exited with code {returncode}"
+
+
+def format_root_cause(
+    run_dir: Path, role: str, pid: int | None, returncode: int | None, rank: int | None = None, note: str = ""
+) -> str:
+    """One block naming the process that died first: role, rank, pid, stage, exit, exception."""
+    from tracing import read_status_file
+
+    crash = read_crash_report(run_dir, role) or {}
+    status = read_status_file(Path(run_dir) / f"{role}.status.json") or {}
+    stage = crash.get("stage") or status.get("stage") or (status.get("last_finished") or {}).get("name")
+    rank = rank if rank is not None else crash.get("rank", status.get("rank"))
+    lines = [
+        "=" * 24 + " Glassbox root cause " + "=" * 24,
+        f"process:   {role}" + (f" (rank {rank})" if rank is not None else ""),
+        f"pid:       {pid if pid is not None else crash.get('pid', '?')}",
+        f"stage:     {stage or 'unknown'}",
+        f"exit:      {describe_exit(returncode)}",
+        f"exception: {crash.get('exception') or 'none recorded (killed from outside, or died before reporting)'}",
+    ]
+    if note:
+        lines.append(f"note:      {note}")
+    lines.append("=" * 69)
+    return "\n".join(lines)
+
+
+def install_sigterm_exit() -> None:
+    """Turn the first SIGTERM into ``SystemExit(0)`` in the main thread; ignore later ones
+    (the lifeline watcher and the parent may both send one), so shutdown runs once."""
+
+    def handler(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def watch_lifeline(fd: int, on_parent_death: Callable[[], None]) -> threading.Thread:
+    """Start a daemon thread that calls ``on_parent_death`` when pipe ``fd`` reaches EOF.
+
+    Reads the raw fd (not ``sys.stdin``), so the blocked thread holds no interpreter lock
+    that would stall this process's own exit.
+    """
+
+    def run() -> None:
+        try:
+            while os.read(fd, 65536):
+                pass
+        except OSError:
+            pass
+        on_parent_death()
+
+    thread = threading.Thread(target=run, name="lifeline_watcher", daemon=True)
+    thread.start()
+    return thread
+
+
+def _read_exact(fd: int, n: int) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        chunk = os.read(fd, n - got)
+        if not chunk:
+            raise SystemExit(
+                "glassbox: the payload pipe closed early (this module is started by spawn_process)"
+            )
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def read_payload(fd: int) -> dict[str, Any]:
+    """The spawn payload, read from the lifeline pipe ``fd`` (the child's stdin)."""
+    (n,) = _LEN.unpack(_read_exact(fd, _LEN.size))
+    return pickle.loads(_read_exact(fd, n))

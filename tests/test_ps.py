@@ -1,0 +1,294 @@
+"""``glassbox ps``: run directories read back against real processes.
+
+Each test builds a run directory under ``GLASSBOX_RUN_DIR_BASE`` the way the engine's
+processes will: a manifest of the planned tree and one status file per started process.
+The pids in them are real processes spawned here — a fake frontend whose children set
+``glassbox::<role>`` titles — so psutil, titles and parent links are the real thing. Every
+tree runs in its own session and is killed by process group at teardown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from engine.cli.main import main
+from engine.cli.ps import collect_instances
+
+pytestmark = pytest.mark.timeout(60)
+
+# One fake process: sets its title, spawns its subtree, writes its status file, then waits.
+# argv: RUN_DIR READY_DIR NODE_JSON, where a node is {"name", "title"?, "status"?, "children"?}.
+FAKE_PROCESS = r"""
+import json, os, subprocess, sys, time
+import setproctitle
+
+run_dir, ready_dir, node = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+if node.get("title"):
+    setproctitle.setproctitle(node["title"])
+kids = [subprocess.Popen([sys.executable, __file__, run_dir, ready_dir, json.dumps(c)])
+        for c in node.get("children", [])]
+if node.get("status"):
+    now = time.time()
+    status = {"role": node["name"], "rank": 0, "pid": os.getpid(), "stage_stack": [node["status"]],
+              "stage": node["status"], "entered_at": now - 5.0, "updated_at": now, "last_finished": None}
+    tmp = os.path.join(run_dir, node["name"] + ".status.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(status, f)
+    os.replace(tmp, os.path.join(run_dir, node["name"] + ".status.json"))
+open(os.path.join(ready_dir, node["name"]), "w").close()
+time.sleep(60)
+"""
+
+
+def _nodes(node: dict) -> list[str]:
+    return [node["name"]] + [n for c in node.get("children", []) for n in _nodes(c)]
+
+
+@pytest.fixture
+def base(tmp_path, monkeypatch) -> Path:
+    base = tmp_path / "run"
+    base.mkdir()
+    monkeypatch.setenv("GLASSBOX_RUN_DIR_BASE", str(base))
+    return base
+
+
+@pytest.fixture
+def spawn_tree(tmp_path):
+    """``spawn_tree(run_dir, node)`` starts a process tree and waits until every node is up."""
+    script = tmp_path / "fake_process.py"
+    script.write_text(FAKE_PROCESS)
+    started: list[subprocess.Popen] = []
+
+    def spawn(run_dir: Path, node: dict) -> subprocess.Popen:
+        ready = tmp_path / f"ready-{len(started)}"
+        ready.mkdir()
+        proc = subprocess.Popen(
+            [sys.executable, str(script), str(run_dir), str(ready), json.dumps(node)], start_new_session=True
+        )
+        started.append(proc)
+        deadline = time.monotonic() + 20
+        while not all((ready / n).exists() for n in _nodes(node)):
+            assert proc.poll() is None, f"fake process tree died with exit code {proc.returncode}"
+            assert time.monotonic() < deadline, (
+                f"fake process tree not up after 20 s: waiting for {_nodes(node)}"
+            )
+            time.sleep(0.05)
+        return proc
+
+    yield spawn
+    for proc in started:
+        with contextlib.suppress(ProcessLookupError):  # the whole tree: it runs in its own session
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait(timeout=20)
+    return proc.pid
+
+
+def _run_dir(base: Path, name: str, **manifest: object) -> Path:
+    run_dir = base / f"glassbox-{name}"
+    run_dir.mkdir()
+    (run_dir / "manifest.json").write_text(
+        json.dumps({"created_at": time.time(), "run_dir": str(run_dir), **manifest})
+    )
+    return run_dir
+
+
+def _ps(capsys, *args: str) -> tuple[int, str]:
+    code = main(["ps", *args])
+    return code, capsys.readouterr().out
+
+
+def _ps_json(capsys, *args: str) -> list[dict]:
+    code, out = _ps(capsys, "--json", *args)
+    assert code == 0
+    return json.loads(out)["instances"]
+
+
+# A TP=3 plan: the engine core and worker TP0 run (TP0 a child of the engine core, next
+# to a helper with a plain title), TP1 started and died, TP2 never started.
+ROLES = [
+    {"role": "LLM", "kind": "frontend"},
+    {"role": "EngineCore_DP0", "rank": 0, "kind": "engine_core"},
+    {"role": "Worker_DP0_PP0_TP0", "rank": 0, "kind": "worker"},
+    {"role": "Worker_DP0_PP0_TP1", "rank": 1, "kind": "worker"},
+    {"role": "Worker_DP0_PP0_TP2", "rank": 2, "kind": "worker"},
+]
+TREE = {
+    "name": "LLM",
+    "status": "llm.init",
+    "children": [
+        {
+            "name": "EngineCore_DP0",
+            "title": "glassbox::EngineCore_DP0",
+            "status": "engine_core.handshake",
+            "children": [
+                {
+                    "name": "Worker_DP0_PP0_TP0",
+                    "title": "glassbox::Worker_DP0_PP0_TP0",
+                    "status": "worker.load_model",
+                },
+                {"name": "helper"},
+            ],
+        }
+    ],
+}
+
+
+@pytest.fixture
+def mp_instance(base, spawn_tree):
+    """A live "mp" instance with two of four counted roles up; returns (run_dir, frontend pid, dead pid)."""
+    run_dir = base / "glassbox-1-live"
+    run_dir.mkdir()
+    frontend = spawn_tree(run_dir, TREE)
+    dead = _dead_pid()
+    (run_dir / "Worker_DP0_PP0_TP1.status.json").write_text(
+        json.dumps({"role": "Worker_DP0_PP0_TP1", "rank": 1, "pid": dead, "stage": "worker.init_device",
+                    "stage_stack": ["worker.init_device"], "entered_at": time.time() - 3,
+                    "updated_at": time.time() - 3, "last_finished": None})
+    )  # fmt: skip
+    (run_dir / "manifest.json").write_text(
+        json.dumps({"created_at": time.time(), "run_dir": str(run_dir), "mode": "mp", "frontend_pid": frontend.pid,
+                    "roles": ROLES, "expected_process_count": 4, "api_server_count": 0,
+                    "data_parallel_size": 1, "world_size": 3})
+    )  # fmt: skip
+    return run_dir, frontend.pid, dead
+
+
+def test_json_lists_found_roles_with_stage_and_names_the_missing(capsys, mp_instance):
+    run_dir, frontend_pid, dead = mp_instance
+    [inst] = _ps_json(capsys)
+    assert inst["run_dir"] == str(run_dir) and inst["mode"] == "mp" and not inst["stale"]
+    assert inst["frontend_pid"] == frontend_pid
+    rows = {p["role"]: p for p in inst["processes"]}
+    assert list(rows) == [r["role"] for r in ROLES]  # the plan's order
+    core, worker = rows["EngineCore_DP0"], rows["Worker_DP0_PP0_TP0"]
+    assert core["ppid"] == frontend_pid and worker["ppid"] == core["pid"]
+    assert core["title"] == "glassbox::EngineCore_DP0"
+    assert (core["stage"], worker["stage"]) == ("engine_core.handshake", "worker.load_model")
+    assert 4.0 <= core["time_in_stage_s"] < 30  # entered 5 s before the status file was written
+    assert core["state"] in ("sleeping", "running") and core["rss_mib"] > 1 and core["threads"] >= 1
+    assert rows["LLM"]["pid"] == frontend_pid and not rows["LLM"]["counted"]
+    assert (rows["Worker_DP0_PP0_TP1"]["state"], rows["Worker_DP0_PP0_TP2"]["state"]) == (
+        "exited",
+        "not started",
+    )
+    assert (inst["found_process_count"], inst["expected_process_count"]) == (2, 4)
+    assert inst["missing"] == [
+        {"role": "Worker_DP0_PP0_TP1", "reason": f"pid {dead} exited in stage worker.init_device"},
+        {"role": "Worker_DP0_PP0_TP2", "reason": "no status file: not started"},
+    ]
+
+
+def test_helper_child_is_shown_apart_and_not_counted(capsys, mp_instance):
+    [inst] = _ps_json(capsys)
+    core_pid = next(p["pid"] for p in inst["processes"] if p["role"] == "EngineCore_DP0")
+    [helper] = inst["helpers"]
+    assert helper["ppid"] == core_pid and not helper["counted"] and helper["role"] is None
+    assert not helper["title"].startswith("glassbox::")
+    assert inst["found_process_count"] == 2  # the helper is not among them
+
+
+def test_table_shows_tree_counts_and_missing_roles(capsys, mp_instance):
+    _, frontend_pid, dead = mp_instance
+    code, out = _ps(capsys)
+    assert code == 0
+    lines = out.splitlines()
+    core = next(line for line in lines if "EngineCore_DP0" in line)
+    assert "engine_core.handshake" in core and str(frontend_pid) in core
+    assert "  Worker_DP0_PP0_TP0" in out  # indented under its engine core
+    assert "processes: found 2 of expected 4" in out
+    assert f"Worker_DP0_PP0_TP1 (pid {dead} exited in stage worker.init_device)" in out
+    assert "Worker_DP0_PP0_TP2 (no status file: not started)" in out
+    assert "helpers (not counted)" in out
+
+
+def test_role_started_but_without_status_file_is_found_by_title(base, spawn_tree, capsys):
+    run_dir = base / "glassbox-2-early"
+    run_dir.mkdir()
+    tree = {"name": "LLM", "children": [{"name": "EngineCore_DP0", "title": "glassbox::EngineCore_DP0"}]}
+    frontend = spawn_tree(run_dir, tree)
+    _write = {"mode": "mp", "frontend_pid": frontend.pid, "roles": ROLES[:2], "expected_process_count": 1}
+    (run_dir / "manifest.json").write_text(json.dumps({"created_at": time.time(), **_write}))
+    [inst] = _ps_json(capsys)
+    core = next(p for p in inst["processes"] if p["role"] == "EngineCore_DP0")
+    assert core["pid"] is not None and core["ppid"] == frontend.pid and core["stage"] is None
+    assert (inst["found_process_count"], inst["missing"], inst["helpers"]) == (1, [], [])
+
+
+def test_stale_run_dir_hidden_unless_all(base, capsys):
+    dead = _dead_pid()
+    stale = _run_dir(
+        base, f"{dead}-gone", mode="mp", frontend_pid=dead, roles=ROLES[:2], expected_process_count=1
+    )
+    code, out = _ps(capsys)
+    assert code == 0 and "no running glassbox instances" in out and "1 stale run directory hidden" in out
+    assert _ps_json(capsys) == []
+    [inst] = _ps_json(capsys, "--all")
+    assert inst["run_dir"] == str(stale) and inst["stale"]
+    assert inst["missing"] == [{"role": "EngineCore_DP0", "reason": "no status file: not started"}]
+    code, out = _ps(capsys, "--all")
+    assert "stale" in out and str(stale) in out
+    [inst] = _ps_json(capsys, "--run-dir", str(stale))  # named explicitly: shown even when stale
+    assert inst["stale"]
+
+
+def test_no_instances_exits_zero_with_message(base, capsys):
+    (base / "not-a-run-dir").mkdir()
+    assert _ps(capsys) == (0, "no running glassbox instances\n")
+    assert collect_instances(base, include_stale=True) == []
+
+
+def test_bad_run_dir_is_one_line_exit_2(base, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["ps", "--run-dir", str(base / "nope")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("glassbox ps: error: --run-dir:") and err.count("\n") == 1
+
+
+def test_cli_prints_plain_table_when_piped(mp_instance):
+    run_dir, _, _ = mp_instance
+    env = {**os.environ, "GLASSBOX_RUN_DIR_BASE": str(run_dir.parent)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine.cli.main", "ps"], capture_output=True, text=True, timeout=30, env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "\x1b[" not in proc.stdout  # no colour codes in a pipe
+    assert "processes: found 2 of expected 4" in proc.stdout
+
+
+@pytest.mark.parametrize("multiprocess", [False, True], ids=["inproc", "mp"])
+def test_ps_sees_a_live_llm(base, capsys, monkeypatch, multiprocess):
+    from engine import LLM
+
+    monkeypatch.setenv("GLASSBOX_ENABLE_MULTIPROCESSING", "1" if multiprocess else "0")
+    with LLM(max_model_len=64, num_gpu_blocks_override=16) as llm:
+        [inst] = _ps_json(capsys)
+        assert inst["run_dir"] == str(llm.run_dir) and not inst["stale"]
+        assert inst["mode"] == ("mp" if multiprocess else "inproc")
+        assert inst["frontend_pid"] == os.getpid()
+        rows = {p["role"]: p for p in inst["processes"]}
+        assert (rows["LLM"]["pid"], rows["LLM"]["kind"]) == (os.getpid(), "frontend")
+        assert rows["LLM"]["last_finished"] == "llm.init"  # written by the real stage helper
+        if multiprocess:
+            core = rows["EngineCore_DP0"]
+            assert core["ppid"] == os.getpid() and core["title"] == "glassbox::EngineCore_DP0"
+            assert core["last_finished"] == "engine_core.init" and core["state"] != "zombie"
+        else:
+            assert list(rows) == ["LLM"]
+        assert inst["found_process_count"] == inst["expected_process_count"] >= 1
+        assert inst["missing"] == []
+    assert _ps(capsys) == (0, "no running glassbox instances\n")  # shutdown removed the run dir
