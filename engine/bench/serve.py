@@ -1,0 +1,633 @@
+"""Load generator for any OpenAI-compatible server: random prompts, streamed requests, metrics.
+
+Mirrors vLLM's ``vllm bench serve``: ``vllm/benchmarks/serve.py`` (arrivals, the run,
+``calculate_metrics``), ``vllm/benchmarks/lib/endpoint_request_func.py`` (one streamed
+request, timed chunk by chunk) and the random dataset of ``vllm/benchmarks/datasets.py``.
+The class names are vLLM's (``SampleRequest``, ``RequestFuncInput``, ``RequestFuncOutput``,
+``BenchmarkMetrics``).
+
+The idea. A client cannot see tokens, only the chunks of a server-sent-event stream, so every
+latency is measured at chunk arrival. For each request (all times ``time.perf_counter``):
+
+- **TTFT** (time to first token): request sent → first chunk whose text is not empty.
+- **ITL** (inter-token latency): the gap between consecutive non-empty chunks. A chunk may
+  carry several tokens (the server coalesced them, or speculative decoding accepted a run);
+  as in vLLM, each *chunk* gives one ITL sample — the gap is not divided among its tokens.
+- **E2EL** (end-to-end latency): request sent → last non-empty chunk. Ending at the last
+  text chunk rather than at ``[DONE]`` makes TPOT the mean chunk gap when chunks are tokens.
+- **TPOT** (time per output token, first token excluded): ``(E2EL - TTFT) / (tokens - 1)``,
+  only for requests with more than one output token. It counts *tokens* (from the final
+  ``usage`` chunk when the server sends one, else one per chunk), so it differs from the
+  mean ITL exactly when chunks carry several tokens.
+
+Over the run, only successful requests count: the throughputs divide their totals by the
+benchmark duration (first request sent → last one finished, semaphore waits included);
+TTFT/TPOT/ITL/E2EL are summarised by mean, median, standard deviation and p99 in ms.
+Waiting for the ``--max-concurrency`` semaphore is *not* part of a request's TTFT (the clock
+starts when the request is sent), as in vLLM.
+
+Arrivals: ``request_rate=inf`` releases every request at once; a finite rate draws the gaps
+between sends from a gamma distribution with mean ``1/rate`` (``burstiness=1``: exponential
+gaps, a Poisson process), seeded, scheduled against absolute times so sleeps do not drift.
+
+Bounds: every request is cut off after ``timeout`` seconds in total (not only per read), so
+a run ends within (last arrival) + ceil(num_prompts / concurrency) × timeout.
+
+Left out: datasets other than ``random`` (ShareGPT, sonnet, ...), prefix lengths, goodput
+and SLOs, ramp-up, profiling hooks, multimodal inputs, the progress bar, and vLLM's initial
+one-request test run (a ``GET /v1/models`` probe checks that the server is reachable).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_VOCAB_RANGE = (100, 1000)  # token ids [low, high) that every real vocabulary has
+_ERROR_TEXT_LIMIT = 300  # characters of an error body kept per failed request
+
+
+class BenchmarkError(Exception):
+    """The benchmark cannot run at all (server unreachable, no model listed). One line."""
+
+
+# --- the dataset -------------------------------------------------------------------------
+
+
+@dataclass
+class SampleRequest:
+    """One prompt to send.
+
+    Attributes:
+        prompt: token ids (sent as a token-id prompt) or text.
+        prompt_len: prompt length in tokens.
+        expected_output_len: ``max_tokens`` for this request.
+    """
+
+    prompt: str | list[int]
+    prompt_len: int
+    expected_output_len: int
+
+
+def _length_bounds(length: int, range_ratio: float) -> tuple[int, int]:
+    """Inclusive [low, high] for a length drawn around ``length`` (at least 1)."""
+    low = max(1, math.floor(length * (1 - range_ratio)))
+    high = max(low, math.floor(length * (1 + range_ratio)))
+    return low, high
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """A ``tokenizers.Tokenizer`` from ``path/tokenizer.json`` (the fast tokenizer; no torch).
+
+    Raises:
+        ValueError: no readable ``tokenizer.json`` at ``path``.
+    """
+    from tokenizers import Tokenizer
+
+    file = Path(path) / "tokenizer.json"
+    if not file.is_file():
+        raise ValueError(f"no tokenizer.json in {path}")
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as e:  # the tokenizers library raises its own Exception subclass
+        raise ValueError(f"cannot load {file}: {e}") from e
+
+
+def _text_prompt(
+    tokenizer: Any, rng: random.Random, length: int, vocab_range: tuple[int, int]
+) -> tuple[str, int]:
+    """Text that re-encodes to ``length`` tokens (or close): decode random ids, re-encode, fix up.
+
+    Decoding then encoding does not round-trip (merges, byte fragments, dropped special ids),
+    so the ids are trimmed or topped up a few times. Returns the text and its true length.
+    """
+    ids = [rng.randrange(*vocab_range) for _ in range(length)]
+    for _ in range(10):
+        text = tokenizer.decode(ids)
+        encoded = tokenizer.encode(text, add_special_tokens=False).ids
+        if len(encoded) == length:
+            break
+        if len(encoded) > length:
+            ids = encoded[:length]
+        else:
+            ids = encoded + [rng.randrange(*vocab_range) for _ in range(length - len(encoded))]
+    return text, len(encoded)
+
+
+def sample_random_requests(
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float = 0.0,
+    seed: int = 0,
+    vocab_range: tuple[int, int] | None = None,
+    tokenizer: Any = None,
+) -> list[SampleRequest]:
+    """The random dataset (vLLM: ``RandomDataset``): random prompts of random lengths.
+
+    Each prompt's length is drawn uniformly from
+    ``[floor(input_len * (1 - range_ratio)), floor(input_len * (1 + range_ratio))]`` tokens,
+    and its ``max_tokens`` likewise around ``output_len``; ``range_ratio=0`` gives exact
+    lengths. Without a tokenizer a prompt is a list of token ids drawn from ``vocab_range``
+    (default [100, 1000), present in any real vocabulary); with one it is text decoded from
+    random ids of the tokenizer's base vocabulary. Same seed, same dataset.
+    """
+    rng = random.Random(seed)
+    if vocab_range is None:
+        vocab_range = (
+            (0, tokenizer.get_vocab_size(with_added_tokens=False)) if tokenizer else DEFAULT_VOCAB_RANGE
+        )
+    in_low, in_high = _length_bounds(input_len, range_ratio)
+    out_low, out_high = _length_bounds(output_len, range_ratio)
+    requests = []
+    for _ in range(num_prompts):
+        length = rng.randint(in_low, in_high)
+        max_tokens = rng.randint(out_low, out_high)
+        if tokenizer is None:
+            prompt: str | list[int] = [rng.randrange(*vocab_range) for _ in range(length)]
+        else:
+            prompt, length = _text_prompt(tokenizer, rng, length, vocab_range)
+        requests.append(SampleRequest(prompt, length, max_tokens))
+    return requests
+
+
+def arrival_times(
+    num_requests: int, request_rate: float, burstiness: float = 1.0, seed: int = 0
+) -> list[float]:
+    """When each request is sent, in seconds after the start; the first at 0.0.
+
+    ``request_rate=inf``: all at 0.0. Otherwise the gaps are gamma-distributed with shape
+    ``burstiness`` and mean ``1 / request_rate`` (``burstiness=1``: Poisson arrivals; below 1
+    burstier, above 1 more regular). Seeded apart from the dataset, so changing the dataset
+    does not move the arrivals.
+    """
+    if math.isinf(request_rate):
+        return [0.0] * num_requests
+    rng = random.Random(f"arrivals-{seed}")
+    scale = 1.0 / (request_rate * burstiness)
+    times, now = [], 0.0
+    for i in range(num_requests):
+        if i:
+            now += rng.gammavariate(burstiness, scale)
+        times.append(now)
+    return times
+
+
+# --- one request -------------------------------------------------------------------------
+
+
+@dataclass
+class RequestFuncInput:
+    """What one streamed request sends (vLLM: ``RequestFuncInput``)."""
+
+    prompt: str | list[int]
+    prompt_len: int
+    output_len: int
+    model: str
+    api_url: str
+    ignore_eos: bool = True
+    chat: bool = False  # a chat endpoint: the prompt goes in a user message
+
+
+@dataclass
+class RequestFuncOutput:
+    """What one request measured (vLLM: ``RequestFuncOutput``). Times in seconds.
+
+    Attributes:
+        success: the stream ended normally (HTTP 200, no error event).
+        prompt_len: prompt tokens, as planned by the dataset.
+        output_tokens: ``usage.completion_tokens`` of the final chunk, else the chunk count.
+        ttft: sent → first non-empty chunk.
+        itl: one gap per later non-empty chunk (len = chunks - 1).
+        latency: sent → last non-empty chunk (E2EL).
+        start_time: when it was sent, after the benchmark's start.
+        error: why it failed (HTTP status and body, exception, timeout); "" on success.
+    """
+
+    success: bool = False
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    latency: float = 0.0
+    start_time: float = 0.0
+    generated_text: str = ""
+    error: str = ""
+
+
+def _payload(request: RequestFuncInput) -> dict[str, Any]:
+    payload: dict[str, Any] = {
+        "model": request.model,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if request.chat:
+        payload["messages"] = [{"role": "user", "content": request.prompt}]
+        payload["max_completion_tokens"] = request.output_len
+    else:
+        payload["prompt"] = request.prompt
+        payload["max_tokens"] = request.output_len
+    if request.ignore_eos:  # a vLLM extension: sent only when wanted, for strict servers
+        payload["ignore_eos"] = True
+    return payload
+
+
+def _chunk_text(chunk: dict[str, Any], chat: bool) -> str | None:
+    """The text a chunk carries, or None when it has no choices (the final usage chunk)."""
+    choices = chunk.get("choices")
+    if not choices:
+        return None
+    if chat:
+        return (choices[0].get("delta") or {}).get("content") or ""
+    return choices[0].get("text") or ""
+
+
+async def async_request_openai_completions(
+    client: Any, request: RequestFuncInput, headers: dict[str, str] | None = None
+) -> RequestFuncOutput:
+    """Send one streaming (chat) completion and time its chunks.
+
+    ``client`` is an ``httpx.AsyncClient``. Never raises for a request that fails: the
+    failure is the output (``success=False``, ``error`` set). A stream without any non-empty
+    chunk (e.g. EOS first, with ``ignore_eos`` off) times TTFT and E2EL at its first chunk.
+    """
+    output = RequestFuncOutput(prompt_len=request.prompt_len)
+    usage_tokens: int | None = None
+    chunks = 0
+    first_choice_at: float | None = None
+    start = last = time.perf_counter()
+    try:
+        async with client.stream(
+            "POST", request.api_url, json=_payload(request), headers=headers
+        ) as response:
+            if response.status_code != 200:
+                body = " ".join((await response.aread()).decode(errors="replace").split())
+                output.error = f"HTTP {response.status_code}: {body[:_ERROR_TEXT_LIMIT]}"
+                return output
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue  # blank separators, comments, "event:" lines
+                data = line[len("data:") :].strip()
+                if data == "[DONE]":
+                    break
+                now = time.perf_counter()
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    output.error = f"error event: {json.dumps(chunk['error'])[:_ERROR_TEXT_LIMIT]}"
+                    return output
+                text = _chunk_text(chunk, request.chat)
+                if text is not None and first_choice_at is None:
+                    first_choice_at = now
+                if text:
+                    if chunks == 0:
+                        output.ttft = now - start
+                    else:
+                        output.itl.append(now - last)
+                    last = now
+                    chunks += 1
+                    output.generated_text += text
+                if usage := chunk.get("usage"):
+                    usage_tokens = usage.get("completion_tokens")
+    except Exception as e:  # connection reset, bad JSON, ...: this request failed, the run goes on
+        output.error = f"{type(e).__name__}: {' '.join(str(e).split())}"[:_ERROR_TEXT_LIMIT]
+        return output
+    if chunks == 0:
+        if first_choice_at is None:
+            output.error = "the stream carried no choices"
+            return output
+        output.ttft = first_choice_at - start
+        last = first_choice_at
+    output.latency = last - start
+    output.output_tokens = usage_tokens if usage_tokens is not None else chunks
+    output.success = True
+    return output
+
+
+# --- metrics -----------------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100), interpolating linearly between ranks (numpy's default)."""
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+@dataclass
+class LatencyStats:
+    """A latency's distribution in milliseconds; all None when there was no sample."""
+
+    mean_ms: float | None = None
+    median_ms: float | None = None
+    std_ms: float | None = None
+    p99_ms: float | None = None
+    count: int = 0
+
+    @classmethod
+    def of(cls, seconds: Sequence[float]) -> LatencyStats:
+        if not seconds:
+            return cls()
+        ms = [s * 1000 for s in seconds]
+        return cls(
+            statistics.fmean(ms), statistics.median(ms), statistics.pstdev(ms), percentile(ms, 99), len(ms)
+        )
+
+
+@dataclass
+class BenchmarkMetrics:
+    """A run's results (vLLM: ``BenchmarkMetrics``). Only successful requests count.
+
+    Attributes:
+        completed, failed: request counts.
+        total_input, total_output: tokens (prompt, generated) of the completed requests.
+        duration_s: first send → last request finished.
+        request_throughput: completed / duration (req/s).
+        output_throughput: total_output / duration (tok/s).
+        total_token_throughput: (total_input + total_output) / duration (tok/s).
+        ttft, tpot, itl, e2el: see the module docstring.
+    """
+
+    completed: int
+    failed: int
+    total_input: int
+    total_output: int
+    duration_s: float
+    request_throughput: float
+    output_throughput: float
+    total_token_throughput: float
+    ttft: LatencyStats
+    tpot: LatencyStats
+    itl: LatencyStats
+    e2el: LatencyStats
+
+    def to_json(self) -> dict[str, Any]:
+        """Flat keys as in vLLM's result file (``mean_ttft_ms``, ``p99_itl_ms``, ...)."""
+        out: dict[str, Any] = {
+            "completed": self.completed,
+            "failed": self.failed,
+            "total_input_tokens": self.total_input,
+            "total_output_tokens": self.total_output,
+            "duration": self.duration_s,
+            "request_throughput": self.request_throughput,
+            "output_throughput": self.output_throughput,
+            "total_token_throughput": self.total_token_throughput,
+        }
+        for name in ("ttft", "tpot", "itl", "e2el"):
+            stats: LatencyStats = getattr(self, name)
+            for stat in ("mean", "median", "std", "p99"):
+                out[f"{stat}_{name}_ms"] = getattr(stats, f"{stat}_ms")
+        return out
+
+
+def calculate_metrics(outputs: Sequence[RequestFuncOutput], duration_s: float) -> BenchmarkMetrics:
+    """Aggregate per-request outputs over a run of ``duration_s`` seconds (vLLM: ``calculate_metrics``)."""
+    done = [o for o in outputs if o.success]
+    total_input = sum(o.prompt_len for o in done)
+    total_output = sum(o.output_tokens for o in done)
+    rate = 1.0 / duration_s if duration_s > 0 else 0.0
+    return BenchmarkMetrics(
+        completed=len(done),
+        failed=len(outputs) - len(done),
+        total_input=total_input,
+        total_output=total_output,
+        duration_s=duration_s,
+        request_throughput=len(done) * rate,
+        output_throughput=total_output * rate,
+        total_token_throughput=(total_input + total_output) * rate,
+        ttft=LatencyStats.of([o.ttft for o in done]),
+        tpot=LatencyStats.of(
+            [(o.latency - o.ttft) / (o.output_tokens - 1) for o in done if o.output_tokens > 1]
+        ),
+        itl=LatencyStats.of([gap for o in done for gap in o.itl]),
+        e2el=LatencyStats.of([o.latency for o in done]),
+    )
+
+
+# --- the run -----------------------------------------------------------------------------
+
+
+@dataclass
+class BenchmarkConfig:
+    """One ``bench serve`` run; the fields are the CLI flags (see ``engine/cli/bench.py``)."""
+
+    base_url: str = "http://127.0.0.1:8000"
+    endpoint: str = "/v1/completions"
+    model: str | None = None  # None: the first model of GET /v1/models
+    num_prompts: int = 100
+    random_input_len: int = 128
+    random_output_len: int = 64
+    random_range_ratio: float = 0.0
+    request_rate: float = math.inf  # requests/s
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    seed: int = 0
+    ignore_eos: bool = True
+    tokenizer: str | None = None
+    vocab_range: tuple[int, int] | None = None
+    api_key: str | None = None
+    timeout: float = 600.0  # seconds, per request, whole stream included
+
+    @property
+    def chat(self) -> bool:
+        return self.endpoint.rstrip("/").endswith("chat/completions")
+
+
+@dataclass
+class BenchmarkResult:
+    """A finished run: its settings, the metrics and every request's measurements."""
+
+    config: BenchmarkConfig
+    model: str
+    metrics: BenchmarkMetrics
+    outputs: list[RequestFuncOutput]
+    max_concurrent_requests: int  # most requests in flight at once, seen by the client
+
+    def to_json(self) -> dict[str, Any]:
+        settings = asdict(self.config)
+        settings.pop("api_key")
+        settings["model"] = self.model
+        settings["request_rate"] = str(self.config.request_rate)  # JSON has no inf
+        requests = [
+            {
+                "success": o.success,
+                "error": o.error,
+                "prompt_len": o.prompt_len,
+                "output_tokens": o.output_tokens,
+                "start_s": o.start_time,
+                "ttft_ms": o.ttft * 1000,
+                "latency_ms": o.latency * 1000,
+                "itl_ms": [gap * 1000 for gap in o.itl],
+                "generated_text": o.generated_text,
+            }
+            for o in self.outputs
+        ]
+        return {
+            **settings,
+            **self.metrics.to_json(),
+            "max_concurrent_requests": self.max_concurrent_requests,
+            "requests": requests,
+        }
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+async def _first_model(client: Any, config: BenchmarkConfig) -> str:
+    """Check the server answers, and pick the model: ``config.model`` or the first listed."""
+    import httpx
+
+    url = f"{config.base_url}/v1/models"
+    try:
+        response = await client.get(url, headers=_headers(config.api_key), timeout=min(config.timeout, 30.0))
+    except httpx.HTTPError as e:
+        reason = " ".join(str(e).split()) or "no answer"  # one line, whatever the library wrote
+        raise BenchmarkError(f"cannot reach {url}: {type(e).__name__}: {reason}") from None
+    if config.model is not None:
+        return config.model  # some servers have no /v1/models; answering at all is enough
+    if response.status_code != 200:
+        raise BenchmarkError(f"GET {url} answered HTTP {response.status_code}; pass --model")
+    try:
+        return response.json()["data"][0]["id"]
+    except Exception as e:  # not JSON, no "data", an empty list
+        raise BenchmarkError(f"GET {url} listed no model ({type(e).__name__}); pass --model") from None
+
+
+async def benchmark(config: BenchmarkConfig, requests: Sequence[SampleRequest]) -> BenchmarkResult:
+    """Send ``requests`` to the server as ``config`` says and measure them.
+
+    Raises:
+        BenchmarkError: the server cannot be reached, or no model to name.
+    """
+    import httpx
+
+    pool = min(len(requests), config.max_concurrency or len(requests)) + 1  # +1: the probe
+    limits = httpx.Limits(max_connections=pool, max_keepalive_connections=pool)
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(config.timeout)) as client:
+        model = await _first_model(client, config)
+        api_url = config.base_url + config.endpoint
+        headers = _headers(config.api_key)
+        semaphore = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
+        in_flight = peak = 0
+
+        async def send(sample: SampleRequest, start: float) -> RequestFuncOutput:
+            nonlocal in_flight, peak
+            request = RequestFuncInput(
+                sample.prompt,
+                sample.prompt_len,
+                sample.expected_output_len,
+                model,
+                api_url,
+                config.ignore_eos,
+                config.chat,
+            )
+            if semaphore is not None:
+                await semaphore.acquire()
+            in_flight += 1
+            peak = max(peak, in_flight)
+            sent = time.perf_counter() - start
+            try:
+                output = await asyncio.wait_for(
+                    async_request_openai_completions(client, request, headers), config.timeout
+                )
+            except asyncio.TimeoutError:
+                output = RequestFuncOutput(
+                    prompt_len=sample.prompt_len, error=f"timed out after {config.timeout:g} s"
+                )
+            finally:
+                in_flight -= 1
+                if semaphore is not None:
+                    semaphore.release()
+            output.start_time = sent
+            return output
+
+        times = arrival_times(len(requests), config.request_rate, config.burstiness, config.seed)
+        start = time.perf_counter()
+        tasks = []
+        for sample, at in zip(requests, times):
+            delay = start + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(send(sample, start)))
+        outputs = list(await asyncio.gather(*tasks))
+        duration = time.perf_counter() - start
+    return BenchmarkResult(config, model, calculate_metrics(outputs, duration), outputs, peak)
+
+
+def run_benchmark(config: BenchmarkConfig) -> BenchmarkResult:
+    """Build the random dataset and run the benchmark to the end (blocking).
+
+    Raises:
+        BenchmarkError: the server cannot be reached, or no model to name.
+        ValueError: the tokenizer cannot be loaded.
+    """
+    tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer else None
+    requests = sample_random_requests(
+        config.num_prompts,
+        config.random_input_len,
+        config.random_output_len,
+        config.random_range_ratio,
+        config.seed,
+        config.vocab_range,
+        tokenizer,
+    )
+    return asyncio.run(benchmark(config, requests))
+
+
+# --- the report --------------------------------------------------------------------------
+
+_WIDTH = 50
+
+
+def _row(label: str, value: Any) -> str:
+    if value is None:
+        value = "n/a"
+    elif isinstance(value, float):
+        value = f"{value:.2f}"
+    return f"{label:<40}{value:<10}"
+
+
+def format_table(result: BenchmarkResult) -> str:
+    """The result as a fixed-width table in the layout of ``vllm bench serve``."""
+    m = result.metrics
+    lines = [
+        f"{' Serving Benchmark Result ':=^{_WIDTH}}",
+        _row("Successful requests:", m.completed),
+        _row("Failed requests:", m.failed),
+        *(
+            [_row("Maximum request concurrency:", result.config.max_concurrency)]
+            if result.config.max_concurrency
+            else []
+        ),
+        _row("Peak concurrent requests:", result.max_concurrent_requests),
+        _row("Benchmark duration (s):", m.duration_s),
+        _row("Total input tokens:", m.total_input),
+        _row("Total generated tokens:", m.total_output),
+        _row("Request throughput (req/s):", m.request_throughput),
+        _row("Output token throughput (tok/s):", m.output_throughput),
+        _row("Total token throughput (tok/s):", m.total_token_throughput),
+    ]
+    for name, title, stats in (
+        ("TTFT", "Time to First Token", m.ttft),
+        ("TPOT", "Time per Output Token (excl. 1st token)", m.tpot),
+        ("ITL", "Inter-token Latency", m.itl),
+    ):
+        lines.append(f"{title:-^{_WIDTH}}")
+        lines.append(_row(f"Mean {name} (ms):", stats.mean_ms))
+        lines.append(_row(f"Median {name} (ms):", stats.median_ms))
+        lines.append(_row(f"P99 {name} (ms):", stats.p99_ms))
+    lines.append("=" * _WIDTH)
+    errors = list(dict.fromkeys(o.error for o in result.outputs if not o.success))
+    lines += [f"error ({i + 1} of {len(errors)} distinct): {e}" for i, e in enumerate(errors[:3])]
+    return "\n".join(lines)
