@@ -96,6 +96,19 @@ ENV_VARS: dict[str, EnvVar] = {
             "message names the reader that is behind.",
         ),
         EnvVar(
+            "GLASSBOX_API_KEY",
+            str,
+            None,
+            "API key the server requires on /v1/* (same as --api-key; vLLM: VLLM_API_KEY).",
+        ),
+        EnvVar(
+            "GLASSBOX_KEEP_ALIVE_ON_ENGINE_DEATH",
+            _bool,
+            False,
+            "1 keeps the API server up when the engine dies (/health answers 503); by default it "
+            "exits non-zero, as vLLM does (vLLM: VLLM_KEEP_ALIVE_ON_ENGINE_DEATH).",
+        ),
+        EnvVar(
             "GLASSBOX_DEFAULT_WAIT_TIMEOUT_S",
             float,
             300.0,

@@ -2,10 +2,13 @@
 
 Subcommands (more arrive with the process tree and the API server):
 
+- ``glassbox serve [MODEL]`` — the OpenAI-compatible API server on the engine tree.
 - ``glassbox generate PROMPT...`` — run prompts through the offline ``LLM`` and print the
   completions (vLLM has no exact twin; it is ``LLM.generate`` from a shell).
 - ``glassbox ps`` — list running instances from their run directories: each process's
   role, pid, stage, uptime and memory, and the found/expected process count.
+- ``glassbox bench serve`` — load-test a running OpenAI-compatible server and report
+  throughput, TTFT, TPOT and ITL (vLLM: ``vllm bench serve``).
 
 Flags are ``vllm serve``'s engine flags. The config is validated before anything heavy is
 imported; a bad value prints one line naming the flag and exits with status 2.
@@ -27,7 +30,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def _make_parser() -> argparse.ArgumentParser:
-    from engine.cli import generate, ps
+    from engine.cli import bench, generate, ps, serve
 
     parser = ArgumentParser(
         prog="glassbox",
@@ -35,8 +38,10 @@ def _make_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"glassbox {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=ArgumentParser)
+    serve.add_subparser(sub)
     generate.add_subparser(sub)
     ps.add_subparser(sub)
+    bench.add_subparser(sub)
     return parser
 
 

@@ -111,8 +111,8 @@ class InprocClient(EngineCoreClient):
         self.engine_core.shutdown()
 
 
-class SyncMPClient(EngineCoreClient):
-    """The engine core in its own process, driven synchronously (the offline ``LLM``'s client).
+class MPClient(EngineCoreClient):
+    """What both multiprocess clients share: launching the engine core and the handshake.
 
     Start-up waits for HELLO then READY under one deadline
     (``GLASSBOX_ENGINE_READY_TIMEOUT_S``); on expiry the error names the late process and
@@ -258,7 +258,36 @@ class SyncMPClient(EngineCoreClient):
             self._check_alive()
             raise
 
-    # ------------------------------------------------------------------ client API
+    def _dispatch(self, msg: tuple[bytes, list[bytes]] | None) -> None:
+        if msg is None:
+            return
+        tag, frames = msg
+        if tag == TAG_OUTPUTS:
+            self.pending.append(self.outputs_decoder.decode(frames[0]))
+        elif tag == TAG_UTILITY:
+            call_id, ok, result = pickle.loads(frames[0])
+            self.utility_results[call_id] = (ok, result)
+
+    def _utility_result(self, call_id: int, method: str) -> Any:
+        ok, result = self.utility_results.pop(call_id)
+        if not ok:
+            raise RuntimeError(f"engine utility {method!r} failed: {result}")
+        return result
+
+    def shutdown(self) -> None:
+        """Stop the engine core (and through it its workers) within a few seconds."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.engine_proc is not None:
+            self.engine_proc.stop(timeout=4.0)
+        self.input_socket.close(linger=0)
+        self.output_socket.close(linger=0)
+        self.ctx.term()
+
+
+class SyncMPClient(MPClient):
+    """The engine core in its own process, driven synchronously (the offline ``LLM``'s client)."""
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._send(EngineCoreRequestType.ADD, self.encoder.encode(request))
@@ -281,31 +310,79 @@ class SyncMPClient(EngineCoreClient):
             if msg is None:
                 raise TimeoutError(f"utility call {method!r} got no answer in time")
             self._dispatch(msg)
-        ok, result = self.utility_results.pop(call_id)
-        if not ok:
-            raise RuntimeError(f"engine utility {method!r} failed: {result}")
-        return result
+        return self._utility_result(call_id, method)
 
-    def _dispatch(self, msg: tuple[bytes, list[bytes]] | None) -> None:
-        if msg is None:
-            return
-        tag, frames = msg
-        if tag == TAG_OUTPUTS:
-            self.pending.append(self.outputs_decoder.decode(frames[0]))
-        elif tag == TAG_UTILITY:
-            call_id, ok, result = pickle.loads(frames[0])
-            self.utility_results[call_id] = (ok, result)
 
-    def shutdown(self) -> None:
-        """Stop the engine core (and through it its workers) within a few seconds."""
-        if self._closed:
-            return
-        self._closed = True
-        if self.engine_proc is not None:
-            self.engine_proc.stop(timeout=4.0)
-        self.input_socket.close(linger=0)
-        self.output_socket.close(linger=0)
-        self.ctx.term()
+class AsyncMPClient(MPClient):
+    """The engine core in its own process, driven from an asyncio loop (the API server's client).
+
+    The handshake runs synchronously before serving starts; afterwards the same sockets are
+    used through asyncio shadows, so waiting for outputs never blocks the event loop.
+    """
+
+    def __init__(self, config: EngineConfig, run_dir: Path) -> None:
+        super().__init__(config, run_dir)
+        import zmq.asyncio
+
+        self.async_input = zmq.asyncio.Socket.shadow(self.input_socket.underlying)
+        self.async_output = zmq.asyncio.Socket.shadow(self.output_socket.underlying)
+
+    async def _recv_async(self, deadline: float | None) -> tuple[bytes, list[bytes]] | None:
+        while True:
+            if await self.async_output.poll(POLL_MS):
+                tag, *frames = await self.async_output.recv_multipart()
+                if tag == ENGINE_CORE_DEAD:
+                    self._mark_dead(*_dead_frames(frames))
+                return tag, frames
+            self._check_alive()
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+
+    async def _send_async(self, request_type: EngineCoreRequestType, body: bytes) -> None:
+        if self.dead is not None:
+            raise self.dead
+        await self.async_input.send_multipart([self.engine_identity, request_type.value, body], copy=False)
+
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        await self._send_async(EngineCoreRequestType.ADD, self.encoder.encode(request))
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        if request_ids and self.dead is None:
+            await self._send_async(EngineCoreRequestType.ABORT, self.encoder.encode(list(request_ids)))
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        """The next outputs; only one task (the output handler) may call this."""
+        while not self.pending:
+            self._dispatch(await self._recv_async(deadline=None))
+        return self.pending.popleft()
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        """Utility call; its answer is picked up by the output handler's receive loop."""
+        import asyncio
+
+        call_id = next(self.call_ids)
+        await self._send_async(EngineCoreRequestType.UTILITY, pickle.dumps((call_id, method, args)))
+        deadline = time.monotonic() + envs.GLASSBOX_EXECUTE_MODEL_TIMEOUT_S
+        while call_id not in self.utility_results:
+            self._check_alive()
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"utility call {method!r} got no answer in time")
+            await asyncio.sleep(0.005)
+        return self._utility_result(call_id, method)
+
+    # The synchronous verbs are not used from the event loop.
+    def add_request(self, request: EngineCoreRequest) -> None:
+        raise NotImplementedError("use add_request_async")
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        raise NotImplementedError("use abort_requests_async")
+
+    def get_output(self) -> EngineCoreOutputs:
+        raise NotImplementedError("use get_output_async")
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        raise NotImplementedError("use call_utility_async")
+
 
 
 def _dead_frames(frames: list[bytes]) -> tuple[str | None, dict[str, Any] | None]:

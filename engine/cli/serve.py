@@ -1,0 +1,67 @@
+"""``glassbox serve [MODEL]``: the OpenAI-compatible API server on the engine tree.
+
+Flags are ``vllm serve``'s: every engine flag, plus ``--host``, ``--port``, ``--api-key``,
+``--served-model-name``, ``--allowed-origins``, ``--uvicorn-log-level``. The whole config
+is validated first; a bad value (or a port already in use) is one line and exit 2, with
+nothing started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from engine.engine_args import EngineArgs
+
+DESCRIPTION = """Serve a model over an OpenAI-compatible HTTP API (/v1/completions,
+/v1/chat/completions, /v1/models, ...). Starts three processes: glassbox::APIServer_0 (this
+one: HTTP, tokenization, streaming), glassbox::EngineCore_DP0 (scheduler, KV cache) and
+glassbox::Worker_DP0_PP0_TP0 (the model). Uses the bundled tiny model unless MODEL is given."""
+
+
+def add_subparser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="Serve a model over an OpenAI-compatible HTTP API.", description=DESCRIPTION)
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="Model directory (or use --model).")
+    g = p.add_argument_group("Server")
+    g.add_argument("--host", default="127.0.0.1", help="Address to listen on (default 127.0.0.1).")
+    g.add_argument("--port", type=int, default=8000, help="Port to listen on; 0 picks a free one (written to the log and the manifest).")
+    g.add_argument("--api-key", default=None, help="Require this key (Authorization: Bearer ...) on /v1/*; also GLASSBOX_API_KEY.")
+    g.add_argument("--allowed-origins", type=json.loads, default=None, help='CORS origins as JSON, e.g. \'["http://localhost:3000"]\'.')
+    g.add_argument("--uvicorn-log-level", default="info", choices=("critical", "error", "warning", "info", "debug", "trace"))
+    EngineArgs.add_cli_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from engine import envs
+    from engine.config import ConfigError
+    from engine.entrypoints.openai.api_server import PortInUseError, ServerArgs, bind_socket
+    from tracing import catalogue, stage
+
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            parser.error(f"MODEL {args.model_tag!r} and --model {args.model!r} disagree; give one")
+        args.model = args.model_tag
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port: invalid value {args.port} (must be in 0..65535)")
+    with stage(catalogue.CLI_VALIDATE_CONFIG):
+        try:
+            config = EngineArgs.from_cli_args(args).create_engine_config(usage_context="serve")
+        except ConfigError as e:
+            parser.error(str(e))
+    # Bind before anything is spawned: a taken port fails here, in a second.
+    try:
+        sock = bind_socket(args.host, args.port)
+    except PortInUseError as e:
+        parser.error(f"--port: {e}")
+    from engine.entrypoints.openai.api_server import run_server
+
+    server_args = ServerArgs(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or envs.GLASSBOX_API_KEY,
+        served_model_name=args.served_model_name,
+        allowed_origins=args.allowed_origins,
+        uvicorn_log_level=args.uvicorn_log_level,
+    )
+    return run_server(config, server_args, sock)

@@ -1,0 +1,202 @@
+"""The API server process: ``glassbox serve``.
+
+Mirrors vLLM's ``vllm/entrypoints/openai/api_server.py`` (``run_server``). Start-up, in
+order, each step before the next:
+
+1. validate the whole config (done by the CLI, before this module runs anything heavy);
+2. **bind the listening socket** — before the engine starts, so a port that is taken fails in
+   a second, with nothing spawned (and port 0 picks a free port, written to the manifest);
+3. install the SIGTERM/SIGINT handler, so a signal during the long engine start-up still
+   stops the whole tree;
+4. build ``AsyncLLM``, which launches the engine core and its workers and waits for READY;
+5. build the FastAPI app (routes, API key, CORS);
+6. serve with uvicorn on uvloop, on the socket from step 2;
+7. freeze the start-up objects out of the garbage collector's way (``gc.freeze``).
+
+Shutdown: SIGINT/SIGTERM → uvicorn stops accepting and finishes → the engine tree is
+stopped → the run directory is removed → exit 0. If the engine dies, requests in flight end
+with an error, new ones get 503, the root cause is printed last, and the server exits 1 —
+unless ``GLASSBOX_KEEP_ALIVE_ON_ENGINE_DEATH=1``.
+
+This process never imports torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import signal
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine import envs
+from engine.config import EngineConfig
+from engine.logger import init_logger, set_process_role
+from engine.utils import processes
+from engine.utils import run_dir as run_dirs
+from engine.utils.processes import EngineDeadError
+
+logger = init_logger(__name__)
+
+ROLE = "APIServer_0"
+
+
+@dataclass
+class ServerArgs:
+    """The server's own flags (the engine's are in ``EngineConfig``)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    allowed_origins: list[str] | None = None
+    uvicorn_log_level: str = "info"
+
+
+class PortInUseError(OSError):
+    pass
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind (and listen on) ``host:port`` before anything else starts.
+
+    Raises:
+        PortInUseError: the address is taken (or cannot be bound); the message says which.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise PortInUseError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.listen(2048)
+    sock.set_inheritable(False)
+    return sock
+
+
+def run_server(config: EngineConfig, args: ServerArgs, sock: socket.socket | None = None) -> int:
+    """Run the API server until it is told to stop; returns the process exit code.
+
+    ``sock``: the listening socket when the caller bound it already (the CLI does, to fail
+    fast on a taken port); else it is bound here.
+    """
+    processes.set_process_title(ROLE)
+    set_process_role(ROLE)
+    if sock is None:
+        sock = bind_socket(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    run_dir = run_dirs.create_run_dir()
+    manifest = run_dirs.plan_tree(config, True, frontend_role=ROLE, api_server_count=1)
+    run_dirs.write_manifest(run_dir, host=host, port=port, **manifest)
+    logger.info("Bound http://%s:%d (run directory %s)", host, port, run_dir)
+
+    from tracing import setup_tracing
+
+    obs = config.observability_config
+    setup_tracing(ROLE, trace_file=obs.trace_file, otlp_endpoint=obs.otlp_traces_endpoint,
+                  status_file=str(run_dirs.status_file(run_dir, ROLE)))  # fmt: skip
+
+    # A signal during start-up (the engine can take minutes to load) stops everything.
+    def on_signal_during_startup(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal_during_startup)
+    signal.signal(signal.SIGINT, on_signal_during_startup)
+    engine = None
+    loop = _new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        from engine.frontend.async_llm import AsyncLLM
+
+        engine = AsyncLLM(config, run_dir)
+        return loop.run_until_complete(_serve(engine, config, args, sock, port))
+    except KeyboardInterrupt:
+        logger.info("Interrupted during start-up; stopping")
+        return 0
+    except EngineDeadError as e:
+        print(e.root_cause, file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if engine is not None:
+            engine.shutdown()
+        sock.close()
+        loop.close()
+        run_dirs.remove_run_dir(Path(run_dir))
+
+
+def _new_event_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+
+        return uvloop.new_event_loop()
+    except ImportError:  # pragma: no cover - uvloop is a dependency
+        return asyncio.new_event_loop()
+
+
+async def _serve(engine, config: EngineConfig, args: ServerArgs, sock: socket.socket, port: int) -> int:
+    import uvicorn
+
+    from engine.entrypoints.openai.app import build_app
+
+    served_name = args.served_model_name or config.model_config.served_model_name
+    app = build_app(engine, served_model_name=served_name, api_key=args.api_key,
+                    allowed_origins=args.allowed_origins)  # fmt: skip
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            log_level=args.uvicorn_log_level,
+            timeout_graceful_shutdown=2,
+            timeout_keep_alive=5,
+        )
+    )
+    exit_code = 0
+    dead: list[EngineDeadError] = []
+
+    def on_engine_dead(error: EngineDeadError) -> None:
+        nonlocal exit_code
+        dead.append(error)
+        if envs.GLASSBOX_KEEP_ALIVE_ON_ENGINE_DEATH:
+            logger.error("The engine died; staying up (GLASSBOX_KEEP_ALIVE_ON_ENGINE_DEATH=1), /health answers 503")
+            return
+        exit_code = 1
+        server.should_exit = True
+
+    engine.on_engine_dead.append(on_engine_dead)
+    watchdog = asyncio.create_task(_watch_engine(engine))
+    # While serving, uvicorn's own handlers turn SIGINT/SIGTERM into a graceful stop; when
+    # it returns it re-raises the signal it caught into the handlers it found. Those are
+    # no-ops, so the shutdown below (engine tree, run directory) runs and we exit 0.
+    signal.signal(signal.SIGTERM, _ignore_signal)
+    signal.signal(signal.SIGINT, _ignore_signal)
+    gc.collect()
+    gc.freeze()
+    logger.info("Glassbox API server ready on http://%s:%d (model %s)", args.host, port, served_name)
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        watchdog.cancel()
+    if dead:
+        # The root cause comes last, after uvicorn's shutdown lines.
+        print(dead[0].root_cause, file=sys.stderr, flush=True)
+    return exit_code
+
+
+def _ignore_signal(signum: int, frame: object) -> None:
+    logger.debug("signal %d after serving stopped: already shutting down", signum)
+
+
+async def _watch_engine(engine) -> None:
+    """Notice a dead engine within a second even when no request is running."""
+    while True:
+        await asyncio.sleep(0.5)
+        if engine.errored:
+            return
+        try:
+            await engine.check_health()
+        except EngineDeadError as e:
+            engine._engine_died(e)
+            return

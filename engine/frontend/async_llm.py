@@ -1,0 +1,189 @@
+"""``AsyncLLM``: the engine as the API server sees it — ``generate()`` as an async stream.
+
+Mirrors vLLM's ``vllm/v1/engine/async_llm.py``. It holds the same three pieces as the offline
+``LLM`` — ``InputProcessor``, ``OutputProcessor``, and an engine-core client (here
+``AsyncMPClient``) — plus one background task, the **output handler**, which pulls
+``EngineCoreOutputs`` from the engine core, runs them through the output processor
+(detokenize, stop strings, ``n`` fan-in) and hands each ``RequestOutput`` to the queue of the
+``generate()`` call waiting for it.
+
+Imports no torch: the engine core and workers, in their own processes, hold the model.
+
+Errors: ``generate()`` raises ``ValueError`` for a bad prompt (too long, bad token ids) before
+anything is queued, and ``EngineDeadError`` when the engine died — also for requests already
+streaming, which end with that error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import AsyncGenerator
+from pathlib import Path
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.frontend.core_client import AsyncMPClient
+from engine.frontend.input_processor import InputProcessor
+from engine.frontend.output_processor import OutputProcessor, ParentRequest
+from engine.frontend.outputs import PromptType, RequestOutput
+from engine.frontend.tokenizer import get_tokenizer
+from engine.logger import init_logger
+from engine.sampling_params import SamplingParams
+from engine.utils.processes import EngineDeadError
+
+logger = init_logger(__name__)
+
+
+class AsyncLLM:
+    """The asynchronous engine client used by the API server.
+
+    Args:
+        config: the validated engine config.
+        run_dir: this instance's run directory (sockets, status files, manifest).
+    """
+
+    def __init__(self, config: EngineConfig, run_dir: Path) -> None:
+        self.config = config
+        self.model_config = config.model_config
+        self.tokenizer = get_tokenizer(config.model_config.tokenizer)
+        self.input_processor = InputProcessor(config.model_config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, log_stats=False)
+        self.engine_core = AsyncMPClient(config, run_dir)
+        self.queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self.output_handler: asyncio.Task | None = None
+        self.dead_error: EngineDeadError | None = None
+        self.request_ids = itertools.count()
+        # Called once with the error when the engine dies (the server decides what to do).
+        self.on_engine_dead: list[Any] = []
+
+    @property
+    def errored(self) -> bool:
+        return self.dead_error is not None
+
+    def new_request_id(self, prefix: str = "req") -> str:
+        return f"{prefix}-{next(self.request_ids)}-{int(time.time() * 1000) % 10**8}"
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return SamplingParams.from_generation_config(self.model_config.generation_config)
+
+    # ------------------------------------------------------------------ requests
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        trace_headers: dict[str, str] | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Stream ``RequestOutput``s for one request (``sampling_params.output_kind`` decides
+        whether each carries everything so far or only what is new).
+
+        Closing the generator early (a client that went away) aborts the request in the
+        engine, so its KV blocks are freed.
+
+        Raises:
+            ValueError: bad prompt or parameters (nothing was queued).
+            EngineDeadError: the engine is dead, or died while this request ran.
+        """
+        if self.dead_error is not None:
+            raise self.dead_error
+        self._ensure_output_handler()
+        arrival = time.time()
+        if sampling_params.n == 1:
+            requests = [(self.input_processor.process_inputs(request_id, prompt, sampling_params, arrival, priority,
+                                                             trace_headers), None, 0)]  # fmt: skip
+        else:
+            parent = ParentRequest(request_id, sampling_params)
+            requests = []
+            for index in range(sampling_params.n):
+                child_id, child_params = parent.get_child_info(index)
+                req = self.input_processor.process_inputs(child_id, prompt, child_params, arrival, priority, trace_headers)
+                requests.append((req, parent, index))
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.queues[request_id] = queue
+        text = prompt if isinstance(prompt, str) else (prompt.get("prompt") if isinstance(prompt, dict) else None)
+        finished = False
+        try:
+            for req, parent, index in requests:
+                self.output_processor.add_request(req, text, parent, index)
+                await self.engine_core.add_request_async(req)
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self.queues.pop(request_id, None)
+            if not finished:
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request (or a parent and all its children) and free its KV blocks."""
+        child_ids = self.output_processor.abort_requests([request_id])
+        if child_ids and self.dead_error is None:
+            try:
+                await self.engine_core.abort_requests_async(child_ids)
+            except EngineDeadError:
+                pass
+
+    # ------------------------------------------------------------------ output handler
+
+    def _ensure_output_handler(self) -> None:
+        if self.output_handler is None:
+            self.output_handler = asyncio.get_running_loop().create_task(self._run_output_handler(),
+                                                                         name="AsyncLLM.output_handler")  # fmt: skip
+
+    async def _run_output_handler(self) -> None:
+        """Pull engine outputs forever; route each ``RequestOutput`` to its request's queue."""
+        try:
+            while True:
+                outputs = await self.engine_core.get_output_async()
+                processed = self.output_processor.process_outputs(outputs.outputs)
+                if processed.reqs_to_abort:
+                    await self.engine_core.abort_requests_async(processed.reqs_to_abort)
+                for out in processed.request_outputs:
+                    queue = self.queues.get(out.request_id)
+                    if queue is not None:
+                        queue.put_nowait(out)
+        except EngineDeadError as e:
+            self._engine_died(e)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a bug in the frontend must not leave requests hanging
+            logger.exception("output handler failed")
+            self._engine_died(EngineDeadError(f"the API server's output handler failed: {e!r}"))
+
+    def _engine_died(self, error: EngineDeadError) -> None:
+        self.dead_error = error
+        for queue in self.queues.values():
+            queue.put_nowait(error)
+        for callback in self.on_engine_dead:
+            callback(error)
+
+    # ------------------------------------------------------------------ utilities
+
+    async def get_scheduler_stats(self):
+        """The scheduler's counters now (running, waiting, KV usage, ...)."""
+        self._ensure_output_handler()
+        return await self.engine_core.call_utility_async("get_scheduler_stats")
+
+    async def get_kv_cache_info(self) -> dict[str, int]:
+        self._ensure_output_handler()
+        return await self.engine_core.call_utility_async("get_kv_cache_info")
+
+    async def check_health(self) -> None:
+        """Raises ``EngineDeadError`` when the engine is dead."""
+        if self.dead_error is not None:
+            raise self.dead_error
+        self.engine_core._check_alive()
+
+    def shutdown(self) -> None:
+        if self.output_handler is not None:
+            self.output_handler.cancel()
+        self.engine_core.shutdown()

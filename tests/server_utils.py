@@ -1,0 +1,76 @@
+"""Start a real ``glassbox serve`` for tests: port 0, its own run-directory base, own process group."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    port: int
+    run_dir: Path
+    base_url: str
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def kill_group(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+
+
+def start_server(base: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 120.0) -> Server:
+    """Start ``glassbox serve --port 0 ARGS`` and wait until /health answers 200.
+
+    The bound port is read from the run directory's manifest (written right after bind).
+    Output goes to ``base/server.log``.
+
+    Raises:
+        RuntimeError: the server exited or did not become healthy within ``timeout``.
+    """
+    base.mkdir(parents=True, exist_ok=True)
+    log_path = base / "server.log"
+    full_env = {**os.environ, "GLASSBOX_RUN_DIR_BASE": str(base), **(env or {})}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "engine.cli.main", "serve", "--port", "0", *args],
+            stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
+        )  # fmt: skip
+    deadline = time.monotonic() + timeout
+    manifest = None
+    while manifest is None:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"server did not start (exit {proc.poll()}):\n{log_path.read_text()[-3000:]}")
+        for path in base.glob("glassbox-*/manifest.json"):
+            try:
+                data = json.loads(path.read_text())
+            except ValueError:
+                continue
+            if "port" in data:
+                manifest = data
+        time.sleep(0.05)
+    server = Server(proc, manifest["port"], Path(manifest["run_dir"]), f"http://127.0.0.1:{manifest['port']}", log_path)
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            server.kill_group()
+            raise RuntimeError(f"server never became healthy (exit {proc.poll()}):\n{server.log()[-3000:]}")
+        try:
+            if httpx.get(server.base_url + "/health", timeout=1.0).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)

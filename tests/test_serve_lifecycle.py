@@ -1,0 +1,162 @@
+"""``glassbox serve`` as a process tree: three titled processes, and clean ends.
+
+SIGTERM stops everything with exit 0; SIGKILL of the API server takes the engine core and
+worker with it (the real vLLM leaves both orphaned); SIGKILL of the worker ends the open
+request with an error, prints the root cause last and exits non-zero — or keeps serving
+with /health at 503 under GLASSBOX_KEEP_ALIVE_ON_ENGINE_DEATH=1. Each test starts its own
+server (they break it) and kills its process group on teardown; kills follow events (the
+first streamed chunk), never sleeps.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import psutil
+import pytest
+from server_utils import start_server
+
+pytestmark = pytest.mark.slow
+
+ARGS = ("--max-model-len", "256")
+
+
+def titled(pid: int) -> dict[str, psutil.Process]:
+    out = {}
+    procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    for p in procs:
+        try:
+            title = " ".join(p.cmdline()).strip()
+        except psutil.Error:
+            continue
+        if title.startswith("glassbox::"):
+            out[title] = p
+    return out
+
+
+def wait_gone(pids, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        time.sleep(0.05)
+    return alive
+
+
+@pytest.fixture
+def server(tmp_path):
+    srv = start_server(tmp_path, *ARGS)
+    yield srv
+    srv.kill_group()
+
+
+def test_three_titled_processes_and_sigterm_stops_everything(server):
+    tree = titled(server.proc.pid)
+    assert sorted(tree) == ["glassbox::APIServer_0", "glassbox::EngineCore_DP0", "glassbox::Worker_DP0_PP0_TP0"]
+    assert tree["glassbox::APIServer_0"].pid == server.proc.pid
+    ps = subprocess.run([sys.executable, "-m", "engine.cli.main", "ps", "--json", "--run-dir", str(server.run_dir)],
+                        capture_output=True, text=True, timeout=60)  # fmt: skip
+    info = json.loads(ps.stdout)["instances"][0]
+    assert info["expected_process_count"] == 3 and info["found_process_count"] == 3
+    pids = [p.pid for p in tree.values()]
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(10) == 0
+    assert wait_gone(pids) == []
+    assert not server.run_dir.exists()
+
+
+def test_sigkill_of_api_server_takes_the_tree_with_it(server):
+    tree = titled(server.proc.pid)
+    children = [p.pid for name, p in tree.items() if name != "glassbox::APIServer_0"]
+    assert len(children) == 2
+    server.proc.send_signal(signal.SIGKILL)
+    server.proc.wait(5)
+    assert wait_gone(children) == []
+    deadline = time.monotonic() + 5
+    while server.run_dir.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not server.run_dir.exists()
+
+
+def _stream_until_first_chunk(server) -> tuple[httpx.Client, httpx.Response]:
+    client = httpx.Client(base_url=server.base_url, timeout=30)
+    body = {"model": json.loads(client.get("/v1/models").text)["data"][0]["id"], "prompt": "hello",
+            "max_tokens": 200, "ignore_eos": True, "stream": True}  # fmt: skip
+    response = client.send(client.build_request("POST", "/v1/completions", json=body), stream=True)
+    lines = response.iter_lines()
+    for line in lines:
+        if line.startswith("data: "):
+            break
+    return client, response, lines
+
+
+def test_sigkill_of_worker_errors_the_request_and_exits_nonzero_with_root_cause_last(server):
+    tree = titled(server.proc.pid)
+    worker = tree["glassbox::Worker_DP0_PP0_TP0"]
+    core = tree["glassbox::EngineCore_DP0"]
+    client, response, lines = _stream_until_first_chunk(server)
+    worker.send_signal(signal.SIGKILL)
+    rest = "\n".join(lines)
+    assert '"error"' in rest, rest[-500:]
+    response.close()
+    client.close()
+    assert server.proc.wait(15) != 0
+    assert wait_gone([core.pid, worker.pid]) == []
+    log = server.log().rstrip().splitlines()
+    block_start = max(i for i, line in enumerate(log) if "Glassbox root cause" in line)
+    block = "\n".join(log[block_start:])
+    assert "Worker_DP0_PP0_TP0" in block and "SIGKILL" in block
+    assert log[-1].startswith("====="), "the root-cause block is the last thing printed"
+    assert not server.run_dir.exists()
+
+
+def test_keep_alive_on_engine_death_answers_503(tmp_path):
+    srv = start_server(tmp_path, *ARGS, env={"GLASSBOX_KEEP_ALIVE_ON_ENGINE_DEATH": "1"})
+    try:
+        worker = titled(srv.proc.pid)["glassbox::Worker_DP0_PP0_TP0"]
+        worker.send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        status = 200
+        while status != 503 and time.monotonic() < deadline:
+            status = httpx.get(srv.base_url + "/health", timeout=2).status_code
+            time.sleep(0.1)
+        assert status == 503
+        r = httpx.post(srv.base_url + "/v1/completions", json={"model": "x", "prompt": "hi"}, timeout=5)
+        assert r.status_code in (503, 404)
+        assert srv.proc.poll() is None, "the server stays up"
+    finally:
+        srv.kill_group()
+
+
+def test_port_in_use_is_one_line_and_nothing_starts(tmp_path):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    try:
+        proc = subprocess.run([sys.executable, "-m", "engine.cli.main", "serve", "--port", str(port)],
+                              capture_output=True, text=True, timeout=60,
+                              env={**__import__("os").environ, "GLASSBOX_RUN_DIR_BASE": str(tmp_path)})  # fmt: skip
+    finally:
+        taken.close()
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0
+    assert "--port" in proc.stderr and "in use" in proc.stderr
+    assert list(tmp_path.glob("glassbox-*")) == []
+
+
+def test_api_server_modules_do_not_import_torch():
+    code = (
+        "import sys; import engine.entrypoints.openai.api_server, engine.frontend.async_llm, engine.cli.serve;"
+        "import engine.entrypoints.openai.app;"
+        "bad = [m for m in ('torch', 'engine.model', 'engine.worker') if m in sys.modules]; print(bad);"
+        "sys.exit(1 if bad else 0)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
