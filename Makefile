@@ -3,7 +3,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
-PROMPT ?= Once upon a time
+SERVE_ARGS ?=
 PYTEST_ARGS ?=
 
 BIN := $(VENV)/bin
@@ -19,9 +19,9 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-## run: generate text from the bundled default model
+## run: serve the bundled default model on http://127.0.0.1:8000 (OpenAI-compatible API)
 run: install
-	$(BIN)/glassbox generate "$(PROMPT)"
+	$(BIN)/glassbox serve $(SERVE_ARGS)
 
 ## test: lint, format check, and the CPU test suite
 test: install lint

@@ -19,6 +19,7 @@ from typing import Any
 
 # The default model ships with the package (made by scripts/make_default_model.py).
 DEFAULT_MODEL = str(Path(__file__).parent / "assets" / "default_model")
+DEFAULT_SERVED_NAME = "glassbox-tiny-llama"
 
 # Architectures the model code implements (config.json "architectures").
 SUPPORTED_ARCHITECTURES = (
@@ -84,6 +85,7 @@ class ModelConfig:
         config_file = path / "config.json"
         if not config_file.is_file():
             raise ConfigError("--model", self.model, "the directory has no config.json")
+        given = self.model
         self.model = str(path.resolve())
         if self.tokenizer is None:
             self.tokenizer = self.model
@@ -122,7 +124,9 @@ class ModelConfig:
                 f"must be at most the model's max_position_embeddings={limit}",
             )
         if self.served_model_name is None:
-            self.served_model_name = self.model
+            # vLLM serves a model under the name it was given; the bundled one has a short name.
+            bundled = self.model == str(Path(DEFAULT_MODEL).resolve())
+            self.served_model_name = DEFAULT_SERVED_NAME if bundled else given
 
     @property
     def architecture(self) -> str:
