@@ -18,6 +18,7 @@ tokens count as output (that is what a user would get).
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import tempfile
@@ -133,6 +134,9 @@ def main() -> None:
     ap.add_argument("--skip-transformers", action="store_true")
     args = ap.parse_args()
 
+    # In-process (InprocClient): the step timer wraps the engine core and the model directly.
+    # benchmarks/process_tree_overhead.py measures what the process tree adds.
+    os.environ["GLASSBOX_ENABLE_MULTIPROCESSING"] = "0"
     from engine import LLM
 
     prompts, out_lens = make_workload(

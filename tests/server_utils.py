@@ -63,7 +63,9 @@ def start_server(base: Path, *args: str, env: dict[str, str] | None = None, time
             if "port" in data:
                 manifest = data
         time.sleep(0.05)
-    server = Server(proc, manifest["port"], Path(manifest["run_dir"]), f"http://127.0.0.1:{manifest['port']}", log_path)
+    server = Server(
+        proc, manifest["port"], Path(manifest["run_dir"]), f"http://127.0.0.1:{manifest['port']}", log_path
+    )
     while True:
         if proc.poll() is not None or time.monotonic() > deadline:
             server.kill_group()

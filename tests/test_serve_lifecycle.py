@@ -44,7 +44,9 @@ def wait_gone(pids, timeout=5.0):
     deadline = time.monotonic() + timeout
     alive = list(pids)
     while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        alive = [
+            p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+        ]
         time.sleep(0.05)
     return alive
 
@@ -58,7 +60,11 @@ def server(tmp_path):
 
 def test_three_titled_processes_and_sigterm_stops_everything(server):
     tree = titled(server.proc.pid)
-    assert sorted(tree) == ["glassbox::APIServer_0", "glassbox::EngineCore_DP0", "glassbox::Worker_DP0_PP0_TP0"]
+    assert sorted(tree) == [
+        "glassbox::APIServer_0",
+        "glassbox::EngineCore_DP0",
+        "glassbox::Worker_DP0_PP0_TP0",
+    ]
     assert tree["glassbox::APIServer_0"].pid == server.proc.pid
     ps = subprocess.run([sys.executable, "-m", "engine.cli.main", "ps", "--json", "--run-dir", str(server.run_dir)],
                         capture_output=True, text=True, timeout=60)  # fmt: skip

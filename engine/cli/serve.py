@@ -20,14 +20,36 @@ glassbox::Worker_DP0_PP0_TP0 (the model). Uses the bundled tiny model unless MOD
 
 
 def add_subparser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="Serve a model over an OpenAI-compatible HTTP API.", description=DESCRIPTION)
-    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="Model directory (or use --model).")
+    p = sub.add_parser(
+        "serve", help="Serve a model over an OpenAI-compatible HTTP API.", description=DESCRIPTION
+    )
+    p.add_argument(
+        "model_tag", nargs="?", default=None, metavar="MODEL", help="Model directory (or use --model)."
+    )
     g = p.add_argument_group("Server")
     g.add_argument("--host", default="127.0.0.1", help="Address to listen on (default 127.0.0.1).")
-    g.add_argument("--port", type=int, default=8000, help="Port to listen on; 0 picks a free one (written to the log and the manifest).")
-    g.add_argument("--api-key", default=None, help="Require this key (Authorization: Bearer ...) on /v1/*; also GLASSBOX_API_KEY.")
-    g.add_argument("--allowed-origins", type=json.loads, default=None, help='CORS origins as JSON, e.g. \'["http://localhost:3000"]\'.')
-    g.add_argument("--uvicorn-log-level", default="info", choices=("critical", "error", "warning", "info", "debug", "trace"))
+    g.add_argument(
+        "--port",
+        type=int,
+        default=8000,
+        help="Port to listen on; 0 picks a free one (written to the log and the manifest).",
+    )
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="Require this key (Authorization: Bearer ...) on /v1/*; also GLASSBOX_API_KEY.",
+    )
+    g.add_argument(
+        "--allowed-origins",
+        type=json.loads,
+        default=None,
+        help="CORS origins as JSON, e.g. '[\"http://localhost:3000\"]'.",
+    )
+    g.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug", "trace"),
+    )
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run)
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from engine import envs
 from engine.executor.abstract import Executor
-from engine.executor.shm_broadcast import MessageQueue, MessageQueueTimeout
+from engine.executor.shm_broadcast import MessageQueue, MessageQueueClosed, MessageQueueTimeout
 from engine.logger import init_logger
 from engine.utils import processes
 from engine.utils import run_dir as run_dirs
@@ -70,7 +70,8 @@ class MultiprocExecutor(Executor):
         self._shutting_down = False
         self.workers: list[ChildProcess] = []
         with stage(catalogue.EXECUTOR_INIT):
-            handle = MessageQueue.create(run_dir, "rpc", self.world_size, reader_names=self.roles)
+            handle = MessageQueue.create(run_dir, "rpc", self.world_size, reader_names=self.roles,
+                                         writer_name="EngineCore_DP0")  # fmt: skip
             self.rpc_broadcast_mq = MessageQueue.open_writer(handle, describe_reader=self._describe_reader)
             response_handles = [
                 MessageQueue.create(run_dir, f"r{rank}", 1, reader_names=["EngineCore_DP0"])
@@ -244,7 +245,9 @@ class WorkerProc:
                 try:
                     message = rpc.dequeue(timeout=1.0)
                 except MessageQueueTimeout:
-                    continue
+                    continue  # idle: wait again (the lifeline watcher handles a dead parent)
+                except MessageQueueClosed:
+                    return  # the engine core closed the queue: an orderly shutdown
                 method, args, kwargs, output_rank = pickle.loads(message)
                 try:
                     with attached_trace_context(payload.get("trace_headers")):

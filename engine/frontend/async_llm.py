@@ -100,11 +100,17 @@ class AsyncLLM:
             requests = []
             for index in range(sampling_params.n):
                 child_id, child_params = parent.get_child_info(index)
-                req = self.input_processor.process_inputs(child_id, prompt, child_params, arrival, priority, trace_headers)
+                req = self.input_processor.process_inputs(
+                    child_id, prompt, child_params, arrival, priority, trace_headers
+                )
                 requests.append((req, parent, index))
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.queues[request_id] = queue
-        text = prompt if isinstance(prompt, str) else (prompt.get("prompt") if isinstance(prompt, dict) else None)
+        text = (
+            prompt
+            if isinstance(prompt, str)
+            else (prompt.get("prompt") if isinstance(prompt, dict) else None)
+        )
         finished = False
         try:
             for req, parent, index in requests:
@@ -121,7 +127,8 @@ class AsyncLLM:
         finally:
             self.queues.pop(request_id, None)
             if not finished:
-                await self.abort(request_id)
+                # Shielded: a cancelled HTTP handler must still get its abort through.
+                await asyncio.shield(self.abort(request_id))
 
     async def abort(self, request_id: str) -> None:
         """Stop a request (or a parent and all its children) and free its KV blocks."""

@@ -384,7 +384,6 @@ class AsyncMPClient(MPClient):
         raise NotImplementedError("use call_utility_async")
 
 
-
 def _dead_frames(frames: list[bytes]) -> tuple[str | None, dict[str, Any] | None]:
     root = frames[0].decode() if frames else None
     error = json.loads(frames[1]) if len(frames) > 1 else None

@@ -6,8 +6,10 @@ ZMQ ipc sockets and the live-telemetry sockets, which is why paths are kept shor
 socket paths are limited to 107 characters). ``glassbox ps`` and ``engine-top`` find
 running instances by listing these directories.
 
-Created under ``GLASSBOX_RUN_DIR_BASE``, else ``$XDG_RUNTIME_DIR``, else the temp dir, with
-mode 0700, and removed when the instance shuts down.
+Created under ``GLASSBOX_RUN_DIR_BASE``, else ``$XDG_RUNTIME_DIR``, else ``/dev/shm``, else
+the temp dir, with mode 0700, and removed when the instance shuts down. A memory-backed
+filesystem matters: the workers' shared-memory queues are files in this directory, and on a
+disk-backed one the kernel would write their pages back to disk.
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ _RUN_DIR_NAME = re.compile(rf"^{re.escape(RUN_DIR_PREFIX)}(\d+)-")
 def run_dir_base() -> Path:
     from engine import envs
 
-    base = envs.GLASSBOX_RUN_DIR_BASE or os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
-    return Path(base)
+    base = envs.GLASSBOX_RUN_DIR_BASE or os.environ.get("XDG_RUNTIME_DIR")
+    if not base and os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        base = "/dev/shm"
+    return Path(base or tempfile.gettempdir())
 
 
 def create_run_dir() -> Path:

@@ -160,7 +160,9 @@ async def _serve(engine, config: EngineConfig, args: ServerArgs, sock: socket.so
         nonlocal exit_code
         dead.append(error)
         if envs.GLASSBOX_KEEP_ALIVE_ON_ENGINE_DEATH:
-            logger.error("The engine died; staying up (GLASSBOX_KEEP_ALIVE_ON_ENGINE_DEATH=1), /health answers 503")
+            logger.error(
+                "The engine died; staying up (GLASSBOX_KEEP_ALIVE_ON_ENGINE_DEATH=1), /health answers 503"
+            )
             return
         exit_code = 1
         server.should_exit = True

@@ -1,0 +1,17 @@
+"""The OpenAI-compatible HTTP API, as the API server process runs it.
+
+Mirrors vLLM's ``vllm/entrypoints/openai/`` package, one concept per module:
+
+- ``protocol.py``: the request and response bodies (pydantic), OpenAI's field names plus
+  vLLM's extras (``top_k``, ``ignore_eos``, ...), and the error shape.
+- ``serving_engine.py``: what every route shares — model check, prompt rendering,
+  ``max_tokens`` rules, turning errors into ``ErrorResponse``s, Server-Sent Events.
+- ``serving_completion.py`` (``/v1/completions``), ``serving_chat.py``
+  (``/v1/chat/completions``), ``serving_models.py`` (``/v1/models``),
+  ``serving_tokenization.py`` (``/tokenize``, ``/detokenize``).
+- ``app.py``: ``build_app`` — the FastAPI app with its routes, middleware, error handlers,
+  health and Prometheus metrics.
+
+Nothing here imports torch (ARCHITECTURE.md §3, §9): the API server needs only the
+tokenizer and the engine client (``AsyncLLM``).
+"""

@@ -1,0 +1,383 @@
+"""Request and response bodies of the OpenAI-compatible API (pydantic models).
+
+Mirrors vLLM's ``vllm/entrypoints/openai/protocol.py``: OpenAI's field names and shapes, so
+the official ``openai`` client works unchanged, plus vLLM's sampling extras (``top_k``,
+``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``,
+``include_stop_str_in_output``, ``skip_special_tokens``, ...). Each request model turns
+itself into ``SamplingParams`` with ``to_sampling_params``; a bad value then raises the
+``ValueError`` of ``SamplingParams``, whose message starts with the field's name.
+
+Sampling fields left unset (``None``) take the model's defaults from
+``generation_config.json`` (``AsyncLLM.get_default_sampling_params``), then vLLM's — as
+vLLM does. Unknown fields are ignored (vLLM logs them).
+
+Left out: tools and tool calls, ``response_format`` other than text (structured outputs),
+``logit_bias``, ``suffix`` and ``best_of`` — these are declared only so that using them is
+an error rather than silently ignored — beam search, LoRA, multimodal content, embeddings
+and the other pooling APIs, the Responses API.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.sampling_params import RequestOutputKind, SamplingParams
+
+# A seed must fit a signed 64-bit integer (vLLM: ``_LONG_INFO``).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
+class OpenAIBaseModel(BaseModel):
+    # Unknown fields are dropped, as OpenAI's API tolerates fields it does not know.
+    model_config = ConfigDict(extra="ignore")
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+class ErrorInfo(OpenAIBaseModel):
+    """``{"message", "type", "param", "code"}``: ``param`` names the offending field."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(OpenAIBaseModel):
+    """The body of every error: ``{"error": ErrorInfo}`` (vLLM's ``ErrorResponse``)."""
+
+    error: ErrorInfo
+
+
+# ---------------------------------------------------------------------------- shared
+
+
+class UsageInfo(OpenAIBaseModel):
+    """Token counts of a request: prompt tokens once per prompt, all choices' output tokens."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class StreamOptions(OpenAIBaseModel):
+    """``include_usage``: send a last chunk, with no choices, that carries ``usage``."""
+
+    include_usage: bool | None = False
+
+
+class SamplingFields(OpenAIBaseModel):
+    """The sampling and stopping fields that completions and chat share."""
+
+    model: str | None = None
+    n: int = 1
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extras.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    def _sampling_params(
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+        default: SamplingParams,
+    ) -> SamplingParams:
+        """``SamplingParams`` for one prompt; unset fields take ``default``'s values.
+
+        Raises:
+            ValueError: a value out of range; the message starts with the field name.
+        """
+
+        def pick(value: Any, default_value: Any) -> Any:
+            return default_value if value is None else value
+
+        return SamplingParams(
+            n=self.n,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=pick(self.repetition_penalty, default.repetition_penalty),
+            temperature=pick(self.temperature, default.temperature),
+            top_p=pick(self.top_p, default.top_p),
+            top_k=pick(self.top_k, default.top_k),
+            min_p=pick(self.min_p, default.min_p),
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            # Streams need only what is new (and the output processor holds back text that
+            # could still become a stop string); a full response needs only the end.
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+        )
+
+
+# ---------------------------------------------------------------------------- completions
+
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions``.
+
+    ``prompt``: a string, a list of strings, a list of token ids, or a list of token-id
+    lists; several prompts give ``len(prompts) * n`` choices, prompt ``i``'s sample ``j``
+    at index ``i * n + j``. ``logprobs``: how many top alternatives per token (the sampled
+    token's own logprob always comes too). ``echo``: the prompt is prepended to the text
+    (and, with ``logprobs``, its tokens' logprobs to the logprobs).
+    """
+
+    prompt: list[int] | list[list[int]] | str | list[str]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def to_sampling_params(self, max_tokens: int, default: SamplingParams) -> SamplingParams:
+        prompt_logprobs = self.logprobs if self.echo else None
+        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs, default)
+
+
+class CompletionLogProbs(OpenAIBaseModel):
+    """Legacy completions logprobs: parallel lists, one entry per token.
+
+    ``top_logprobs[i]`` maps token text → logprob for the top-N alternatives and the
+    sampled token; ``text_offset[i]`` is the character offset of token ``i`` in the choice's
+    text. A prompt's first token (``echo``) has no logprob: ``None`` in both lists.
+    """
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    # vLLM's extra: the stop string or stop token id that ended the choice.
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+
+
+class CompletionResponseStreamChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# ---------------------------------------------------------------------------- chat
+
+
+class ChatMessageParam(OpenAIBaseModel):
+    """One message of the conversation sent in; ``content`` is a string or a list of
+    ``{"type": "text", "text": ...}`` parts (checked by the chat serving code)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    """``POST /v1/chat/completions``.
+
+    ``max_completion_tokens`` (OpenAI's current name) wins over ``max_tokens``.
+    ``logprobs``: return the sampled tokens' logprobs; ``top_logprobs``: how many
+    alternatives with each (needs ``logprobs``).
+    """
+
+    messages: list[ChatMessageParam] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = 0
+    # vLLM's extra: end with the header that opens the assistant's turn.
+    add_generation_prompt: bool = True
+    # Declared only so that asking for them is an error rather than silently ignored.
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @property
+    def max_tokens_field(self) -> str:
+        """The name of the field that set the output limit (for error messages)."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    def to_sampling_params(self, max_tokens: int, default: SamplingParams) -> SamplingParams:
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens, logprobs, None, default)
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: str
+    content: str | None = None
+
+
+class DeltaMessage(OpenAIBaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatCompletionLogProb(OpenAIBaseModel):
+    """One alternative: its text, logprob and UTF-8 bytes."""
+
+    token: str
+    logprob: float = -9999.0
+    bytes: list[int] | None = None
+
+
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    """The sampled token, with its ``top_logprobs`` alternatives (best first)."""
+
+    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(OpenAIBaseModel):
+    content: list[ChatCompletionLogProbsContent] | None = None
+
+
+class ChatCompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+
+
+class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# ---------------------------------------------------------------------------- models
+
+
+class ModelCard(OpenAIBaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "glassbox"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(OpenAIBaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------- tokenization
+
+
+class TokenizeCompletionRequest(OpenAIBaseModel):
+    """``POST /tokenize`` with a text prompt."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(OpenAIBaseModel):
+    """``POST /tokenize`` with a conversation, rendered by the chat template first."""
+
+    model: str | None = None
+    messages: list[ChatMessageParam] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    # The template already holds the special tokens it wants.
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
+
+
+class TokenizeResponse(OpenAIBaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIBaseModel):
+    prompt: str

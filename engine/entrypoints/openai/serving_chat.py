@@ -1,0 +1,217 @@
+"""``POST /v1/chat/completions``: a conversation in, the assistant's reply out.
+
+Mirrors vLLM's ``vllm/entrypoints/openai/serving_chat.py`` (``OpenAIServingChat``). The
+messages are rendered with the tokenizer's chat template (``apply_chat_template``), then the
+request runs like one completion. A stream first sends, for each choice, a chunk whose delta
+is ``{"role": "assistant", "content": ""}``, then content deltas, the last one carrying the
+``finish_reason``; with ``stream_options.include_usage`` a final chunk with no choices
+carries the usage.
+
+Left out: tools and tool-call parsing, reasoning parsers, ``response_format``,
+``continue_final_message``, a chat template given in the request, ``echo``, multimodal
+content parts, ``continuous_usage_stats``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+from engine.entrypoints.openai.protocol import (
+    ChatCompletionLogProb,
+    ChatCompletionLogProbs,
+    ChatCompletionLogProbsContent,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    DeltaMessage,
+    UsageInfo,
+)
+from engine.entrypoints.openai.serving_engine import (
+    MIN_LOGPROB,
+    SSE_DONE,
+    OpenAIError,
+    OpenAIServing,
+    bad_request_from_value_error,
+    error_response,
+    merge_async_iterators,
+    random_uuid,
+    sse_event,
+)
+from engine.frontend.outputs import LogprobsDict, RequestOutput
+from engine.logger import init_logger
+from engine.utils.processes import EngineDeadError
+
+logger = init_logger(__name__)
+
+
+class OpenAIServingChat(OpenAIServing):
+    """The chat route (vLLM's ``OpenAIServingChat``)."""
+
+    async def create_chat_completion(
+        self, request: ChatCompletionRequest, headers: dict[str, str] | None = None
+    ) -> ChatCompletionResponse | AsyncIterator[str]:
+        """Serve one chat request.
+
+        Returns:
+            The ``ChatCompletionResponse``, or (``stream``) an async iterator of SSE lines
+            ending with ``data: [DONE]``. Closing that iterator aborts the engine request.
+
+        Raises:
+            OpenAIError: a bad request (400), an unknown model (404).
+            EngineDeadError: the engine is dead (503).
+        """
+        self.check_model(request.model)
+        self.check_unsupported(request)
+        self.check_logprobs(request.top_logprobs, "top_logprobs")
+        if request.top_logprobs and not request.logprobs:
+            raise OpenAIError("top_logprobs needs logprobs to be true.", param="top_logprobs")
+        if request.tools:
+            raise OpenAIError("tools are not supported (tool calling is left out).", param="tools")
+        if request.response_format and request.response_format.get("type", "text") != "text":
+            raise OpenAIError("Only the text response_format is supported.", param="response_format")
+        _, prompt_ids = self.render_chat(request.messages, request.add_generation_prompt)
+        self.check_prompt(prompt_ids, "messages")
+        max_tokens_field = request.max_tokens_field
+        max_tokens = self.resolve_max_tokens(request.requested_max_tokens, len(prompt_ids), max_tokens_field)
+        try:
+            params = request.to_sampling_params(max_tokens, self.default_sampling_params)
+        except ValueError as e:
+            renames = {"max_tokens": max_tokens_field, "logprobs": "top_logprobs"}
+            raise bad_request_from_value_error(e, "messages", renames) from None
+
+        request_id = f"chatcmpl-{random_uuid()}"
+        generator = self.engine.generate({"prompt_token_ids": prompt_ids}, params, request_id,
+                                         trace_headers=self.trace_headers(headers or {}))  # fmt: skip
+        outputs = merge_async_iterators(generator)
+        if request.stream:
+            return self._stream(request, request_id, len(prompt_ids), outputs)
+
+        final: RequestOutput | None = None
+        try:
+            async with contextlib.aclosing(outputs):
+                async for _, output in outputs:
+                    final = output
+        except ValueError as e:
+            raise bad_request_from_value_error(e, "messages") from None
+        assert final is not None, "the engine ended a request without a final output"
+        return self._full_response(request, request_id, final)
+
+    # ------------------------------------------------------------------ full response
+
+    def _full_response(
+        self, request: ChatCompletionRequest, request_id: str, final: RequestOutput
+    ) -> ChatCompletionResponse:
+        choices = []
+        for out in final.outputs:
+            logprobs = None
+            if request.logprobs and out.logprobs is not None:
+                logprobs = self.create_logprobs(out.token_ids, out.logprobs, request.top_logprobs or 0)
+            choices.append(
+                ChatCompletionResponseChoice(
+                    index=out.index,
+                    message=ChatMessage(role="assistant", content=out.text),
+                    logprobs=logprobs,
+                    finish_reason=out.finish_reason,
+                    stop_reason=out.stop_reason,
+                )
+            )
+        prompt_tokens = len(final.prompt_token_ids)
+        completion_tokens = sum(len(out.token_ids) for out in final.outputs)
+        usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                          total_tokens=prompt_tokens + completion_tokens)  # fmt: skip
+        return ChatCompletionResponse(
+            id=request_id, model=self.served_model_name, choices=choices, usage=usage
+        )
+
+    # ------------------------------------------------------------------ stream
+
+    async def _stream(
+        self,
+        request: ChatCompletionRequest,
+        request_id: str,
+        prompt_tokens: int,
+        outputs: AsyncIterator[tuple[int, RequestOutput]],
+    ) -> AsyncIterator[str]:
+        created = int(time.time())
+
+        def chunk(choices: list[ChatCompletionResponseStreamChoice], usage: UsageInfo | None = None) -> str:
+            return sse_event(ChatCompletionStreamResponse(id=request_id, created=created, model=self.served_model_name,
+                                                          choices=choices, usage=usage))  # fmt: skip
+
+        completion_tokens = 0
+        try:
+            async with contextlib.aclosing(outputs):
+                # The role comes first, once per choice, before any content (as OpenAI does).
+                for index in range(request.n):
+                    delta = DeltaMessage(role="assistant", content="")
+                    yield chunk([ChatCompletionResponseStreamChoice(index=index, delta=delta)])
+                async for _, output in outputs:
+                    for out in output.outputs:
+                        completion_tokens += len(out.token_ids)
+                        logprobs = None
+                        if request.logprobs and out.logprobs:
+                            logprobs = self.create_logprobs(
+                                out.token_ids, out.logprobs, request.top_logprobs or 0
+                            )
+                        if not out.text and out.finish_reason is None and logprobs is None:
+                            continue  # everything new is held back (a possible stop string)
+                        choice = ChatCompletionResponseStreamChoice(
+                            index=out.index,
+                            delta=DeltaMessage(content=out.text),
+                            logprobs=logprobs,
+                            finish_reason=out.finish_reason,
+                            stop_reason=out.stop_reason,
+                        )
+                        yield chunk([choice])
+            if request.stream_options is not None and request.stream_options.include_usage:
+                usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                                  total_tokens=prompt_tokens + completion_tokens)  # fmt: skip
+                yield chunk([], usage)
+        except ValueError as e:
+            err = bad_request_from_value_error(e, "messages")
+            yield sse_event(error_response(err.status_code, err.message, err.param))
+        except OpenAIError as e:
+            yield sse_event(error_response(e.status_code, e.message, e.param))
+        except EngineDeadError as e:
+            yield sse_event(error_response(503, str(e)))
+        except Exception as e:
+            logger.exception("chat stream %s failed", request_id)
+            yield sse_event(error_response(500, f"{type(e).__name__}: {e}"))
+        yield SSE_DONE
+
+    # ------------------------------------------------------------------ logprobs
+
+    def create_logprobs(
+        self, token_ids: list[int], top_logprobs: list[LogprobsDict], num_top: int
+    ) -> ChatCompletionLogProbs:
+        """Chat logprobs: per sampled token, its text, logprob, bytes and the top-N alternatives.
+
+        vLLM: ``OpenAIServingChat._create_chat_logprobs``.
+        """
+        content = []
+        for token_id, step in zip(token_ids, top_logprobs):
+            chosen = step.get(token_id)
+            token = self.token_text(token_id, chosen.decoded_token if chosen is not None else None)
+            alternatives = sorted(
+                ((tid, lp) for tid, lp in step.items() if lp.rank is not None and lp.rank <= num_top),
+                key=lambda item: item[1].rank,
+            )
+            top = []
+            for tid, lp in alternatives:
+                text = self.token_text(tid, lp.decoded_token)
+                top.append(ChatCompletionLogProb(token=text, logprob=max(lp.logprob, MIN_LOGPROB),
+                                                 bytes=list(text.encode("utf-8"))))  # fmt: skip
+            content.append(
+                ChatCompletionLogProbsContent(
+                    token=token,
+                    logprob=max(chosen.logprob, MIN_LOGPROB) if chosen is not None else MIN_LOGPROB,
+                    bytes=list(token.encode("utf-8")),
+                    top_logprobs=top,
+                )
+            )
+        return ChatCompletionLogProbs(content=content)

@@ -1,0 +1,257 @@
+"""``POST /v1/completions``: prompts in, text out (whole, or streamed as Server-Sent Events).
+
+Mirrors vLLM's ``vllm/entrypoints/openai/serving_completion.py``
+(``OpenAIServingCompletion``). One request may carry several prompts; each becomes its own
+engine request (``<id>-<i>``), run concurrently, and prompt ``i``'s sample ``j`` is choice
+``i * n + j``.
+
+A full response asks the engine for ``FINAL_ONLY`` outputs (one per prompt, at the end); a
+stream asks for ``DELTA`` outputs, so each chunk carries only new text — and text that could
+still turn into a stop string is held back by the output processor, never sent.
+
+Left out: ``suffix``, ``best_of``, prompt embeddings, ``prompt_logprobs`` as a separate
+field, ``continuous_usage_stats``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+from engine.entrypoints.openai.protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+    UsageInfo,
+)
+from engine.entrypoints.openai.serving_engine import (
+    MIN_LOGPROB,
+    SSE_DONE,
+    OpenAIError,
+    OpenAIServing,
+    bad_request_from_value_error,
+    error_response,
+    merge_async_iterators,
+    random_uuid,
+    sse_event,
+)
+from engine.frontend.outputs import LogprobsDict, RequestOutput
+from engine.logger import init_logger
+from engine.utils.processes import EngineDeadError
+
+logger = init_logger(__name__)
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    """The completions route (vLLM's ``OpenAIServingCompletion``)."""
+
+    async def create_completion(
+        self, request: CompletionRequest, headers: dict[str, str] | None = None
+    ) -> CompletionResponse | AsyncIterator[str]:
+        """Serve one completions request.
+
+        Returns:
+            The ``CompletionResponse``, or (``stream``) an async iterator of SSE lines that
+            ends with ``data: [DONE]``. Closing that iterator aborts the engine requests.
+
+        Raises:
+            OpenAIError: a bad request (400), an unknown model (404).
+            EngineDeadError: the engine is dead (503).
+        """
+        self.check_model(request.model)
+        self.check_unsupported(request)
+        self.check_logprobs(request.logprobs, "logprobs")
+        prompts = self._render_prompts(request.prompt)
+        params = []
+        for _, prompt_token_ids in prompts:
+            self.check_prompt(prompt_token_ids, "prompt")
+            max_tokens = self.resolve_max_tokens(request.max_tokens, len(prompt_token_ids))
+            try:
+                params.append(request.to_sampling_params(max_tokens, self.default_sampling_params))
+            except ValueError as e:
+                raise bad_request_from_value_error(e, "prompt") from None
+
+        request_id = f"cmpl-{random_uuid()}"
+        trace_headers = self.trace_headers(headers or {})
+        generators = [
+            self.engine.generate(
+                {"prompt_token_ids": ids}, sp, f"{request_id}-{i}", trace_headers=trace_headers
+            )
+            for i, ((_, ids), sp) in enumerate(zip(prompts, params))
+        ]
+        if request.stream:
+            return self._stream(request, request_id, prompts, merge_async_iterators(*generators))
+
+        finals: list[RequestOutput | None] = [None] * len(prompts)
+        try:
+            async with contextlib.aclosing(merge_async_iterators(*generators)) as outputs:
+                async for i, output in outputs:
+                    finals[i] = output
+        except ValueError as e:
+            raise bad_request_from_value_error(e, "prompt") from None
+        return self._full_response(request, request_id, prompts, finals)
+
+    def _render_prompts(
+        self, prompt: str | list[str] | list[int] | list[list[int]]
+    ) -> list[tuple[str | None, list[int]]]:
+        """The request's prompt field → one (text or None, token ids) per prompt."""
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        elif not prompt or isinstance(prompt[0], int):
+            return [(None, list(prompt))]
+        rendered: list[tuple[str | None, list[int]]] = []
+        for p in prompt:
+            if isinstance(p, str):
+                rendered.append((p, list(self.tokenizer.encode(p))))
+            else:
+                rendered.append((None, list(p)))
+        return rendered
+
+    def _prompt_text(self, text: str | None, token_ids: list[int]) -> str:
+        return text if text is not None else self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    # ------------------------------------------------------------------ full response
+
+    def _full_response(
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        prompts: list[tuple[str | None, list[int]]],
+        finals: list[RequestOutput | None],
+    ) -> CompletionResponse:
+        choices: list[CompletionResponseChoice] = []
+        usage = UsageInfo()
+        for i, ((prompt_text, prompt_ids), final) in enumerate(zip(prompts, finals)):
+            assert final is not None, "the engine ended a request without a final output"
+            usage.prompt_tokens += len(prompt_ids)
+            for out in final.outputs:
+                usage.completion_tokens += len(out.token_ids)
+                text, token_ids, top = out.text, list(out.token_ids), out.logprobs
+                if request.echo:
+                    text = self._prompt_text(prompt_text, prompt_ids) + text
+                    token_ids = prompt_ids + token_ids
+                    top = (final.prompt_logprobs or [None] * len(prompt_ids)) + (top or [])
+                logprobs = None
+                if request.logprobs is not None and top is not None:
+                    logprobs = self.create_logprobs(token_ids, top, request.logprobs, initial_text_offset=0)
+                choices.append(
+                    CompletionResponseChoice(
+                        index=i * request.n + out.index,
+                        text=text,
+                        logprobs=logprobs,
+                        finish_reason=out.finish_reason,
+                        stop_reason=out.stop_reason,
+                    )
+                )
+        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        choices.sort(key=lambda c: c.index)
+        return CompletionResponse(id=request_id, model=self.served_model_name, choices=choices, usage=usage)
+
+    # ------------------------------------------------------------------ stream
+
+    async def _stream(
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        prompts: list[tuple[str | None, list[int]]],
+        outputs: AsyncIterator[tuple[int, RequestOutput]],
+    ) -> AsyncIterator[str]:
+        """SSE chunks, one per choice that moved; usage last (``include_usage``); ``[DONE]``."""
+        n = request.n
+        created = int(time.time())
+        num_choices = len(prompts) * n
+        text_sent = [0] * num_choices  # characters sent per choice, for ``text_offset``
+        needs_echo = [request.echo] * num_choices
+        prompt_logprobs: list[list[LogprobsDict | None] | None] = [None] * len(prompts)
+        completion_tokens = 0
+        try:
+            async with contextlib.aclosing(outputs):
+                async for p, output in outputs:
+                    if output.prompt_logprobs:
+                        prompt_logprobs[p] = (prompt_logprobs[p] or []) + output.prompt_logprobs
+                    prompt_text, prompt_ids = prompts[p]
+                    for out in output.outputs:
+                        i = p * n + out.index
+                        completion_tokens += len(out.token_ids)
+                        text, token_ids, top = out.text, list(out.token_ids), out.logprobs
+                        if needs_echo[i]:
+                            needs_echo[i] = False
+                            text = self._prompt_text(prompt_text, prompt_ids) + text
+                            token_ids = prompt_ids + token_ids
+                            top = (prompt_logprobs[p] or [None] * len(prompt_ids)) + (top or [])
+                        logprobs = None
+                        if request.logprobs is not None and top is not None:
+                            logprobs = self.create_logprobs(token_ids, top, request.logprobs, text_sent[i])
+                        if not text and out.finish_reason is None and not (logprobs and logprobs.tokens):
+                            continue  # everything new is held back (a possible stop string)
+                        text_sent[i] += len(text)
+                        choice = CompletionResponseStreamChoice(
+                            index=i,
+                            text=text,
+                            logprobs=logprobs,
+                            finish_reason=out.finish_reason,
+                            stop_reason=out.stop_reason,
+                        )
+                        yield sse_event(CompletionStreamResponse(id=request_id, created=created,
+                                                                 model=self.served_model_name, choices=[choice]))  # fmt: skip
+            if request.stream_options is not None and request.stream_options.include_usage:
+                prompt_tokens = sum(len(ids) for _, ids in prompts)
+                usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                                  total_tokens=prompt_tokens + completion_tokens)  # fmt: skip
+                yield sse_event(CompletionStreamResponse(id=request_id, created=created, model=self.served_model_name,
+                                                         choices=[], usage=usage))  # fmt: skip
+        except ValueError as e:
+            err = bad_request_from_value_error(e, "prompt")
+            yield sse_event(error_response(err.status_code, err.message, err.param))
+        except OpenAIError as e:
+            yield sse_event(error_response(e.status_code, e.message, e.param))
+        except EngineDeadError as e:
+            yield sse_event(error_response(503, str(e)))
+        except Exception as e:
+            logger.exception("completion stream %s failed", request_id)
+            yield sse_event(error_response(500, f"{type(e).__name__}: {e}"))
+        yield SSE_DONE
+
+    # ------------------------------------------------------------------ logprobs
+
+    def create_logprobs(
+        self,
+        token_ids: list[int],
+        top_logprobs: list[LogprobsDict | None],
+        num_top: int,
+        initial_text_offset: int,
+    ) -> CompletionLogProbs:
+        """The legacy logprobs object for ``token_ids`` (vLLM: ``_create_completion_logprobs``).
+
+        Args:
+            token_ids: the tokens shown (prompt tokens first when echoing).
+            top_logprobs: per token, its ``{token_id: Logprob}`` (sampled token plus top-N),
+                or None (a prompt's first token).
+            num_top: N; alternatives of rank ≤ N are listed, plus the sampled token.
+            initial_text_offset: characters already sent for this choice.
+        """
+        result = CompletionLogProbs()
+        offset = initial_text_offset
+        for token_id, step in zip(token_ids, top_logprobs):
+            chosen = step.get(token_id) if step is not None else None
+            token = self.token_text(token_id, chosen.decoded_token if chosen is not None else None)
+            result.tokens.append(token)
+            result.text_offset.append(offset)
+            offset += len(token)
+            if step is None or chosen is None:
+                result.token_logprobs.append(None)
+                result.top_logprobs.append(None)
+                continue
+            result.token_logprobs.append(max(chosen.logprob, MIN_LOGPROB))
+            result.top_logprobs.append(
+                {
+                    self.token_text(tid, lp.decoded_token): max(lp.logprob, MIN_LOGPROB)
+                    for tid, lp in step.items()
+                    if tid == token_id or (lp.rank is not None and lp.rank <= num_top)
+                }
+            )
+        return result

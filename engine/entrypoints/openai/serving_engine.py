@@ -1,0 +1,291 @@
+"""What every OpenAI route shares: errors, the model check, prompts, limits, SSE.
+
+Mirrors vLLM's ``vllm/entrypoints/openai/serving_engine.py`` (``OpenAIServing``) and the
+helpers around it (``merge_async_iterators`` from ``vllm/utils``). Each route's class
+(``OpenAIServingCompletion``, ``OpenAIServingChat``, ...) builds on ``OpenAIServing``.
+
+Errors are raised, not returned: serving code raises ``OpenAIError`` (status, message, the
+offending field) and ``app.py`` turns it into ``{"error": {...}}`` with that status — one
+place that writes error responses. vLLM returns ``ErrorResponse`` objects instead.
+
+Prompt-length and ``max_tokens`` rules (current vLLM): a prompt must leave room for at least
+one output token; ``max_tokens`` unset means "all the room left"; ``max_tokens`` below 1 or
+above ``max_model_len`` is an error; a ``max_tokens`` that only overflows the room left
+after the prompt is clamped to fit.
+
+Left out: LoRA, request logging, ``X-Request-Id`` handling, per-request priority from the
+body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from http import HTTPStatus
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
+
+from engine.entrypoints.openai.protocol import ChatMessageParam, ErrorInfo, ErrorResponse
+from engine.frontend.async_llm import AsyncLLM
+from engine.frontend.tokenizer import apply_chat_template
+from engine.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+# A logprob of -inf cannot be written in JSON; vLLM writes this instead.
+MIN_LOGPROB = -9999.0
+# vLLM's default ``max_logprobs``: more alternatives per token than this is refused.
+MAX_LOGPROBS = 20
+# The W3C trace-context headers that follow a request into the engine.
+TRACE_HEADERS = ("traceparent", "tracestate")
+# The ``type`` of an error body, by status (the names the ``openai`` client uses).
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+_SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
+
+
+class OpenAIError(Exception):
+    """A request that cannot be served; ``app.py`` answers it with ``error_response``.
+
+    Args:
+        message: what is wrong, for the client.
+        status_code: 400 (bad request) unless given.
+        param: the request field at fault (``"max_tokens"``, ``"messages"``, ...), or None.
+    """
+
+    def __init__(
+        self, message: str, status_code: int = HTTPStatus.BAD_REQUEST, param: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status_code = int(status_code)
+        self.param = param
+
+
+def error_response(status_code: int, message: str, param: str | None = None) -> ErrorResponse:
+    """The OpenAI-shaped error body for ``status_code``."""
+    err_type = ERROR_TYPES.get(status_code) or HTTPStatus(status_code).phrase.replace(" ", "")
+    return ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param, code=status_code))
+
+
+def bad_request_from_value_error(
+    e: ValueError, default_param: str | None, renames: dict[str, str] | None = None
+) -> OpenAIError:
+    """A ``ValueError`` from ``SamplingParams`` or the input processor → a 400.
+
+    ``SamplingParams`` starts its messages with the field's name; that name (renamed to the
+    request's own field through ``renames``) becomes ``param``. Other messages (a bad
+    prompt) blame ``default_param``.
+    """
+    message = str(e)
+    first_word = message.split(" ", 1)[0]
+    if first_word in _SAMPLING_FIELDS:
+        param = (renames or {}).get(first_word, first_word)
+    else:
+        param = default_param
+    return OpenAIError(message, param=param)
+
+
+def random_uuid() -> str:
+    return uuid.uuid4().hex
+
+
+def sse_event(data: BaseModel) -> str:
+    """One Server-Sent Event: ``data: <json>`` and a blank line."""
+    return f"data: {data.model_dump_json()}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class OpenAIServing:
+    """The base of the route handlers: the engine, the served name and shared checks.
+
+    Args:
+        engine: the engine client; its tokenizer and ``model_config`` are used directly.
+        served_model_name: the only name ``model`` may carry in a request.
+    """
+
+    def __init__(self, engine: AsyncLLM, served_model_name: str) -> None:
+        self.engine = engine
+        self.served_model_name = served_model_name
+        self.tokenizer = engine.tokenizer
+        self.max_model_len: int = engine.model_config.max_model_len
+        self.vocab_size: int = engine.model_config.vocab_size
+        self.default_sampling_params = engine.get_default_sampling_params()
+
+    # ------------------------------------------------------------------ checks
+
+    def check_model(self, model: str | None) -> None:
+        """Raises ``OpenAIError`` (404) unless ``model`` is None or the served name."""
+        if model is not None and model != self.served_model_name:
+            raise OpenAIError(f"The model `{model}` does not exist.", HTTPStatus.NOT_FOUND, param="model")
+
+    def check_prompt(self, prompt_token_ids: list[int], param: str) -> None:
+        """Refuse an empty prompt, out-of-vocabulary ids, and a prompt with no room left.
+
+        A generation needs ``len(prompt) < max_model_len``: at least one token of room.
+        """
+        if not prompt_token_ids:
+            raise OpenAIError("The decoder prompt cannot be empty.", param=param)
+        for token_id in prompt_token_ids:
+            if not 0 <= token_id < self.vocab_size:
+                raise OpenAIError(
+                    f"Token id {token_id} is out of vocabulary (vocab_size={self.vocab_size}).", param=param
+                )
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise OpenAIError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                f"request has {len(prompt_token_ids)} input tokens, which leaves no room for output. "
+                f"Please reduce the length of the input {param}.",
+                param=param,
+            )
+
+    def resolve_max_tokens(self, requested: int | None, prompt_len: int, param: str = "max_tokens") -> int:
+        """The output limit for one prompt of ``prompt_len`` tokens.
+
+        Returns ``requested`` clamped to the room left (``max_model_len - prompt_len``), or
+        all the room when ``requested`` is None.
+
+        Raises:
+            OpenAIError: ``requested`` < 1 or > ``max_model_len``.
+        """
+        room = self.max_model_len - prompt_len
+        if requested is None:
+            return room
+        if requested < 1:
+            raise OpenAIError(f"{param} must be at least 1, got {requested}.", param=param)
+        if requested > self.max_model_len:
+            raise OpenAIError(
+                f"'{param}' is too large: {requested}. This model's maximum context length is "
+                f"{self.max_model_len} tokens.",
+                param=param,
+            )
+        return min(requested, room)
+
+    @staticmethod
+    def check_logprobs(value: int | None, param: str) -> None:
+        if value is not None and not 0 <= value <= MAX_LOGPROBS:
+            raise OpenAIError(f"{param} must be between 0 and {MAX_LOGPROBS}, got {value}.", param=param)
+
+    @staticmethod
+    def check_unsupported(request: Any) -> None:
+        """Fields we accept in the schema but do not implement are errors when used."""
+        if getattr(request, "logit_bias", None):
+            raise OpenAIError("logit_bias is not supported.", param="logit_bias")
+        if getattr(request, "suffix", None):
+            raise OpenAIError("suffix is not supported.", param="suffix")
+        best_of = getattr(request, "best_of", None)
+        if best_of is not None and best_of != request.n:
+            raise OpenAIError(
+                "best_of is not supported (beam search and best-of are left out).", param="best_of"
+            )
+        if request.stream_options is not None and not request.stream:
+            raise OpenAIError("stream_options can only be given when stream is true.", param="stream_options")
+
+    # ------------------------------------------------------------------ prompts
+
+    def render_chat(
+        self, messages: list[ChatMessageParam], add_generation_prompt: bool = True
+    ) -> tuple[str, list[int]]:
+        """A conversation → (prompt text, prompt token ids), through the chat template.
+
+        Content given as parts keeps the text parts, joined by newlines (vLLM's "string"
+        content format). The rendered text already holds the template's special tokens, so
+        it is tokenized without adding more.
+
+        Raises:
+            OpenAIError: a part that is not text, or a template that refuses the messages.
+        """
+        conversation: list[dict[str, Any]] = []
+        for message in messages:
+            content = message.content
+            if isinstance(content, list):
+                texts = []
+                for part in content:
+                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                        raise OpenAIError(
+                            'Only text content parts ({"type": "text", "text": ...}) are supported, '
+                            f"got type {part.get('type')!r}.",
+                            param="messages",
+                        )
+                    texts.append(part["text"])
+                content = "\n".join(texts)
+            entry: dict[str, Any] = {"role": message.role, "content": content}
+            if message.name is not None:
+                entry["name"] = message.name
+            conversation.append(entry)
+        try:
+            text = apply_chat_template(
+                self.tokenizer, conversation, add_generation_prompt=add_generation_prompt
+            )
+        except ValueError as e:
+            raise OpenAIError(str(e), param="messages") from None
+        return text, list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    # ------------------------------------------------------------------ helpers
+
+    @staticmethod
+    def trace_headers(headers: Any) -> dict[str, str] | None:
+        """The W3C trace-context headers of the HTTP request, if any."""
+        found = {name: headers[name] for name in TRACE_HEADERS if name in headers}
+        return found or None
+
+    def token_text(self, token_id: int, decoded: str | None) -> str:
+        """A token as text: the engine's decoding when it has one, else decoded here."""
+        if decoded is not None:
+            return decoded
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+async def merge_async_iterators(*iterators: AsyncGenerator[T, None]) -> AsyncIterator[tuple[int, T]]:
+    """Items of several async generators as they come, each tagged with its generator's index.
+
+    Closing (or cancelling) the merged iterator closes every generator — for
+    ``AsyncLLM.generate`` that aborts the request in the engine. An exception from any
+    generator ends the merge with that exception (the others are closed).
+    """
+    if len(iterators) == 1:
+        # The common case, without tasks: closing us closes the generator directly.
+        async with contextlib.aclosing(iterators[0]) as it:
+            async for item in it:
+                yield 0, item
+        return
+
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    done = object()
+
+    async def drain(index: int, iterator: AsyncGenerator[T, None]) -> None:
+        try:
+            async with contextlib.aclosing(iterator) as it:
+                async for item in it:
+                    queue.put_nowait((index, item))
+        except Exception as e:  # handed to the consumer, which re-raises it
+            queue.put_nowait((index, e))
+        finally:
+            queue.put_nowait((index, done))
+
+    tasks = [asyncio.create_task(drain(i, it)) for i, it in enumerate(iterators)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        # Let each generator's ``finally`` (the engine abort) run before we return.
+        await asyncio.gather(*tasks, return_exceptions=True)
