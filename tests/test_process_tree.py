@@ -20,6 +20,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from proc_utils import titled_processes, wait_gone
 from tiny_models import build_tiny_checkpoint
 
 from engine import LLM, SamplingParams
@@ -29,30 +30,6 @@ pytestmark = pytest.mark.slow
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 PROMPTS = [{"prompt_token_ids": list(range(7, 7 + n))} for n in (3, 20, 41, 64)]
-
-
-def titled_descendants(pid: int) -> dict[str, psutil.Process]:
-    out = {}
-    for child in psutil.Process(pid).children(recursive=True):
-        try:
-            cmd = " ".join(child.cmdline()).strip()
-        except psutil.Error:
-            continue
-        if cmd.startswith("glassbox::"):
-            out[cmd] = child
-    return out
-
-
-def wait_gone(pids: list[int], timeout: float = 5.0) -> list[int]:
-    """Pids still alive after ``timeout`` seconds (zombies count as gone)."""
-    deadline = time.monotonic() + timeout
-    alive = list(pids)
-    while alive and time.monotonic() < deadline:
-        alive = [
-            p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-        ]
-        time.sleep(0.05)
-    return alive
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +57,7 @@ def test_tree_gives_the_in_process_tokens_and_has_two_titled_children(tiny, monk
         inproc = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     monkeypatch.setenv("GLASSBOX_ENABLE_MULTIPROCESSING", "1")
     with LLM(str(tiny), max_model_len=128) as llm:
-        tree = titled_descendants(os.getpid())
+        tree = titled_processes(os.getpid())
         assert sorted(tree) == ["glassbox::EngineCore_DP0", "glassbox::Worker_DP0_PP0_TP0"]
         core, worker = tree["glassbox::EngineCore_DP0"], tree["glassbox::Worker_DP0_PP0_TP0"]
         assert core.ppid() == os.getpid() and worker.ppid() == core.pid
@@ -101,7 +78,7 @@ def test_tree_gives_the_in_process_tokens_and_has_two_titled_children(tiny, monk
 def test_uni_backend_has_one_titled_child(tiny, monkeypatch):
     monkeypatch.setenv("GLASSBOX_ENABLE_MULTIPROCESSING", "1")
     with LLM(str(tiny), max_model_len=128, distributed_executor_backend="uni") as llm:
-        assert list(titled_descendants(os.getpid())) == ["glassbox::EngineCore_DP0"]
+        assert list(titled_processes(os.getpid())) == ["glassbox::EngineCore_DP0"]
         assert llm.generate("hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
 
 
@@ -109,7 +86,7 @@ def test_sigkill_of_worker_mid_generate_raises_engine_dead_error(tiny, monkeypat
     monkeypatch.setenv("GLASSBOX_ENABLE_MULTIPROCESSING", "1")
     llm = LLM(str(tiny), max_model_len=512)
     try:
-        tree = titled_descendants(os.getpid())
+        tree = titled_processes(os.getpid())
         core, worker = tree["glassbox::EngineCore_DP0"], tree["glassbox::Worker_DP0_PP0_TP0"]
         params = [SamplingParams(max_tokens=1), SamplingParams(max_tokens=400, ignore_eos=True)]
 
@@ -158,7 +135,7 @@ def _start_script(tmp_path, tiny, mode, cleanup) -> tuple[subprocess.Popen, Path
 
 def test_sigkill_of_user_process_leaves_nothing_behind(tmp_path, tiny, cleanup):
     proc, run_dir = _start_script(tmp_path, tiny, "wait", cleanup)
-    children = [p.pid for p in titled_descendants(proc.pid).values()]
+    children = [p.pid for p in titled_processes(proc.pid).values()]
     assert len(children) == 2
     assert any(run_dir.glob("*.sock")) and (run_dir / "manifest.json").exists()
     proc.send_signal(signal.SIGKILL)
@@ -172,7 +149,7 @@ def test_sigkill_of_user_process_leaves_nothing_behind(tmp_path, tiny, cleanup):
 
 def test_script_without_main_guard_and_without_shutdown_cleans_up_at_exit(tmp_path, tiny, cleanup):
     proc, run_dir = _start_script(tmp_path, tiny, "exit", cleanup)
-    children = [p.pid for p in titled_descendants(proc.pid).values()]
+    children = [p.pid for p in titled_processes(proc.pid).values()]
     assert proc.wait(30) == 0
     assert wait_gone(children) == []
     assert not run_dir.exists()
@@ -180,7 +157,7 @@ def test_script_without_main_guard_and_without_shutdown_cleans_up_at_exit(tmp_pa
 
 def test_ctrl_c_during_generate_stops_the_tree(tmp_path, tiny, cleanup):
     proc, run_dir = _start_script(tmp_path, tiny, "generate-forever", cleanup)
-    children = [p.pid for p in titled_descendants(proc.pid).values()]
+    children = [p.pid for p in titled_processes(proc.pid).values()]
     proc.send_signal(signal.SIGINT)
     proc.wait(10)
     assert wait_gone(children) == []

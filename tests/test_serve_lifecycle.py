@@ -18,37 +18,13 @@ import sys
 import time
 
 import httpx
-import psutil
 import pytest
+from proc_utils import titled_processes, wait_gone
 from server_utils import start_server
 
 pytestmark = pytest.mark.slow
 
 ARGS = ("--max-model-len", "256")
-
-
-def titled(pid: int) -> dict[str, psutil.Process]:
-    out = {}
-    procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-    for p in procs:
-        try:
-            title = " ".join(p.cmdline()).strip()
-        except psutil.Error:
-            continue
-        if title.startswith("glassbox::"):
-            out[title] = p
-    return out
-
-
-def wait_gone(pids, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    alive = list(pids)
-    while alive and time.monotonic() < deadline:
-        alive = [
-            p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-        ]
-        time.sleep(0.05)
-    return alive
 
 
 @pytest.fixture
@@ -59,7 +35,7 @@ def server(tmp_path):
 
 
 def test_three_titled_processes_and_sigterm_stops_everything(server):
-    tree = titled(server.proc.pid)
+    tree = titled_processes(server.proc.pid, include_self=True)
     assert sorted(tree) == [
         "glassbox::APIServer_0",
         "glassbox::EngineCore_DP0",
@@ -78,7 +54,7 @@ def test_three_titled_processes_and_sigterm_stops_everything(server):
 
 
 def test_sigkill_of_api_server_takes_the_tree_with_it(server):
-    tree = titled(server.proc.pid)
+    tree = titled_processes(server.proc.pid, include_self=True)
     children = [p.pid for name, p in tree.items() if name != "glassbox::APIServer_0"]
     assert len(children) == 2
     server.proc.send_signal(signal.SIGKILL)
@@ -90,7 +66,8 @@ def test_sigkill_of_api_server_takes_the_tree_with_it(server):
     assert not server.run_dir.exists()
 
 
-def _stream_until_first_chunk(server) -> tuple[httpx.Client, httpx.Response]:
+def _stream_until_first_chunk(server):
+    """Open a long stream and read up to its first chunk; returns (client, response, line iterator)."""
     client = httpx.Client(base_url=server.base_url, timeout=30)
     body = {"model": json.loads(client.get("/v1/models").text)["data"][0]["id"], "prompt": "hello",
             "max_tokens": 200, "ignore_eos": True, "stream": True}  # fmt: skip
@@ -103,7 +80,7 @@ def _stream_until_first_chunk(server) -> tuple[httpx.Client, httpx.Response]:
 
 
 def test_sigkill_of_worker_errors_the_request_and_exits_nonzero_with_root_cause_last(server):
-    tree = titled(server.proc.pid)
+    tree = titled_processes(server.proc.pid, include_self=True)
     worker = tree["glassbox::Worker_DP0_PP0_TP0"]
     core = tree["glassbox::EngineCore_DP0"]
     client, response, lines = _stream_until_first_chunk(server)
@@ -125,7 +102,7 @@ def test_sigkill_of_worker_errors_the_request_and_exits_nonzero_with_root_cause_
 def test_keep_alive_on_engine_death_answers_503(tmp_path):
     srv = start_server(tmp_path, *ARGS, env={"GLASSBOX_KEEP_ALIVE_ON_ENGINE_DEATH": "1"})
     try:
-        worker = titled(srv.proc.pid)["glassbox::Worker_DP0_PP0_TP0"]
+        worker = titled_processes(srv.proc.pid, include_self=True)["glassbox::Worker_DP0_PP0_TP0"]
         worker.send_signal(signal.SIGKILL)
         deadline = time.monotonic() + 10
         status = 200

@@ -1,0 +1,40 @@
+"""Helpers for tests that watch real process trees."""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+
+
+def titled_processes(pid: int, include_self: bool = False) -> dict[str, psutil.Process]:
+    """``{title: process}`` for the ``glassbox::`` processes under ``pid`` (full titles from
+    the command line, padding stripped: ``comm`` is cut at 15 characters)."""
+    root = psutil.Process(pid)
+    procs = ([root] if include_self else []) + root.children(recursive=True)
+    out = {}
+    for proc in procs:
+        try:
+            title = " ".join(proc.cmdline()).strip()
+        except psutil.Error:
+            continue
+        if title.startswith("glassbox::"):
+            out[title] = proc
+    return out
+
+
+def wait_gone(pids: list[int], timeout: float = 5.0) -> list[int]:
+    """The pids still alive after ``timeout`` seconds (zombies count as gone)."""
+    deadline = time.monotonic() + timeout
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if _alive(p)]
+        time.sleep(0.05)
+    return alive
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
