@@ -162,3 +162,17 @@ def test_ctrl_c_during_generate_stops_the_tree(tmp_path, tiny, cleanup):
     proc.wait(10)
     assert wait_gone(children) == []
     assert not run_dir.exists()
+
+
+def test_ready_deadline_names_the_late_process_and_its_stage(tiny, monkeypatch):
+    monkeypatch.setenv("GLASSBOX_ENABLE_MULTIPROCESSING", "1")
+    monkeypatch.setenv("GLASSBOX_ENGINE_READY_TIMEOUT_S", "1.5")
+    before = set(psutil.Process().children(recursive=True))
+    with pytest.raises(TimeoutError) as err:
+        LLM(str(tiny), max_model_len=128)
+    message = str(err.value)
+    assert "GLASSBOX_ENGINE_READY_TIMEOUT_S=1.5" in message
+    assert ("EngineCore_DP0" in message) or ("Worker_DP0_PP0_TP0" in message)
+    assert ("in stage" in message) or ("has not started" in message)
+    leftovers = [p.pid for p in set(psutil.Process().children(recursive=True)) - before]
+    assert wait_gone(leftovers) == []

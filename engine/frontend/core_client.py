@@ -393,8 +393,9 @@ def _dead_frames(frames: list[bytes]) -> tuple[str | None, dict[str, Any] | None
 def describe_laggard(run_dir: Path) -> str:
     """Name the process that holds start-up back, and the stage it is in (from status files).
 
-    The laggard is the deepest planned process (workers before the engine core) that has
-    not finished start-up; a planned process with no status file has not started at all.
+    The engine core starts its workers, so the deepest process that is inside a stage is the
+    one everybody waits for: a worker in a stage wins over the engine core. When no process
+    reports a stage, the first planned one without a status file has not started.
     """
     from tracing import read_status_file
 
@@ -402,16 +403,18 @@ def describe_laggard(run_dir: Path) -> str:
         roles = [r["role"] for r in run_dirs.read_manifest(run_dir).get("roles", [])]
     except (OSError, ValueError):
         roles = []
+    engine_roles = [r for r in roles if r.startswith(("EngineCore", "Worker"))]
     now = time.time()
-    for role in sorted(roles, key=lambda r: (not r.startswith("Worker"), r)):
-        if not (role.startswith("Worker") or role.startswith("EngineCore")):
-            continue
-        status = read_status_file(run_dirs.status_file(run_dir, role))
-        if status is None:
-            return f"{role} has not started (no status file in {run_dir})."
-        if status.get("stage"):
-            return (
-                f"{role} (pid {status.get('pid')}) has been in stage {status['stage']} for "
-                f"{now - status.get('entered_at', now):.1f} s."
-            )
+    statuses = {role: read_status_file(run_dirs.status_file(run_dir, role)) for role in engine_roles}
+    in_stage = [role for role in engine_roles if (statuses[role] or {}).get("stage")]
+    if in_stage:
+        role = in_stage[-1]  # planned order is engine core, then its workers
+        status = statuses[role]
+        return (
+            f"{role} (pid {status.get('pid')}) has been in stage {status['stage']} for "
+            f"{now - status.get('entered_at', now):.1f} s."
+        )
+    for role in engine_roles:
+        if statuses[role] is None:
+            return f"{role} has not started yet (no status file in {run_dir})."
     return "No process reports a stage; see the log above."
