@@ -155,7 +155,7 @@ class MPClient(EngineCoreClient):
     # ------------------------------------------------------------------ start-up
 
     def _launch_and_wait_ready(self) -> None:
-        from tracing import catalogue, stage
+        from tracing import WaitTimeout, catalogue, stage, wait_for
         from tracing.propagation import inject_trace_headers
 
         with stage(catalogue.ENGINE_CORE_HANDSHAKE) as st:
@@ -174,23 +174,26 @@ class MPClient(EngineCoreClient):
             )
             timeout = envs.GLASSBOX_ENGINE_READY_TIMEOUT_S
             deadline = time.monotonic() + timeout
-            seen_hello = False
-            while True:
-                msg = self._recv(deadline, during_startup=True)
-                if msg is None:
-                    raise TimeoutError(self._startup_timeout_message(timeout, seen_hello))
-                tag, frames = msg
-                if tag != TAG_HANDSHAKE:
-                    continue
-                hs = msgspec.msgpack.decode(frames[0], type=EngineHandshake)
-                if hs.kind == "HELLO":
-                    seen_hello = True
-                    logger.debug("engine core %s (pid %d) said HELLO", hs.role, hs.pid)
-                elif hs.kind == "READY":
-                    self.num_gpu_blocks = hs.num_gpu_blocks
-                    self.device_info = {"device": hs.device, "dtype": hs.dtype}
-                    st.set(catalogue.ATTR_KV_NUM_BLOCKS, hs.num_gpu_blocks)
-                    break
+            seen: dict[str, EngineHandshake] = {}
+
+            def handshake_step() -> bool:
+                """One short poll: record HELLO / READY; True once READY arrived."""
+                msg = self._recv(deadline=time.monotonic())
+                if msg is not None and msg[0] == TAG_HANDSHAKE:
+                    hs = msgspec.msgpack.decode(msg[1][0], type=EngineHandshake)
+                    seen[hs.kind] = hs
+                    logger.debug("engine core %s (pid %d) said %s", hs.role, hs.pid, hs.kind)
+                return "READY" in seen
+
+            try:
+                # The bounded-wait helper: a deadline, a name, and wait events for telemetry.
+                wait_for("READY from EngineCore_DP0", handshake_step, timeout_s=timeout, poll_interval_s=0)
+            except WaitTimeout:
+                raise TimeoutError(self._startup_timeout_message(timeout, "HELLO" in seen)) from None
+            ready = seen["READY"]
+            self.num_gpu_blocks = ready.num_gpu_blocks
+            self.device_info = {"device": ready.device, "dtype": ready.dtype}
+            st.set(catalogue.ATTR_KV_NUM_BLOCKS, ready.num_gpu_blocks)
             # The engine's DEALER announces itself once connected; wait for it so the first
             # request cannot be dropped by the ROUTER.
             self._await_engine_registration(deadline)
@@ -212,7 +215,7 @@ class MPClient(EngineCoreClient):
 
     # ------------------------------------------------------------------ messages
 
-    def _recv(self, deadline: float | None, during_startup: bool = False) -> tuple[bytes, list[bytes]] | None:
+    def _recv(self, deadline: float | None) -> tuple[bytes, list[bytes]] | None:
         """One message from the engine, or None at the deadline. Raises EngineDeadError."""
         while True:
             if self.output_socket.poll(POLL_MS):
