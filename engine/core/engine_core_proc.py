@@ -130,8 +130,10 @@ class EngineCoreProc(EngineCore):
                                         payload["data_parallel_rank"], run_dir)  # fmt: skip
             engine.run_busy_loop()
         except SystemExit:
+            processes.ignore_sigterm()
             logger.debug("engine core stopping")
         except BaseException as e:  # noqa: BLE001 - every death is reported, once
+            processes.ignore_sigterm()
             root = getattr(e, "root_cause", None)
             if root is None:
                 processes.write_crash_report(run_dir, role, e, current_stage(), payload["data_parallel_rank"])
@@ -143,6 +145,7 @@ class EngineCoreProc(EngineCore):
             _send_dead(payload["output_address"], root, error)
             raise SystemExit(1) from None
         finally:
+            processes.ignore_sigterm()
             if engine is not None:
                 engine.shutdown()
             if os.getppid() != parent_pid:

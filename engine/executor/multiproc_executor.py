@@ -260,10 +260,13 @@ class WorkerProc:
                 if reply[0] == "error":
                     raise SystemExit(1)
         except SystemExit:
+            processes.ignore_sigterm()
             raise
         except BaseException as e:
+            processes.ignore_sigterm()
             processes.write_crash_report(run_dir, role, e, current_stage(), rank)
             raise
         finally:
+            processes.ignore_sigterm()
             rpc.close()
             response.close()

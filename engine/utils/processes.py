@@ -218,6 +218,12 @@ def install_sigterm_exit() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+def ignore_sigterm() -> None:
+    """Call at the start of a shutdown path: a SIGTERM arriving now (the parent stopping us
+    while we already exit) must not raise into cleanup code."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def watch_lifeline(fd: int, on_parent_death: Callable[[], None]) -> threading.Thread:
     """Start a daemon thread that calls ``on_parent_death`` when pipe ``fd`` reaches EOF.
 
