@@ -11,12 +11,19 @@ Left out: beam search, structured outputs, logits processors, ``best_of``, bad w
 from __future__ import annotations
 
 import enum
+import math
 from typing import Any
 
 import msgspec
 
 # Temperatures below this are treated as greedy (vLLM: ``_SAMPLING_EPS``).
 SAMPLING_EPS = 1e-5
+# Bounds that keep every value representable in the engine's int32/int64 tensors.
+MAX_INT32 = 2**31 - 1
+# Most completions per request (OpenAI's limit): each is a request in the engine.
+MAX_N = 128
+# Most top logprobs per token (vLLM's default --max-logprobs).
+MAX_LOGPROBS = 20
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -94,8 +101,28 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         def bad(field: str, value: Any, allowed: str) -> ValueError:
             return ValueError(f"{field} must be {allowed}, got {value!r}.")
 
-        if not isinstance(self.n, int) or self.n < 1:
-            raise bad("n", self.n, "at least 1")
+        # Types first: a bool is not a count, and NaN/inf are not probabilities.
+        for field in ("n", "top_k", "min_tokens"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise bad(field, value, "an integer")
+        for field in ("max_tokens", "logprobs", "prompt_logprobs", "seed"):
+            value = getattr(self, field)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise bad(field, value, "an integer")
+        for field in (
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "temperature",
+            "top_p",
+            "min_p",
+        ):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise bad(field, value, "a finite number")
+        if not 1 <= self.n <= MAX_N:
+            raise bad("n", self.n, f"between 1 and {MAX_N}")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise bad("presence_penalty", self.presence_penalty, "in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
@@ -106,26 +133,29 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             raise bad("temperature", self.temperature, "non-negative")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", self.top_p, "in (0, 1]")
-        if self.top_k < -1:
-            raise bad("top_k", self.top_k, "-1 or 0 (disabled) or at least 1")
+        if not -1 <= self.top_k <= MAX_INT32:
+            raise bad("top_k", self.top_k, f"-1 or 0 (disabled) or between 1 and {MAX_INT32}")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", self.min_p, "in [0, 1]")
-        if self.max_tokens is not None and self.max_tokens < 1:
+        if self.max_tokens is not None and not 1 <= self.max_tokens <= MAX_INT32:
             raise bad("max_tokens", self.max_tokens, "at least 1")
-        if self.min_tokens < 0:
+        if not 0 <= self.min_tokens <= MAX_INT32:
             raise bad("min_tokens", self.min_tokens, "greater than or equal to 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", self.min_tokens, f"less than or equal to max_tokens={self.max_tokens}")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise bad("logprobs", self.logprobs, "non-negative")
-        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            raise bad("prompt_logprobs", self.prompt_logprobs, "non-negative")
-        if any(not s for s in self.stop):
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise bad("logprobs", self.logprobs, f"between 0 and {MAX_LOGPROBS}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise bad("prompt_logprobs", self.prompt_logprobs, f"between 0 and {MAX_LOGPROBS}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", self.stop, "a list of non-empty strings")
-        if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", self.stop_token_ids, "a list of non-negative token ids")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", self.seed, "an integer")
+        if any(
+            not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= MAX_INT32
+            for t in self.stop_token_ids
+        ):
+            raise bad("stop_token_ids", self.stop_token_ids, "a list of token ids")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            raise bad("seed", self.seed, "a 64-bit integer")
 
     @property
     def sampling_type_greedy(self) -> bool:

@@ -62,6 +62,11 @@ def test_kv_budget_too_small_for_one_request(default_model_dir):
         ({"top_k": -3}, "top_k"),
         ({"n": 0}, "n"),
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"top_k": 2**63}, "top_k"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"n": 10**20}, "n"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"max_tokens": True}, "max_tokens"),
     ],
 )
 def test_sampling_params_errors_name_the_field(kwargs, field):

@@ -194,6 +194,14 @@ def test_models_lists_the_served_name(server: Server) -> None:
     assert models.data[0].model_extra["max_model_len"] == MAX_MODEL_LEN
 
 
+def test_models_retrieve_and_head_health(server: Server) -> None:
+    assert server.client().models.retrieve(MODEL).id == MODEL
+    assert_error(
+        httpx.get(f"{server.url}/v1/models/nope", headers=AUTH, timeout=10), 404, "model", "NotFoundError"
+    )
+    assert httpx.head(server.url + "/health", timeout=10).status_code == 200
+
+
 def test_health_ping_version_metrics_need_no_key(server: Server) -> None:
     from engine import __version__
 
@@ -448,6 +456,11 @@ BAD_COMPLETIONS = [
     ({"model": MODEL, "prompt": ""}, 400, "prompt"),
     ({"model": MODEL, "prompt": [1, 10**6]}, 400, "prompt"),
     ({"model": MODEL}, 400, "prompt"),
+    # Values that once crashed or hung the server (found by a break-it pass):
+    ({"model": MODEL, "prompt": "x", "temperature": 1, "top_k": 2**63}, 400, "top_k"),
+    ({"model": MODEL, "prompt": "x", "n": 10**20}, 400, "n"),
+    ({"model": MODEL, "prompt": "x", "stop_token_ids": [10**23]}, 400, "stop_token_ids"),
+    ({"model": MODEL, "prompt": "\ud800 x"}, 400, "prompt"),
     ({"model": "no-such-model", "prompt": "x"}, 404, "model"),
 ]
 

@@ -292,3 +292,24 @@ def test_ps_sees_a_live_llm(base, capsys, monkeypatch, multiprocess):
         assert inst["found_process_count"] == inst["expected_process_count"] >= 1
         assert inst["missing"] == []
     assert _ps(capsys) == (0, "no running glassbox instances\n")  # shutdown removed the run dir
+
+
+def test_new_run_dir_sweeps_away_dead_ones_and_keeps_live_ones(tmp_path, monkeypatch):
+    """A tree killed all at once (e.g. its process group SIGKILLed) leaves its run dir; the
+    next instance removes it, but never one with a live process."""
+    import subprocess as sp
+    import sys as _sys
+
+    from engine.utils import run_dir as run_dirs
+
+    monkeypatch.setenv("GLASSBOX_RUN_DIR_BASE", str(tmp_path))
+    dead = sp.run([_sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    stale = tmp_path / f"glassbox-{dead_pid}-stale"
+    stale.mkdir()
+    (stale / "EngineCore_DP0.status.json").write_text(f'{{"pid": {dead_pid}}}')
+    live = tmp_path / f"glassbox-{os.getpid()}-live"
+    live.mkdir()
+    fresh = run_dirs.create_run_dir()
+    assert not stale.exists()
+    assert live.exists() and fresh.exists()

@@ -51,7 +51,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    return args.func(args, parser._subparsers._group_actions[0].choices[args.command])
+    subparser = parser._subparsers._group_actions[0].choices[args.command]
+    try:
+        return args.func(args, subparser)
+    except KeyboardInterrupt:
+        print(f"{subparser.prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        from engine.utils.processes import EngineDeadError
+
+        if not isinstance(e, EngineDeadError):
+            raise
+        # The root cause (which process, which stage, which exception) is printed last.
+        print(f"{subparser.prog}: error: the engine died", file=sys.stderr)
+        print(e.root_cause, file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -131,7 +131,13 @@ class MultiprocExecutor(Executor):
         for rank in ranks:
             status, value = self._receive(rank, deadline, method)
             if status != "ok":
-                raise RuntimeError(f"{self.roles[rank]} failed in {method}:\n{value}")
+                logger.error("%s failed in %s:\n%s", self.roles[rank], method, value["traceback"])
+                # A ValueError is a bad setting found where torch lives (e.g. --device cuda
+                # without CUDA): keep its type so the frontend reports it as the caller's error.
+                error_class = ValueError if value["type"] == "ValueError" else RuntimeError
+                raise error_class(
+                    f"{self.roles[rank]} failed in {method}: {value['type']}: {value['message']}"
+                )
             results.append(value)
         return results
 
@@ -153,6 +159,14 @@ class MultiprocExecutor(Executor):
                 return pickle.loads(mq.dequeue(timeout=min(DEATH_CHECK_S, left)))
             except MessageQueueTimeout:
                 continue
+            except MessageQueueClosed:
+                # The worker closed its side: it is exiting. Blame it, with its exit status.
+                proc = self.workers[rank]
+                try:
+                    proc.popen.wait(2.0)
+                except Exception:
+                    pass
+                self._fail(rank, proc.poll() if proc.poll() is not None else 0)
 
     # ------------------------------------------------------------------ liveness
 
@@ -211,7 +225,9 @@ class MultiprocExecutor(Executor):
             except OSError:
                 pass
         for proc in getattr(self, "workers", []):
-            proc.stop(timeout=3.0)
+            # Shorter than the frontend's patience with us, so we always get to SIGKILL a
+            # stuck (or SIGSTOPped) worker ourselves before we are killed.
+            proc.stop(timeout=1.5)
         for mq in [getattr(self, "rpc_broadcast_mq", None), *getattr(self, "response_mqs", [])]:
             if mq is not None:
                 mq.close()
@@ -254,7 +270,11 @@ class WorkerProc:
                         reply = ("ok", wrapper.execute_method(method, *args, **kwargs))
                 except Exception as e:
                     processes.write_crash_report(run_dir, role, e, current_stage(), rank)
-                    reply = ("error", "".join(traceback.format_exception(type(e), e, e.__traceback__)))
+                    reply = ("error", {
+                        "type": type(e).__name__,
+                        "message": str(e),
+                        "traceback": "".join(traceback.format_exception(type(e), e, e.__traceback__)),
+                    })  # fmt: skip
                 if output_rank is None or output_rank == rank:
                     response.enqueue(pickle.dumps(reply, protocol=5))
                 if reply[0] == "error":

@@ -258,8 +258,18 @@ class MPClient(EngineCoreClient):
         try:
             self.input_socket.send_multipart([self.engine_identity, request_type.value, body], copy=False)
         except zmq.ZMQError:
-            self._check_alive()
-            raise
+            self._unroutable()
+
+    def _unroutable(self) -> None:
+        """The ROUTER cannot reach the engine core: it disconnected, so it is dying or dead."""
+        proc = self.engine_proc
+        if proc is not None:
+            try:
+                proc.popen.wait(1.0)
+            except Exception:  # still alive but unreachable: report it as dead anyway
+                pass
+        self._check_alive()
+        self._mark_dead(None)
 
     def _dispatch(self, msg: tuple[bytes, list[bytes]] | None) -> None:
         if msg is None:
@@ -344,7 +354,12 @@ class AsyncMPClient(MPClient):
     async def _send_async(self, request_type: EngineCoreRequestType, body: bytes) -> None:
         if self.dead is not None:
             raise self.dead
-        await self.async_input.send_multipart([self.engine_identity, request_type.value, body], copy=False)
+        try:
+            await self.async_input.send_multipart(
+                [self.engine_identity, request_type.value, body], copy=False
+            )
+        except zmq.ZMQError:
+            self._unroutable()
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         await self._send_async(EngineCoreRequestType.ADD, self.encoder.encode(request))

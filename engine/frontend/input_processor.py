@@ -24,6 +24,7 @@ from typing import Any
 from engine.config import ModelConfig
 from engine.core.messages import EngineCoreRequest
 from engine.frontend.outputs import PromptType
+from engine.frontend.tokenizer import encode
 from engine.sampling_params import SamplingParams
 
 
@@ -107,7 +108,7 @@ class InputProcessor:
 
     def _tokenize(self, prompt: PromptType, tokenization_kwargs: dict[str, Any]) -> list[int]:
         if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt, **tokenization_kwargs))
+            return encode(self.tokenizer, prompt, **tokenization_kwargs)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             try:  # numpy integers are fine too
                 return [operator.index(t) for t in prompt["prompt_token_ids"]]
@@ -116,7 +117,7 @@ class InputProcessor:
                     f"prompt_token_ids must be integers, got {prompt['prompt_token_ids']!r:.80}"
                 ) from None
         if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
-            return list(self.tokenizer.encode(prompt["prompt"], **tokenization_kwargs))
+            return encode(self.tokenizer, prompt["prompt"], **tokenization_kwargs)
         raise ValueError(
             'a prompt must be a string, {"prompt": str} or {"prompt_token_ids": [int, ...]}, '
             f"got {type(prompt).__name__}"

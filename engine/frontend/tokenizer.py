@@ -93,3 +93,17 @@ def apply_chat_template(
         raise ValueError(f"the chat template could not render these messages: {e}") from e
     assert isinstance(text, str)
     return text
+
+
+def encode(tokenizer: PreTrainedTokenizerFast, text: str, **kwargs: Any) -> list[int]:
+    """``tokenizer.encode(text, **kwargs)``, refusing text that is not valid Unicode.
+
+    Raises:
+        ValueError: ``text`` holds a lone surrogate (JSON can carry one: ``"\\ud800"``),
+            which no UTF-8 tokenizer can encode.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"prompt is not valid Unicode text: {e.reason} at position {e.start}") from None
+    return list(tokenizer.encode(text, **kwargs))

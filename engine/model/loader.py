@@ -39,16 +39,14 @@ def resolve_device(device: str, local_rank: int = 0) -> torch.device:
     A CUDA device is ``cuda:<local_rank>`` (the worker's index on this machine).
 
     Raises:
-        RuntimeError: ``"cuda"`` was asked for and torch sees no CUDA device.
+        ValueError: ``"cuda"`` was asked for and torch sees no CUDA device (a bad setting).
         ValueError: an unknown device name.
     """
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError(
-                "--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False)"
-            )
+            raise ValueError("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False)")
         return torch.device("cuda", local_rank)
     if device == "cpu":
         return torch.device("cpu")

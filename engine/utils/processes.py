@@ -191,7 +191,15 @@ def format_root_cause(
 
     crash = read_crash_report(run_dir, role) or {}
     status = read_status_file(Path(run_dir) / f"{role}.status.json") or {}
-    stage = crash.get("stage") or status.get("stage") or (status.get("last_finished") or {}).get("name")
+    stage = crash.get("stage") or status.get("stage")
+    if not stage:
+        # Step stages are not written to the status file (too frequent), so a process
+        # between lifecycle stages was serving, or idle.
+        last = status.get("last_finished") or {}
+        if last.get("error"):
+            stage = f"{last.get('name')} (failed: {last['error']})"
+        elif last.get("name"):
+            stage = f"none (serving or idle; last lifecycle stage finished: {last['name']})"
     rank = rank if rank is not None else crash.get("rank", status.get("rank"))
     lines = [
         "=" * 24 + " Glassbox root cause " + "=" * 24,

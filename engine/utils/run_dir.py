@@ -39,9 +39,14 @@ def run_dir_base() -> Path:
 
 
 def create_run_dir() -> Path:
-    """Make a fresh run directory (mode 0700) and return its path."""
+    """Make a fresh run directory (mode 0700) and return its path.
+
+    First sweeps away run directories that nothing owns any more (see
+    ``sweep_stale_run_dirs``), so a tree that was killed all at once leaves no litter.
+    """
     base = run_dir_base()
     base.mkdir(parents=True, exist_ok=True)
+    sweep_stale_run_dirs(base)
     return Path(tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-", dir=base))
 
 
@@ -89,6 +94,38 @@ def write_manifest(run_dir: Path, **fields: object) -> None:
 
 def read_manifest(run_dir: Path) -> dict:
     return json.loads((run_dir / MANIFEST).read_text())
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def sweep_stale_run_dirs(base: Path) -> list[Path]:
+    """Remove run directories whose creator and every process with a status file are dead.
+
+    A tree normally cleans up after itself (the last survivor removes the directory); this
+    catches the rest — e.g. a whole process group SIGKILLed at once. A directory with any
+    live pid is left alone. Returns the removed paths.
+    """
+    removed = []
+    for run_dir in list_run_dirs(base):
+        pids = [creator_pid(run_dir)]
+        for path in status_files(run_dir).values():
+            try:
+                pids.append(int(json.loads(path.read_text()).get("pid")))
+            except (OSError, ValueError, TypeError):
+                continue
+        if any(pid is not None and _pid_alive(pid) for pid in pids):
+            continue
+        remove_run_dir(run_dir)
+        removed.append(run_dir)
+    return removed
 
 
 def remove_run_dir(run_dir: Path) -> None:

@@ -41,6 +41,7 @@ import hashlib
 import json
 import secrets
 from collections.abc import AsyncIterator, Awaitable
+from http import HTTPStatus
 from typing import Any
 
 import anyio
@@ -67,7 +68,7 @@ from engine.entrypoints.openai.protocol import (
 )
 from engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from engine.entrypoints.openai.serving_engine import OpenAIError, error_response
+from engine.entrypoints.openai.serving_engine import OpenAIError, bad_request_from_value_error, error_response
 from engine.entrypoints.openai.serving_models import OpenAIServingModels
 from engine.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from engine.frontend.async_llm import AsyncLLM
@@ -80,6 +81,9 @@ logger = init_logger(__name__)
 GUARDED_PREFIX = "/v1"
 # Status for a request whose client left before the answer (nginx's "client closed request").
 CLIENT_CLOSED_REQUEST = 499
+
+# /metrics serves the last scheduler figures it has when the engine does not answer in time.
+METRICS_REFRESH_TIMEOUT_S = 2.0
 
 router = APIRouter()
 
@@ -115,6 +119,7 @@ def build_app(
     app.add_exception_handler(StarletteHTTPException, _http_error_handler)
     app.add_exception_handler(OpenAIError, _openai_error_handler)
     app.add_exception_handler(EngineDeadError, _engine_dead_handler)
+    app.add_exception_handler(ValueError, _value_error_handler)
     app.add_exception_handler(Exception, _unexpected_error_handler)
 
     # Starlette wraps each middleware added around the ones before: the key check, added
@@ -134,7 +139,7 @@ def build_app(
 # ---------------------------------------------------------------------------- routes
 
 
-@router.get("/health")
+@router.api_route("/health", methods=["GET", "HEAD"])
 async def health(raw_request: Request) -> Response:
     """200 (empty) while the engine is alive, 503 once it is dead."""
     try:
@@ -158,6 +163,16 @@ async def show_version() -> JSONResponse:
 @router.get("/v1/models")
 async def show_available_models(raw_request: Request) -> Response:
     return _json(raw_request.app.state.serving_models.show_available_models())
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, raw_request: Request) -> Response:
+    """One model card (``client.models.retrieve``); 404 for any other name."""
+    models = raw_request.app.state.serving_models.show_available_models()
+    for card in models.data:
+        if card.id == model_id:
+            return _json(card)
+    raise OpenAIError(f"The model `{model_id}` does not exist.", HTTPStatus.NOT_FOUND, param="model")
 
 
 @router.post("/v1/completions")
@@ -191,7 +206,8 @@ async def metrics(raw_request: Request) -> Response:
     """Prometheus text, with the scheduler gauges refreshed from the engine core now."""
     state = raw_request.app.state
     try:
-        state.stats_collector.stats = await state.engine.get_scheduler_stats()
+        stats = asyncio.wait_for(state.engine.get_scheduler_stats(), METRICS_REFRESH_TIMEOUT_S)
+        state.stats_collector.stats = await stats
     except Exception as e:  # a dead or slow engine: serve the last values we have
         logger.warning("cannot refresh scheduler stats for /metrics: %s", e)
     return Response(generate_latest(state.metrics_registry), media_type=CONTENT_TYPE_LATEST)
@@ -249,6 +265,8 @@ async def _respond(raw_request: Request, work: Awaitable[BaseModel | AsyncIterat
         result = task.result()
     except (OpenAIError, EngineDeadError):
         raise  # answered by their handlers below
+    except ValueError as e:  # our convention for bad input (a prompt that cannot be encoded, ...)
+        raise bad_request_from_value_error(e, "prompt") from None
     except Exception as e:
         return await _unexpected_error_handler(raw_request, e)
     if isinstance(result, BaseModel):
@@ -335,7 +353,12 @@ async def _openai_error_handler(request: Request, exc: OpenAIError) -> Response:
 
 
 async def _engine_dead_handler(request: Request, exc: EngineDeadError) -> Response:
-    return _error(503, str(exc))
+    # The root-cause block (pids, stages, exceptions) goes to the server log, not to clients.
+    return _error(503, "The engine is dead; the server's log shows the root cause.")
+
+
+async def _value_error_handler(request: Request, exc: ValueError) -> Response:
+    return await _openai_error_handler(request, bad_request_from_value_error(exc, None))
 
 
 async def _unexpected_error_handler(request: Request, exc: Exception) -> Response:

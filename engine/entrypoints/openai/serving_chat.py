@@ -66,6 +66,7 @@ class OpenAIServingChat(OpenAIServing):
             EngineDeadError: the engine is dead (503).
         """
         self.check_model(request.model)
+        self.check_engine_alive()
         self.check_unsupported(request)
         self.check_logprobs(request.top_logprobs, "top_logprobs")
         if request.top_logprobs and not request.logprobs:

@@ -40,6 +40,7 @@ from engine.entrypoints.openai.serving_engine import (
     sse_event,
 )
 from engine.frontend.outputs import LogprobsDict, RequestOutput
+from engine.frontend.tokenizer import encode
 from engine.logger import init_logger
 from engine.utils.processes import EngineDeadError
 
@@ -63,6 +64,7 @@ class OpenAIServingCompletion(OpenAIServing):
             EngineDeadError: the engine is dead (503).
         """
         self.check_model(request.model)
+        self.check_engine_alive()
         self.check_unsupported(request)
         self.check_logprobs(request.logprobs, "logprobs")
         prompts = self._render_prompts(request.prompt)
@@ -106,7 +108,7 @@ class OpenAIServingCompletion(OpenAIServing):
         rendered: list[tuple[str | None, list[int]]] = []
         for p in prompt:
             if isinstance(p, str):
-                rendered.append((p, list(self.tokenizer.encode(p))))
+                rendered.append((p, encode(self.tokenizer, p)))
             else:
                 rendered.append((None, list(p)))
         return rendered

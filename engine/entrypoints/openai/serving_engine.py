@@ -30,7 +30,7 @@ from pydantic import BaseModel
 
 from engine.entrypoints.openai.protocol import ChatMessageParam, ErrorInfo, ErrorResponse
 from engine.frontend.async_llm import AsyncLLM
-from engine.frontend.tokenizer import apply_chat_template
+from engine.frontend.tokenizer import apply_chat_template, encode
 from engine.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -128,6 +128,12 @@ class OpenAIServing:
         """Raises ``OpenAIError`` (404) unless ``model`` is None or the served name."""
         if model is not None and model != self.served_model_name:
             raise OpenAIError(f"The model `{model}` does not exist.", HTTPStatus.NOT_FOUND, param="model")
+
+    def check_engine_alive(self) -> None:
+        """Raises ``EngineDeadError`` (503) before any work starts — also before a stream
+        would answer 200 — when the engine is known to be dead."""
+        if self.engine.dead_error is not None:
+            raise self.engine.dead_error
 
     def check_prompt(self, prompt_token_ids: list[int], param: str) -> None:
         """Refuse an empty prompt, out-of-vocabulary ids, and a prompt with no room left.
@@ -229,7 +235,7 @@ class OpenAIServing:
             )
         except ValueError as e:
             raise OpenAIError(str(e), param="messages") from None
-        return text, list(self.tokenizer.encode(text, add_special_tokens=False))
+        return text, encode(self.tokenizer, text, add_special_tokens=False)
 
     # ------------------------------------------------------------------ helpers
 

@@ -20,6 +20,7 @@ from engine.entrypoints.openai.protocol import (
     TokenizeResponse,
 )
 from engine.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing
+from engine.frontend.tokenizer import encode
 
 
 class OpenAIServingTokenization(OpenAIServing):
@@ -32,7 +33,7 @@ class OpenAIServingTokenization(OpenAIServing):
             text, _ = self.render_chat(request.messages, request.add_generation_prompt)
         else:
             text = request.prompt
-        tokens = list(self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens))
+        tokens = encode(self.tokenizer, text, add_special_tokens=request.add_special_tokens)
         token_strs = self.tokenizer.convert_ids_to_tokens(tokens) if request.return_token_strs else None
         return TokenizeResponse(count=len(tokens), max_model_len=self.max_model_len, tokens=tokens,
                                 token_strs=token_strs)  # fmt: skip
