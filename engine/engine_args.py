@@ -93,7 +93,7 @@ class EngineArgs:
         g.add_argument(
             "--served-model-name",
             default=None,
-            help="Model name reported to clients (default: the model path).",
+            help="Model name reported to clients (default: the model as given; glassbox-tiny-llama for the bundled one).",
         )
         g.add_argument(
             "--enforce-eager",

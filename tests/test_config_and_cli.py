@@ -127,3 +127,12 @@ def test_cli_help_reads_well():
     assert sub.returncode == 0
     for flag in ("--max-num-batched-tokens", "--enable-prefix-caching", "--tensor-parallel-size", "-tp"):
         assert flag in sub.stdout
+
+
+def test_configuration_reference_is_current():
+    from pathlib import Path
+
+    from engine.config_reference import render_markdown
+
+    committed = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    assert committed == render_markdown(), "run: python -m engine.config_reference > docs/configuration.md"

@@ -73,7 +73,7 @@ def test_start_up_stages_in_order_with_parents_and_step_phases(monkeypatch):
 def test_trace_file_gets_one_json_line_per_span(tmp_path):
     trace_file = tmp_path / "spans.jsonl"
     with LLM(max_model_len=128, trace_file=str(trace_file)) as llm:
-        llm.generate("hi", SamplingParams(max_tokens=2), use_tqdm=False)
+        llm.generate("hi", SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     tracing.shutdown_tracing()
     lines = [json.loads(line) for line in trace_file.read_text().splitlines()]
     names = {line["name"] for line in lines}

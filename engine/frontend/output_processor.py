@@ -167,6 +167,12 @@ class RequestState:
         self.num_prompt_logprobs_sent = 0
         self.num_cached_tokens = 0
         self.stats = RequestStateStats(arrival_time=request.arrival_time) if log_stats else None
+        # For the llm_request span, recorded when the request finishes.
+        self.arrival_time = request.arrival_time
+        self.first_token_time: float | None = None
+        self.num_output_tokens = 0
+        self.sampling_params = params
+        self.trace_headers = request.trace_headers
 
     def make_completion_output(
         self, new_token_ids: list[int], finish_reason: FinishReason | None, stop_reason: int | str | None
@@ -323,6 +329,9 @@ class OutputProcessor:
             finish_reason = output.finish_reason
             stop_reason = output.stop_reason
             state.num_cached_tokens = output.num_cached_tokens
+            if new_token_ids and state.first_token_time is None:
+                state.first_token_time = time.time()
+            state.num_output_tokens += len(new_token_ids)
             if state.stats is not None:
                 _update_stats(state.stats, len(new_token_ids), engine_core_timestamp)
 
@@ -345,6 +354,7 @@ class OutputProcessor:
                 del self.request_states[output.request_id]
                 if state.stats is not None:
                     state.stats.finished_time = time.time()
+                _record_request_span(state)
             if not finished and (not new_token_ids or state.output_kind == RequestOutputKind.FINAL_ONLY):
                 continue
             completion = state.make_completion_output(new_token_ids, finish_reason, stop_reason)
@@ -423,3 +433,39 @@ def _update_stats(stats: RequestStateStats, num_new_tokens: int, engine_core_tim
         stats.first_token_latency = time.time() - stats.arrival_time
     stats.last_token_ts = now
     stats.num_generation_tokens += num_new_tokens
+
+
+def _record_request_span(state: RequestState) -> None:
+    """vLLM's ``llm_request`` span: arrival → last token, child of the caller's trace context.
+
+    A no-op when tracing records nothing (no exporter set up).
+    """
+    from opentelemetry.trace import SpanKind
+
+    from tracing import catalogue, record_span
+    from tracing.propagation import extract_trace_context
+
+    now = time.time()
+    params = state.sampling_params
+    attributes = {
+        catalogue.ATTR_GEN_AI_REQUEST_ID: state.request_id,
+        catalogue.ATTR_GEN_AI_USAGE_PROMPT_TOKENS: len(state.prompt_token_ids),
+        catalogue.ATTR_GEN_AI_USAGE_COMPLETION_TOKENS: state.num_output_tokens,
+        catalogue.ATTR_GEN_AI_LATENCY_E2E: now - state.arrival_time,
+        catalogue.ATTR_GEN_AI_REQUEST_MAX_TOKENS: params.max_tokens,
+        catalogue.ATTR_GEN_AI_REQUEST_TEMPERATURE: params.temperature,
+        catalogue.ATTR_GEN_AI_REQUEST_TOP_P: params.top_p,
+        catalogue.ATTR_GEN_AI_REQUEST_N: params.n,
+    }
+    if state.first_token_time is not None:
+        attributes[catalogue.ATTR_GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN] = (
+            state.first_token_time - state.arrival_time
+        )
+    record_span(
+        catalogue.LLM_REQUEST,
+        start_ns=int(state.arrival_time * 1e9),
+        end_ns=int(now * 1e9),
+        attributes=attributes,
+        parent=extract_trace_context(state.trace_headers),
+        kind=SpanKind.SERVER,
+    )
