@@ -14,6 +14,7 @@ content parts, ``continuous_usage_stats``.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -75,7 +76,10 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIError("tools are not supported (tool calling is left out).", param="tools")
         if request.response_format and request.response_format.get("type", "text") != "text":
             raise OpenAIError("Only the text response_format is supported.", param="response_format")
-        _, prompt_ids = self.render_chat(request.messages, request.add_generation_prompt)
+        # Rendering and tokenizing off the event loop, so other requests stream on.
+        _, prompt_ids = await asyncio.to_thread(
+            self.render_chat, request.messages, request.add_generation_prompt
+        )
         self.check_prompt(prompt_ids, "messages")
         max_tokens_field = request.max_tokens_field
         max_tokens = self.resolve_max_tokens(request.requested_max_tokens, len(prompt_ids), max_tokens_field)

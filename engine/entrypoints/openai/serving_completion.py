@@ -15,6 +15,7 @@ field, ``continuous_usage_stats``.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -67,7 +68,8 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_engine_alive()
         self.check_unsupported(request)
         self.check_logprobs(request.logprobs, "logprobs")
-        prompts = self._render_prompts(request.prompt)
+        # Tokenizing a long prompt takes a while: off the event loop, so other requests stream on.
+        prompts = await asyncio.to_thread(self._render_prompts, request.prompt)
         params = []
         for _, prompt_token_ids in prompts:
             self.check_prompt(prompt_token_ids, "prompt")
