@@ -52,24 +52,31 @@ def _seconds(t: float) -> str:
     return f"{t:.1f}" if t >= 1 else f"{t:.3g}"
 
 
+def env_seconds(name: str, default: float) -> float:
+    """A positive number of seconds from environment variable ``name`` (``default`` if unset).
+
+    Raises:
+        ValueError: the variable is set but is not a positive number; the message names it.
+    """
+    raw = os.environ.get(name, "")
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise ValueError(f"{name}={raw!r} is not valid: expected a positive number of seconds")
+    return value
+
+
 def default_timeout_s() -> float:
     """The deadline of a wait given ``timeout_s=None``: ``GLASSBOX_DEFAULT_WAIT_TIMEOUT_S``.
 
     Raises:
         ValueError: the variable is set but is not a positive number.
     """
-    raw = os.environ.get(_DEFAULT_TIMEOUT_ENV, "")
-    if not raw:
-        return _DEFAULT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if value <= 0:
-        raise ValueError(
-            f"{_DEFAULT_TIMEOUT_ENV}={raw!r} is not valid: expected a positive number of seconds"
-        )
-    return value
+    return env_seconds(_DEFAULT_TIMEOUT_ENV, _DEFAULT_TIMEOUT_S)
 
 
 Condition = Callable[[], Any] | threading.Event | concurrent.futures.Future

@@ -60,6 +60,13 @@ class Executor(ABC):
     ) -> list[Any]:
         """Run ``method(*args, **kwargs)`` on every worker; results in rank order."""
 
+    def _start_workers(self, all_kwargs: list[dict[str, Any]]) -> None:
+        """The first three lifecycle RPCs, the same for every executor:
+        ``init_worker`` (build each Worker) → ``init_device`` → ``load_model``."""
+        self.collective_rpc("init_worker", args=(all_kwargs,))
+        self.device_info = self.collective_rpc("init_device")[0]
+        self.collective_rpc("load_model")
+
     def determine_available_memory(self) -> list[int]:
         """KV-cache bytes each worker can spend (after a profile run)."""
         return self.collective_rpc("determine_available_memory")

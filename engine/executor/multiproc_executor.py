@@ -98,13 +98,12 @@ class MultiprocExecutor(Executor):
                 assert self._receive(rank, deadline, "start-up") == READY
             self._monitor = threading.Thread(target=self._monitor_workers, name="WorkerMonitor", daemon=True)
             self._monitor.start()
-            kwargs = [
-                {"local_rank": r, "rank": r, "distributed_init_method": None, "is_driver_worker": r == 0}
-                for r in range(self.world_size)
-            ]
-            self.collective_rpc("init_worker", args=(kwargs,))
-            self.device_info = self.collective_rpc("init_device")[0]
-            self.collective_rpc("load_model")
+            self._start_workers(
+                [
+                    {"local_rank": r, "rank": r, "distributed_init_method": None, "is_driver_worker": r == 0}
+                    for r in range(self.world_size)
+                ]
+            )
 
     # ------------------------------------------------------------------ RPC
 

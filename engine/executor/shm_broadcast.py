@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tracing.stage import emit
-from tracing.waits import WaitCancelled, WaitTimeout
+from tracing.waits import WaitCancelled, WaitTimeout, env_seconds
 
 MQ_TIMEOUT_ENV = "GLASSBOX_MQ_TIMEOUT_S"
 DEFAULT_MQ_TIMEOUT_S = 300.0
@@ -77,16 +77,7 @@ def default_timeout_s() -> float:
     Raises:
         ValueError: the variable is set but is not a positive number.
     """
-    raw = os.environ.get(MQ_TIMEOUT_ENV, "")
-    if not raw:
-        return DEFAULT_MQ_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if value <= 0:
-        raise ValueError(f"{MQ_TIMEOUT_ENV}={raw!r} is not valid: expected a positive number of seconds")
-    return value
+    return env_seconds(MQ_TIMEOUT_ENV, DEFAULT_MQ_TIMEOUT_S)
 
 
 _fence_lock = threading.Lock()

@@ -18,10 +18,9 @@ class UniProcExecutor(Executor):
     def _init_executor(self) -> None:
         with stage(catalogue.EXECUTOR_INIT):
             self.driver_worker = WorkerWrapperBase(self.config, rpc_rank=0)
-            kwargs = {"local_rank": 0, "rank": 0, "distributed_init_method": None, "is_driver_worker": True}
-            self.collective_rpc("init_worker", args=([kwargs],))
-            self.device_info = self.collective_rpc("init_device")[0]
-            self.collective_rpc("load_model")
+            self._start_workers(
+                [{"local_rank": 0, "rank": 0, "distributed_init_method": None, "is_driver_worker": True}]
+            )
 
     def collective_rpc(
         self,
