@@ -14,7 +14,7 @@ from __future__ import annotations
 import msgspec
 
 
-class LogprobsLists(msgspec.Struct, kw_only=True):
+class LogprobsLists(msgspec.Struct, kw_only=True, array_like=True, gc=False):
     """Logprob rows; one row per token position.
 
     ``logprob_token_ids[i]`` and ``logprobs[i]`` have ``num_logprobs + 1`` entries: first

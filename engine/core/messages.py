@@ -1,7 +1,9 @@
 """Messages between the frontend (``LLM`` / ``AsyncLLM``) and the engine core.
 
 Mirrors vLLM's ``vllm/v1/engine/__init__.py``. In-process (``InprocClient``) these are
-passed as Python objects; the multiprocess clients encode them with msgspec (msgpack).
+passed as Python objects; the multiprocess clients encode them with msgspec (msgpack) as
+positional arrays (``array_like``), as vLLM does: the **field order is the wire format**, so
+new fields go at the end, with defaults.
 Fields later work needs (``client_index``, ``data_parallel_rank``, ``current_wave``,
 ``priority``, ``trace_headers``) are already here.
 """
@@ -27,7 +29,7 @@ class EngineCoreRequestType(enum.Enum):
     EXECUTOR_FAILED = b"\x04"
 
 
-class EngineCoreRequest(msgspec.Struct, kw_only=True):
+class EngineCoreRequest(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True, gc=False):
     """A tokenized, validated request on its way to the scheduler."""
 
     request_id: str
@@ -42,7 +44,7 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True):
     trace_headers: dict[str, str] | None = None
 
 
-class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
+class EngineCoreOutput(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True, gc=False):
     """New tokens (and maybe a finish) for one request, from one engine step."""
 
     request_id: str
@@ -58,7 +60,7 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
         return self.finish_reason is not None
 
 
-class SchedulerStats(msgspec.Struct, kw_only=True):
+class SchedulerStats(msgspec.Struct, kw_only=True, array_like=True, gc=False):
     """Scheduler state after a step (vLLM ``vllm/v1/metrics/stats.py``).
 
     ``kv_cache_usage`` is the fraction of usable blocks in use (0..1). Prefix-cache
@@ -75,7 +77,7 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     num_scheduled_tokens: int = 0
 
 
-class EngineCoreOutputs(msgspec.Struct, kw_only=True):
+class EngineCoreOutputs(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True, gc=False):
     """Everything one engine step produced for one client."""
 
     engine_index: int = 0
@@ -85,7 +87,7 @@ class EngineCoreOutputs(msgspec.Struct, kw_only=True):
     finished_requests: set[str] | None = None
 
 
-class EngineHandshake(msgspec.Struct, kw_only=True):
+class EngineHandshake(msgspec.Struct, kw_only=True, array_like=True):
     """Start-up messages from an engine core to its frontend.
 
     HELLO is sent as soon as the engine core's sockets are connected (nothing heavy has
