@@ -11,11 +11,16 @@ Left out: LoRA, speculative decoding, quantization, multimodal, KV transfer.
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from engine.logger import init_logger
+
+logger = init_logger(__name__)
 
 # The default model ships with the package (made by scripts/make_default_model.py).
 DEFAULT_MODEL = str(Path(__file__).parent / "assets" / "default_model")
@@ -33,6 +38,25 @@ DEVICES = ("auto", "cpu", "cuda")
 BLOCK_SIZES = (1, 8, 16, 32, 64, 128)
 SCHEDULING_POLICIES = ("fcfs", "priority")
 EXECUTOR_BACKENDS = ("uni", "mp")
+TOKENIZER_MODES = ("auto", "hf")  # both load the fast tokenizer (tokenizer.json); the only kind here
+KV_CACHE_DTYPES = ("auto",)  # the KV cache is kept in the model's dtype; fp8 caches are left out
+# vLLM's default --max-logprobs (the OpenAI API's limit of top logprobs per token).
+DEFAULT_MAX_LOGPROBS = 20
+# What --generation-config auto takes from the model's generation_config.json, as vLLM's
+# ModelConfig.get_diff_sampling_param does: these sampling fields, and max_new_tokens as the
+# default max_tokens. Everything else in the file (do_sample, num_beams, ...) is ignored.
+GENERATION_CONFIG_SAMPLING_KEYS = (
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "max_new_tokens",
+)
+# Notes already logged by this process (each config the CLI or LLM builds would repeat them).
+_LOGGED_NOTES: set[str] = set()
 
 
 class ConfigError(ValueError):
@@ -47,6 +71,67 @@ class ConfigError(ValueError):
         self.allowed = allowed
         super().__init__(f"{flag}: invalid value {value!r} ({allowed})")
 
+    @classmethod
+    def from_message(cls, message: str, flag: str = "") -> ConfigError:
+        """Rebuild an error from its one-line message, e.g. after it crossed a process
+        boundary (a child found the bad setting during start-up)."""
+        err = cls.__new__(cls)
+        err.flag, err.value, err.allowed = flag, None, ""
+        ValueError.__init__(err, message)
+        return err
+
+
+def too_few_blocks_reason(max_model_len: int, needed: int) -> str:
+    """Why ``--num-gpu-blocks-override`` cannot hold one request of ``max_model_len``."""
+    return f"too small: one request of --max-model-len {max_model_len} needs {needed} blocks, null block included"
+
+
+def load_chat_template(value: str) -> str:
+    """The ``--chat-template`` value → the template text, checked to parse.
+
+    As in vLLM, the value is a file path, or — when no such file exists and it looks like
+    Jinja (holds ``{``, ``}`` or a newline) — the template itself, with backslash escapes
+    such as ``\\n`` decoded.
+
+    Raises:
+        ConfigError: (``--chat-template``) the file cannot be read, the value is neither a
+            file nor a template, or the template does not parse.
+    """
+    if not isinstance(value, str) or not value:
+        raise ConfigError("--chat-template", value, "must be a file path or a Jinja template")
+    shown = value if len(value) <= 60 else value[:57] + "..."
+    path = Path(value).expanduser()
+    is_file = False
+    try:
+        is_file = path.is_file()
+    except (OSError, ValueError):  # a long inline template is not a valid path
+        pass
+    if is_file:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError("--chat-template", shown, f"cannot read the file: {e}") from None
+    elif any(c in value for c in "{}\n"):
+        text = value
+        if "\\" in text:
+            text = codecs.decode(text.encode("latin-1", "backslashreplace"), "unicode_escape")
+    else:
+        raise ConfigError("--chat-template", shown, "no such file, and not an inline Jinja template either")
+    import jinja2
+    import jinja2.ext
+    import jinja2.sandbox
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(extensions=[jinja2.ext.loopcontrols])
+    try:
+        env.parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        # transformers adds a {% generation %} tag of its own; anything else is an error.
+        if "'generation'" not in str(e.message):
+            raise ConfigError(
+                "--chat-template", shown, f"not a valid Jinja template: {e.message} (line {e.lineno})"
+            ) from None
+    return text
+
 
 def _positive_int(flag: str, value: Any, allow_none: bool = True) -> None:
     if value is None and allow_none:
@@ -60,12 +145,20 @@ class ModelConfig:
     """The model: where it is, its shape (read from ``config.json``), dtype and limits.
 
     Attributes filled from the checkpoint: ``architecture``, ``hf_config`` (the whole
-    ``config.json`` as a dict), ``generation_config`` (``generation_config.json`` or {}),
-    ``eos_token_id`` (primary EOS id) and ``max_model_len`` when not given.
+    ``config.json`` as a dict), ``generation_config`` (the ``generation_config.json`` in
+    effect, or {}), ``eos_token_id`` (primary EOS id) and ``max_model_len`` when not given.
+
+    ``generation_config_source`` is the ``--generation-config`` flag (vLLM's
+    ``ModelConfig.generation_config``): "auto" reads the model's ``generation_config.json``
+    and takes its sampling defaults; "vllm" reads it for the EOS ids only (vLLM's sampling
+    defaults stay); a directory reads that directory's file instead. The defaults requests
+    get are ``get_diff_sampling_param()``. ``chat_template`` holds the template text (the
+    ``--chat-template`` file read, or the inline template), which replaces the tokenizer's.
 
     Raises:
         ConfigError: missing directory or ``config.json``, unsupported architecture,
-            bad dtype, ``max_model_len`` above the model's position limit.
+            bad dtype, ``max_model_len`` above the model's position limit, a bad
+            ``--generation-config`` / ``--chat-template`` / ``--max-logprobs``.
     """
 
     model: str = DEFAULT_MODEL
@@ -75,6 +168,12 @@ class ModelConfig:
     max_model_len: int | None = None
     enforce_eager: bool = False
     served_model_name: str | None = None
+    trust_remote_code: bool = False
+    tokenizer_mode: str = "auto"
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    generation_config_source: str = "auto"
+    override_generation_config: dict[str, Any] | None = None
+    chat_template: str | None = field(default=None, repr=False)
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
     generation_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -95,12 +194,7 @@ class ModelConfig:
             self.hf_config = json.loads(config_file.read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise ConfigError("--model", self.model, f"config.json is unreadable: {e}") from None
-        gen_file = path / "generation_config.json"
-        if gen_file.is_file():
-            try:
-                self.generation_config = json.loads(gen_file.read_text())
-            except json.JSONDecodeError as e:
-                raise ConfigError("--model", self.model, f"bad generation_config.json: {e}") from None
+        self._load_generation_config(path)
         archs = self.hf_config.get("architectures") or []
         supported = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
         if not supported:
@@ -127,6 +221,114 @@ class ModelConfig:
             # vLLM serves a model under the name it was given; the bundled one has a short name.
             bundled = self.model == str(Path(DEFAULT_MODEL).resolve())
             self.served_model_name = DEFAULT_SERVED_NAME if bundled else given
+        if self.tokenizer_mode not in TOKENIZER_MODES:
+            raise ConfigError(
+                "--tokenizer-mode",
+                self.tokenizer_mode,
+                "Glassbox does not support it: it loads fast tokenizers (tokenizer.json) only; allowed: auto, hf",
+            )
+        if (
+            not isinstance(self.max_logprobs, int)
+            or isinstance(self.max_logprobs, bool)
+            or self.max_logprobs < -1
+        ):
+            raise ConfigError(
+                "--max-logprobs", self.max_logprobs, "must be an integer >= 0, or -1 for no cap"
+            )
+        if self.chat_template is not None:
+            self.chat_template = load_chat_template(self.chat_template)
+        if self.trust_remote_code:
+            archs = "/".join(a.removesuffix("ForCausalLM") for a in SUPPORTED_ARCHITECTURES)
+            self._log_once(
+                "--trust-remote-code is accepted for vLLM compatibility and changes nothing: Glassbox "
+                f"never runs code from a model directory (only its own {archs} code)"
+            )
+
+    def _load_generation_config(self, model_dir: Path) -> None:
+        """Read the ``generation_config.json`` in effect and check its sampling defaults."""
+        source = self.generation_config_source
+        flag = "--generation-config"
+        if not isinstance(source, str):
+            raise ConfigError(
+                flag, source, "allowed: auto, vllm, or a directory holding generation_config.json"
+            )
+        if source in ("auto", "vllm"):
+            directory, flag = model_dir, "--model"
+        else:
+            directory = Path(source).expanduser()
+            if not directory.is_dir():
+                raise ConfigError(
+                    flag, source, "allowed: auto, vllm, or a directory holding generation_config.json"
+                )
+            if not (directory / "generation_config.json").is_file():
+                raise ConfigError(flag, source, "the directory has no generation_config.json")
+        gen_file = directory / "generation_config.json"
+        if gen_file.is_file():
+            try:
+                loaded = json.loads(gen_file.read_text())
+            except (OSError, json.JSONDecodeError) as e:
+                raise ConfigError(flag, str(directory), f"bad generation_config.json: {e}") from None
+            if not isinstance(loaded, dict):
+                raise ConfigError(flag, str(directory), "generation_config.json must hold a JSON object")
+            self.generation_config = loaded
+        override = self.override_generation_config
+        if override is not None and not isinstance(override, dict):
+            raise ConfigError("--override-generation-config", override, "must be a JSON object")
+        # A bad default would fail every request that relies on it: fail here instead.
+        from engine.sampling_params import SamplingParams
+
+        try:
+            SamplingParams(**self._sampling_defaults())
+        except (TypeError, ValueError) as e:
+            if override and any(k in override for k in GENERATION_CONFIG_SAMPLING_KEYS):
+                flag, where = "--override-generation-config", override
+            else:
+                where = str(gen_file)
+            raise ConfigError(flag, where, f"bad sampling default: {e}") from None
+
+    def _sampling_defaults(self) -> dict[str, Any]:
+        config = {} if self.generation_config_source == "vllm" else dict(self.generation_config)
+        config.update(self.override_generation_config or {})
+        diff = {k: config[k] for k in GENERATION_CONFIG_SAMPLING_KEYS if config.get(k) is not None}
+        if "max_new_tokens" in diff:  # Hugging Face's name for max_tokens
+            diff["max_tokens"] = diff.pop("max_new_tokens")
+        return diff
+
+    def get_diff_sampling_param(self) -> dict[str, Any]:
+        """The ``SamplingParams`` defaults the model sets: ``{field: value}``, maybe empty.
+
+        vLLM's ``ModelConfig.get_diff_sampling_param``: with ``--generation-config auto`` (or a
+        directory) the sampling fields of ``generation_config.json`` (temperature, top_p,
+        top_k, min_p, the three penalties; ``max_new_tokens`` becomes ``max_tokens``), then
+        ``--override-generation-config`` on top; with ``vllm`` only the override. Anything
+        else in the file — ``do_sample`` included — is ignored, as vLLM does. A request's own
+        values always win. The first call logs the defaults taken (once per process).
+        """
+        diff = self._sampling_defaults()
+        if not diff:
+            if self.generation_config_source != "vllm" and self.generation_config.get("do_sample") is False:
+                self._log_once(
+                    "generation_config.json says do_sample: false, which vLLM (and so Glassbox) ignores: "
+                    "requests sample at temperature 1.0 unless they set a temperature (0 = greedy)"
+                )
+            return diff
+        values = ", ".join(f"{k}={v}" for k, v in diff.items())
+        if self.generation_config_source == "vllm":
+            message = f"Default sampling params set by --override-generation-config: {values}"
+        else:
+            where = "the model's" if self.generation_config_source == "auto" else "--generation-config's"
+            message = (
+                f"Default sampling params taken from {where} generation_config.json: {values} (a request's "
+                "own values win). To keep vLLM's defaults instead, start with --generation-config vllm"
+            )
+        self._log_once(message)
+        return diff
+
+    @staticmethod
+    def _log_once(message: str) -> None:
+        if message not in _LOGGED_NOTES:  # once per process, however many configs and callers
+            _LOGGED_NOTES.add(message)
+            logger.info(message)
 
     @property
     def architecture(self) -> str:
@@ -192,9 +394,16 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
+    cache_dtype: str = "auto"
     num_gpu_blocks: int | None = None
 
     def __post_init__(self) -> None:
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                "--kv-cache-dtype",
+                self.cache_dtype,
+                "Glassbox does not support it: only auto, the model's dtype (fp8 KV caches are left out)",
+            )
         if self.block_size not in BLOCK_SIZES:
             raise ConfigError("--block-size", self.block_size, f"allowed: {', '.join(map(str, BLOCK_SIZES))}")
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not (
@@ -315,10 +524,27 @@ class LoadConfig:
 
 @dataclass
 class ObservabilityConfig:
-    """Tracing. ``trace_file``: every finished span as one JSON line (Glassbox addition)."""
+    """Tracing and request logging.
+
+    ``trace_file``: every finished span as one JSON line (Glassbox addition).
+    ``enable_log_requests``: the API server logs one line per request (id, prompt, params),
+    with prompts cut to ``max_log_len`` characters / token ids (None: whole). vLLM keeps
+    these two among its frontend arguments; here they travel in the config so the API
+    server's ``AsyncLLM`` sees them.
+    """
 
     otlp_traces_endpoint: str | None = None
     trace_file: str | None = None
+    enable_log_requests: bool = False
+    max_log_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_log_len is not None and (
+            not isinstance(self.max_log_len, int)
+            or isinstance(self.max_log_len, bool)
+            or self.max_log_len < 0
+        ):
+            raise ConfigError("--max-log-len", self.max_log_len, "must be an integer >= 0")
 
 
 @dataclass
@@ -340,6 +566,15 @@ class EngineConfig:
         else:
             self.scheduler_config.max_model_len = max_len
             self.scheduler_config.__post_init__()
+        # Checked here, in the first process, so it fails before anything is spawned (the
+        # engine core checks it again where the cache is sized).
+        override = self.cache_config.num_gpu_blocks_override
+        if override is not None and max_len is not None:
+            needed = -(-max_len // self.cache_config.block_size) + 1
+            if override < needed:
+                raise ConfigError(
+                    "--num-gpu-blocks-override", override, too_few_blocks_reason(max_len, needed)
+                )
         tp = self.parallel_config.tensor_parallel_size
         if self.model_config.num_attention_heads % tp:
             raise ConfigError(
@@ -347,4 +582,38 @@ class EngineConfig:
                 tp,
                 f"must divide the number of attention heads ({self.model_config.num_attention_heads})",
             )
+        self._check_fixed_kv_budget()
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    def _check_fixed_kv_budget(self) -> None:
+        """Refuse, before anything is spawned, a fixed KV budget too small for one request.
+
+        A fixed budget is ``--kv-cache-memory-bytes``, or ``GLASSBOX_CPU_KVCACHE_SPACE`` with
+        ``--device cpu``; the page size follows from ``config.json`` and the dtype alone. A
+        budget measured on the device (CUDA profiling) is checked by the engine core, which
+        raises the same ``ConfigError``.
+        """
+        cache = self.cache_config
+        if cache.num_gpu_blocks_override is not None:
+            return  # the override decides the block count; checked above
+        if cache.kv_cache_memory_bytes:
+            available = cache.kv_cache_memory_bytes
+        elif self.device_config.device == "cpu":
+            from engine import envs
+
+            available = int(envs.GLASSBOX_CPU_KVCACHE_SPACE * (1 << 30))
+        else:
+            return
+        from engine.kv_cache.kv_cache_interface import FullAttentionSpec
+        from engine.kv_cache.kv_cache_planning import check_enough_kv_cache_memory
+
+        model = self.model_config
+        dtype = model.checkpoint_dtype if model.dtype == "auto" else model.dtype
+        spec = FullAttentionSpec(
+            block_size=cache.block_size,
+            num_kv_heads=max(model.num_key_value_heads // self.parallel_config.tensor_parallel_size, 1),
+            head_size=model.head_dim,
+            dtype_size=4 if dtype in ("float32", "float") else 2,
+            num_layers=model.num_hidden_layers,
+        )
+        check_enough_kv_cache_memory(self, spec, available)

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from engine.config import (
     BLOCK_SIZES,
+    DEFAULT_MAX_LOGPROBS,
     DEFAULT_MODEL,
     DEVICES,
     DTYPES,
@@ -28,10 +30,188 @@ from engine.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from engine.logger import init_logger
+
+logger = init_logger(__name__)
 
 # vLLM's CPU defaults for the offline LLM class (FACTS §2.3), scaled by world size 1.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"llm": 4096, "serve": 2048}
 DEFAULT_MAX_NUM_SEQS = {"llm": 256, "serve": 128}
+
+
+@dataclass(frozen=True)
+class VllmFlag:
+    """A ``vllm serve`` flag Glassbox knows but does not implement.
+
+    ``takes_value``: the flag is followed by a value. ``allowed``: values that are accepted
+    because they ask for nothing Glassbox lacks (e.g. ``--api-server-count 1``).
+    ``serving``: a flag of ``vllm serve``'s HTTP frontend (not of the engine).
+    """
+
+    names: tuple[str, ...]
+    takes_value: bool
+    reason: str
+    allowed: tuple[str, ...] = ()
+    serving: bool = False
+
+
+# Flags a vLLM user may pass by habit that change nothing here: accepted, with a note.
+# (--trust-remote-code is accepted too, as an EngineArgs field, so LLM(trust_remote_code=True) works.)
+IGNORED_VLLM_FLAGS: tuple[VllmFlag, ...] = (
+    VllmFlag(("--download-dir",), True, "models are local directories; nothing is ever downloaded"),
+    VllmFlag(("--disable-log-stats",), False, "no periodic stats lines are logged; GET /metrics has them"),
+    VllmFlag(("--disable-custom-all-reduce",), False, "one worker: there is no all-reduce"),
+)
+
+# vLLM flags Glassbox refuses: one line naming the flag, exit status 2.
+REFUSED_VLLM_FLAGS: tuple[VllmFlag, ...] = (
+    VllmFlag(
+        ("--quantization", "-q"),
+        True,
+        "quantized checkpoints are left out; use a float16/bfloat16/float32 one",
+    ),
+    VllmFlag(
+        ("--swap-space",),
+        True,
+        "preempted requests are recomputed, never swapped to CPU memory (as in vLLM V1)",
+    ),
+    VllmFlag(("--cpu-offload-gb",), True, "weights are never offloaded"),
+    VllmFlag(("--speculative-config",), True, "speculative decoding is left out"),
+    VllmFlag(("--enable-lora",), False, "LoRA adapters are left out"),
+    VllmFlag(("--max-loras",), True, "LoRA adapters are left out"),
+    VllmFlag(("--max-lora-rank",), True, "LoRA adapters are left out"),
+    VllmFlag(("--lora-modules",), True, "LoRA adapters are left out", serving=True),
+    VllmFlag(("--enable-expert-parallel", "-ep"), False, "mixture-of-experts models are left out"),
+    VllmFlag(("--kv-transfer-config",), True, "disaggregated prefill (KV transfer) is left out"),
+    VllmFlag(("--enable-sleep-mode",), False, "sleep mode is left out"),
+    VllmFlag(
+        ("--compilation-config", "-O"), True, "torch.compile is opt-in through GLASSBOX_TORCH_COMPILE=1"
+    ),
+    VllmFlag(("--hf-overrides",), True, "config.json is read as it is"),
+    VllmFlag(("--rope-scaling",), True, "config.json is read as it is"),
+    VllmFlag(("--revision",), True, "models are local directories: there is no revision to pick"),
+    VllmFlag(("--tokenizer-revision",), True, "models are local directories: there is no revision to pick"),
+    VllmFlag(("--code-revision",), True, "no remote code is ever run"),
+    VllmFlag(("--runner",), True, "only text generation is implemented", allowed=("auto", "generate")),
+    VllmFlag(("--task",), True, "only text generation is implemented", allowed=("auto", "generate")),
+    VllmFlag(("--limit-mm-per-prompt",), True, "multimodal inputs are left out"),
+    VllmFlag(("--enable-prompt-embeds",), False, "prompt embeddings are left out"),
+    VllmFlag(("--structured-outputs-config",), True, "structured outputs are left out"),
+    VllmFlag(("--guided-decoding-backend",), True, "structured outputs are left out"),
+    VllmFlag(("--reasoning-parser",), True, "reasoning parsers are left out", serving=True),
+    VllmFlag(("--enable-auto-tool-choice",), False, "tool calling is left out", serving=True),
+    VllmFlag(("--tool-call-parser",), True, "tool calling is left out", serving=True),
+    VllmFlag(("--ssl-keyfile",), True, "HTTPS is left out; put a TLS proxy in front", serving=True),
+    VllmFlag(("--ssl-certfile",), True, "HTTPS is left out; put a TLS proxy in front", serving=True),
+    VllmFlag(("--uds",), True, "the server listens on TCP only", serving=True),
+    VllmFlag(("--headless",), False, "multi-node data parallelism is left out", serving=True),
+    VllmFlag(
+        ("--api-server-count", "-asc"),
+        True,
+        "one API server process in this version",
+        allowed=("1",),
+        serving=True,
+    ),
+)
+
+
+class _IgnoredFlagAction(argparse.Action):
+    """Consume an accepted-but-ignored vLLM flag (and its value) and log why it changes nothing."""
+
+    def __init__(self, option_strings, dest, reason: str = "", **kwargs) -> None:
+        self.reason = reason
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, True if values is None or values == [] else values)
+        logger.info("%s is accepted for vLLM compatibility and ignored: %s", option_string, self.reason)
+
+
+class _RefusedFlagAction(argparse.Action):
+    """A vLLM flag Glassbox does not implement: one line naming it, exit status 2."""
+
+    def __init__(self, option_strings, dest, flag: VllmFlag | None = None, **kwargs) -> None:
+        self.flag = flag
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        assert self.flag is not None
+        if self.flag.allowed and values in self.flag.allowed:
+            return  # asks for nothing Glassbox lacks
+        given = option_string if values in (None, []) else f"{option_string} {values}"
+        allowed = f"; only {', '.join(self.flag.allowed)} is accepted" if self.flag.allowed else ""
+        parser.error(f"{given}: Glassbox does not support this vLLM flag ({self.flag.reason}{allowed})")
+
+
+def add_vllm_compat_flags(parser: argparse.ArgumentParser, serving: bool) -> None:
+    """Register the accepted-but-ignored and the refused vLLM flags on ``parser``.
+
+    The refused ones are hidden from ``--help`` (docs/configuration.md lists them); passing
+    one exits with status 2 and a line that names it, instead of argparse's "unrecognized
+    arguments". ``serving``: also the flags of ``vllm serve``'s HTTP frontend.
+    """
+    g = parser.add_argument_group("Accepted for vLLM compatibility (no effect)")
+    for flag in IGNORED_VLLM_FLAGS:
+        if flag.serving and not serving:
+            continue
+        g.add_argument(
+            *flag.names,
+            action=_IgnoredFlagAction,
+            reason=flag.reason,
+            nargs=None if flag.takes_value else 0,
+            default=None,
+            help=f"Ignored: {flag.reason}.",
+        )
+    for flag in REFUSED_VLLM_FLAGS:
+        if flag.serving and not serving:
+            continue
+        parser.add_argument(
+            *flag.names,
+            action=_RefusedFlagAction,
+            flag=flag,
+            nargs="?" if flag.takes_value else 0,
+            default=None,
+            dest=f"_refused_{flag.names[0].lstrip('-').replace('-', '_')}",
+            help=argparse.SUPPRESS,
+        )
+
+
+def drop_vllm_compat_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``LLM(**kwargs)``'s twin of ``add_vllm_compat_flags``: the same vLLM flags as keywords.
+
+    Returns ``kwargs`` without the accepted-but-ignored ones (each logs a note) and without
+    harmless values of refused ones (``task="generate"``).
+
+    Raises:
+        ConfigError: a refused flag (``quantization="awq"``); the message names the flag.
+    """
+    from engine.config import ConfigError
+
+    kept = dict(kwargs)
+    for flag in IGNORED_VLLM_FLAGS + REFUSED_VLLM_FLAGS:
+        key = flag.names[0].lstrip("-").replace("-", "_")
+        if key not in kept:
+            continue
+        value = kept.pop(key)
+        if flag in IGNORED_VLLM_FLAGS:
+            logger.info("%s is accepted for vLLM compatibility and ignored: %s", key, flag.reason)
+        elif not (flag.allowed and str(value) in flag.allowed):
+            raise ConfigError(
+                flag.names[0], value, f"Glassbox does not support this vLLM flag: {flag.reason}"
+            )
+    return kept
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(
+            f"not JSON ({e}); give an object, e.g. '{{\"temperature\": 0.5}}'"
+        ) from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"temperature\": 0.5}'")
+    return value
 
 
 @dataclass
@@ -44,11 +224,18 @@ class EngineArgs:
     seed: int = 0
     max_model_len: int | None = None
     served_model_name: str | None = None
+    trust_remote_code: bool = False
+    tokenizer_mode: str = "auto"
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] | None = None
+    chat_template: str | None = None
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
@@ -63,10 +250,18 @@ class EngineArgs:
     load_format: str = "safetensors"
     otlp_traces_endpoint: str | None = None
     trace_file: str | None = None
+    enable_log_requests: bool = False
+    max_log_len: int | None = None
 
     @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        """Add the engine flags (vLLM's names) to ``parser``, grouped by sub-config."""
+    def add_cli_args(parser: argparse.ArgumentParser, serving: bool = False) -> argparse.ArgumentParser:
+        """Add the engine flags (vLLM's names) to ``parser``, grouped by sub-config.
+
+        ``serving``: also the flags of ``vllm serve``'s frontend that live in the config here
+        (``--enable-log-requests``, ``--max-log-len``). Every known vLLM flag Glassbox does
+        not implement is registered too: accepted-and-ignored ones log a note, refused ones
+        exit with status 2 naming the flag (``add_vllm_compat_flags``).
+        """
         d = EngineArgs()
         g = parser.add_argument_group("ModelConfig")
         g.add_argument(
@@ -100,6 +295,37 @@ class EngineArgs:
             action="store_true",
             help="Never use torch.compile (it is opt-in anyway: GLASSBOX_TORCH_COMPILE=1).",
         )
+        g.add_argument(
+            "--trust-remote-code",
+            action="store_true",
+            help="Accepted for vLLM compatibility: no code from a model directory is ever run.",
+        )
+        g.add_argument(
+            "--tokenizer-mode",
+            default=d.tokenizer_mode,
+            help="auto or hf: both load the fast tokenizer (tokenizer.json), the only kind Glassbox "
+            "reads; slow, mistral and custom are refused.",
+        )
+        g.add_argument(
+            "--max-logprobs",
+            type=int,
+            default=d.max_logprobs,
+            help="Most logprobs / prompt_logprobs a request may ask for per token (-1 = no cap).",
+        )
+        g.add_argument(
+            "--generation-config",
+            default=d.generation_config,
+            help="Where the sampling params a request leaves unset come from: auto = the model's "
+            "generation_config.json (temperature, top_p, top_k, min_p, the penalties, max_new_tokens; "
+            "do_sample is ignored), vllm = vLLM's built-in values, or a directory holding a "
+            "generation_config.json.",
+        )
+        g.add_argument(
+            "--override-generation-config",
+            type=_json_object,
+            default=None,
+            help="JSON object of default sampling params laid over the generation config, e.g. '{\"temperature\": 0.5}'.",
+        )
         g = parser.add_argument_group("CacheConfig")
         g.add_argument(
             "--block-size",
@@ -131,6 +357,11 @@ class EngineArgs:
             action=argparse.BooleanOptionalAction,
             default=d.enable_prefix_caching,
             help="Reuse KV blocks of shared prompt prefixes.",
+        )
+        g.add_argument(
+            "--kv-cache-dtype",
+            default=d.kv_cache_dtype,
+            help="Only auto (the model's dtype) is supported; fp8 KV caches are refused.",
         )
         g = parser.add_argument_group("SchedulerConfig")
         g.add_argument(
@@ -205,6 +436,34 @@ class EngineArgs:
             default=None,
             help="Write every finished span as a JSON line to this file (or GLASSBOX_TRACE_FILE).",
         )
+        if serving:
+            g.add_argument(
+                "--enable-log-requests",
+                action=argparse.BooleanOptionalAction,
+                default=d.enable_log_requests,
+                help="Log one line per request: its id, prompt and sampling params.",
+            )
+            g.add_argument(
+                "--disable-log-requests",
+                dest="enable_log_requests",
+                action="store_const",
+                const=False,
+                help="vLLM's deprecated spelling of --no-enable-log-requests.",
+            )
+            g.add_argument(
+                "--max-log-len",
+                type=int,
+                default=None,
+                help="Cut logged prompts to this many characters or token ids (default: whole).",
+            )
+        g = parser.add_argument_group("Frontend")
+        g.add_argument(
+            "--chat-template",
+            default=None,
+            help="Chat template for chat requests (and LLM.chat), replacing the tokenizer's: a file "
+            "path, or the Jinja template itself (default: the tokenizer's).",
+        )
+        add_vllm_compat_flags(parser, serving)
         return parser
 
     @classmethod
@@ -233,6 +492,12 @@ class EngineArgs:
             max_model_len=self.max_model_len,
             enforce_eager=self.enforce_eager,
             served_model_name=self.served_model_name,
+            trust_remote_code=self.trust_remote_code,
+            tokenizer_mode=self.tokenizer_mode,
+            max_logprobs=self.max_logprobs,
+            generation_config_source=self.generation_config,
+            override_generation_config=self.override_generation_config,
+            chat_template=self.chat_template,
         )
         cache_config = CacheConfig(
             block_size=self.block_size,
@@ -240,6 +505,7 @@ class EngineArgs:
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             enable_prefix_caching=self.enable_prefix_caching,
+            cache_dtype=self.kv_cache_dtype,
         )
         parallel_config = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
@@ -274,5 +540,7 @@ class EngineArgs:
             observability_config=ObservabilityConfig(
                 otlp_traces_endpoint=self.otlp_traces_endpoint,
                 trace_file=self.trace_file or envs.GLASSBOX_TRACE_FILE,
+                enable_log_requests=self.enable_log_requests,
+                max_log_len=self.max_log_len,
             ),
         )

@@ -64,7 +64,8 @@ ENV_VARS: dict[str, EnvVar] = {
             "GLASSBOX_RUN_DIR_BASE",
             str,
             None,
-            "Where run directories are created (default: $XDG_RUNTIME_DIR, else the temp dir).",
+            "Where run directories are created (default: $XDG_RUNTIME_DIR, else /dev/shm, else the "
+            "temp dir).",
         ),
         EnvVar(
             "GLASSBOX_ENABLE_MULTIPROCESSING",

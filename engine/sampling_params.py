@@ -22,7 +22,8 @@ SAMPLING_EPS = 1e-5
 MAX_INT32 = 2**31 - 1
 # Most completions per request (OpenAI's limit): each is a request in the engine.
 MAX_N = 128
-# Most top logprobs per token (vLLM's default --max-logprobs).
+# vLLM's default --max-logprobs. The limit a request meets is the engine's
+# ``ModelConfig.max_logprobs`` (checked by the input processor), not this constant.
 MAX_LOGPROBS = 20
 
 
@@ -143,10 +144,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             raise bad("min_tokens", self.min_tokens, "greater than or equal to 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", self.min_tokens, f"less than or equal to max_tokens={self.max_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise bad("logprobs", self.logprobs, f"between 0 and {MAX_LOGPROBS}")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
-            raise bad("prompt_logprobs", self.prompt_logprobs, f"between 0 and {MAX_LOGPROBS}")
+        # The upper bound is the engine's --max-logprobs, checked by the input processor.
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_INT32:
+            raise bad("logprobs", self.logprobs, "a non-negative integer")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_INT32:
+            raise bad("prompt_logprobs", self.prompt_logprobs, "a non-negative integer")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", self.stop, "a list of non-empty strings")
         if any(
@@ -182,17 +184,16 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         self.all_stop_token_ids = merged
 
     @classmethod
-    def from_generation_config(cls, generation_config: dict[str, Any], **overrides: Any) -> SamplingParams:
-        """vLLM's defaults, then the model's ``generation_config.json`` values, then ``overrides``.
+    def from_defaults(cls, defaults: dict[str, Any], **overrides: Any) -> SamplingParams:
+        """vLLM's defaults, then ``defaults`` (the model's, from
+        ``ModelConfig.get_diff_sampling_param()``), then ``overrides``.
 
-        vLLM: ``ModelConfig.get_diff_sampling_param`` feeding ``LLM.get_default_sampling_params``.
+        vLLM: ``SamplingParams.from_optional(**diff)`` in ``LLM.get_default_sampling_params``.
+        ``do_sample`` in ``generation_config.json`` is ignored, as vLLM ignores it: a model
+        whose file says ``do_sample: false`` still samples at temperature 1.0 unless a
+        temperature is given.
         """
-        keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-        values = {k: generation_config[k] for k in keys if generation_config.get(k) is not None}
-        if generation_config.get("do_sample") is False:
-            values["temperature"] = 0.0
-        values.update(overrides)
-        return cls(**values)
+        return cls(**{**defaults, **overrides})
 
     def clone(self) -> SamplingParams:
         """A deep copy (used to fan out ``n`` child requests)."""

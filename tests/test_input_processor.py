@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -136,6 +137,40 @@ def test_config_eos_stops_when_tokenizer_eos_differs(tmp_path):
 def test_stop_strings_need_detokenize(processor):
     with pytest.raises(ValueError, match="detokenize"):
         processor.process_inputs("a", "Hello", SamplingParams(stop=["x"], detokenize=False))
+
+
+@pytest.mark.parametrize("bad", [VOCAB_SIZE, VOCAB_SIZE + 1000])
+def test_out_of_vocabulary_stop_token_id_rejected(processor, bad):
+    # The message starts with the field's name: the API server names it in ``param``.
+    with pytest.raises(
+        ValueError, match=rf"^stop_token_ids holds token id {bad}, which is out of vocabulary"
+    ):
+        processor.process_inputs("a", "Hello", SamplingParams(stop_token_ids=[3, bad]))
+
+
+def test_stop_string_that_is_not_unicode_rejected(processor):
+    # A lone surrogate (JSON can carry one) could not cross to the engine core as UTF-8.
+    with pytest.raises(ValueError, match=r"^stop strings must be valid Unicode text"):
+        processor.process_inputs("a", "Hello", SamplingParams(stop=["ok", "x\ud800"]))
+
+
+def test_tokenizer_length_limit_is_the_engines(tmp_path):
+    # A checkpoint's model_max_length would only make transformers warn, for each long
+    # prompt, that it "will result in indexing errors": lengths are ours to check.
+    tok_dir = build_tokenizer_dir(tmp_path)
+    config = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 16}))
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    transformers_logger = logging.getLogger("transformers")
+    transformers_logger.addHandler(handler)
+    try:
+        tokenizer = get_tokenizer(str(tok_dir))
+        assert len(tokenizer.encode("Hello world " * 50)) > 16
+    finally:
+        transformers_logger.removeHandler(handler)
+    assert [r.getMessage() for r in records if r.levelno >= logging.WARNING] == []
 
 
 def test_get_tokenizer_errors_name_the_path(tmp_path):

@@ -23,6 +23,8 @@ import os
 import sys
 from pathlib import Path
 
+from engine.cli.help_formatter import DefaultsHelpFormatter
+
 DESCRIPTION = """Benchmark a running OpenAI-compatible server the way `vllm bench serve` does: send
 --num-prompts random prompts as streaming completions, at --request-rate (Poisson arrivals;
 inf = all at once) with at most --max-concurrency in flight, and report request and token
@@ -30,11 +32,21 @@ throughput with TTFT, TPOT and ITL (mean, median, p99)."""
 
 
 def add_subparser(sub: argparse._SubParsersAction) -> None:
-    bench = sub.add_parser("bench", help="Benchmark a running server.", description="Benchmarks.")
+    bench = sub.add_parser(
+        "bench",
+        help="Benchmark a running server.",
+        description="Benchmarks.",
+        formatter_class=DefaultsHelpFormatter,
+    )
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH_COMMAND", parser_class=type(bench))
     bench.set_defaults(func=lambda args, parser: _help(parser))
 
-    p = bench_sub.add_parser("serve", help="Load-test an OpenAI-compatible server.", description=DESCRIPTION)
+    p = bench_sub.add_parser(
+        "serve",
+        help="Load-test an OpenAI-compatible server.",
+        description=DESCRIPTION,
+        formatter_class=DefaultsHelpFormatter,
+    )
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="Server URL (default %(default)s).")
     p.add_argument("--endpoint", default="/v1/completions", help="API route (default %(default)s).")
     p.add_argument("--model", default=None, help="Model name to send (default: the first of GET /v1/models).")

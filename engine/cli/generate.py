@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from engine.cli.help_formatter import DefaultsHelpFormatter
 from engine.engine_args import EngineArgs
 
 DESCRIPTION = """Generate completions for PROMPT(s) with the offline engine (the same scheduler,
@@ -13,7 +14,12 @@ unless --model is given. Its weights are random, so expect fluent-looking nonsen
 
 
 def add_subparser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="Generate text offline from prompts.", description=DESCRIPTION)
+    p = sub.add_parser(
+        "generate",
+        help="Generate text offline from prompts.",
+        description=DESCRIPTION,
+        formatter_class=DefaultsHelpFormatter,
+    )
     p.add_argument("prompts", nargs="*", metavar="PROMPT", help="Prompt text (several allowed).")
     p.add_argument("--prompts-file", help="Read more prompts from this file, one per line.")
     p.add_argument(
@@ -67,8 +73,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
                     "seed": args.sampling_seed}  # fmt: skip
         try:
-            params = SamplingParams.from_generation_config(
-                config.model_config.generation_config,
+            params = SamplingParams.from_defaults(
+                config.model_config.get_diff_sampling_param(),
                 max_tokens=args.max_tokens,
                 n=args.n,
                 stop=args.stop,
@@ -93,7 +99,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 outputs = llm.generate(prompts, params, use_tqdm=_progress(len(prompts)))
         except ValueError as e:
             parser.error(str(e))
-    _print_outputs(prompts, outputs)
+    _print_outputs(prompts, outputs, chat=args.chat)
     return 0
 
 
@@ -119,15 +125,22 @@ def _progress(total: int):
     return update
 
 
-def _print_outputs(prompts: list[str], outputs) -> None:
+def _print_outputs(prompts: list[str], outputs, chat: bool = False) -> None:
+    """A completion continues its prompt, so it is printed glued to it (prompt in bold);
+    a chat reply is not a continuation, so both turns are labelled on their own lines."""
     from rich.console import Console
     from rich.markup import escape
 
     console = Console(file=sys.stdout, highlight=False, soft_wrap=True)
     for prompt, out in zip(prompts, outputs):
+        if chat:
+            console.print(f"[bold]user:[/bold] {escape(prompt)}")
         for completion in out.outputs:
             tag = f" [{completion.index}]" if len(out.outputs) > 1 else ""
-            console.print(f"[bold]{escape(prompt)}[/bold]{tag}[cyan]{escape(completion.text)}[/cyan]")
+            if chat:
+                console.print(f"[bold]assistant{tag}:[/bold] [cyan]{escape(completion.text)}[/cyan]")
+            else:
+                console.print(f"[bold]{escape(prompt)}[/bold]{tag}[cyan]{escape(completion.text)}[/cyan]")
             console.print(
                 f"[dim]({len(completion.token_ids)} tokens, finish_reason={completion.finish_reason})[/dim]"
             )

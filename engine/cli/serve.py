@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from engine.cli.help_formatter import DefaultsHelpFormatter
 from engine.engine_args import EngineArgs
 
 DESCRIPTION = """Serve a model over an OpenAI-compatible HTTP API (/v1/completions,
@@ -18,10 +19,20 @@ DESCRIPTION = """Serve a model over an OpenAI-compatible HTTP API (/v1/completio
 one: HTTP, tokenization, streaming), glassbox::EngineCore_DP0 (scheduler, KV cache) and
 glassbox::Worker_DP0_PP0_TP0 (the model). Uses the bundled tiny model unless MODEL is given."""
 
+EXIT_STATUS = """exit status:
+  0    stopped by SIGTERM, or by Ctrl-C once serving (the whole tree stopped cleanly)
+  1    the engine died (the root cause is printed last)
+  2    a bad flag or setting, found before or during start-up (one line naming the flag)
+  130  interrupted by Ctrl-C during start-up"""
+
 
 def add_subparser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "serve", help="Serve a model over an OpenAI-compatible HTTP API.", description=DESCRIPTION
+        "serve",
+        help="Serve a model over an OpenAI-compatible HTTP API.",
+        description=DESCRIPTION,
+        epilog=EXIT_STATUS,
+        formatter_class=DefaultsHelpFormatter,
     )
     p.add_argument(
         "model_tag", nargs="?", default=None, metavar="MODEL", help="Model directory (or use --model)."
@@ -50,7 +61,7 @@ def add_subparser(sub: argparse._SubParsersAction) -> None:
         default="info",
         choices=("critical", "error", "warning", "info", "debug", "trace"),
     )
-    EngineArgs.add_cli_args(p)
+    EngineArgs.add_cli_args(p, serving=True)
     p.set_defaults(func=run)
 
 

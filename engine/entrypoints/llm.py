@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from engine import envs
-from engine.engine_args import EngineArgs
+from engine.engine_args import EngineArgs, drop_vllm_compat_kwargs
 from engine.frontend.core_client import EngineCoreClient
 from engine.frontend.input_processor import InputProcessor
 from engine.frontend.output_processor import OutputProcessor, ParentRequest
@@ -46,7 +46,10 @@ class LLM:
     Args:
         model: local Hugging Face model directory (default: the bundled tiny model).
         **kwargs: any ``EngineArgs`` field, by its Python name (``max_model_len=512``,
-            ``num_gpu_blocks_override=64``, ``enable_prefix_caching=False``, ...).
+            ``num_gpu_blocks_override=64``, ``enable_prefix_caching=False``,
+            ``generation_config="vllm"``, ``chat_template=...``, ...). vLLM keywords for
+            what Glassbox leaves out (``quantization=...``) raise ``ConfigError``; a few
+            that change nothing (``download_dir=...``) are accepted with a logged note.
 
     Raises:
         ConfigError (a ValueError): a bad argument; the message names the flag.
@@ -56,7 +59,7 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         if model is not None:
             kwargs["model"] = model
-        engine_args = EngineArgs(**kwargs)
+        engine_args = EngineArgs(**drop_vllm_compat_kwargs(kwargs))
         self.config = engine_args.create_engine_config(usage_context="llm")
         self.run_dir = run_dirs.create_run_dir()
         self._closed = False
@@ -79,6 +82,8 @@ class LLM:
                     self.run_dir, **run_dirs.plan_tree(self.config, multiprocess, frontend_role="LLM")
                 )
                 self.tokenizer = get_tokenizer(self.config.model_config.tokenizer)
+                if self.config.model_config.chat_template is not None:  # --chat-template / chat_template=
+                    self.tokenizer.chat_template = self.config.model_config.chat_template
                 self.input_processor = InputProcessor(self.config.model_config, self.tokenizer)
                 self.output_processor = OutputProcessor(self.tokenizer, log_stats=False)
                 self.engine_core = EngineCoreClient.make_client(self.config, self.run_dir, multiprocess)
@@ -89,12 +94,16 @@ class LLM:
         # garbage-collected, or at interpreter exit — whichever comes first.
         self._finalizer = weakref.finalize(self, _shutdown_engine, self.engine_core, self.run_dir)
         self.request_counter = itertools.count()
+        # Logs, once, the sampling defaults taken from the model's generation_config.json.
+        self.config.model_config.get_diff_sampling_param()
 
     # ----------------------------------------------------------------- public API
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """vLLM's defaults, overridden by the model's ``generation_config.json`` values."""
-        return SamplingParams.from_generation_config(self.config.model_config.generation_config)
+        """vLLM's defaults, overridden by the model's: the sampling fields of its
+        ``generation_config.json`` (``max_new_tokens`` → ``max_tokens``; ``do_sample`` is
+        ignored, as in vLLM), per ``generation_config=`` ("auto", "vllm" or a directory)."""
+        return SamplingParams.from_defaults(self.config.model_config.get_diff_sampling_param())
 
     def generate(
         self,
@@ -142,7 +151,10 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
-        """Render each conversation with the tokenizer's chat template, then ``generate``.
+        """Render each conversation with the chat template, then ``generate``.
+
+        The template is ``chat_template`` when given, else the engine's ``chat_template=``
+        (``--chat-template``), else the tokenizer's.
 
         ``messages`` is one conversation (``[{"role": "user", "content": "hi"}]``) or a
         list of them.

@@ -23,6 +23,8 @@ from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from engine.config import EngineConfig
 from engine.frontend.core_client import AsyncMPClient
 from engine.frontend.input_processor import InputProcessor
@@ -48,6 +50,9 @@ class AsyncLLM:
         self.config = config
         self.model_config = config.model_config
         self.tokenizer = get_tokenizer(config.model_config.tokenizer)
+        if config.model_config.chat_template is not None:  # --chat-template replaces the tokenizer's
+            self.tokenizer.chat_template = config.model_config.chat_template
+        self.log_requests = config.observability_config.enable_log_requests
         self.input_processor = InputProcessor(config.model_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=False)
         self.engine_core = AsyncMPClient(config, run_dir)
@@ -66,7 +71,9 @@ class AsyncLLM:
         return f"{prefix}-{next(self.request_ids)}-{int(time.time() * 1000) % 10**8}"
 
     def get_default_sampling_params(self) -> SamplingParams:
-        return SamplingParams.from_generation_config(self.model_config.generation_config)
+        """vLLM's defaults, overridden by the model's (``ModelConfig.get_diff_sampling_param``:
+        ``--generation-config``). The API server fills a request's unset fields from these."""
+        return SamplingParams.from_defaults(self.model_config.get_diff_sampling_param())
 
     # ------------------------------------------------------------------ requests
 
@@ -111,6 +118,8 @@ class AsyncLLM:
             if isinstance(prompt, str)
             else (prompt.get("prompt") if isinstance(prompt, dict) else None)
         )
+        if self.log_requests:
+            self._log_request(request_id, text, requests[0][0].prompt_token_ids, sampling_params)
         finished = False
         try:
             for req, parent, index in requests:
@@ -129,6 +138,27 @@ class AsyncLLM:
             if not finished:
                 # Shielded: a cancelled HTTP handler must still get its abort through.
                 await asyncio.shield(self.abort(request_id))
+
+    def _log_request(
+        self, request_id: str, text: str | None, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        """``--enable-log-requests``: one line per request (vLLM's ``RequestLogger``), with the
+        prompt cut to ``--max-log-len`` characters / token ids. Params show only the fields
+        that differ from ``SamplingParams()``'s defaults."""
+        limit = self.config.observability_config.max_log_len
+        ids = prompt_token_ids if limit is None else prompt_token_ids[:limit]
+        if text is None:  # token ids only (chat prompts, rendered by the server): show them as text
+            text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        if limit is not None:
+            text = text[:limit]
+        logger.info(
+            "Received request %s: prompt: %r, prompt_token_ids: %s (%d tokens), params: %s",
+            request_id,
+            text,
+            ids,
+            len(prompt_token_ids),
+            msgspec.json.encode(params).decode(),
+        )
 
     async def abort(self, request_id: str) -> None:
         """Stop a request (or a parent and all its children) and free its KV blocks."""

@@ -7,12 +7,15 @@ it. The checks and messages follow vLLM's ``_validate_model_input``.
 
 What it does, in order: tokenize a text prompt (with the tokenizer's special tokens, so a
 BOS is added when the tokenizer adds one); reject an empty prompt, out-of-vocabulary ids
-and a prompt longer than ``max_model_len``; copy the params and fill in what the engine
+and a prompt longer than ``max_model_len``; reject ``stop_token_ids`` outside the vocabulary
+and stop strings that are not valid Unicode; copy the params and fill in what the engine
 needs: ``max_tokens`` (up to ``max_model_len``) and the model's extra EOS ids from
 ``generation_config.json``.
 
+``logprobs`` / ``prompt_logprobs`` above ``--max-logprobs`` are refused here too.
+
 Left out: multimodal inputs, encoder-decoder prompts, LoRA, structured outputs,
-``max_logprobs`` limits, ``n`` fan-out (done by the caller with ``ParentRequest``).
+``n`` fan-out (done by the caller with ``ParentRequest``).
 """
 
 from __future__ import annotations
@@ -81,13 +84,14 @@ class InputProcessor:
 
         Raises:
             ValueError: the prompt is not one of the three shapes, is empty, holds a token
-                id outside ``[0, vocab_size)``, or is longer than ``max_model_len``; or
-                ``stop`` strings are asked for with ``detokenize=False``.
+                id outside ``[0, vocab_size)``, or is longer than ``max_model_len``;
+                ``stop`` strings are asked for with ``detokenize=False`` or are not valid
+                Unicode (a lone surrogate); a ``stop_token_ids`` id is outside the vocabulary.
         """
         prompt_token_ids = self._tokenize(prompt, tokenization_kwargs or {})
         self._validate_prompt(prompt_token_ids)
-        if params.stop and not params.detokenize:
-            raise ValueError("stop strings need detokenized text: set detokenize=True or drop stop")
+        self._validate_params(params)
+        self._validate_logprobs(params)
 
         params = params.clone()
         if params.max_tokens is None:
@@ -122,6 +126,39 @@ class InputProcessor:
             'a prompt must be a string, {"prompt": str} or {"prompt_token_ids": [int, ...]}, '
             f"got {type(prompt).__name__}"
         )
+
+    def _validate_params(self, params: SamplingParams) -> None:
+        """What ``SamplingParams`` cannot check alone: it knows neither the vocabulary nor
+        that its strings must cross to the engine core as UTF-8. Messages start with the
+        field's name (the API server turns that into the error's ``param``)."""
+        if params.stop and not params.detokenize:
+            raise ValueError("stop strings need detokenized text: set detokenize=True or drop stop")
+        for stop_str in params.stop or ():
+            try:
+                stop_str.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(
+                    f"stop strings must be valid Unicode text: {stop_str!r} holds a lone surrogate "
+                    f"at position {e.start}"
+                ) from None
+        vocab_size = self.model_config.vocab_size
+        for token_id in params.stop_token_ids or ():
+            if not 0 <= token_id < vocab_size:
+                raise ValueError(
+                    f"stop_token_ids holds token id {token_id!r}, which is out of vocabulary "
+                    f"(vocab_size={vocab_size})"
+                )
+
+    def _validate_logprobs(self, params: SamplingParams) -> None:
+        """vLLM's rule: at most ``--max-logprobs`` alternatives per token (-1: the vocabulary).
+        Raises ``ValueError`` starting with the field's name."""
+        limit = self.model_config.max_logprobs
+        if limit == -1:
+            limit = self.model_config.vocab_size
+        for field in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, field)
+            if value is not None and value > limit:
+                raise ValueError(f"{field} must be between 0 and {limit} (--max-logprobs), got {value}.")
 
     def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:

@@ -37,7 +37,7 @@ T = TypeVar("T")
 
 # A logprob of -inf cannot be written in JSON; vLLM writes this instead.
 MIN_LOGPROB = -9999.0
-# vLLM's default ``max_logprobs``: more alternatives per token than this is refused.
+# vLLM's default ``max_logprobs``; the limit applied is the server's --max-logprobs.
 MAX_LOGPROBS = 20
 # The W3C trace-context headers that follow a request into the engine.
 TRACE_HEADERS = ("traceparent", "tracestate")
@@ -50,6 +50,8 @@ ERROR_TYPES = {
     503: "ServiceUnavailableError",
 }
 _SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
+# Request fields accepted and ignored: not checked (``OpenAIServing.check_fields``).
+UNCHECKED_FIELDS = frozenset({"user"})
 
 
 class OpenAIError(Exception):
@@ -71,7 +73,12 @@ class OpenAIError(Exception):
 
 
 def error_response(status_code: int, message: str, param: str | None = None) -> ErrorResponse:
-    """The OpenAI-shaped error body for ``status_code``."""
+    """The OpenAI-shaped error body for ``status_code``.
+
+    A message that quotes the request (an unknown model name, ...) may hold a lone
+    surrogate, which JSON cannot be written with as UTF-8: it is escaped (``\\ud800``).
+    """
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     err_type = ERROR_TYPES.get(status_code) or HTTPStatus(status_code).phrase.replace(" ", "")
     return ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param, code=status_code))
 
@@ -92,6 +99,29 @@ def bad_request_from_value_error(
     else:
         param = default_param
     return OpenAIError(message, param=param)
+
+
+def check_unicode(value: Any, param: str) -> None:
+    """Raises ``OpenAIError`` (400, ``param``) if any string in ``value`` — itself, list items,
+    dict keys and values, fields of a model — holds a lone surrogate."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise OpenAIError(
+                f"{param} is not valid Unicode text: {value[e.start]!r} (a lone surrogate) at position "
+                f"{e.start} of {value[:40]!r}.",
+                param=param,
+            ) from None
+    elif isinstance(value, BaseModel):
+        check_unicode(value.model_dump(), param)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_unicode(key, param)
+            check_unicode(item, param)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            check_unicode(item, param)
 
 
 def random_uuid() -> str:
@@ -121,6 +151,11 @@ class OpenAIServing:
         self.max_model_len: int = engine.model_config.max_model_len
         self.vocab_size: int = engine.model_config.vocab_size
         self.default_sampling_params = engine.get_default_sampling_params()
+        # --max-logprobs (-1: the whole vocabulary), and the model's max_new_tokens
+        # (--generation-config), which caps max_tokens as in vLLM's get_max_tokens.
+        limit = engine.model_config.max_logprobs
+        self.max_logprobs: int = self.vocab_size if limit == -1 else limit
+        self.default_max_tokens: int | None = engine.model_config.get_diff_sampling_param().get("max_tokens")
 
     # ------------------------------------------------------------------ checks
 
@@ -159,12 +194,15 @@ class OpenAIServing:
         """The output limit for one prompt of ``prompt_len`` tokens.
 
         Returns ``requested`` clamped to the room left (``max_model_len - prompt_len``), or
-        all the room when ``requested`` is None.
+        all the room when ``requested`` is None; the model's ``max_new_tokens``
+        (``--generation-config``), when it sets one, caps both.
 
         Raises:
             OpenAIError: ``requested`` < 1 or > ``max_model_len``.
         """
         room = self.max_model_len - prompt_len
+        if self.default_max_tokens is not None:
+            room = min(room, self.default_max_tokens)
         if requested is None:
             return room
         if requested < 1:
@@ -177,10 +215,30 @@ class OpenAIServing:
             )
         return min(requested, room)
 
-    @staticmethod
-    def check_logprobs(value: int | None, param: str) -> None:
-        if value is not None and not 0 <= value <= MAX_LOGPROBS:
-            raise OpenAIError(f"{param} must be between 0 and {MAX_LOGPROBS}, got {value}.", param=param)
+    def check_fields(self, request: BaseModel) -> None:
+        """Refuse, before any work (and before a stream answers 200), values no later stage
+        could take, naming the field: text that is not valid Unicode anywhere in the request
+        (a lone surrogate such as ``"\\ud800"`` is valid JSON but cannot be UTF-8 encoded),
+        and ``stop_token_ids`` outside the vocabulary.
+
+        Every declared field is checked except ``user``, which is accepted and ignored.
+        """
+        for name in type(request).model_fields:
+            if name not in UNCHECKED_FIELDS:
+                check_unicode(getattr(request, name), name)
+        for token_id in getattr(request, "stop_token_ids", None) or ():
+            if not 0 <= token_id < self.vocab_size:
+                raise OpenAIError(
+                    f"Token id {token_id} in stop_token_ids is out of vocabulary (vocab_size={self.vocab_size}).",
+                    param="stop_token_ids",
+                )
+
+    def check_logprobs(self, value: int | None, param: str) -> None:
+        if value is not None and not 0 <= value <= self.max_logprobs:
+            raise OpenAIError(
+                f"{param} must be between 0 and {self.max_logprobs} (--max-logprobs), got {value}.",
+                param=param,
+            )
 
     @staticmethod
     def check_unsupported(request: Any) -> None:
@@ -209,8 +267,10 @@ class OpenAIServing:
         it is tokenized without adding more.
 
         Raises:
-            OpenAIError: a part that is not text, or a template that refuses the messages.
+            OpenAIError: text that is not valid Unicode, a part that is not text, or a
+                template that refuses the messages (``param`` is ``"messages"``).
         """
+        check_unicode(messages, "messages")
         conversation: list[dict[str, Any]] = []
         for message in messages:
             content = message.content
@@ -235,7 +295,10 @@ class OpenAIServing:
             )
         except ValueError as e:
             raise OpenAIError(str(e), param="messages") from None
-        return text, encode(self.tokenizer, text, add_special_tokens=False)
+        try:
+            return text, encode(self.tokenizer, text, add_special_tokens=False)
+        except ValueError as e:  # only text from the messages can make the rendered text invalid
+            raise OpenAIError(str(e), param="messages") from None
 
     # ------------------------------------------------------------------ helpers
 
