@@ -133,3 +133,72 @@ def test_detokenize_false_keeps_ids_only(tokenizer):
     ids = _encode(tokenizer, "Hello")
     detok.update(ids)
     assert detok.output_text == "" and detok.output_token_ids == ids
+
+
+def _check_offsets(tokenizer, text: str, ids: list[int], offsets: list[int]) -> None:
+    """Each offset is where its token's text starts in ``text``."""
+    assert len(offsets) == len(ids)
+    assert offsets == sorted(offsets)
+    for token_id, offset in zip(ids, offsets):
+        own = tokenizer.decode([token_id])
+        # A token holding part of a character decodes alone to U+FFFD: what comes before
+        # that is at the offset, then the character it is part of.
+        head, partial, _ = own.partition("\ufffd")
+        assert text[offset : offset + len(head)] == head
+        if partial:
+            char = text[offset + len(head)]
+            assert len(char.encode()) > 1 or char == "\ufffd"
+
+
+def test_token_offsets_are_positions_in_the_text(tokenizer):
+    ids = _encode(tokenizer, SPLIT_TEXT)
+    one_go = IncrementalDetokenizer(tokenizer, [BOS_ID])
+    one_go.update(ids)
+    _check_offsets(tokenizer, one_go.output_text, ids, one_go.token_offsets)
+    # Counting each token's own text would overshoot: split characters decode alone to U+FFFD.
+    assert one_go.token_offsets[-1] < sum(len(tokenizer.decode([t])) for t in ids[:-1])
+
+    # Token by token (a stream) gives the same offsets.
+    stepped = IncrementalDetokenizer(tokenizer, [BOS_ID])
+    for token_id in ids:
+        stepped.update([token_id])
+    assert stepped.token_offsets == one_go.token_offsets
+
+
+def test_token_offsets_after_a_byte_that_never_becomes_a_character(tokenizer):
+    lead = next(t for t in _encode(tokenizer, "日") if tokenizer.decode([t]) == "\ufffd")
+    ids = [lead, *_encode(tokenizer, " ok")]
+    detok = IncrementalDetokenizer(tokenizer, [BOS_ID])
+    detok.update(ids)
+    assert detok.output_text == "\ufffd ok"
+    assert detok.token_offsets[0] == 0 and detok.token_offsets[1] == 1  # " ok" follows the U+FFFD
+    _check_offsets(tokenizer, detok.output_text, ids, detok.token_offsets)
+
+
+def test_token_offsets_at_a_prompt_ending_mid_character(tokenizer):
+    ids = _encode(tokenizer, "Hello 日本 ok")
+    cut = next(i for i, t in enumerate(ids) if tokenizer.decode(ids[: i + 1]).endswith("\ufffd")) + 1
+    # ids[cut:done] are the bytes that complete "日", whose first byte ends the prompt.
+    done = next(j for j in range(cut, len(ids)) if not tokenizer.decode(ids[: j + 1]).endswith("\ufffd")) + 1
+    detok = IncrementalDetokenizer(tokenizer, [BOS_ID] + ids[:cut])
+    detok.update(ids[cut:])
+    assert detok.output_text == "本 ok"
+    # Those bytes add no text here ("日" is not output): they sit at the start.
+    assert detok.token_offsets[: done - cut] == [0] * (done - cut)
+    _check_offsets(tokenizer, detok.output_text, ids[done:], detok.token_offsets[done - cut :])
+
+
+def test_token_offsets_of_a_stop_token_and_a_stop_string(tokenizer):
+    ids = _encode(tokenizer, "The end") + [EOS_ID]
+    detok = IncrementalDetokenizer(tokenizer, [BOS_ID], skip_special_tokens=False)
+    detok.update(ids, stop_terminated=True)
+    assert detok.token_offsets[-1] == len(detok.output_text) == len("The end")
+
+    # A stop string cuts the text, not the offsets: they stay where the tokens were.
+    ids = _encode(tokenizer, "The quick brown fox")
+    detok = IncrementalDetokenizer(tokenizer, [BOS_ID], stop=["brown"])
+    detok.update(ids)
+    full = IncrementalDetokenizer(tokenizer, [BOS_ID])
+    full.update(ids)
+    assert detok.output_text == "The quick "
+    assert detok.token_offsets == full.token_offsets

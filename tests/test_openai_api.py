@@ -373,6 +373,110 @@ def test_echo_prepends_the_prompt(server: Server) -> None:
     assert all(v is not None for v in lp.token_logprobs[1:])
 
 
+def collect_stream(server: Server, body: dict) -> dict[int, dict]:
+    """A completions stream put back together: per choice, its text, tokens and offsets."""
+    choices: dict[int, dict] = {}
+    with httpx.Client(timeout=60) as client, client.stream("POST", server.url + "/v1/completions",
+                                                           json={**body, "stream": True}, headers=AUTH) as r:  # fmt: skip
+        assert r.status_code == 200
+        for event in sse_events(r):
+            if event == "[DONE]":
+                break
+            assert "error" not in event, event
+            for c in event["choices"]:
+                choice = choices.setdefault(c["index"], {"text": "", "tokens": [], "text_offset": []})
+                choice["text"] += c["text"]
+                choice["finish_reason"] = c["finish_reason"]
+                if c["logprobs"] is not None:
+                    choice["tokens"] += c["logprobs"]["tokens"]
+                    choice["text_offset"] += c["logprobs"]["text_offset"]
+    return choices
+
+
+def assert_offsets_point_at_the_tokens(
+    text: str, tokens: list[str], offsets: list[int], stopped: bool
+) -> None:
+    """``text_offset[i]`` is where token ``i``'s text starts in the returned ``text``.
+
+    A token holding part of a UTF-8 character decodes alone to U+FFFD: what comes before
+    that must be at the offset, followed by the (multi-byte, or never completed) character.
+    Tokens cut off with a stop string or a stop token lie at or past the end of the text.
+    """
+    assert len(offsets) == len(tokens) and offsets == sorted(offsets)
+    for token, offset in zip(tokens, offsets):
+        head, partial, _ = token.partition("\ufffd")
+        if offset + len(head) + len(partial) > len(text):
+            assert stopped and offset >= len(text) - len(head), (token, offset, text)
+            continue
+        assert text[offset : offset + len(head)] == head, (token, offset, text)
+        if partial:
+            char = text[offset + len(head)]
+            assert len(char.encode()) > 1 or char == "\ufffd", (token, offset, text)
+
+
+def ids_ending_mid_character(tokenizer) -> list[int]:
+    """A token-id prompt whose last token is the first byte(s) of a multi-byte character."""
+    ids = tokenizer.encode("Once upon a time 日本語 🙂 ñ ü")
+    cut = next((i for i in range(len(ids)) if tokenizer.decode(ids[: i + 1]).endswith("\ufffd")), None)
+    assert cut is not None, "the tokenizer has a token for every character here: pick rarer ones"
+    return ids[: cut + 1]
+
+
+def two_token_stop_string(server: Server, prompt: str) -> str:
+    """Two whole tokens of the greedy output, the first place their text occurs."""
+    out = server.post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0,
+                                          "logprobs": 0, "ignore_eos": True}).json()  # fmt: skip
+    text, tokens = out["choices"][0]["text"], out["choices"][0]["logprobs"]["tokens"]
+    for k in range(2, len(tokens) - 1):
+        before = "".join(tokens[:k])
+        candidate = tokens[k] + tokens[k + 1]
+        if (
+            "\ufffd" not in before + candidate
+            and tokens[k]
+            and tokens[k + 1]
+            and text.find(candidate) == len(before)
+        ):
+            return candidate
+    pytest.fail(f"no usable stop string in {tokens}")
+
+
+@pytest.mark.parametrize(
+    "case", ["plain", "stop", "echo", "echo_stop", "echo_split_characters", "ids_ending_mid_character", "n2"]
+)
+def test_logprob_text_offsets_are_positions_in_the_text_streamed_or_not(
+    server: Server, tokenizer, case
+) -> None:
+    body: dict = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 8, "temperature": 0, "logprobs": 0}
+    if "stop" in case:
+        body.update(stop=[two_token_stop_string(server, PROMPTS[2])], max_tokens=16, ignore_eos=True)
+    if "echo" in case:
+        body["echo"] = True
+    if case == "echo_split_characters":
+        body["prompt"] = "Once upon a time 日本語 🙂 ñ ü"
+    if case == "ids_ending_mid_character":
+        body.update(prompt=ids_ending_mid_character(tokenizer), echo=True, max_tokens=2)
+    if case == "n2":
+        body.update(n=2, temperature=1.0, seed=11, logprobs=2)
+
+    full = server.post("/v1/completions", body)
+    assert full.status_code == 200, full.text
+    streamed = collect_stream(server, body)
+    assert sorted(streamed) == [c["index"] for c in full.json()["choices"]]
+    for choice in full.json()["choices"]:
+        lp = choice["logprobs"]
+        stopped = choice["finish_reason"] == "stop"
+        if "stop" in case:
+            assert choice["stop_reason"] == body["stop"][0]
+        assert_offsets_point_at_the_tokens(choice["text"], lp["tokens"], lp["text_offset"], stopped)
+        s = streamed[choice["index"]]
+        assert (s["text"], s["tokens"], s["text_offset"]) == (choice["text"], lp["tokens"], lp["text_offset"])
+    if case == "echo_split_characters":
+        # The prompt's characters split over several byte tokens count once each.
+        lp = full.json()["choices"][0]["logprobs"]
+        assert sum(t == "\ufffd" for t in lp["tokens"]) >= 2, "the prompt must split a character"
+        assert lp["text_offset"][len(tokenizer.encode(body["prompt"]))] == len(body["prompt"])
+
+
 def test_tokenize_detokenize_round_trip(server: Server, tokenizer) -> None:
     text = "Return the number of items in a container."
     r = server.post("/tokenize", {"prompt": text})
@@ -499,6 +603,78 @@ def test_bad_chat_requests_get_openai_errors(server: Server, body: dict, param: 
     assert_error(server.post("/v1/chat/completions", body), 400, param, "BadRequestError")
 
 
+def model_vocab_size() -> int:
+    return json.loads((Path(DEFAULT_MODEL) / "config.json").read_text())["vocab_size"]
+
+
+CHAT_FIELD_ERRORS = [
+    ({"stop": ["\ud800"]}, "stop"),
+    ({"stop": "ok\udfff"}, "stop"),
+    ({"messages": [{"role": "user", "content": "hi \ud800"}]}, "messages"),
+    ({"messages": [{"role": "us\ud800er", "content": "hi"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "hi", "name": "\ud800"}]}, "messages"),
+    ({"stop_token_ids": ["VOCAB"]}, "stop_token_ids"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+]
+COMPLETION_FIELD_ERRORS = [
+    ({"stop": ["\ud800"]}, "stop"),
+    ({"stop": "ok\udfff"}, "stop"),
+    ({"prompt": "hi \ud800"}, "prompt"),
+    ({"prompt": ["fine", "\ud800"]}, "prompt"),
+    ({"prompt": [1, "VOCAB"]}, "prompt"),
+    ({"stop_token_ids": ["VOCAB"]}, "stop_token_ids"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "path,fields,param",
+    [("/v1/completions", *case) for case in COMPLETION_FIELD_ERRORS]
+    + [("/v1/chat/completions", *case) for case in CHAT_FIELD_ERRORS],
+)
+def test_a_bad_field_is_a_400_naming_it_before_any_stream_starts(
+    server: Server, path: str, fields: dict, param: str, stream: bool
+) -> None:
+    """Text that is not valid Unicode (a lone surrogate: valid JSON, but no UTF-8 for it) in
+    any field, and token ids outside the vocabulary: a plain 400 naming the field — never a
+    200 stream (or a chat role chunk) that then carries the error."""
+    vocab = model_vocab_size()
+    fields = json.loads(json.dumps(fields).replace('"VOCAB"', str(vocab)))
+    body = {"model": MODEL, "max_tokens": 4, "stream": stream, **fields}
+    if path == "/v1/completions":
+        body.setdefault("prompt", PROMPTS[0])
+    else:
+        body.setdefault("messages", CHAT)
+    r = server.post(path, body)
+    assert r.headers["content-type"].startswith("application/json"), r.text
+    error = assert_error(r, 400, param, "BadRequestError")
+    assert "not valid Unicode" in error["message"] or "out of vocabulary" in error["message"]
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"prompt": "hi \ud800"}, "prompt"),
+        ({"messages": [{"role": "user", "content": "\udfff"}]}, "messages"),
+    ],
+)
+def test_tokenize_names_the_field_that_is_not_valid_text(server: Server, body: dict, param: str) -> None:
+    error = assert_error(server.post("/tokenize", {"model": MODEL, **body}), 400, param, "BadRequestError")
+    assert "not valid Unicode" in error["message"]
+
+
+def test_an_error_quoting_a_lone_surrogate_is_still_json(server: Server) -> None:
+    error = assert_error(server.post("/v1/completions", {"model": "\ud800", "prompt": "x"}), 404, "model")
+    assert error["message"] == "The model `\\ud800` does not exist."
+
+
+def test_an_unused_field_is_not_checked(server: Server) -> None:
+    r = server.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1, "user": "\ud800"})
+    assert r.status_code == 200, r.text
+
+
 def test_a_body_that_is_not_labelled_json_is_a_400(server: Server) -> None:
     body = json.dumps({"model": MODEL, "prompt": "x"})
     r = server.post("/v1/completions", body, headers={"Content-Type": "application/x-www-form-urlencoded"})
@@ -522,6 +698,24 @@ def test_a_prompt_too_long_is_a_400_with_vllms_wording(server: Server) -> None:
         server.post("/v1/chat/completions", {"model": MODEL, "messages": long_chat}), 400, "messages"
     )
     assert "maximum context length" in error["message"]
+
+
+def test_a_prompt_too_long_leaves_no_misleading_warning_in_the_log(server: Server) -> None:
+    """We check lengths ourselves (a clean 400): transformers must not also log that the
+    prompt is longer than the tokenizer's ``model_max_length`` and "will result in indexing
+    errors" — nor anything else about how we call it."""
+    config = json.loads((Path(DEFAULT_MODEL) / "tokenizer_config.json").read_text())
+    words = max(MAX_MODEL_LEN, config.get("model_max_length") or 0, 1000) + 100
+    text = "word " * words
+    for stream in (False, True):
+        body = {"model": MODEL, "prompt": text, "max_tokens": 4, "stream": stream}
+        assert_error(server.post("/v1/completions", body), 400, "prompt")
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": text}], "stream": stream}
+        assert_error(server.post("/v1/chat/completions", chat), 400, "messages")
+    assert server.post("/tokenize", {"prompt": text}).json()["count"] > words
+    log = server.log.read_text(errors="replace")
+    assert "indexing errors" not in log and "Token indices sequence length" not in log
+    assert "[transformers]" not in log, log[-3000:]
 
 
 def test_a_stream_error_before_start_is_a_plain_error(server: Server) -> None:

@@ -29,6 +29,12 @@ engine to abort it. While a request runs, ``get_next_output_text`` holds back th
 ``output_text_buffer_length`` characters, so a stop string never shows, even in part, in a
 streamed delta.
 
+Text offsets: ``token_offsets[i]`` is where output token ``i``'s text starts in
+``output_text`` (before a stop-string cut) — what the legacy completions API reports as
+``logprobs.text_offset``. Counting each token's text decoded alone would be wrong twice over:
+a token holding part of a UTF-8 character decodes alone to U+FFFD, one character too many,
+and a stream knows only the characters already sent, which lag behind by any held-back text.
+
 Left out: ``spaces_between_special_tokens=False`` (fast tokenizers decode special tokens
 one way only; vLLM's fast path ignores it too); bytes of a character that never completes
 are not flushed at the end.
@@ -36,6 +42,7 @@ are not flushed at the end.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -99,7 +106,13 @@ class IncrementalDetokenizer:
             (``SamplingParams.output_text_buffer_length``: longest stop string - 1).
         min_tokens: stop strings are not looked for in the text of the first
             ``min_tokens`` output tokens (as the scheduler ignores EOS until then).
-        detokenize: False keeps only token ids; the text stays "".
+        detokenize: False keeps only token ids; the text stays "" (and offsets are 0).
+
+    Attributes:
+        output_text: the text so far (cut at a matched stop string).
+        output_token_ids: every output token so far.
+        token_offsets: per output token, the offset of its text in ``output_text``
+            (``len(output_text)`` or more for tokens cut off with a stop string).
     """
 
     def __init__(
@@ -124,6 +137,9 @@ class IncrementalDetokenizer:
 
         self.output_text = ""
         self.output_token_ids: list[int] = []
+        # Per output token: where its text starts in output_text (the text before any stop
+        # string cut). See _decode_next().
+        self.token_offsets: list[int] = []
         # How much of output_text get_next_output_text(delta=True) has handed out.
         self._last_output_text_offset = 0
 
@@ -135,6 +151,8 @@ class IncrementalDetokenizer:
         # Text of ids[prefix_offset:read_offset]. When the prompt ends mid-character it
         # ends in U+FFFD, which stands for the character the first output bytes complete.
         self._prefix_text = self._decode(self._ids) if detokenize else ""
+        # Text of the whole window ids[prefix_offset:] as last decoded.
+        self._window_text = self._prefix_text
 
     @classmethod
     def from_new_request(cls, tokenizer: Any, request: EngineCoreRequest) -> IncrementalDetokenizer:
@@ -156,20 +174,46 @@ class IncrementalDetokenizer:
 
     def decode_next(self, token_id: int) -> str:
         """Add one token; return the text it completes ("" while a character is partial)."""
+        return self._decode_next(token_id)[0]
+
+    def _decode_next(self, token_id: int) -> tuple[str, int]:
+        """``decode_next``, and where the token's text starts, counted from the end of the
+        text handed out so far (0: right there; below 0: inside it, or in the prompt).
+
+        Where it starts is where the window's text before and after the token part: their
+        common prefix, less a trailing run of U+FFFD that is still an incomplete character.
+        So a lone byte that never becomes a character counts as one U+FFFD once text follows
+        it, and the bytes of a character under way point at that character.
+        """
+        before = self._window_text
         self._ids.append(token_id)
         text = self._decode(self._ids[self._prefix_offset :])
+        common = len(os.path.commonprefix([before, text]))
+        while common and text[common - 1] == REPLACEMENT_CHAR and not text[common:].strip(REPLACEMENT_CHAR):
+            common -= 1
+        start = common - len(self._prefix_text)
         if len(text) <= len(self._prefix_text) or text.endswith(REPLACEMENT_CHAR):
             # Nothing new yet: a skipped special token, a partial character, or the
             # output's first bytes completing a character the prompt began.
-            return ""
+            self._window_text = text
+            return "", start
         new_text = text[len(self._prefix_text) :]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        return new_text
+        self._window_text = self._prefix_text
+        return new_text, start
+
+    def _add_token(self, token_id: int) -> None:
+        """Decode one token onto ``output_text`` and record where its text starts."""
+        new_text, start = self._decode_next(token_id)
+        offset = len(self.output_text) + start
+        # Never before the previous token's (a decoder may rewrite text already out).
+        self.token_offsets.append(max(offset, self.token_offsets[-1] if self.token_offsets else 0))
+        self.output_text += new_text
 
     def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> str | None:
-        """Add a step's tokens, extend ``output_text``, and look for stop strings.
+        """Add a step's tokens, extend ``output_text`` and ``token_offsets``, look for stop strings.
 
         Args:
             new_token_ids: the tokens the engine produced this step.
@@ -184,6 +228,7 @@ class IncrementalDetokenizer:
             return None
         self.output_token_ids.extend(new_token_ids)
         if not self.detokenize:
+            self.token_offsets.extend([0] * len(new_token_ids))
             return None
         to_decode = new_token_ids
         if stop_terminated and not self.include_stop_str_in_output:
@@ -193,9 +238,12 @@ class IncrementalDetokenizer:
         num_before = len(self.output_token_ids) - len(new_token_ids)
         search_from = len(self.output_text)
         for i, token_id in enumerate(to_decode):
-            self.output_text += self.decode_next(token_id)
+            self._add_token(token_id)
             if num_before + i + 1 <= self.min_tokens:
                 search_from = len(self.output_text)
+        if len(to_decode) < len(new_token_ids):
+            # The stop token, left out of the text: it sits at the text's end.
+            self.token_offsets.append(len(self.output_text))
 
         if not self.stop:
             return None

@@ -21,6 +21,12 @@ from transformers import PreTrainedTokenizerFast
 # The file a fast tokenizer is built from; without it transformers would need the slow
 # tokenizer (and sentencepiece) to convert one.
 TOKENIZER_FILE = "tokenizer.json"
+# The tokenizer's own length limit, set at load (transformers' value for "no limit").
+# The engine's limit is max_model_len, checked by the input processor and the API server on
+# every prompt; a checkpoint's model_max_length (often stale, or smaller than a
+# --max-model-len that is fine for the model) would only make transformers log, for each
+# long prompt we then refuse cleanly, that it "will result in indexing errors".
+UNLIMITED_MODEL_MAX_LENGTH = int(1e30)
 
 
 def get_tokenizer(path: str) -> PreTrainedTokenizerFast:
@@ -32,7 +38,8 @@ def get_tokenizer(path: str) -> PreTrainedTokenizerFast:
 
     Returns:
         A ``PreTrainedTokenizerFast``; ``tokenizer.backend_tokenizer`` is the Rust
-        ``tokenizers.Tokenizer`` the detokenizer uses.
+        ``tokenizers.Tokenizer`` the detokenizer uses. Its ``model_max_length`` is
+        unlimited: lengths are the engine's to check (``UNLIMITED_MODEL_MAX_LENGTH``).
 
     Raises:
         ValueError: the path is not a directory, has no ``tokenizer.json``, or the files
@@ -47,7 +54,9 @@ def get_tokenizer(path: str) -> PreTrainedTokenizerFast:
             f"(a Hugging Face checkpoint saved with a fast tokenizer has this file)"
         )
     try:
-        return PreTrainedTokenizerFast.from_pretrained(str(directory), local_files_only=True)
+        return PreTrainedTokenizerFast.from_pretrained(
+            str(directory), local_files_only=True, model_max_length=UNLIMITED_MODEL_MAX_LENGTH
+        )
     except Exception as e:  # transformers raises OSError, ValueError, JSON errors, ...
         raise ValueError(f"cannot load the tokenizer in {str(directory)!r}: {e}") from e
 

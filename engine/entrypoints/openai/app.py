@@ -266,7 +266,8 @@ async def _respond(raw_request: Request, work: Awaitable[BaseModel | AsyncIterat
     except (OpenAIError, EngineDeadError):
         raise  # answered by their handlers below
     except ValueError as e:  # our convention for bad input (a prompt that cannot be encoded, ...)
-        raise bad_request_from_value_error(e, "prompt") from None
+        blamed = "messages" if raw_request.url.path.endswith("/chat/completions") else "prompt"
+        raise bad_request_from_value_error(e, blamed) from None
     except Exception as e:
         return await _unexpected_error_handler(raw_request, e)
     if isinstance(result, BaseModel):

@@ -167,8 +167,10 @@ class CompletionLogProbs(OpenAIBaseModel):
     """Legacy completions logprobs: parallel lists, one entry per token.
 
     ``top_logprobs[i]`` maps token text → logprob for the top-N alternatives and the
-    sampled token; ``text_offset[i]`` is the character offset of token ``i`` in the choice's
-    text. A prompt's first token (``echo``) has no logprob: ``None`` in both lists.
+    sampled token; ``text_offset[i]`` is the character offset of token ``i``'s text in the
+    choice's whole text (the echoed prompt included) — the same in a stream, where a chunk's
+    offsets may run ahead of the text sent so far while a possible stop string is held back.
+    A prompt's first token (``echo``) has no logprob: ``None`` in both lists.
     """
 
     text_offset: list[int] = Field(default_factory=list)

@@ -69,6 +69,7 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(request.model)
         self.check_engine_alive()
         self.check_unsupported(request)
+        self.check_fields(request)
         self.check_logprobs(request.top_logprobs, "top_logprobs")
         if request.top_logprobs and not request.logprobs:
             raise OpenAIError("top_logprobs needs logprobs to be true.", param="top_logprobs")

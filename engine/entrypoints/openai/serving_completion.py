@@ -9,6 +9,11 @@ A full response asks the engine for ``FINAL_ONLY`` outputs (one per prompt, at t
 stream asks for ``DELTA`` outputs, so each chunk carries only new text — and text that could
 still turn into a stop string is held back by the output processor, never sent.
 
+``logprobs.text_offset`` is where each token's text starts in the choice's text, found by
+replaying the tokens through an ``IncrementalDetokenizer`` set up as the output processor's
+was: the same offsets whole or streamed, whatever text a stream still holds back, and a
+character split over several byte tokens counts once.
+
 Left out: ``suffix``, ``best_of``, prompt embeddings, ``prompt_logprobs`` as a separate
 field, ``continuous_usage_stats``.
 """
@@ -40,6 +45,7 @@ from engine.entrypoints.openai.serving_engine import (
     random_uuid,
     sse_event,
 )
+from engine.frontend.detokenizer import IncrementalDetokenizer, backend_tokenizer
 from engine.frontend.outputs import LogprobsDict, RequestOutput
 from engine.frontend.tokenizer import encode
 from engine.logger import init_logger
@@ -67,6 +73,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_model(request.model)
         self.check_engine_alive()
         self.check_unsupported(request)
+        self.check_fields(request)
         self.check_logprobs(request.logprobs, "logprobs")
         # Tokenizing a long prompt takes a while: off the event loop, so other requests stream on.
         prompts = await asyncio.to_thread(self._render_prompts, request.prompt)
@@ -115,8 +122,37 @@ class OpenAIServingCompletion(OpenAIServing):
                 rendered.append((None, list(p)))
         return rendered
 
-    def _prompt_text(self, text: str | None, token_ids: list[int]) -> str:
-        return text if text is not None else self.tokenizer.decode(token_ids, skip_special_tokens=False)
+    def _echo(self, text: str | None, token_ids: list[int], with_offsets: bool) -> tuple[str, list[int]]:
+        """The prompt as echoed, and (``with_offsets``) each prompt token's offset in it.
+
+        A text prompt is echoed as sent; token ids as their decoding, special tokens shown
+        (a prompt ending mid-character ends in U+FFFD). Offsets come from decoding the ids
+        one at a time, as the output's do; for a text prompt the decoding that reproduces
+        the text is used (special tokens skipped, such as an added BOS, or shown).
+        """
+        if text is None:
+            text = backend_tokenizer(self.tokenizer).decode(token_ids, skip_special_tokens=False)
+            if not with_offsets:
+                return text, []
+            return text, self._replay(token_ids, [], skip_special_tokens=False).token_offsets
+        if not with_offsets:
+            return text, []
+        replays = [self._replay(token_ids, [], skip_special_tokens=skip) for skip in (True, False)]
+        best = next((r for r in replays if r.output_text == text), replays[0])
+        return text, [min(offset, len(text)) for offset in best.token_offsets]
+
+    def _replay(
+        self, token_ids: list[int], context_ids: list[int], skip_special_tokens: bool
+    ) -> IncrementalDetokenizer:
+        """A detokenizer fed ``token_ids`` after ``context_ids``, for its ``token_offsets``.
+
+        With the request's prompt as context and its ``skip_special_tokens`` it decodes
+        exactly as the output processor's detokenizer did, so the offsets are those of the
+        returned text — whether it came whole or in a stream, however the stream was cut.
+        """
+        detok = IncrementalDetokenizer(self.tokenizer, context_ids, skip_special_tokens=skip_special_tokens)
+        detok.update(token_ids)
+        return detok
 
     # ------------------------------------------------------------------ full response
 
@@ -129,19 +165,27 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> CompletionResponse:
         choices: list[CompletionResponseChoice] = []
         usage = UsageInfo()
+        want_logprobs = request.logprobs is not None
         for i, ((prompt_text, prompt_ids), final) in enumerate(zip(prompts, finals)):
             assert final is not None, "the engine ended a request without a final output"
             usage.prompt_tokens += len(prompt_ids)
+            if request.echo:
+                echo_text, echo_offsets = self._echo(prompt_text, prompt_ids, want_logprobs)
             for out in final.outputs:
                 usage.completion_tokens += len(out.token_ids)
                 text, token_ids, top = out.text, list(out.token_ids), out.logprobs
+                offsets: list[int] = []
+                if want_logprobs:
+                    replay = self._replay(token_ids, prompt_ids, request.skip_special_tokens)
+                    offsets = replay.token_offsets
                 if request.echo:
-                    text = self._prompt_text(prompt_text, prompt_ids) + text
+                    text = echo_text + text
                     token_ids = prompt_ids + token_ids
                     top = (final.prompt_logprobs or [None] * len(prompt_ids)) + (top or [])
+                    offsets = echo_offsets + [len(echo_text) + offset for offset in offsets]
                 logprobs = None
-                if request.logprobs is not None and top is not None:
-                    logprobs = self.create_logprobs(token_ids, top, request.logprobs, initial_text_offset=0)
+                if want_logprobs and top is not None:
+                    logprobs = self.create_logprobs(token_ids, top, request.logprobs, offsets)
                 choices.append(
                     CompletionResponseChoice(
                         index=i * request.n + out.index,
@@ -168,8 +212,15 @@ class OpenAIServingCompletion(OpenAIServing):
         n = request.n
         created = int(time.time())
         num_choices = len(prompts) * n
-        text_sent = [0] * num_choices  # characters sent per choice, for ``text_offset``
+        want_logprobs = request.logprobs is not None
+        # Per choice, a detokenizer replaying its tokens: the offsets of ``text_offset``.
+        replays = [
+            self._replay([], prompts[i // n][1], request.skip_special_tokens) if want_logprobs else None
+            for i in range(num_choices)
+        ]
+        echo_len = [0] * num_choices  # characters of echoed prompt before each choice's output
         needs_echo = [request.echo] * num_choices
+        echoes: dict[int, tuple[str, list[int]]] = {}  # per prompt: its echo and offsets
         prompt_logprobs: list[list[LogprobsDict | None] | None] = [None] * len(prompts)
         completion_tokens = 0
         try:
@@ -182,17 +233,27 @@ class OpenAIServingCompletion(OpenAIServing):
                         i = p * n + out.index
                         completion_tokens += len(out.token_ids)
                         text, token_ids, top = out.text, list(out.token_ids), out.logprobs
+                        offsets: list[int] = []
+                        replay = replays[i]
+                        if replay is not None:
+                            num_before = len(replay.token_offsets)
+                            replay.update(token_ids)
+                            offsets = [echo_len[i] + o for o in replay.token_offsets[num_before:]]
                         if needs_echo[i]:
                             needs_echo[i] = False
-                            text = self._prompt_text(prompt_text, prompt_ids) + text
+                            if p not in echoes:
+                                echoes[p] = self._echo(prompt_text, prompt_ids, want_logprobs)
+                            echo_text, echo_offsets = echoes[p]
+                            echo_len[i] = len(echo_text)
+                            text = echo_text + text
                             token_ids = prompt_ids + token_ids
                             top = (prompt_logprobs[p] or [None] * len(prompt_ids)) + (top or [])
+                            offsets = echo_offsets + [echo_len[i] + o for o in offsets]
                         logprobs = None
-                        if request.logprobs is not None and top is not None:
-                            logprobs = self.create_logprobs(token_ids, top, request.logprobs, text_sent[i])
+                        if want_logprobs and top is not None:
+                            logprobs = self.create_logprobs(token_ids, top, request.logprobs, offsets)
                         if not text and out.finish_reason is None and not (logprobs and logprobs.tokens):
                             continue  # everything new is held back (a possible stop string)
-                        text_sent[i] += len(text)
                         choice = CompletionResponseStreamChoice(
                             index=i,
                             text=text,
@@ -227,7 +288,7 @@ class OpenAIServingCompletion(OpenAIServing):
         token_ids: list[int],
         top_logprobs: list[LogprobsDict | None],
         num_top: int,
-        initial_text_offset: int,
+        text_offsets: list[int],
     ) -> CompletionLogProbs:
         """The legacy logprobs object for ``token_ids`` (vLLM: ``_create_completion_logprobs``).
 
@@ -236,16 +297,17 @@ class OpenAIServingCompletion(OpenAIServing):
             top_logprobs: per token, its ``{token_id: Logprob}`` (sampled token plus top-N),
                 or None (a prompt's first token).
             num_top: N; alternatives of rank ≤ N are listed, plus the sampled token.
-            initial_text_offset: characters already sent for this choice.
+            text_offsets: per token, where its text starts in the choice's whole text (echoed
+                prompt included) — not the sum of the tokens' lengths: a token holding part
+                of a character decodes alone to U+FFFD, and a stream's text lags behind its
+                tokens while a possible stop string is held back.
         """
         result = CompletionLogProbs()
-        offset = initial_text_offset
-        for token_id, step in zip(token_ids, top_logprobs):
+        for token_id, step, offset in zip(token_ids, top_logprobs, text_offsets):
             chosen = step.get(token_id) if step is not None else None
             token = self.token_text(token_id, chosen.decoded_token if chosen is not None else None)
             result.tokens.append(token)
             result.text_offset.append(offset)
-            offset += len(token)
             if step is None or chosen is None:
                 result.token_logprobs.append(None)
                 result.top_logprobs.append(None)

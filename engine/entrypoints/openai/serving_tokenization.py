@@ -27,8 +27,10 @@ class OpenAIServingTokenization(OpenAIServing):
     """The tokenization routes (vLLM's ``OpenAIServingTokenization``)."""
 
     def create_tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
-        """Raises ``OpenAIError``: unknown model (404), a chat template that fails (400)."""
+        """Raises ``OpenAIError``: unknown model (404), a field that is not valid text or a
+        chat template that fails (400)."""
         self.check_model(request.model)
+        self.check_fields(request)
         if isinstance(request, TokenizeChatRequest):
             text, _ = self.render_chat(request.messages, request.add_generation_prompt)
         else:
