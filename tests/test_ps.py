@@ -291,6 +291,14 @@ def test_ps_sees_a_live_llm(base, capsys, monkeypatch, multiprocess):
             assert list(rows) == ["LLM"]
         assert inst["found_process_count"] == inst["expected_process_count"] >= 1
         assert inst["missing"] == []
+        code, table = _ps(capsys)
+        if multiprocess:
+            # Three rows, two counted: the table says which row is the owner, and why.
+            assert code == 0 and "LLM (owner)" in table
+            assert f"processes: found 2 of expected 2 (not counted: LLM pid {os.getpid()}, the owner" in table
+        else:
+            # In-process, the LLM's process is the whole engine: counted, not an owner apart.
+            assert "processes: found 1 of expected 1\n" in table and "(owner)" not in table
     assert _ps(capsys) == (0, "no running glassbox instances\n")  # shutdown removed the run dir
 
 

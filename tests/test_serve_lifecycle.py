@@ -10,7 +10,9 @@ first streamed chunk), never sleeps.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -18,6 +20,7 @@ import sys
 import time
 
 import httpx
+import psutil
 import pytest
 from proc_utils import titled_processes, wait_gone
 from server_utils import start_server
@@ -96,6 +99,7 @@ def test_sigkill_of_worker_errors_the_request_and_exits_nonzero_with_root_cause_
     block = "\n".join(log[block_start:])
     assert "Worker_DP0_PP0_TP0" in block and "SIGKILL" in block
     assert log[-1].startswith("====="), "the root-cause block is the last thing printed"
+    assert server.log().count("Glassbox root cause") == 1, "the root-cause block is printed once"
     assert not server.run_dir.exists()
 
 
@@ -143,3 +147,92 @@ def test_api_server_modules_do_not_import_torch():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _session_members(sid: int) -> list[int]:
+    """Pids of live processes in session ``sid`` (the server was started with its own session)."""
+    pids = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if os.getsid(p.pid) == sid:
+                pids.append(p.pid)
+    return pids
+
+
+def _serve_to_exit(tmp_path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``glassbox serve --port 0 ARGS`` to its end in its own session; kill leftovers."""
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli.main", "serve", "--port", "0", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "GLASSBOX_RUN_DIR_BASE": str(tmp_path), **(env or {})})  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _assert_one_line_config_error(proc: subprocess.CompletedProcess, tmp_path, flag: str) -> None:
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output[-2000:]
+    assert proc.stderr.rstrip().splitlines()[-1].startswith(f"glassbox serve: error: {flag}:"), output[-2000:]
+    assert "Traceback" not in output and "root cause" not in output and "ERROR" not in output
+    assert list(tmp_path.glob("glassbox-*")) == [], "the run directory is removed"
+
+
+def test_kv_cache_too_small_found_by_the_engine_core_is_one_line_exit_2(tmp_path):
+    # --device auto: the budget is known only once the worker has picked its device.
+    proc = _serve_to_exit(tmp_path, env={"GLASSBOX_CPU_KVCACHE_SPACE": "0.0001"})
+    _assert_one_line_config_error(proc, tmp_path, "--max-model-len")
+    assert "needed" in proc.stderr and "GLASSBOX_CPU_KVCACHE_SPACE" in proc.stderr
+    assert "Worker_DP0_PP0_TP0" in proc.stdout + proc.stderr, "the tree had started"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [("--kv-cache-memory-bytes", "1000"), ("--device", "cpu")],
+    ids=["kv-cache-memory-bytes", "cpu-space"],
+)
+def test_fixed_kv_budget_too_small_is_refused_before_anything_starts(tmp_path, args):
+    # A fixed budget (the flag, or GLASSBOX_CPU_KVCACHE_SPACE on --device cpu) is checked first.
+    proc = _serve_to_exit(tmp_path, *args, env={"GLASSBOX_CPU_KVCACHE_SPACE": "0.0001"})
+    _assert_one_line_config_error(proc, tmp_path, "--max-model-len")
+    assert proc.stdout == "" and proc.stderr.count("\n") == 1, "nothing started, nothing logged"
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_bad_device_found_by_the_worker_is_one_line_exit_2(tmp_path):
+    proc = _serve_to_exit(tmp_path, "--device", "cuda")
+    _assert_one_line_config_error(proc, tmp_path, "--device")
+
+
+def test_block_override_too_small_is_refused_before_anything_starts(tmp_path):
+    proc = _serve_to_exit(tmp_path, "--num-gpu-blocks-override", "40")
+    _assert_one_line_config_error(proc, tmp_path, "--num-gpu-blocks-override")
+    assert proc.stdout == "" and proc.stderr.count("\n") == 1, "nothing started, nothing logged"
+    assert "--max-model-len 2048 needs 129 blocks" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 0)], ids=["ctrl-c", "sigterm"]
+)
+def test_signal_during_start_up_exit_code(tmp_path, sig, code):
+    log_path = tmp_path / "server.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "engine.cli.main", "serve", "--port", "0", *ARGS],
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "GLASSBOX_RUN_DIR_BASE": str(tmp_path)})  # fmt: skip
+    try:
+        # The event: the API server has bound and written its manifest; the engine is starting.
+        deadline = time.monotonic() + 60
+        while not list(tmp_path.glob("glassbox-*/manifest.json")) and time.monotonic() < deadline:
+            assert proc.poll() is None, log_path.read_text()
+            time.sleep(0.02)
+        proc.send_signal(sig)
+        assert proc.wait(30) == code, log_path.read_text()[-2000:]
+        assert "Traceback" not in log_path.read_text()
+        assert wait_gone(_session_members(proc.pid)) == [], "no process of the tree is left"
+        assert list(tmp_path.glob("glassbox-*")) == []
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -57,9 +57,21 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{subparser.prog}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # `glassbox ps --json | head`: the reader left; not an error of ours.
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except Exception as e:
+        from engine.config import ConfigError
         from engine.utils.processes import EngineDeadError
 
+        if isinstance(e, ConfigError):
+            # A bad setting found after validation (by the engine core or a worker during
+            # start-up, e.g. a KV cache too small): one line naming the flag, exit 2.
+            print(f"{subparser.prog}: error: {e}", file=sys.stderr)
+            return 2
         if not isinstance(e, EngineDeadError):
             raise
         # The root cause (which process, which stage, which exception) is printed last.

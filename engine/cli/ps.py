@@ -29,6 +29,7 @@ from typing import Any
 
 import psutil
 
+from engine.cli.help_formatter import DefaultsHelpFormatter
 from engine.utils import run_dir as run_dirs
 
 TITLE_PREFIX = "glassbox::"
@@ -356,6 +357,26 @@ def _or_dash(value: object) -> str:
     return "-" if value is None else str(value)
 
 
+def _is_owner(p: ProcessInfo) -> bool:
+    """The process that created the instance (the user's ``LLM``) when it is not itself one of
+    the planned engine processes: shown, but not counted."""
+    return p.kind == "frontend" and p.planned and not p.counted
+
+
+def count_line(inst: InstanceInfo) -> str:
+    """``processes: found F of expected E``, naming any row that is shown but not counted.
+
+    For an offline ``LLM`` three rows are shown and two counted: ``processes: found 2 of
+    expected 2 (not counted: LLM pid 4972, the owner — the process that created the engine)``.
+    """
+    line = f"processes: found {inst.found_process_count} of expected {_or_dash(inst.expected_process_count)}"
+    owners = [p for p in inst.processes if _is_owner(p)]
+    if owners:
+        names = ", ".join(f"{p.role} pid {_or_dash(p.pid)}" for p in owners)
+        line += f" (not counted: {names}, the owner — the process that created the engine)"
+    return line
+
+
 def render_table(instances: list[InstanceInfo], console) -> None:
     """Print each instance as a Rich table plus its found/expected line (``console``: a Rich Console)."""
     from rich.markup import escape
@@ -388,13 +409,13 @@ def render_table(instances: list[InstanceInfo], console) -> None:
                 "  " * p.depth
                 + escape(p.role or "?")
                 + ("" if p.planned else " [yellow](unplanned)[/yellow]")
+                + (" [dim](owner)[/dim]" if _is_owner(p) else "")
             )
             rss = f"{p.rss_mib:.0f}" if p.rss_mib is not None else "-"
             table.add_row(role, _or_dash(p.pid), _or_dash(p.ppid), state, stage, _duration(p.time_in_stage_s),
                           _duration(p.uptime_s), rss, _or_dash(p.threads))  # fmt: skip
         console.print(table)
-        expected = _or_dash(inst.expected_process_count)
-        console.print(f"processes: found {inst.found_process_count} of expected {expected}")
+        console.print(escape(count_line(inst)))
         if inst.missing:
             console.print(
                 "[red]missing:[/red] " + ", ".join(f"{escape(r)} ({escape(why)})" for r, why in inst.missing)
@@ -417,7 +438,10 @@ def render_table(instances: list[InstanceInfo], console) -> None:
 
 def add_subparser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "ps", help="List running Glassbox instances and their processes.", description=DESCRIPTION
+        "ps",
+        help="List running Glassbox instances and their processes.",
+        description=DESCRIPTION,
+        formatter_class=DefaultsHelpFormatter,
     )
     p.add_argument("--all", action="store_true", help="Also show stale run directories (frontend gone).")
     p.add_argument("--json", action="store_true", help="Print the same data as JSON.")

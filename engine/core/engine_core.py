@@ -51,7 +51,12 @@ class EngineCore:
             self.log_stats = log_stats
             executor_class = executor_class or Executor.get_class(config)
             self.model_executor = executor_class(config, run_dir=run_dir)
-            self.kv_cache_config = self._initialize_kv_caches()
+            try:
+                self.kv_cache_config = self._initialize_kv_caches()
+            except BaseException:
+                # Stop the workers in order (not by their lifeline, as orphans would).
+                self.model_executor.shutdown()
+                raise
             self.scheduler = Scheduler(
                 config.scheduler_config,
                 config.cache_config,

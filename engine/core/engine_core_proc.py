@@ -31,7 +31,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from engine.config import EngineConfig
+from engine.config import ConfigError, EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.core.messages import (
     ENGINE_CORE_DEAD,
@@ -138,10 +138,21 @@ class EngineCoreProc(EngineCore):
             if root is None:
                 processes.write_crash_report(run_dir, role, e, current_stage(), payload["data_parallel_rank"])
                 root = processes.format_root_cause(run_dir, role, os.getpid(), 1)
-            logger.error("engine core failed: %s", e)
-            # A ValueError during start-up is a configuration problem (e.g. the KV cache
-            # cannot hold one request): the frontend re-raises it as a ValueError.
-            error = {"type": type(e).__name__, "message": str(e), "during_startup": engine is None}
+                if isinstance(e, ConfigError) and engine is None:
+                    # A bad setting found during start-up: the frontend reports it as one
+                    # line naming the flag; nothing more to say here.
+                    logger.debug("engine core start-up refused: %s", e)
+                else:
+                    logger.error("engine core failed: %s: %s", type(e).__name__, e)
+            else:
+                # A worker died: the frontend prints the root-cause block, once.
+                logger.error("engine core stopping: a worker died (the frontend prints the root cause)")
+            error = {
+                "type": type(e).__name__,
+                "message": str(e),
+                "flag": getattr(e, "flag", None),
+                "during_startup": engine is None,
+            }
             _send_dead(payload["output_address"], root, error)
             raise SystemExit(1) from None
         finally:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import envs
+from engine.config import ConfigError
 from engine.executor.abstract import Executor
 from engine.executor.shm_broadcast import MessageQueue, MessageQueueClosed, MessageQueueTimeout
 from engine.logger import init_logger
@@ -130,9 +131,12 @@ class MultiprocExecutor(Executor):
         for rank in ranks:
             status, value = self._receive(rank, deadline, method)
             if status != "ok":
+                if value["type"] == "ConfigError":
+                    # A bad setting found where torch lives (e.g. --device cuda without
+                    # CUDA): the caller's error, one line naming the flag, no traceback.
+                    logger.debug("%s failed in %s:\n%s", self.roles[rank], method, value["traceback"])
+                    raise ConfigError.from_message(value["message"], flag=value.get("flag") or "")
                 logger.error("%s failed in %s:\n%s", self.roles[rank], method, value["traceback"])
-                # A ValueError is a bad setting found where torch lives (e.g. --device cuda
-                # without CUDA): keep its type so the frontend reports it as the caller's error.
                 error_class = ValueError if value["type"] == "ValueError" else RuntimeError
                 raise error_class(
                     f"{self.roles[rank]} failed in {method}: {value['type']}: {value['message']}"
@@ -272,6 +276,7 @@ class WorkerProc:
                     reply = ("error", {
                         "type": type(e).__name__,
                         "message": str(e),
+                        "flag": getattr(e, "flag", None),
                         "traceback": "".join(traceback.format_exception(type(e), e, e.__traceback__)),
                     })  # fmt: skip
                 if output_rank is None or output_rank == rank:

@@ -27,7 +27,7 @@ import msgspec
 import zmq
 
 from engine import envs
-from engine.config import EngineConfig
+from engine.config import ConfigError, EngineConfig
 from engine.core.messages import (
     ENGINE_CORE_DEAD,
     TAG_HANDSHAKE,
@@ -245,11 +245,11 @@ class MPClient(EngineCoreClient):
             if root_cause is None and proc is not None:
                 root_cause = processes.format_root_cause(self.run_dir, proc.role, proc.pid, proc.poll())
             self.dead = EngineDeadError(root_cause or "the engine core died")
-            if error and error.get("during_startup") and error.get("type") in ("ValueError", "ConfigError"):
+            if error and error.get("during_startup") and error.get("type") == "ConfigError":
                 # A bad setting found by the engine (e.g. a KV budget too small for one
-                # request) is the caller's error, reported as in-process: a ValueError.
-                logger.error("engine start-up failed:\n%s", root_cause)
-                raise ValueError(error["message"]) from self.dead
+                # request) is the caller's error, raised as in-process: one ConfigError
+                # naming the flag, no root-cause block.
+                raise ConfigError.from_message(error["message"], flag=error.get("flag") or "") from None
         raise self.dead
 
     def _send(self, request_type: EngineCoreRequestType, body: bytes) -> None:

@@ -9,7 +9,7 @@ own budget and every worker gets the minimum.
 
 from __future__ import annotations
 
-from engine.config import EngineConfig
+from engine.config import ConfigError, EngineConfig, too_few_blocks_reason
 from engine.kv_cache.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 
 
@@ -21,26 +21,28 @@ def check_enough_kv_cache_memory(config: EngineConfig, spec: FullAttentionSpec, 
     """Fail fast when one ``max_model_len`` request cannot fit in the cache.
 
     Raises:
-        ValueError: no memory at all, or too little for one request; the message gives
-            the largest ``--max-model-len`` that would fit and the flags to change.
+        ConfigError (a ValueError): no memory at all, or too little for one request; the
+            message gives the largest ``--max-model-len`` that would fit and the flags to change.
     """
     max_model_len = config.model_config.max_model_len
     assert max_model_len is not None
     if available_bytes <= 0:
-        raise ValueError(
+        raise ConfigError.from_message(
             "No available memory for the cache blocks. Raise GLASSBOX_CPU_KVCACHE_SPACE, "
-            "--kv-cache-memory-bytes or --gpu-memory-utilization."
+            "--kv-cache-memory-bytes or --gpu-memory-utilization.",
+            flag="--kv-cache-memory-bytes",
         )
     # One request needs cdiv(max_model_len, block_size) blocks, plus block 0 (the null block).
     needed = (cdiv(max_model_len, spec.block_size) + 1) * spec.bytes_per_block
     if needed > available_bytes:
         fits_blocks = max(available_bytes // spec.bytes_per_block - 1, 0)
-        raise ValueError(
-            f"To serve at least one request with --max-model-len {max_model_len}, "
+        raise ConfigError.from_message(
+            f"--max-model-len: to serve at least one request with --max-model-len {max_model_len}, "
             f"{needed / (1 << 20):.2f} MiB of KV cache is needed, which is larger than the "
             f"available KV cache memory ({available_bytes / (1 << 20):.2f} MiB). The estimated "
             f"maximum model length is {fits_blocks * spec.block_size}. Try a smaller "
-            "--max-model-len or a larger GLASSBOX_CPU_KVCACHE_SPACE / --kv-cache-memory-bytes."
+            "--max-model-len or a larger GLASSBOX_CPU_KVCACHE_SPACE / --kv-cache-memory-bytes.",
+            flag="--max-model-len",
         )
 
 
@@ -50,8 +52,9 @@ def get_kv_cache_config(
     """Size the cache from each worker's budget (the minimum wins).
 
     Raises:
-        ValueError: see ``check_enough_kv_cache_memory``; also when the block override
-            leaves too few blocks for one ``max_model_len`` request.
+        ConfigError (a ValueError): see ``check_enough_kv_cache_memory``; also when the
+            block override leaves too few blocks for one ``max_model_len`` request (the
+            first process checks that too, before anything is spawned).
     """
     available = min(available_bytes)
     override = config.cache_config.num_gpu_blocks_override
@@ -61,9 +64,8 @@ def get_kv_cache_config(
         # Block 0 is the null block; one request needs cdiv(max_model_len, block_size) more.
         needed = cdiv(max_model_len, spec.block_size) + 1
         if override < needed:
-            raise ValueError(
-                f"--num-gpu-blocks-override {override} is too small: one request of "
-                f"--max-model-len {max_model_len} needs {needed} blocks (including the null block)."
+            raise ConfigError(
+                "--num-gpu-blocks-override", override, too_few_blocks_reason(max_model_len, needed)
             )
         num_blocks = override
     else:

@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from engine.config import ModelConfig
+from engine.config import ConfigError, ModelConfig
 from engine.model.llama import get_model_class
 
 _DTYPES = {
@@ -39,18 +39,20 @@ def resolve_device(device: str, local_rank: int = 0) -> torch.device:
     A CUDA device is ``cuda:<local_rank>`` (the worker's index on this machine).
 
     Raises:
-        ValueError: ``"cuda"`` was asked for and torch sees no CUDA device (a bad setting).
-        ValueError: an unknown device name.
+        ConfigError: ``"cuda"`` was asked for and torch sees no CUDA device, or an
+            unknown device name (a bad setting: the CLI reports it as one line, exit 2).
     """
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False)")
+            raise ConfigError(
+                "--device", "cuda", "torch sees no CUDA device: torch.cuda.is_available() is False"
+            )
         return torch.device("cuda", local_rank)
     if device == "cpu":
         return torch.device("cpu")
-    raise ValueError(f"--device: unknown device {device!r} (allowed: auto, cpu, cuda)")
+    raise ConfigError("--device", device, "allowed: auto, cpu, cuda")
 
 
 def resolve_dtype(dtype: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from engine import envs
-from engine.config import EngineConfig
+from engine.config import ConfigError, EngineConfig
 from engine.kv_cache.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 from engine.logger import init_logger
 from engine.model.loader import resolve_device, resolve_dtype
@@ -132,10 +132,11 @@ class Worker:
         free, total = torch.cuda.mem_get_info(self.device)
         requested = total * self.config.cache_config.gpu_memory_utilization
         if free < requested - self.model_runner.model_memory_usage:
-            raise ValueError(
-                f"Free memory on device ({free / GiB:.2f} GiB) is less than the desired "
-                f"utilization ({requested / GiB:.2f} GiB); lower --gpu-memory-utilization or "
-                "free memory used by other processes."
+            raise ConfigError(
+                "--gpu-memory-utilization",
+                self.config.cache_config.gpu_memory_utilization,
+                f"free memory on the device ({free / GiB:.2f} GiB) is less than the desired "
+                f"utilization ({requested / GiB:.2f} GiB): lower it or free memory used by other processes",
             )
         before = torch.cuda.memory_stats(self.device)["allocated_bytes.all.peak"]
         self.model_runner.profile_run()

@@ -42,6 +42,12 @@ logger = init_logger(__name__)
 
 ROLE = "APIServer_0"
 
+# Exit codes of ``glassbox serve`` (listed in its --help). A bad setting, found by any
+# process, exits 2 through the CLI (ConfigError).
+EXIT_OK = 0  # stopped by SIGTERM, or by Ctrl-C once serving
+EXIT_ENGINE_DEAD = 1  # the engine died (the root cause is printed last)
+EXIT_INTERRUPTED = 130  # Ctrl-C during start-up (128 + SIGINT)
+
 
 @dataclass
 class ServerArgs:
@@ -84,48 +90,61 @@ def run_server(config: EngineConfig, args: ServerArgs, sock: socket.socket | Non
     ``sock``: the listening socket when the caller bound it already (the CLI does, to fail
     fast on a taken port); else it is bound here.
     """
-    processes.set_process_title(ROLE)
-    set_process_role(ROLE)
-    if sock is None:
-        sock = bind_socket(args.host, args.port)
-    host, port = sock.getsockname()[:2]
-    run_dir = run_dirs.create_run_dir()
-    manifest = run_dirs.plan_tree(config, True, frontend_role=ROLE, api_server_count=1)
-    run_dirs.write_manifest(run_dir, host=host, port=port, **manifest)
-    logger.info("Bound http://%s:%d (run directory %s)", host, port, run_dir)
+    # A signal during start-up (the engine can take minutes to load) stops everything:
+    # installed first, so no signal can land between creating the run directory and
+    # being ready to clean it up.
+    startup_signal: list[int] = []
 
-    from tracing import setup_tracing
-
-    obs = config.observability_config
-    setup_tracing(ROLE, trace_file=obs.trace_file, otlp_endpoint=obs.otlp_traces_endpoint,
-                  status_file=str(run_dirs.status_file(run_dir, ROLE)))  # fmt: skip
-
-    # A signal during start-up (the engine can take minutes to load) stops everything.
     def on_signal_during_startup(signum: int, frame: object) -> None:
+        startup_signal.append(signum)
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal_during_startup)
     signal.signal(signal.SIGINT, on_signal_during_startup)
+    processes.set_process_title(ROLE)
+    set_process_role(ROLE)
     engine = None
+    run_dir: Path | None = None
     loop = _new_event_loop()
     asyncio.set_event_loop(loop)
     try:
+        if sock is None:
+            sock = bind_socket(args.host, args.port)
+        host, port = sock.getsockname()[:2]
+        run_dir = run_dirs.create_run_dir()
+        manifest = run_dirs.plan_tree(config, True, frontend_role=ROLE, api_server_count=1)
+        run_dirs.write_manifest(run_dir, host=host, port=port, **manifest)
+        logger.info("Bound http://%s:%d (run directory %s)", host, port, run_dir)
+
+        from tracing import setup_tracing
+
+        obs = config.observability_config
+        setup_tracing(ROLE, trace_file=obs.trace_file, otlp_endpoint=obs.otlp_traces_endpoint,
+                      status_file=str(run_dirs.status_file(run_dir, ROLE)))  # fmt: skip
+
         from engine.frontend.async_llm import AsyncLLM
 
         engine = AsyncLLM(config, run_dir)
         return loop.run_until_complete(_serve(engine, config, args, sock, port))
     except KeyboardInterrupt:
-        logger.info("Interrupted during start-up; stopping")
-        return 0
+        # Ctrl-C exits 130 as a shell expects (128 + SIGINT); SIGTERM is a clean stop: 0.
+        terminated = startup_signal[:1] == [signal.SIGTERM]
+        logger.info("%s during start-up; stopping", "SIGTERM" if terminated else "Interrupted")
+        return EXIT_OK if terminated else EXIT_INTERRUPTED
     except EngineDeadError as e:
         print(e.root_cause, file=sys.stderr, flush=True)
-        return 1
+        return EXIT_ENGINE_DEAD
     finally:
+        # Cleanup must finish even if a second signal arrives meanwhile.
+        signal.signal(signal.SIGTERM, _ignore_signal)
+        signal.signal(signal.SIGINT, _ignore_signal)
         if engine is not None:
             engine.shutdown()
-        sock.close()
+        if sock is not None:
+            sock.close()
         loop.close()
-        run_dirs.remove_run_dir(Path(run_dir))
+        if run_dir is not None:
+            run_dirs.remove_run_dir(Path(run_dir))
 
 
 def _new_event_loop() -> asyncio.AbstractEventLoop:
@@ -153,7 +172,7 @@ async def _serve(engine, config: EngineConfig, args: ServerArgs, sock: socket.so
             timeout_keep_alive=5,
         )
     )
-    exit_code = 0
+    exit_code = EXIT_OK
     dead: list[EngineDeadError] = []
 
     def on_engine_dead(error: EngineDeadError) -> None:
@@ -164,7 +183,7 @@ async def _serve(engine, config: EngineConfig, args: ServerArgs, sock: socket.so
                 "The engine died; staying up (GLASSBOX_KEEP_ALIVE_ON_ENGINE_DEATH=1), /health answers 503"
             )
             return
-        exit_code = 1
+        exit_code = EXIT_ENGINE_DEAD
         server.should_exit = True
 
     engine.on_engine_dead.append(on_engine_dead)

@@ -1,0 +1,84 @@
+"""Sentences of the README and docs about paths, defaults and exit codes, checked against the code.
+
+Each test reads what a user reads (README, ``--help``) and compares it with what the code
+does, so a change to one without the other fails here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _flat(text: str) -> str:
+    """Markdown text with line breaks and runs of spaces folded to one space."""
+    return re.sub(r"\s+", " ", text)
+
+
+def test_run_dir_base_order_is_what_the_readme_says(monkeypatch, tmp_path):
+    from engine.utils.run_dir import run_dir_base
+
+    readme = _flat((ROOT / "README.md").read_text())
+    assert (
+        "under `$GLASSBOX_RUN_DIR_BASE`, else `$XDG_RUNTIME_DIR`, else `/dev/shm`, else the temp dir"
+        in readme
+    )
+    explicit, xdg = tmp_path / "explicit", tmp_path / "xdg"
+    monkeypatch.setenv("GLASSBOX_RUN_DIR_BASE", str(explicit))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(xdg))
+    assert run_dir_base() == explicit
+    monkeypatch.delenv("GLASSBOX_RUN_DIR_BASE")
+    assert run_dir_base() == xdg
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    shm = Path("/dev/shm")
+    shm_usable = shm.is_dir() and os.access(shm, os.W_OK)
+    assert run_dir_base() == (shm if shm_usable else Path(tempfile.gettempdir()))
+    monkeypatch.setattr("os.path.isdir", lambda p: False if p == "/dev/shm" else Path(p).is_dir())
+    assert run_dir_base() == Path(tempfile.gettempdir())
+
+
+def test_run_dir_env_var_reference_names_the_same_order():
+    from engine import envs
+
+    doc = envs.ENV_VARS["GLASSBOX_RUN_DIR_BASE"].doc
+    assert "$XDG_RUNTIME_DIR, else /dev/shm, else the temp dir" in doc
+
+
+def test_serve_help_lists_the_exit_codes_the_server_returns():
+    from engine.entrypoints.openai import api_server
+
+    out = subprocess.run([sys.executable, "-m", "engine.cli.main", "serve", "--help"],
+                         capture_output=True, text=True, timeout=60).stdout  # fmt: skip
+    listed = dict(re.findall(r"^\s+(\d+)\s+(\S.*)$", out.split("exit status:")[1], flags=re.M))
+    assert set(listed) == {"0", "1", "2", "130"}
+    assert str(api_server.EXIT_OK) in listed and "SIGTERM" in listed[str(api_server.EXIT_OK)]
+    assert "engine died" in listed[str(api_server.EXIT_ENGINE_DEAD)]
+    assert "Ctrl-C during start-up" in listed[str(api_server.EXIT_INTERRUPTED)]
+    assert "flag" in listed["2"]
+
+
+@pytest.mark.parametrize("argv", [["serve", "--port", "99999"], ["generate", "--max-model-len", "0", "x"]])
+def test_bad_flag_exits_2_as_help_says(argv):
+    proc = subprocess.run([sys.executable, "-m", "engine.cli.main", *argv],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "error:" in proc.stderr
+
+
+def test_readme_address_and_model_name_are_the_serve_defaults():
+    from engine.cli.main import _make_parser
+    from engine.config import DEFAULT_SERVED_NAME
+
+    serve = _make_parser()._subparsers._group_actions[0].choices["serve"]
+    defaults = {a.dest: a.default for a in serve._actions}
+    readme = (ROOT / "README.md").read_text()
+    assert f"serves the bundled model on http://{defaults['host']}:{defaults['port']}" in _flat(readme)
+    assert f'"model": "{DEFAULT_SERVED_NAME}"' in readme
