@@ -47,9 +47,9 @@ format: install
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-## default-model: rebuild engine/assets/default_model from scripts/make_default_model.py
+## default-model: retrain engine/assets/default_model (scripts/train_default_model.py; ~15 min on 2 quiet cores)
 default-model: install
-	$(BIN)/python scripts/make_default_model.py
+	$(BIN)/python scripts/train_default_model.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -1,10 +1,13 @@
-"""Make the bundled default model in ``engine/assets/default_model/``.
+"""Make the bundled default model's tokenizer, config files and initial weights.
 
 The default model lets every command, test and tutorial run with no download: a tiny
 Llama-architecture checkpoint in Hugging Face layout (about 16 MB, float32) that
-transformers, Glassbox and vLLM all load. Its weights are random — it produces fluent-looking
-nonsense — so it checks *mechanics* (scheduling, paging, sampling, streaming, greedy
-equality with transformers), never quality. A trained default model is later work.
+transformers, Glassbox and vLLM all load. This script makes its tokenizer, its config files
+and its *initial* (untrained, random) weights; ``scripts/train_default_model.py`` imports it,
+trains those weights on the standard library's docstrings and documentation, and writes the
+shipped ``engine/assets/default_model/`` (the trained ``model.safetensors``, ``provenance.json``).
+To rebuild the shipped model run the training script, which runs this one's steps first; run
+this one alone only for an untrained checkpoint (``--out DIR``) or the tokenizer.
 
 What is made, and how (all reproducible: running this twice gives byte-identical
 ``model.safetensors`` and ``tokenizer.json`` with the same Python, torch and tokenizers):
@@ -21,23 +24,24 @@ What is made, and how (all reproducible: running this twice gives byte-identical
   ``tokenizer_config.json``; ``tokenizer_class`` is ``PreTrainedTokenizerFast`` so
   transformers 4 and 5 both read it without a model-specific tokenizer class.
 - **Model**: ``LlamaForCausalLM``, hidden 256, 4 layers, 8 query heads of head_dim 32 (vLLM's
-  attention kernels want at least 32), 4 KV heads (GQA), MLP 704, tied embeddings, 2048
-  positions. Weights drawn from one ``torch.Generator`` seeded with ``SEED``, parameter by
-  parameter in the model's own order: embeddings N(0, 0.05²), linear layers N(0, 0.08²),
-  RMSNorm weights 1, except the final norm at 4.0. Those scales are chosen, not trained:
-  they make the next-token distribution peaked (top-1 probability around 0.25, so greedy
-  decoding is well defined) and make greedy output depend on the whole context (changing
-  the first prompt token changes the continuation), which is what makes greedy-equality
-  tests meaningful. Saved with ``save_pretrained`` (safetensors).
+  attention kernels want at least 32), 4 KV heads (GQA, and 8 and 4 both divide by 2 for
+  ``-tp 2``), MLP 704, tied embeddings, 2048 positions: 4.0 M parameters. Initial weights
+  (:func:`initial_model`) are drawn from one ``torch.Generator`` seeded with ``SEED``,
+  parameter by parameter in the model's own order, with the usual GPT-2 scales for training
+  from scratch: embeddings and linear layers N(0, 0.02²), the projections that write into
+  the residual stream (``o_proj``, ``down_proj``) N(0, (0.02/√(2·layers))²), RMSNorm weights
+  1. Saved with ``save_pretrained`` (safetensors).
 - ``config.json`` and ``generation_config.json`` are written from the dicts below (not by
   ``save_pretrained``) so they read the same under transformers 4 and 5 (``rope_theta`` and
   ``torch_dtype`` at top level). ``generation_config.json`` lists both ``<|endoftext|>``
   and the end-of-turn ``<|im_end|>`` as EOS.
 
+The model card (``README.md`` next to the weights) is written by hand, not by a script.
+
 Usage::
 
-    python scripts/make_default_model.py            # writes engine/assets/default_model/
-    python scripts/make_default_model.py --out DIR  # somewhere else
+    python scripts/train_default_model.py           # the shipped model: all of this, then training
+    python scripts/make_default_model.py --out DIR  # an untrained checkpoint somewhere else
     python scripts/make_default_model.py --out DIR --tokenizer-only
 """
 
@@ -62,10 +66,9 @@ VOCAB_SIZE = 4096
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]  # ids 0, 1, 2
 
-# Weight scales (see the module docstring for why these values).
-EMBEDDING_STD = 0.05
-LINEAR_STD = 0.08
-FINAL_NORM_SCALE = 4.0
+# Initial weight scales (see the module docstring).
+INIT_STD = 0.02
+RESIDUAL_OUT = ("o_proj", "down_proj")  # scaled by 1/sqrt(2 * num_hidden_layers)
 
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
@@ -191,8 +194,15 @@ def write_tokenizer(out: Path) -> dict:
     }
 
 
-def write_model(out: Path) -> None:
-    """Build the random-weight ``LlamaForCausalLM`` and write weights and configs."""
+def write_configs(out: Path) -> None:
+    """``config.json`` and ``generation_config.json`` from the dicts above (see module docstring)."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "config.json", MODEL_CONFIG)
+    write_json(out / "generation_config.json", GENERATION_CONFIG)
+
+
+def initial_model():
+    """The untrained ``LlamaForCausalLM``: seeded weights at the scales in the module docstring."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -201,85 +211,59 @@ def write_model(out: Path) -> None:
     )
     model = LlamaForCausalLM(config)
     generator = torch.Generator().manual_seed(SEED)
+    residual_std = INIT_STD / (2 * config.num_hidden_layers) ** 0.5
     with torch.no_grad():
         # named_parameters lists a tied weight once, so lm_head shares the embedding draw.
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
-                param.fill_(FINAL_NORM_SCALE if name == "model.norm.weight" else 1.0)
+                param.fill_(1.0)
             else:
-                std = EMBEDDING_STD if "embed_tokens" in name else LINEAR_STD
+                std = residual_std if any(k in name for k in RESIDUAL_OUT) else INIT_STD
                 param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float32) * std)
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr(), "weights not tied"
+    return model
+
+
+def save_model(model, out: Path) -> None:
+    """Write ``model.safetensors`` (float32) and our own config files (see module docstring)."""
     model.save_pretrained(str(out))
     (out / "model.safetensors").chmod(0o644)  # transformers 5 writes it owner-only
-    # Our own config files, identical under transformers 4 and 5 (see module docstring).
-    write_json(out / "config.json", MODEL_CONFIG)
-    write_json(out / "generation_config.json", GENERATION_CONFIG)
+    write_configs(out)
 
 
-README = """\
-# The bundled default model
-
-A tiny Llama-architecture checkpoint (Hugging Face layout) so that Glassbox runs with no
-download. **The weights are random**: output is fluent-looking nonsense. It exists to exercise
-the engine's mechanics (scheduling, paged KV cache, sampling, streaming, greedy equality with
-transformers), not to answer questions. A trained default model is later work.
-
-Made by `scripts/make_default_model.py` (its docstring explains every choice); regenerate with
-
-    python scripts/make_default_model.py
-
-- `config.json`: LlamaForCausalLM, hidden 256, 4 layers, 8 heads of head_dim 32, 4 KV heads,
-  MLP 704, vocabulary {vocab_size}, tied embeddings, 2048 positions, float32.
-- `model.safetensors`: random weights, seed {seed}: embeddings N(0, {embedding_std}²), linear
-  layers N(0, {linear_std}²), final norm weight {final_norm}, so that greedy decoding is peaked
-  and depends on the whole context.
-- `generation_config.json`: EOS ids 0 (`<|endoftext|>`) and 2 (`<|im_end|>`, end of a chat turn).
-- `tokenizer.json`: byte-level BPE, {vocab_size} tokens; `<|endoftext|>` = 0, `<|im_start|>` = 1,
-  `<|im_end|>` = 2; nothing is prepended on encode (no BOS).
-- `tokenizer_config.json`: `PreTrainedTokenizerFast`, the special tokens, a ChatML chat template.
-- `provenance.json`: the interpreter, library versions and corpus hash it was made with.
-
-The tokenizer was trained on the docstrings of Python {python}'s standard library top-level
-modules ({corpus_files} files, corpus SHA-256 `{corpus_sha256_short}…`). Another Python patch
-release may differ in a docstring and so give a slightly different vocabulary; the shipped files
-stay valid either way.
-"""
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory")
-    parser.add_argument("--tokenizer-only", action="store_true", help="write only the tokenizer files")
-    args = parser.parse_args(argv)
-    out: Path = args.out
-    provenance = write_tokenizer(out)
-    if args.tokenizer_only:
-        return 0
-    write_model(out)
+def library_versions() -> dict:
     import tokenizers
     import torch
     import transformers
 
-    provenance.update(
-        seed=SEED,
-        torch=torch.__version__,
-        transformers=transformers.__version__,
-        tokenizers=tokenizers.__version__,
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "tokenizers": tokenizers.__version__,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help="output directory (required for weights)"
     )
-    write_json(out / "provenance.json", provenance)
-    (out / "README.md").write_text(
-        README.format(
-            vocab_size=VOCAB_SIZE,
-            seed=SEED,
-            embedding_std=EMBEDDING_STD,
-            linear_std=LINEAR_STD,
-            final_norm=FINAL_NORM_SCALE,
-            python=provenance["python"],
-            corpus_files=provenance["corpus_files"],
-            corpus_sha256_short=provenance["corpus_sha256"][:16],
+    parser.add_argument("--tokenizer-only", action="store_true", help="write only the tokenizer files")
+    args = parser.parse_args(argv)
+    out: Path = args.out
+    if not args.tokenizer_only and out.resolve() == DEFAULT_OUT.resolve():
+        print(
+            f"{DEFAULT_OUT} ships trained weights: rebuild it with scripts/train_default_model.py "
+            "(pass --out DIR here for an untrained checkpoint)",
+            file=sys.stderr,
         )
-    )
+        return 2
+    provenance = write_tokenizer(out)
+    if args.tokenizer_only:
+        return 0
+    save_model(initial_model(), out)
+    provenance.update(seed=SEED, weights="initial (untrained)", **library_versions())
+    write_json(out / "provenance.json", provenance)
     total = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     print(f"wrote {out} ({total / 2**20:.1f} MiB)", file=sys.stderr)
     return 0

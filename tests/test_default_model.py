@@ -1,9 +1,14 @@
-"""The bundled default model loads in transformers, tokenizes any text, and is reproducible."""
+"""The bundled default model: loads in transformers, tokenizes any text, is reproducible, is trained.
+
+The model card (``engine/assets/default_model/README.md``) states the held-out perplexity bound
+and the greedy continuation checked here; ``scripts/train_default_model.py`` made the weights.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import platform
 from pathlib import Path
 
@@ -11,10 +16,24 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
+from engine import LLM, SamplingParams
 from engine.config import DEFAULT_MODEL, ModelConfig
 
 MODEL_DIR = Path(DEFAULT_MODEL)
 REPO = Path(__file__).resolve().parent.parent
+
+# The model card's numbers: the held-out perplexity bound and the greedy continuation.
+HELDOUT_PERPLEXITY_BOUND = 120.0
+GREEDY_PROMPT = "Return the"
+GREEDY_CONTINUATION = " value for the given object, or None if the\ntarget object is not found."
+CARD_PROMPTS = ["Return the", "The following", "This module"]
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _read(name: str) -> dict:
@@ -107,14 +126,61 @@ def test_tokenizer_is_reproducible(tmp_path):
     provenance = _read("provenance.json")
     if platform.python_version() != provenance["python"]:
         pytest.skip(f"the tokenizer was trained on Python {provenance['python']}'s standard library")
-    spec = importlib.util.spec_from_file_location(
-        "make_default_model", REPO / "scripts" / "make_default_model.py"
-    )
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    made = script.write_tokenizer(tmp_path)
+    made = _script("make_default_model").write_tokenizer(tmp_path)
     assert made["corpus_sha256"] == provenance["corpus_sha256"]
     assert (tmp_path / "tokenizer.json").read_bytes() == (MODEL_DIR / "tokenizer.json").read_bytes()
     assert (tmp_path / "tokenizer_config.json").read_bytes() == (
         MODEL_DIR / "tokenizer_config.json"
     ).read_bytes()
+
+
+def test_heldout_perplexity_is_below_the_card_bound(model):
+    """Recompute the held-out corpus from this interpreter's standard library and score a slice."""
+    train = _script("train_default_model")
+    _, heldout = train.corpus()
+    ids = train.token_stream(train.load_tokenizer(MODEL_DIR), heldout)
+    loss, count = train.heldout_loss(model, ids, train.TEST_TOKENS)
+    assert count == train.TEST_TOKENS - 1
+    assert math.exp(loss) < HELDOUT_PERPLEXITY_BOUND
+    training = _read("provenance.json")["training"]
+    if platform.python_version() == _read("provenance.json")["python"]:  # the very text it was scored on
+        assert train.sha256(heldout) == training["heldout_sha256"]
+        assert math.exp(loss) == pytest.approx(training["heldout_test_perplexity"], rel=1e-3)
+    assert training["heldout_perplexity"] < HELDOUT_PERPLEXITY_BOUND
+
+
+@pytest.fixture(scope="module")
+def glassbox():
+    with LLM(max_model_len=512) as llm:
+        yield llm
+
+
+def test_greedy_continuation_is_fixed_readable_text(glassbox):
+    params = SamplingParams(temperature=0, max_tokens=18)
+    out = glassbox.generate([GREEDY_PROMPT], params, use_tqdm=False)[0].outputs[0]
+    assert out.text == GREEDY_CONTINUATION
+    # It learned <|endoftext|> between documents, so a passage can end before max_tokens.
+    ended = glassbox.generate(["This module"], SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)
+    assert ended[0].outputs[0].finish_reason == "stop"
+    assert ended[0].outputs[0].text.endswith("Use find_spec() instead.")
+
+
+def test_transformers_and_glassbox_agree_token_for_token(glassbox, tokenizer):
+    from tiny_models import hf_greedy
+
+    prompts = [tokenizer.encode(p) for p in CARD_PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    ours = [o.outputs[0].token_ids for o in glassbox.generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]  # fmt: skip
+    assert [list(t) for t in ours] == [hf_greedy(MODEL_DIR, p, 32) for p in prompts]
+
+
+def test_readme_and_model_card_quote_the_real_greedy_continuation():
+    """The sample the README and the card show is the one the test above pins (whitespace folded)."""
+
+    def flat(text: str) -> str:
+        return " ".join(text.split())
+
+    expected = flat(f'`"{GREEDY_PROMPT}"` → `"{GREEDY_CONTINUATION}"`')
+    assert expected in flat((REPO / "README.md").read_text())
+    assert str(HELDOUT_PERPLEXITY_BOUND).rstrip("0").rstrip(".") in (MODEL_DIR / "README.md").read_text()

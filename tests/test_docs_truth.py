@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+CLI = [sys.executable, "-m", "engine.cli.main"]
 
 
 def _flat(text: str) -> str:
@@ -82,3 +83,18 @@ def test_readme_address_and_model_name_are_the_serve_defaults():
     readme = (ROOT / "README.md").read_text()
     assert f"serves the bundled model on http://{defaults['host']}:{defaults['port']}" in _flat(readme)
     assert f'"model": "{DEFAULT_SERVED_NAME}"' in readme
+
+
+def test_generate_help_lists_its_exit_codes_and_a_bad_setting_found_by_the_worker_exits_2():
+    out = subprocess.run([sys.executable, "-m", "engine.cli.main", "generate", "--help"],
+                         capture_output=True, text=True, timeout=60).stdout  # fmt: skip
+    listed = dict(re.findall(r"^\s+(\d+)\s+(\S.*)$", out.split("exit status:")[1], flags=re.M))
+    assert set(listed) == {"0", "1", "2", "130"}
+    if __import__("torch").cuda.is_available():
+        return
+    proc = subprocess.run(
+        [*CLI, "generate", "hi", "--device", "cuda"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("glassbox generate: error: --device:")
+    assert "Traceback" not in proc.stderr and "root cause" not in proc.stderr

@@ -10,7 +10,15 @@ from engine.engine_args import EngineArgs
 
 DESCRIPTION = """Generate completions for PROMPT(s) with the offline engine (the same scheduler,
 KV cache and worker lifecycle as the server) and print them. Uses the bundled tiny model
-unless --model is given. Its weights are random, so expect fluent-looking nonsense."""
+unless --model is given: trained on Python's standard-library docstrings, it continues text in
+that style but does not follow chat instructions."""
+
+
+EXIT_STATUS = """exit status:
+  0    every prompt was answered
+  1    the engine died (the root cause is printed last)
+  2    a bad flag or setting, found before or during start-up (one line naming the flag)
+  130  interrupted by Ctrl-C"""
 
 
 def add_subparser(sub: argparse._SubParsersAction) -> None:
@@ -18,6 +26,7 @@ def add_subparser(sub: argparse._SubParsersAction) -> None:
         "generate",
         help="Generate text offline from prompts.",
         description=DESCRIPTION,
+        epilog=EXIT_STATUS,
         formatter_class=DefaultsHelpFormatter,
     )
     p.add_argument("prompts", nargs="*", metavar="PROMPT", help="Prompt text (several allowed).")
