@@ -30,9 +30,10 @@ from typing import Any
 import psutil
 
 from engine.cli.help_formatter import DefaultsHelpFormatter
+from engine.distributed import topology
 from engine.utils import run_dir as run_dirs
 
-TITLE_PREFIX = "glassbox::"
+TITLE_PREFIX = topology.TITLE_PREFIX
 # Roles the process-count formula counts. The offline LLM's process is the user's own, so
 # it counts as nothing — except in "inproc" mode, where the whole engine runs inside it.
 COUNTED_KINDS = ("api_server", "engine_core", "worker", "coordinator", "dp_coordinator")
@@ -204,8 +205,8 @@ def collect_instance(run_dir: Path) -> InstanceInfo:
                 continue
             seen.add(child.pid)
             title = _title(child)
-            if title is not None and title.startswith(TITLE_PREFIX):
-                role = title[len(TITLE_PREFIX) :].split()[0]
+            role = topology.name_from_title(title)
+            if role is not None:
                 row = by_role.get(role)
                 if row is None or row.alive:  # not planned, or a second process with one role
                     row = ProcessInfo(
@@ -233,15 +234,10 @@ def collect_instance(run_dir: Path) -> InstanceInfo:
 
 
 def _kind(entry: dict[str, Any]) -> str:
-    """A role's kind: the manifest's, else read off the role name."""
+    """A role's kind: the manifest's, else read off the role name (``unknown`` if it is not one)."""
     if entry.get("kind"):
         return entry["kind"]
-    role = entry.get("role") or ""
-    for prefix, kind in (("APIServer", "api_server"), ("EngineCore", "engine_core"), ("Worker", "worker"),
-                         ("DPCoordinator", "coordinator"), ("LLM", "frontend")):  # fmt: skip
-        if role.startswith(prefix):
-            return kind
-    return "unknown"
+    return topology.kind_of(entry.get("role") or "")
 
 
 def _counts(kind: str, mode: str | None) -> bool:

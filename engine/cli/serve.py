@@ -12,12 +12,16 @@ import argparse
 import json
 
 from engine.cli.help_formatter import DefaultsHelpFormatter
+from engine.distributed.topology import ProcessRole
 from engine.engine_args import EngineArgs
 
-DESCRIPTION = """Serve a model over an OpenAI-compatible HTTP API (/v1/completions,
-/v1/chat/completions, /v1/models, ...). Starts three processes: glassbox::APIServer_0 (this
-one: HTTP, tokenization, streaming), glassbox::EngineCore_DP0 (scheduler, KV cache) and
-glassbox::Worker_DP0_PP0_TP0 (the model). Uses the bundled tiny model unless MODEL is given."""
+# The default tree's titles, named by the topology plan's roles.
+_API, _CORE, _WORKER = (r.title for r in (ProcessRole.api_server(0), ProcessRole.engine_core(0),
+                                          ProcessRole.worker(0, 0, 0)))  # fmt: skip
+DESCRIPTION = f"""Serve a model over an OpenAI-compatible HTTP API (/v1/completions,
+/v1/chat/completions, /v1/models, ...). Starts three processes: {_API} (this
+one: HTTP, tokenization, streaming), {_CORE} (scheduler, KV cache) and
+{_WORKER} (the model). Uses the bundled tiny model unless MODEL is given."""
 
 EXIT_STATUS = """exit status:
   0    stopped by SIGTERM, or by Ctrl-C once serving (the whole tree stopped cleanly)

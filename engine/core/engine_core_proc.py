@@ -42,6 +42,7 @@ from engine.core.messages import (
     EngineCoreRequestType,
     EngineHandshake,
 )
+from engine.distributed.topology import ProcessRole
 from engine.logger import init_logger
 from engine.utils import processes
 from engine.utils import run_dir as run_dirs
@@ -74,7 +75,7 @@ class EngineCoreProc(EngineCore):
     ) -> None:
         self.run_dir = run_dir
         self.data_parallel_rank = data_parallel_rank
-        self.role = f"EngineCore_DP{data_parallel_rank}"
+        self.role = ProcessRole.engine_core(data_parallel_rank).name
         self.input_queue: queue.Queue[tuple[EngineCoreRequestType, Any]] = queue.Queue()
         self.output_queue: queue.Queue[list[bytes] | None] = queue.Queue()
         self.ctx = zmq.Context()

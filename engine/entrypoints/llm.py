@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from engine import envs
+from engine.distributed import topology
 from engine.engine_args import EngineArgs, drop_vllm_compat_kwargs
 from engine.frontend.core_client import EngineCoreClient
 from engine.frontend.input_processor import InputProcessor
@@ -61,26 +62,26 @@ class LLM:
             kwargs["model"] = model
         engine_args = EngineArgs(**drop_vllm_compat_kwargs(kwargs))
         self.config = engine_args.create_engine_config(usage_context="llm")
+        # Every process this LLM owns (itself first), named once, before anything starts.
+        self.topology = topology.plan(self.config, multiprocess=envs.GLASSBOX_ENABLE_MULTIPROCESSING)
         self.run_dir = run_dirs.create_run_dir()
         self._closed = False
         obs = self.config.observability_config
         previous = get_handle()
         self.tracing = setup_tracing(
-            "LLM",
+            self.topology.owner.name,
             trace_file=obs.trace_file,
             otlp_endpoint=obs.otlp_traces_endpoint,
             # A test that collects spans in memory keeps doing so across engines.
             in_memory=previous is not None and previous.in_memory is not None,
-            status_file=str(run_dirs.status_file(self.run_dir, "LLM")),
+            status_file=str(run_dirs.status_file(self.run_dir, self.topology.owner)),
         )
         try:
             with stage(
                 catalogue.LLM_INIT, **{catalogue.ATTR_MODEL_NAME: self.config.model_config.served_model_name}
             ):
                 multiprocess = envs.GLASSBOX_ENABLE_MULTIPROCESSING
-                run_dirs.write_manifest(
-                    self.run_dir, **run_dirs.plan_tree(self.config, multiprocess, frontend_role="LLM")
-                )
+                run_dirs.write_manifest(self.run_dir, **run_dirs.plan_tree(self.topology))
                 self.tokenizer = get_tokenizer(self.config.model_config.tokenizer)
                 if self.config.model_config.chat_template is not None:  # --chat-template / chat_template=
                     self.tokenizer.chat_template = self.config.model_config.chat_template

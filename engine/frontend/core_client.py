@@ -38,6 +38,7 @@ from engine.core.messages import (
     EngineCoreRequestType,
     EngineHandshake,
 )
+from engine.distributed import topology
 from engine.logger import init_logger
 from engine.utils import processes
 from engine.utils import run_dir as run_dirs
@@ -137,7 +138,10 @@ class MPClient(EngineCoreClient):
         self.output_socket = self.ctx.socket(zmq.PULL)
         self.output_socket.setsockopt(zmq.LINGER, 0)
         self.output_socket.bind(self.output_address)
-        self.engine_identity = (0).to_bytes(2, "little")
+        # The engine core this client talks to: DP rank 0, the only one until data
+        # parallelism lands (issue 8); its DEALER identity is its DP rank.
+        self.engine_role = topology.plan(config).engine_cores[0]
+        self.engine_identity = self.engine_role.dp_rank.to_bytes(2, "little")
         self.encoder = msgspec.msgpack.Encoder()
         self.outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         self.pending: deque[EngineCoreOutputs] = deque()
@@ -163,11 +167,11 @@ class MPClient(EngineCoreClient):
                 "config": self.config,
                 "input_address": self.input_address,
                 "output_address": self.output_address,
-                "data_parallel_rank": 0,
+                "data_parallel_rank": self.engine_role.dp_rank,
                 "trace_headers": inject_trace_headers(),
             }
             self.engine_proc = processes.spawn_process(
-                "EngineCore_DP0",
+                self.engine_role.name,
                 "engine.core.engine_core_proc:EngineCoreProc.run_engine_core",
                 payload,
                 self.run_dir,
@@ -187,7 +191,8 @@ class MPClient(EngineCoreClient):
 
             try:
                 # The bounded-wait helper: a deadline, a name, and wait events for telemetry.
-                wait_for("READY from EngineCore_DP0", handshake_step, timeout_s=timeout, poll_interval_s=0)
+                awaited = f"READY from {self.engine_role.name}"
+                wait_for(awaited, handshake_step, timeout_s=timeout, poll_interval_s=0)
             except WaitTimeout:
                 raise TimeoutError(self._startup_timeout_message(timeout, "HELLO" in seen)) from None
             ready = seen["READY"]
@@ -417,11 +422,7 @@ def describe_laggard(run_dir: Path) -> str:
     """
     from tracing import read_status_file
 
-    try:
-        roles = [r["role"] for r in run_dirs.read_manifest(run_dir).get("roles", [])]
-    except (OSError, ValueError):
-        roles = []
-    engine_roles = [r for r in roles if r.startswith(("EngineCore", "Worker"))]
+    engine_roles = [r.name for r in run_dirs.planned_roles(run_dir) if r.in_engine]
     now = time.time()
     statuses = {role: read_status_file(run_dirs.status_file(run_dir, role)) for role in engine_roles}
     in_stage = [role for role in engine_roles if (statuses[role] or {}).get("stage")]

@@ -41,7 +41,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-TITLE_PREFIX = "glassbox"
 _LEN = struct.Struct("<Q")
 
 
@@ -57,11 +56,18 @@ class EngineDeadError(RuntimeError):
 
 
 def set_process_title(role: str) -> None:
-    """``glassbox::<role>`` in ps/top (vLLM: ``set_process_title``)."""
+    """``glassbox::<role>`` in ps/top (vLLM: ``set_process_title``).
+
+    Raises:
+        ValueError: ``role`` is not a role name (``engine/distributed/topology.py``).
+    """
+    from engine.distributed.topology import ProcessRole
+
+    title = ProcessRole.parse(role).title
     try:
         import setproctitle
 
-        setproctitle.setproctitle(f"{TITLE_PREFIX}::{role}")
+        setproctitle.setproctitle(title)
     except ImportError:  # pragma: no cover - setproctitle is a dependency
         pass
 
@@ -187,10 +193,11 @@ def format_root_cause(
     run_dir: Path, role: str, pid: int | None, returncode: int | None, rank: int | None = None, note: str = ""
 ) -> str:
     """One block naming the process that died first: role, rank, pid, stage, exit, exception."""
+    from engine.utils import run_dir as run_dirs
     from tracing import read_status_file
 
     crash = read_crash_report(run_dir, role) or {}
-    status = read_status_file(Path(run_dir) / f"{role}.status.json") or {}
+    status = read_status_file(run_dirs.status_file(Path(run_dir), role)) or {}
     stage = crash.get("stage") or status.get("stage")
     if not stage:
         # Step stages are not written to the status file (too frequent), so a process

@@ -22,9 +22,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from engine.distributed.topology import STATUS_SUFFIX, ProcessRole, TopologyPlan
+
 RUN_DIR_PREFIX = "glassbox-"
 MANIFEST = "manifest.json"
-STATUS_SUFFIX = ".status.json"
 # create_run_dir names a directory glassbox-<creator pid>-<random>.
 _RUN_DIR_NAME = re.compile(rf"^{re.escape(RUN_DIR_PREFIX)}(\d+)-")
 
@@ -50,9 +51,11 @@ def create_run_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-", dir=base))
 
 
-def status_file(run_dir: Path, role: str) -> Path:
-    """Where process ``role`` records its current stage."""
-    return run_dir / f"{role}{STATUS_SUFFIX}"
+def status_file(run_dir: Path, role: str | ProcessRole) -> Path:
+    """Where process ``role`` (a ``ProcessRole`` or its name) records its current stage."""
+    if isinstance(role, ProcessRole):
+        return Path(run_dir) / role.status_file_name
+    return Path(run_dir) / f"{role}{STATUS_SUFFIX}"
 
 
 def status_files(run_dir: Path) -> dict[str, Path]:
@@ -132,30 +135,31 @@ def remove_run_dir(run_dir: Path) -> None:
     shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def plan_tree(config, multiprocess: bool, frontend_role: str, api_server_count: int = 0) -> dict:
-    """The manifest fields of the planned process tree (roles, expected count).
+def plan_tree(plan: TopologyPlan) -> dict:
+    """The manifest fields of the planned process tree: roles, expected count, shape.
 
-    Expected count = A + DP + N (+1 when DP > 1): A API servers, DP engine cores, N workers
-    (N = DP × PP × TP when the workers run in their own processes, else 0). An offline
-    ``LLM`` is not an API server, so it is not counted.
+    Everything comes from ``plan`` (``engine/distributed/topology.py``): the roles in start-up
+    order and the expected count, A + DP + N (+1 when DP > 1) — A API servers, DP engine
+    cores, N workers (N = DP × PP × TP when the workers run in their own processes, else 0).
+    An offline ``LLM`` is not an API server, so it is not counted (except in ``inproc`` mode,
+    where it is the whole engine).
     """
-    pc = config.parallel_config
-    dp, world = pc.data_parallel_size, pc.world_size
-    roles: list[dict] = [{"role": frontend_role, "kind": "api_server" if api_server_count else "frontend"}]
-    if not multiprocess:
-        return {"mode": "inproc", "frontend_pid": os.getpid(), "roles": roles, "expected_process_count": 1,
-                "api_server_count": 0, "data_parallel_size": dp, "world_size": world}  # fmt: skip
-    workers_in_processes = pc.distributed_executor_backend == "mp"
-    for k in range(dp):
-        roles.append({"role": f"EngineCore_DP{k}", "rank": k, "kind": "engine_core"})
-        if workers_in_processes:
-            for p in range(pc.pipeline_parallel_size):
-                for t in range(pc.tensor_parallel_size):
-                    roles.append({"role": f"Worker_DP{k}_PP{p}_TP{t}", "rank": p * pc.tensor_parallel_size + t,
-                                  "kind": "worker"})  # fmt: skip
-    if dp > 1:
-        roles.append({"role": "DPCoordinator", "kind": "dp_coordinator"})
-    expected = api_server_count + dp + (dp * world if workers_in_processes else 0) + (1 if dp > 1 else 0)
-    return {"mode": "serve" if api_server_count else "mp", "frontend_pid": os.getpid(), "roles": roles,
-            "expected_process_count": expected, "api_server_count": api_server_count,
-            "data_parallel_size": dp, "world_size": world}  # fmt: skip
+    return {"mode": plan.mode, "frontend_pid": os.getpid(), "roles": plan.manifest_roles(),
+            "expected_process_count": plan.expected_process_count, "api_server_count": plan.api_server_count,
+            "data_parallel_size": plan.data_parallel_size, "world_size": plan.world_size}  # fmt: skip
+
+
+def planned_roles(run_dir: Path) -> list[ProcessRole]:
+    """The roles the manifest plans, in its order (empty when it is missing or unreadable;
+    names that are not roles are skipped)."""
+    try:
+        entries = read_manifest(run_dir).get("roles", [])
+    except (OSError, ValueError):
+        return []
+    roles = []
+    for entry in entries:
+        try:
+            roles.append(ProcessRole.parse(entry.get("role")))
+        except (ValueError, AttributeError):
+            continue
+    return roles

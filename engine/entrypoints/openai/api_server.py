@@ -33,14 +33,13 @@ from pathlib import Path
 
 from engine import envs
 from engine.config import EngineConfig
+from engine.distributed import topology
 from engine.logger import init_logger, set_process_role
 from engine.utils import processes
 from engine.utils import run_dir as run_dirs
 from engine.utils.processes import EngineDeadError
 
 logger = init_logger(__name__)
-
-ROLE = "APIServer_0"
 
 # Exit codes of ``glassbox serve`` (listed in its --help). A bad setting, found by any
 # process, exits 2 through the CLI (ConfigError).
@@ -101,8 +100,12 @@ def run_server(config: EngineConfig, args: ServerArgs, sock: socket.socket | Non
 
     signal.signal(signal.SIGTERM, on_signal_during_startup)
     signal.signal(signal.SIGINT, on_signal_during_startup)
-    processes.set_process_title(ROLE)
-    set_process_role(ROLE)
+    # Every process of the tree, named once. This process is APIServer_0, the only API
+    # server until several exist (issue 8); it owns the run directory.
+    plan = topology.plan(config, frontend="serve", api_server_count=1)
+    role = plan.api_servers[0]
+    processes.set_process_title(role.name)
+    set_process_role(role.name)
     engine = None
     run_dir: Path | None = None
     loop = _new_event_loop()
@@ -112,15 +115,15 @@ def run_server(config: EngineConfig, args: ServerArgs, sock: socket.socket | Non
             sock = bind_socket(args.host, args.port)
         host, port = sock.getsockname()[:2]
         run_dir = run_dirs.create_run_dir()
-        manifest = run_dirs.plan_tree(config, True, frontend_role=ROLE, api_server_count=1)
+        manifest = run_dirs.plan_tree(plan)
         run_dirs.write_manifest(run_dir, host=host, port=port, **manifest)
         logger.info("Bound http://%s:%d (run directory %s)", host, port, run_dir)
 
         from tracing import setup_tracing
 
         obs = config.observability_config
-        setup_tracing(ROLE, trace_file=obs.trace_file, otlp_endpoint=obs.otlp_traces_endpoint,
-                      status_file=str(run_dirs.status_file(run_dir, ROLE)))  # fmt: skip
+        setup_tracing(role.name, trace_file=obs.trace_file, otlp_endpoint=obs.otlp_traces_endpoint,
+                      status_file=str(run_dirs.status_file(run_dir, role)))  # fmt: skip
 
         from engine.frontend.async_llm import AsyncLLM
 

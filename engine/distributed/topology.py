@@ -1,0 +1,440 @@
+"""The one topology plan: every Glassbox process, its role, ranks, title, log prefix and status file.
+
+With A API servers, DP engine cores, PP pipeline stages and TP tensor-parallel ranks the
+multiprocess tree has A + DP + DP·PP·TP processes, plus one DP coordinator when DP > 1
+(``-tp 2 -dp 4`` → 4 + 4 + 8 + 1 = 17). ``plan(config)`` lists them; a ``ProcessRole`` knows
+its name and everything derived from it::
+
+    kind            name                      title                               rank in engine
+    api_server      APIServer_<i>             glassbox::APIServer_<i>             -
+    engine_core     EngineCore_DP<k>          glassbox::EngineCore_DP<k>          -
+    worker          Worker_DP<k>_PP<p>_TP<t>  glassbox::Worker_DP<k>_PP<p>_TP<t>  p · TP + t
+    dp_coordinator  DPCoordinator             glassbox::DPCoordinator             -
+    frontend        LLM                       (the user's own process)            -
+
+This module is the only place that formats a role name (``ProcessRole.name``) or parses one
+(``ProcessRole.parse``), and the only place that turns (pp, tp) into a worker rank. The
+manifest (``engine/utils/run_dir.py``), the executors, the engine-core client, ``glassbox ps``
+and the start-up laggard search all read roles from here.
+
+The ``frontend`` kind is the offline ``LLM``'s process: it owns the engine but is the user's
+process, so it is not counted — except in ``inproc`` mode (``GLASSBOX_ENABLE_MULTIPROCESSING=0``),
+where the engine core runs inside it: it is then the one process, or the one beside the ``mp``
+executor's workers (tensor parallelism).
+
+Torch-free and cheap to import (enum, re, msgspec). vLLM spreads the same knowledge over
+``vllm/v1/engine/utils.py`` (``CoreEngineProcManager``: ``EngineCore_DP{k}``),
+``vllm/v1/executor/multiproc_executor.py`` (worker names, ``rank = pp * tp_size + tp``) and
+``vllm/entrypoints/cli/serve.py`` (``ApiServer_{i}``); Glassbox keeps it in one plan.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from typing import Any
+
+import msgspec
+
+TITLE_PREFIX = "glassbox::"
+STATUS_SUFFIX = ".status.json"
+FRONTEND_NAME = "LLM"
+COORDINATOR_NAME = "DPCoordinator"
+
+# Canonical decimal (no leading zeros), so that parse(name).name == name.
+_N = r"(0|[1-9][0-9]*)"
+_API_SERVER = re.compile(rf"APIServer_{_N}")
+_ENGINE_CORE = re.compile(rf"EngineCore_DP{_N}")
+_WORKER = re.compile(rf"Worker_DP{_N}_PP{_N}_TP{_N}")
+
+
+class RoleKind(str, enum.Enum):
+    """What a process does. The values are the manifest's ``kind`` strings."""
+
+    API_SERVER = "api_server"
+    ENGINE_CORE = "engine_core"
+    WORKER = "worker"
+    DP_COORDINATOR = "dp_coordinator"
+    FRONTEND = "frontend"  # the offline LLM's (the user's) process
+
+
+class ProcessRole(msgspec.Struct, frozen=True):
+    """One process of the tree: its kind and ranks. Build with the class methods.
+
+    Attributes:
+        kind: what the process does.
+        dp_rank: the engine (data-parallel rank) of an engine core or worker; else None.
+        pp_rank, tp_rank: a worker's pipeline stage and tensor-parallel rank; else None.
+        api_index: an API server's index; else None.
+    """
+
+    kind: RoleKind
+    dp_rank: int | None = None
+    pp_rank: int | None = None
+    tp_rank: int | None = None
+    api_index: int | None = None
+
+    def __post_init__(self) -> None:
+        needs = {
+            RoleKind.API_SERVER: ("api_index",),
+            RoleKind.ENGINE_CORE: ("dp_rank",),
+            RoleKind.WORKER: ("dp_rank", "pp_rank", "tp_rank"),
+            RoleKind.DP_COORDINATOR: (),
+            RoleKind.FRONTEND: (),
+        }[self.kind]
+        for field in ("dp_rank", "pp_rank", "tp_rank", "api_index"):
+            value = getattr(self, field)
+            if field in needs:
+                if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                    raise ValueError(f"a {self.kind.value} role needs {field} >= 0, got {value!r}")
+            elif value is not None:
+                raise ValueError(f"a {self.kind.value} role has no {field} (got {value!r})")
+
+    # ------------------------------------------------------------------ constructors
+
+    @classmethod
+    def api_server(cls, index: int) -> ProcessRole:
+        return cls(RoleKind.API_SERVER, api_index=index)
+
+    @classmethod
+    def engine_core(cls, dp_rank: int) -> ProcessRole:
+        return cls(RoleKind.ENGINE_CORE, dp_rank=dp_rank)
+
+    @classmethod
+    def worker(cls, dp_rank: int, pp_rank: int, tp_rank: int) -> ProcessRole:
+        return cls(RoleKind.WORKER, dp_rank=dp_rank, pp_rank=pp_rank, tp_rank=tp_rank)
+
+    @classmethod
+    def worker_of_rank(cls, dp_rank: int, rank: int, tensor_parallel_size: int) -> ProcessRole:
+        """The worker with rank ``rank`` inside engine ``dp_rank`` (inverse of ``worker_rank``)."""
+        if tensor_parallel_size < 1 or rank < 0:
+            raise ValueError(f"no worker rank {rank} with tensor_parallel_size={tensor_parallel_size}")
+        return cls.worker(dp_rank, rank // tensor_parallel_size, rank % tensor_parallel_size)
+
+    @classmethod
+    def dp_coordinator(cls) -> ProcessRole:
+        return cls(RoleKind.DP_COORDINATOR)
+
+    @classmethod
+    def frontend(cls) -> ProcessRole:
+        return cls(RoleKind.FRONTEND)
+
+    @classmethod
+    def parse(cls, name: str) -> ProcessRole:
+        """The role named ``name`` (``Worker_DP1_PP0_TP1`` → worker, dp 1, pp 0, tp 1).
+
+        Raises:
+            ValueError: ``name`` is not a role name; the message quotes it.
+        """
+        if isinstance(name, str):
+            if m := _WORKER.fullmatch(name):
+                return cls.worker(int(m[1]), int(m[2]), int(m[3]))
+            if m := _ENGINE_CORE.fullmatch(name):
+                return cls.engine_core(int(m[1]))
+            if m := _API_SERVER.fullmatch(name):
+                return cls.api_server(int(m[1]))
+            if name == COORDINATOR_NAME:
+                return cls.dp_coordinator()
+            if name == FRONTEND_NAME:
+                return cls.frontend()
+        raise ValueError(
+            f"not a Glassbox process role: {name!r} (expected APIServer_<i>, EngineCore_DP<k>, "
+            f"Worker_DP<k>_PP<p>_TP<t>, {COORDINATOR_NAME} or {FRONTEND_NAME})"
+        )
+
+    @classmethod
+    def from_title(cls, title: str) -> ProcessRole:
+        """The role of a process titled ``glassbox::<name>`` (anything after a space is ignored).
+
+        Raises:
+            ValueError: not a Glassbox title, or not a role name.
+        """
+        name = name_from_title(title)
+        if name is None:
+            raise ValueError(f"not a Glassbox process title: {title!r}")
+        return cls.parse(name)
+
+    # ------------------------------------------------------------------ derived names
+
+    @property
+    def name(self) -> str:
+        """The role name: ``APIServer_<i>``, ``EngineCore_DP<k>``, ``Worker_DP<k>_PP<p>_TP<t>``, ..."""
+        if self.kind is RoleKind.API_SERVER:
+            return f"APIServer_{self.api_index}"
+        if self.kind is RoleKind.ENGINE_CORE:
+            return f"EngineCore_DP{self.dp_rank}"
+        if self.kind is RoleKind.WORKER:
+            return f"Worker_DP{self.dp_rank}_PP{self.pp_rank}_TP{self.tp_rank}"
+        if self.kind is RoleKind.DP_COORDINATOR:
+            return COORDINATOR_NAME
+        return FRONTEND_NAME
+
+    @property
+    def title(self) -> str:
+        """The process title set with setproctitle (``glassbox::EngineCore_DP0``)."""
+        return f"{TITLE_PREFIX}{self.name}"
+
+    def log_prefix(self, pid: int) -> str:
+        """How each log line of this process starts (``engine/logger.py``): ``(EngineCore_DP0 pid=42)``."""
+        return f"({self.name} pid={pid})"
+
+    @property
+    def status_file_name(self) -> str:
+        """The file in the run directory where this process records its stage."""
+        return f"{self.name}{STATUS_SUFFIX}"
+
+    def worker_rank(self, tensor_parallel_size: int) -> int:
+        """A worker's rank inside its engine: ``pp_rank * tensor_parallel_size + tp_rank``."""
+        if self.kind is not RoleKind.WORKER:
+            raise ValueError(f"{self.name} is not a worker, so it has no worker rank")
+        if not 0 <= self.tp_rank < tensor_parallel_size:
+            raise ValueError(
+                f"{self.name}: tp_rank out of range for tensor_parallel_size={tensor_parallel_size}"
+            )
+        return self.pp_rank * tensor_parallel_size + self.tp_rank
+
+    @property
+    def in_engine(self) -> bool:
+        """An engine core or one of its workers (the processes start-up waits for)."""
+        return self.kind in (RoleKind.ENGINE_CORE, RoleKind.WORKER)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def name_from_title(title: str | None) -> str | None:
+    """The role name in a ``glassbox::<name>`` process title, or None for any other title."""
+    if not title or not title.startswith(TITLE_PREFIX):
+        return None
+    rest = title[len(TITLE_PREFIX) :].split()
+    return rest[0] if rest else None
+
+
+def kind_of(name: str) -> str:
+    """The kind string (``worker``) of a role name; ``unknown`` when it is not one."""
+    try:
+        return ProcessRole.parse(name).kind.value
+    except ValueError:
+        return "unknown"
+
+
+class TopologyPlan(msgspec.Struct, frozen=True):
+    """Every process of one Glassbox instance, in start-up order.
+
+    Attributes:
+        mode: ``serve`` (API servers own the engines), ``mp`` (an offline ``LLM`` owns engine
+            processes) or ``inproc`` (the engine core in the ``LLM``'s process; workers too, unless
+            the executor is ``mp``).
+        roles: the owner first (the ``LLM``, or the API servers), then each engine core
+            followed by its workers (rank order), then the coordinator.
+        tensor_parallel_size, pipeline_parallel_size, data_parallel_size: the shape.
+        api_server_count: A (0 unless ``serve``).
+        workers_in_processes: the ``mp`` executor (``uni`` runs the worker inside the engine core).
+    """
+
+    mode: str
+    roles: tuple[ProcessRole, ...]
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    data_parallel_size: int
+    api_server_count: int
+    workers_in_processes: bool
+
+    @property
+    def world_size(self) -> int:
+        """Workers per engine: PP × TP."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def is_counted(self, role: ProcessRole) -> bool:
+        """Whether ``role`` counts toward the expected process count (the owner ``LLM`` does not,
+        except in ``inproc`` mode where it is the whole engine)."""
+        return role.kind is not RoleKind.FRONTEND or self.mode == "inproc"
+
+    @property
+    def counted_roles(self) -> tuple[ProcessRole, ...]:
+        return tuple(r for r in self.roles if self.is_counted(r))
+
+    @property
+    def expected_process_count(self) -> int:
+        """A + DP + DP·PP·TP (+1 when DP > 1) in ``serve``; DP + DP·PP·TP (+1) under an ``LLM``;
+        DP only with the ``uni`` executor's workers; 1 (+ PP·TP with ``mp``) in ``inproc`` mode."""
+        return len(self.counted_roles)
+
+    def of_kind(self, kind: RoleKind) -> tuple[ProcessRole, ...]:
+        return tuple(r for r in self.roles if r.kind is kind)
+
+    @property
+    def owner(self) -> ProcessRole:
+        """The process that creates the run directory: the ``LLM``, or ``APIServer_0``."""
+        return self.roles[0]
+
+    @property
+    def api_servers(self) -> tuple[ProcessRole, ...]:
+        return self.of_kind(RoleKind.API_SERVER)
+
+    @property
+    def engine_cores(self) -> tuple[ProcessRole, ...]:
+        """One per DP rank, even in ``inproc`` mode (where it runs in the owner's process)."""
+        return tuple(ProcessRole.engine_core(k) for k in range(self.data_parallel_size))
+
+    @property
+    def workers(self) -> tuple[ProcessRole, ...]:
+        """Every worker process (none with the ``uni`` executor)."""
+        return self.of_kind(RoleKind.WORKER)
+
+    def workers_of(self, dp_rank: int) -> tuple[ProcessRole, ...]:
+        """Engine ``dp_rank``'s workers in rank order (``pp * tp_size + tp``), whether or not
+        they run in their own processes."""
+        self._check_dp(dp_rank)
+        return tuple(
+            ProcessRole.worker_of_rank(dp_rank, r, self.tensor_parallel_size) for r in range(self.world_size)
+        )
+
+    def worker(self, dp_rank: int, rank: int) -> ProcessRole:
+        """Worker ``rank`` (``pp * tp_size + tp``) of engine ``dp_rank``."""
+        self._check_dp(dp_rank)
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"no worker rank {rank}: world size is {self.world_size}")
+        return ProcessRole.worker_of_rank(dp_rank, rank, self.tensor_parallel_size)
+
+    def worker_rank(self, role: ProcessRole) -> int:
+        return role.worker_rank(self.tensor_parallel_size)
+
+    @property
+    def coordinator(self) -> ProcessRole | None:
+        found = self.of_kind(RoleKind.DP_COORDINATOR)
+        return found[0] if found else None
+
+    def engine_processes(self) -> tuple[ProcessRole, ...]:
+        """Engine cores and worker processes in plan order (each engine core, then its workers)."""
+        return tuple(r for r in self.roles if r.in_engine)
+
+    def role(self, name: str) -> ProcessRole:
+        """The planned role named ``name``.
+
+        Raises:
+            ValueError: not a role name, or not in this plan.
+        """
+        role = ProcessRole.parse(name)
+        if role not in self.roles:
+            raise ValueError(f"{name!r} is not a process of this plan ({self.describe()})")
+        return role
+
+    def _check_dp(self, dp_rank: int) -> None:
+        if not 0 <= dp_rank < self.data_parallel_size:
+            raise ValueError(f"no engine DP{dp_rank}: data_parallel_size is {self.data_parallel_size}")
+
+    def describe(self) -> str:
+        """The count as a formula: ``4 API servers + 4 engine cores + 8 workers + 1 coordinator = 17``."""
+        parts = []
+        for kind, label in ((RoleKind.API_SERVER, "API server"), (RoleKind.ENGINE_CORE, "engine core"),
+                            (RoleKind.WORKER, "worker"), (RoleKind.DP_COORDINATOR, "coordinator"),
+                            (RoleKind.FRONTEND, "in-process engine")):  # fmt: skip
+            n = sum(1 for r in self.counted_roles if r.kind is kind)
+            if n:
+                parts.append(f"{n} {label}{'' if n == 1 else 's'}")
+        return f"{' + '.join(parts)} = {self.expected_process_count}"
+
+    def manifest_roles(self) -> list[dict[str, Any]]:
+        """The manifest's ``roles`` entries: ``role`` (name), ``kind``, and ``rank`` (an engine
+        core's DP rank, a worker's rank in its engine)."""
+        out: list[dict[str, Any]] = []
+        for r in self.roles:
+            entry: dict[str, Any] = {"role": r.name}
+            if r.kind is RoleKind.ENGINE_CORE:
+                entry["rank"] = r.dp_rank
+            elif r.kind is RoleKind.WORKER:
+                entry["rank"] = self.worker_rank(r)
+            entry["kind"] = r.kind.value
+            out.append(entry)
+        return out
+
+
+def plan(
+    config: Any,
+    *,
+    frontend: str = "llm",
+    multiprocess: bool = True,
+    api_server_count: int | None = None,
+) -> TopologyPlan:
+    """Every process of the instance that ``config`` describes.
+
+    Args:
+        config: an ``EngineConfig`` (or anything with a ``parallel_config``), or a
+            ``ParallelConfig``-like object: ``tensor_parallel_size``, ``pipeline_parallel_size``,
+            ``data_parallel_size``, ``distributed_executor_backend``.
+        frontend: ``"serve"`` (API servers) or ``"llm"`` (an offline ``LLM`` owns the engine).
+        multiprocess: False for ``GLASSBOX_ENABLE_MULTIPROCESSING=0`` (an ``LLM`` only): the
+            engine core runs inside the ``LLM``'s process; with the ``mp`` executor (tensor
+            parallelism) its workers still get processes of their own, as in vLLM.
+        api_server_count: A under ``serve``; default: the DP size (as vLLM 0.33).
+
+    Raises:
+        ValueError: an impossible shape (a size below 1, API servers under an ``LLM``, more
+            than one worker without worker processes).
+    """
+    pc = getattr(config, "parallel_config", config)
+    tp, pp, dp = pc.tensor_parallel_size, pc.pipeline_parallel_size, pc.data_parallel_size
+    for label, value in (
+        ("tensor_parallel_size", tp),
+        ("pipeline_parallel_size", pp),
+        ("data_parallel_size", dp),
+    ):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{label} must be an integer >= 1, got {value!r}")
+    if frontend not in ("serve", "llm"):
+        raise ValueError(f"frontend must be 'serve' or 'llm', got {frontend!r}")
+    if frontend == "serve":
+        if not multiprocess:
+            raise ValueError("the API server always runs the engine in its own processes")
+        api_servers = dp if api_server_count is None else api_server_count
+        if not isinstance(api_servers, int) or api_servers < 1:
+            raise ValueError(f"api_server_count must be an integer >= 1, got {api_servers!r}")
+        owners = tuple(ProcessRole.api_server(i) for i in range(api_servers))
+        mode = "serve"
+    else:
+        if api_server_count:
+            raise ValueError("an offline LLM has no API servers (api_server_count must be 0)")
+        api_servers = 0
+        owners = (ProcessRole.frontend(),)
+        mode = "mp" if multiprocess else "inproc"
+    backend = getattr(pc, "distributed_executor_backend", None) or ("mp" if multiprocess else "uni")
+    workers_in_processes = backend == "mp"
+    if not workers_in_processes and tp * pp > 1:
+        raise ValueError(
+            f"the executor backend 'uni' runs one worker; tensor_parallel_size × "
+            f"pipeline_parallel_size = {tp * pp}"
+        )
+    if not multiprocess and dp > 1:
+        raise ValueError(f"GLASSBOX_ENABLE_MULTIPROCESSING=0 runs one engine; data_parallel_size = {dp}")
+    roles: list[ProcessRole] = list(owners)
+    for k in range(dp):
+        if multiprocess:  # else the engine core is the LLM's own process (InprocClient)
+            roles.append(ProcessRole.engine_core(k))
+        if workers_in_processes:  # the mp executor's workers, also under an in-process engine
+            roles.extend(ProcessRole.worker_of_rank(k, r, tp) for r in range(tp * pp))
+    if dp > 1:
+        roles.append(ProcessRole.dp_coordinator())
+    return TopologyPlan(
+        mode=mode,
+        roles=tuple(roles),
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        data_parallel_size=dp,
+        api_server_count=api_servers,
+        workers_in_processes=workers_in_processes,
+    )
+
+
+__all__ = [
+    "COORDINATOR_NAME",
+    "FRONTEND_NAME",
+    "STATUS_SUFFIX",
+    "TITLE_PREFIX",
+    "ProcessRole",
+    "RoleKind",
+    "TopologyPlan",
+    "kind_of",
+    "name_from_title",
+    "plan",
+]

@@ -1,0 +1,106 @@
+"""Which way imports go (``ARCHITECTURE.md`` §9), one table row per rule.
+
+Each row imports its modules in a fresh interpreter and looks at ``sys.modules``: no module
+of the row may pull in a forbidden package (the package itself or any submodule). Module
+lists are read off the source tree, so a new file under a covered folder is checked too. A
+rule that does not hold yet is marked ``xfail`` with the issue that fixes it (strict: once it
+holds, drop the mark).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _modules(*folders: str) -> tuple[str, ...]:
+    """Every module under ``folders`` (``engine/sched`` → ``engine.sched``, ``engine.sched.request``...)."""
+    found = []
+    for folder in folders:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path.name == "__main__.py":
+                continue
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            found.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return tuple(found)
+
+
+class Rule(NamedTuple):
+    id: str
+    modules: tuple[str, ...]
+    forbidden: tuple[str, ...]
+    xfail: str | None = None  # why it does not hold yet (and what fixes it)
+
+
+# What runs in the API server process: the HTTP app, the frontend, and `glassbox serve`
+# itself (the offline LLM lives in entrypoints/ too and follows the same rule).
+API_SERVER = _modules("engine/entrypoints", "engine/frontend") + ("engine.cli.serve",)
+HTTP = ("fastapi", "uvicorn", "starlette")
+
+RULES = [
+    Rule("tracing imports no engine, tui or torch", _modules("tracing"), ("engine", "tui", "torch")),
+    Rule("tui imports no engine (engine-top works on a recording)", _modules("tui"), ("engine", "torch")),
+    Rule("sched and kv_cache are pure logic: no torch, ZMQ or HTTP",
+         _modules("engine/sched", "engine/kv_cache"), ("torch", "zmq", *HTTP)),
+    Rule("the API server imports no torch, model or worker", API_SERVER,
+         ("torch", "engine.model", "engine.worker")),
+    Rule("the API server imports no engine.sched", API_SERVER, ("engine.sched",),
+         xfail="engine.core.messages imports FinishReason from engine.sched.request; issue 8 item 2 moves "
+               "the wire enums next to the messages"),
+    Rule("the topology plan is torch-free", ("engine.distributed", "engine.distributed.topology"),
+         ("torch", "zmq", *HTTP, "engine.model", "engine.worker", "engine.core", "engine.sched")),
+    Rule("model knows nothing of scheduling, processes or HTTP", _modules("engine/model"),
+         ("engine.sched", "engine.kv_cache", "engine.core", "engine.executor", "engine.frontend",
+          "engine.entrypoints", "engine.cli", "engine.utils.processes", "zmq", *HTTP)),
+    Rule("client-side commands (ps, bench) import no torch",
+         ("engine", "engine.cli.main", "engine.cli.ps", "engine.cli.bench", "engine.bench.serve"),
+         ("torch",)),
+]  # fmt: skip
+
+PROBE = """
+import importlib, json, sys
+modules, forbidden = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+for name in modules:
+    importlib.import_module(name)
+print(json.dumps(sorted(m for m in sys.modules if any(m == f or m.startswith(f + ".") for f in forbidden))))
+"""
+
+
+def _imported_forbidden(modules: tuple[str, ...], forbidden: tuple[str, ...]) -> list[str]:
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, json.dumps(modules), json.dumps(forbidden)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"importing {modules} failed:\n{proc.stderr}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [pytest.param(r, marks=pytest.mark.xfail(reason=r.xfail, strict=True) if r.xfail else ()) for r in RULES],
+    ids=[r.id for r in RULES],
+)
+def test_import_rule(rule: Rule):
+    assert rule.modules, f"{rule.id}: no modules found"
+    bad = _imported_forbidden(rule.modules, rule.forbidden)
+    assert bad == [], f"{rule.id}: importing {', '.join(rule.modules)} pulled in {', '.join(bad)}"
+
+
+def test_the_probe_sees_what_a_module_imports():
+    """A negative control: the check can fail (a submodule counts under its package)."""
+    found = _imported_forbidden(("engine.sched.utils",), ("engine.sched", "torch"))
+    assert {"engine.sched", "engine.sched.utils"} <= set(found) and "torch" not in found
+    listed = {
+        "engine.entrypoints.openai.api_server",
+        "engine.entrypoints.openai.app",
+        "engine.frontend.async_llm",
+    }
+    assert listed | {"engine.cli.serve"} <= set(API_SERVER)
+    assert "engine.sched.scheduler" in _modules("engine/sched")
