@@ -428,8 +428,12 @@ class ParallelConfig:
     ``distributed_executor_backend``: "mp" runs each worker in its own process (the default,
     so the whole tree can be watched — vLLM defaults to "uni" at world size 1); "uni" keeps
     the single worker inside the engine core. With ``GLASSBOX_ENABLE_MULTIPROCESSING=0`` the
-    default is "uni": everything in the caller's process.
-    Tensor, pipeline and data parallel sizes above 1 are validated and refused for now.
+    default is "uni": everything in the caller's process — except with tensor parallelism,
+    which always needs one process per worker ("mp"; the engine core then stays in the
+    caller's process, as vLLM does), and refuses an explicit "uni".
+    Tensor parallelism is supported; pipeline and data parallel sizes above 1 are refused
+    for now. Whether ``tensor_parallel_size`` fits the model's heads is checked by
+    ``EngineConfig``, which knows the model.
     """
 
     tensor_parallel_size: int = 1
@@ -444,15 +448,22 @@ class ParallelConfig:
         if self.distributed_executor_backend is None:
             from engine import envs
 
-            self.distributed_executor_backend = "mp" if envs.GLASSBOX_ENABLE_MULTIPROCESSING else "uni"
+            multiprocess = envs.GLASSBOX_ENABLE_MULTIPROCESSING or self.world_size > 1
+            self.distributed_executor_backend = "mp" if multiprocess else "uni"
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ConfigError(
                 "--distributed-executor-backend",
                 self.distributed_executor_backend,
                 f"allowed: {', '.join(EXECUTOR_BACKENDS)}",
             )
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise ConfigError(
+                "--distributed-executor-backend",
+                "uni",
+                f"runs one worker inside the engine core; --tensor-parallel-size "
+                f"{self.tensor_parallel_size} needs one process per worker: use mp",
+            )
         for flag, value in (
-            ("--tensor-parallel-size", self.tensor_parallel_size),
             ("--pipeline-parallel-size", self.pipeline_parallel_size),
             ("--data-parallel-size", self.data_parallel_size),
         ):
@@ -575,15 +586,42 @@ class EngineConfig:
                 raise ConfigError(
                     "--num-gpu-blocks-override", override, too_few_blocks_reason(max_len, needed)
                 )
+        self._check_tensor_parallel_size()
+        self._check_fixed_kv_budget()
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    def _check_tensor_parallel_size(self) -> None:
+        """Refuse, in the first process, a TP size that does not split the model evenly.
+
+        Query heads and MLP columns must divide by TP. KV heads must too — or, when TP is
+        larger, TP must be a multiple of them: each KV head is then replicated on
+        ``tp / num_kv_heads`` ranks (vLLM's rule).
+        """
         tp = self.parallel_config.tensor_parallel_size
-        if self.model_config.num_attention_heads % tp:
+        if tp == 1:
+            return
+        model = self.model_config
+        heads, kv_heads = model.num_attention_heads, model.num_key_value_heads
+        if heads % tp:
             raise ConfigError(
                 "--tensor-parallel-size",
                 tp,
-                f"must divide the number of attention heads ({self.model_config.num_attention_heads})",
+                f"must divide the number of attention heads ({heads}) of {model.model}",
             )
-        self._check_fixed_kv_budget()
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        if kv_heads % tp and tp % kv_heads:
+            raise ConfigError(
+                "--tensor-parallel-size",
+                tp,
+                f"must divide the number of KV heads ({kv_heads}) of {model.model}, "
+                "or be a multiple of it (each KV head then replicated)",
+            )
+        intermediate = int(model.hf_config.get("intermediate_size") or 0)
+        if intermediate % tp:
+            raise ConfigError(
+                "--tensor-parallel-size",
+                tp,
+                f"must divide intermediate_size ({intermediate}) of {model.model}",
+            )
 
     def _check_fixed_kv_budget(self) -> None:
         """Refuse, before anything is spawned, a fixed KV budget too small for one request.

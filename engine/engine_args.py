@@ -400,7 +400,8 @@ class EngineArgs:
             "-tp",
             type=int,
             default=1,
-            help="Workers per pipeline stage (1 in this version).",
+            help="Workers per pipeline stage, each with a slice of every layer (torch.distributed: "
+            "gloo on CPU, NCCL on CUDA). Must divide the attention heads.",
         )
         g.add_argument(
             "--pipeline-parallel-size",

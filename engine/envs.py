@@ -23,6 +23,13 @@ def _bool(value: str) -> bool:
     raise ValueError(f"expected 0 or 1, got {value!r}")
 
 
+def _positive_float(value: str) -> float:
+    number = float(value)
+    if not number > 0:  # also refuses NaN
+        raise ValueError(f"expected a number of seconds > 0, got {value!r}")
+    return number
+
+
 @dataclass(frozen=True)
 class EnvVar:
     name: str
@@ -95,6 +102,14 @@ ENV_VARS: dict[str, EnvVar] = {
             300.0,
             "Deadline, in seconds, of one wait on the shared-memory broadcast queue; the expiry "
             "message names the reader that is behind.",
+        ),
+        EnvVar(
+            "GLASSBOX_DIST_INIT_TIMEOUT_S",
+            _positive_float,
+            120.0,
+            "Deadline, in seconds, for every tensor-parallel worker to join the torch.distributed "
+            "rendezvous (TCP, on a free port found at run time); the expiry message names the ranks "
+            "that never arrived.",
         ),
         EnvVar(
             "GLASSBOX_API_KEY",

@@ -158,6 +158,10 @@ class EngineCore:
         pool = self.scheduler.kv_cache_manager.block_pool
         return {"num_blocks": self.kv_cache_config.num_blocks, "num_free_blocks": pool.get_num_free_blocks()}
 
+    def get_worker_comm_stats(self, reset: bool = False) -> list[dict[str, float]]:
+        """Per worker, in rank order: seconds in ``execute_model`` and in TP collectives."""
+        return self.model_executor.collective_rpc("get_comm_stats", args=(reset,))
+
     def shutdown(self) -> None:
         with stage(catalogue.ENGINE_CORE_SHUTDOWN):
             self.model_executor.shutdown()

@@ -27,6 +27,8 @@ from typing import Any
 
 from engine import envs
 from engine.config import ConfigError
+from engine.distributed import topology
+from engine.distributed.topology import ProcessRole
 from engine.executor.abstract import Executor
 from engine.executor.shm_broadcast import MessageQueue, MessageQueueClosed, MessageQueueTimeout
 from engine.logger import init_logger
@@ -44,7 +46,8 @@ READY = "READY"
 
 
 def worker_role(dp_rank: int, pp_rank: int, tp_rank: int) -> str:
-    return f"Worker_DP{dp_rank}_PP{pp_rank}_TP{tp_rank}"
+    """A worker's role name; the names are made in ``engine/distributed/topology.py``."""
+    return ProcessRole.worker(dp_rank, pp_rank, tp_rank).name
 
 
 class MultiprocExecutor(Executor):
@@ -62,20 +65,21 @@ class MultiprocExecutor(Executor):
         run_dir = Path(self.run_dir)
         pc = self.config.parallel_config
         self.world_size = pc.world_size
-        self.roles = [
-            worker_role(0, r // pc.tensor_parallel_size, r % pc.tensor_parallel_size)
-            for r in range(self.world_size)
-        ]
+        # This engine and its workers in rank order (pp * tp_size + tp), from the topology
+        # plan; DP rank 0 until data parallelism lands (issue 8).
+        plan = topology.plan(self.config)
+        engine_role = plan.engine_cores[0]
+        self.roles = [w.name for w in plan.workers_of(engine_role.dp_rank)]
         self.failure: EngineDeadError | None = None
         self.failure_callback: Callable[[EngineDeadError], None] | None = None
         self._shutting_down = False
         self.workers: list[ChildProcess] = []
         with stage(catalogue.EXECUTOR_INIT):
             handle = MessageQueue.create(run_dir, "rpc", self.world_size, reader_names=self.roles,
-                                         writer_name="EngineCore_DP0")  # fmt: skip
+                                         writer_name=engine_role.name)  # fmt: skip
             self.rpc_broadcast_mq = MessageQueue.open_writer(handle, describe_reader=self._describe_reader)
             response_handles = [
-                MessageQueue.create(run_dir, f"r{rank}", 1, reader_names=["EngineCore_DP0"])
+                MessageQueue.create(run_dir, f"r{rank}", 1, reader_names=[engine_role.name])
                 for rank in range(self.world_size)
             ]
             trace_headers = inject_trace_headers()
@@ -99,9 +103,20 @@ class MultiprocExecutor(Executor):
                 assert self._receive(rank, deadline, "start-up") == READY
             self._monitor = threading.Thread(target=self._monitor_workers, name="WorkerMonitor", daemon=True)
             self._monitor.start()
+            # Tensor parallelism: the workers meet on a TCP port free right now (none hard-coded).
+            init_method = None
+            if self.world_size > 1:
+                from engine.distributed.parallel_state import get_distributed_init_method
+
+                init_method = get_distributed_init_method("127.0.0.1")
             self._start_workers(
                 [
-                    {"local_rank": r, "rank": r, "distributed_init_method": None, "is_driver_worker": r == 0}
+                    {
+                        "local_rank": r,
+                        "rank": r,
+                        "distributed_init_method": init_method,
+                        "is_driver_worker": r == 0,
+                    }
                     for r in range(self.world_size)
                 ]
             )
@@ -136,6 +151,7 @@ class MultiprocExecutor(Executor):
                     # CUDA): the caller's error, one line naming the flag, no traceback.
                     logger.debug("%s failed in %s:\n%s", self.roles[rank], method, value["traceback"])
                     raise ConfigError.from_message(value["message"], flag=value.get("flag") or "")
+                self._blame_dead_peer(rank)
                 logger.error("%s failed in %s:\n%s", self.roles[rank], method, value["traceback"])
                 error_class = ValueError if value["type"] == "ValueError" else RuntimeError
                 raise error_class(
@@ -187,8 +203,36 @@ class MultiprocExecutor(Executor):
         if code is not None and not self._shutting_down:
             self._fail(rank, code)
 
+    def _killed_peer(self, rank: int) -> int | None:
+        """A dead worker other than ``rank`` that wrote no crash report (killed from outside)."""
+        for r, proc in enumerate(self.workers):
+            dead = r != rank and proc.poll() is not None
+            if dead and processes.read_crash_report(Path(self.run_dir), proc.role) is None:
+                return r
+        return None
+
+    def _blame_dead_peer(self, rank: int, grace_s: float = 1.0) -> None:
+        """Tensor parallelism: when a worker dies, its peers' next collective fails and they
+        report an error (then exit). The root cause is the peer that died, not them: wait
+        briefly for such a peer and, if there is one, fail with its root cause."""
+        if self.world_size == 1:
+            return
+        deadline = time.monotonic() + grace_s
+        while True:
+            peer = self._killed_peer(rank)
+            if peer is not None:
+                self._fail(peer, self.workers[peer].poll())
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+
     def _fail(self, rank: int, code: int) -> None:
         if self.failure is None:
+            if self.world_size > 1 and processes.read_crash_report(Path(self.run_dir), self.roles[rank]):
+                # This worker failed (e.g. a collective broke); a peer killed first is the cause.
+                peer = self._killed_peer(rank)
+                if peer is not None:
+                    rank, code = peer, self.workers[peer].poll()
             proc = self.workers[rank]
             root = processes.format_root_cause(Path(self.run_dir), proc.role, proc.pid, code, rank=rank)
             logger.error("%s (pid %d) died: %s", proc.role, proc.pid, processes.describe_exit(code))
@@ -292,5 +336,8 @@ class WorkerProc:
             raise
         finally:
             processes.ignore_sigterm()
+            worker = getattr(locals().get("wrapper"), "worker", None)
+            if worker is not None:
+                worker.shutdown()  # leaves the torch.distributed group (TP)
             rpc.close()
             response.close()

@@ -3,11 +3,19 @@
 Mirrors vLLM's ``vllm/model_executor/layers/`` (``layernorm.py``, ``rotary_embedding/``,
 ``activation.py``, ``linear.py``, ``vocab_parallel_embedding.py``), written in plain torch.
 
-The linear layers are shaped for tensor parallelism from the start: each holds only its
-rank's slice of the weight, and its ``weight_loader(param, loaded_weight, shard_id=None)``
-cuts that slice out of the full Hugging Face tensor. ``tp_size`` is always 1 in this
-version and no process group exists, so the all-reduce after ``RowParallelLinear`` and the
-all-gather of the LM head's logits are the two places marked "TP > 1 needs" below.
+The linear layers are tensor-parallel: each holds only its rank's slice of the weight,
+and its ``weight_loader(param, loaded_weight, shard_id=None)`` cuts that slice out of the
+full Hugging Face tensor, so a rank never keeps more than its share. ``tp_rank`` and
+``tp_size`` default to this process's place in the TP group
+(``engine.distributed.parallel_state``; rank 0 of 1 when there is no group). Where the
+ranks talk, one step of one decoder layer::
+
+    x (full, every rank) → QKV column-parallel (own heads) → attention (own heads, own KV)
+      → O row-parallel (partial sums) → all-reduce → + x
+      → gate_up column-parallel (own slice) → SiLU·mul → down row-parallel → all-reduce → + x
+
+plus an all-reduce after the vocab-parallel embedding and an all-gather of the LM head's
+logit slices: 2 × num_layers + 1 all-reduces and 1 all-gather per forward.
 
 Parameters are created with ``torch.empty`` on the current default device and dtype (the
 loader sets both): weights come from the checkpoint, so initialising them would only cost
@@ -25,6 +33,21 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.distributed.parallel_state import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
+
+
+def _tp(tp_rank: int | None, tp_size: int | None) -> tuple[int, int]:
+    """``(rank, size)`` as given, else this process's place in the TP group."""
+    size = get_tensor_model_parallel_world_size() if tp_size is None else tp_size
+    rank = get_tensor_model_parallel_rank() if tp_rank is None else tp_rank
+    return rank, size
+
 
 # ----------------------------------------------------------------------------- norm, act
 
@@ -157,6 +180,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
     """Copy a whole tensor into ``param`` (dtype and device converted).
 
+    ``loaded_weight`` may be a ``loader.LazySlice`` (TP loading): it is read here, after
+    the caller narrowed it to this rank's slice.
+
     Raises:
         ValueError: when the shapes differ.
     """
@@ -164,6 +190,8 @@ def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> N
         raise ValueError(
             f"shape mismatch: parameter {tuple(param.shape)}, checkpoint {tuple(loaded_weight.shape)}"
         )
+    if not isinstance(loaded_weight, torch.Tensor):
+        loaded_weight = loaded_weight.load()  # reads only the slice, now that it is known
     param.data.copy_(loaded_weight)
 
 
@@ -180,9 +208,15 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(
-        self, input_size: int, output_size: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
     ) -> None:
         super().__init__()
+        tp_rank, tp_size = _tp(tp_rank, tp_size)
         if output_size % tp_size:
             raise ValueError(f"output size {output_size} is not divisible by tp_size {tp_size}")
         self.input_size = input_size
@@ -221,9 +255,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         input_size: int,
         output_sizes: list[int],
         bias: bool = False,
-        tp_rank: int = 0,
-        tp_size: int = 1,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
     ) -> None:
+        tp_rank, tp_size = _tp(tp_rank, tp_size)
         self.output_sizes = list(output_sizes)
         super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
 
@@ -254,17 +289,22 @@ class QKVParallelLinear(ColumnParallelLinear):
         total_num_heads: int,
         total_num_kv_heads: int,
         bias: bool = False,
-        tp_rank: int = 0,
-        tp_size: int = 1,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
     ) -> None:
+        tp_rank, tp_size = _tp(tp_rank, tp_size)
         if total_num_heads % tp_size:
             raise ValueError(f"{total_num_heads} attention heads are not divisible by tp_size {tp_size}")
         self.head_dim = head_dim
         self.num_heads = total_num_heads // tp_size
         if tp_size >= total_num_kv_heads:
+            if tp_size % total_num_kv_heads:
+                raise ValueError(f"tp_size {tp_size} is not a multiple of the {total_num_kv_heads} KV heads")
             self.num_kv_heads = 1
             self.num_kv_head_replicas = tp_size // total_num_kv_heads
         else:
+            if total_num_kv_heads % tp_size:
+                raise ValueError(f"{total_num_kv_heads} KV heads are not divisible by tp_size {tp_size}")
             self.num_kv_heads = total_num_kv_heads // tp_size
             self.num_kv_head_replicas = 1
         output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
@@ -287,14 +327,21 @@ class RowParallelLinear(nn.Module):
     """``y = x W^T + b`` with ``W`` split by input columns: each rank holds a slice of the input.
 
     Shapes: ``x`` (num_tokens, input_size // tp_size) → ``y`` (num_tokens, output_size).
-    Each rank's ``y`` is a partial sum; TP > 1 needs an all-reduce here (and the bias added
-    once, after it). vLLM: ``RowParallelLinear``.
+    Each rank's product is a partial sum over its slice of the inputs; an all-reduce over the
+    TP group makes it the full ``y`` on every rank, and the bias is added once, after it.
+    vLLM: ``RowParallelLinear`` (``reduce_results=True``).
     """
 
     def __init__(
-        self, input_size: int, output_size: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
     ) -> None:
         super().__init__()
+        tp_rank, tp_size = _tp(tp_rank, tp_size)
         if input_size % tp_size:
             raise ValueError(f"input size {input_size} is not divisible by tp_size {tp_size}")
         self.tp_rank = tp_rank
@@ -312,20 +359,32 @@ class RowParallelLinear(nn.Module):
         default_weight_loader(param, loaded_weight.narrow(1, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = tensor_model_parallel_all_reduce(F.linear(x, self.weight))  # (num_tokens, output_size)
+        return y + self.bias if self.bias is not None else y
 
 
 class VocabParallelEmbedding(nn.Module):
     """Token embedding table split by vocabulary rows across ranks.
 
-    ``forward(input_ids (num_tokens,)) -> (num_tokens, embedding_dim)``. With TP > 1 each
-    rank would zero the ids outside its range and the results would be all-reduced; with
-    one rank it is a plain lookup. vLLM: ``VocabParallelEmbedding`` (without its padding of
-    the vocabulary to a multiple of 64).
+    ``forward(input_ids (num_tokens,)) -> (num_tokens, embedding_dim)``. Rank r holds rows
+    ``[r*n, (r+1)*n)`` (``n = ceil(vocab / tp_size)``; the last rank's tail is zero). With TP
+    > 1 each rank looks up only the ids in its range, zeroes the rows of the others, and an
+    all-reduce sums the ranks' rows: each token's row comes from exactly one rank. With one
+    rank it is a plain lookup. vLLM: ``VocabParallelEmbedding`` (without its padding of the
+    vocabulary to a multiple of 64).
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, tp_rank: int = 0, tp_size: int = 1) -> None:
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
+    ) -> None:
         super().__init__()
+        tp_rank, tp_size = _tp(tp_rank, tp_size)
         self.num_embeddings = num_embeddings
         self.tp_rank = tp_rank
         self.tp_size = tp_size
@@ -342,20 +401,37 @@ class VocabParallelEmbedding(nn.Module):
         start = self.vocab_start_index
         rows = min(self.num_embeddings_per_partition, loaded_weight.shape[0] - start)
         param.data.zero_()  # the last rank's tail past the vocabulary stays zero
-        param.data[:rows].copy_(loaded_weight.narrow(0, start, rows))
+        default_weight_loader(param.data[:rows], loaded_weight.narrow(0, start, rows))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start_index
+        outside = (local < 0) | (local >= self.num_embeddings_per_partition)  # (num_tokens,)
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight)  # (num_tokens, embedding_dim)
+        rows = rows.masked_fill(outside[:, None], 0)
+        return tensor_model_parallel_all_reduce(rows)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``(N, hidden)`` → ``(N, num_embeddings)`` float32 logits, on every rank.
+
+        Each rank scores its own vocabulary slice; with TP > 1 the slices are all-gathered
+        (rank order = vocabulary order) and the padding past the vocabulary is cut off, so
+        every rank holds the same full logits and samples the same tokens. vLLM:
+        ``LogitsProcessor`` with ``tensor_model_parallel_all_gather``.
+        """
+        logits = F.linear(hidden, self.weight)  # (N, vocab / tp)
         if self.tp_size > 1:
-            raise NotImplementedError("TP > 1 needs masking and an all-reduce in VocabParallelEmbedding")
-        return F.embedding(input_ids, self.weight)
+            logits = tensor_model_parallel_all_gather(logits, dim=-1)[:, : self.num_embeddings]
+        return logits.float()
 
 
 class ParallelLMHead(VocabParallelEmbedding):
     """The output projection to vocabulary logits, split by vocabulary rows like the embedding.
 
-    Not called as a module: the model's ``compute_logits`` multiplies by ``weight``. TP > 1
-    needs an all-gather of the per-rank logit slices. With tied embeddings the model makes
-    this ``weight`` the embedding's. vLLM: ``ParallelLMHead``.
+    Not called as a module: ``compute_logits`` multiplies by ``weight`` and all-gathers the
+    per-rank logit slices. With tied embeddings the model uses the embedding itself (same
+    slices, same ``compute_logits``). vLLM: ``ParallelLMHead``.
     """
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,10 @@ nothing of requests, scheduling or processes.
 
 Tied embeddings (``tie_word_embeddings``) make the LM head the embedding table itself.
 
+Tensor parallelism lives in the layers (``layers.py``): built inside a worker of a TP
+group, each one takes its rank's slice (heads, MLP columns, vocabulary rows) and
+``load_weights`` cuts that slice out of each checkpoint tensor as it streams past.
+
 Left out: pipeline parallelism (``IntermediateTensors``), LoRA, quantized weights,
 ``inputs_embeds``, fused residual-add norms.
 """
@@ -232,8 +236,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, attn_metadata, kv_caches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``(N, hidden)`` → ``(N, vocab)`` float32. TP > 1 needs an all-gather of the vocab slices."""
-        return torch.nn.functional.linear(hidden, self.lm_head.weight).float()
+        """``(N, hidden)`` → ``(N, vocab)`` float32, the same on every TP rank (vocab slices all-gathered)."""
+        return self.lm_head.compute_logits(hidden)
 
     def describe_parameter(self, name: str) -> str:
         """``name``, plus the checkpoint tensors it is stacked from (for error messages)."""

@@ -7,8 +7,12 @@ built directly on the target device and dtype with uninitialised parameters, the
 ``load_weights``; a parameter that no file provided is an error, not a silent random
 weight.
 
-Left out: ``.bin``/``.pt`` checkpoints, downloads from the Hub, quantized formats, sharded
-loading for TP > 1 (the layers' ``weight_loader`` already cuts the rank's slice).
+With tensor parallelism each worker reads only its slice: the tensors are handed to the
+layers as ``LazySlice`` objects, the layer's ``weight_loader`` narrows them to its rank's
+rows or columns, and only then are those bytes read from the file (safetensors
+``get_slice``). A TP rank never holds a whole projection in memory.
+
+Left out: ``.bin``/``.pt`` checkpoints, downloads from the Hub, quantized formats.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -85,8 +90,49 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def iterate_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+class LazySlice:
+    """A checkpoint tensor not read yet: ``shape``, ``narrow(dim, start, length)``, ``load()``.
+
+    ``narrow`` only records the range; ``load()`` reads exactly those elements from the
+    file. ``default_weight_loader`` calls ``load()``; the layers' loaders narrow first.
+    """
+
+    def __init__(self, handle: Any, name: str, ranges: tuple[tuple[int, int], ...] | None = None) -> None:
+        self._handle = handle
+        self._name = name
+        self._slice = handle.get_slice(name)
+        full = tuple(self._slice.get_shape())
+        self._ranges = ranges if ranges is not None else tuple((0, n) for n in full)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(end - start for start, end in self._ranges)
+
+    def narrow(self, dim: int, start: int, length: int) -> LazySlice:
+        dim = dim % len(self._ranges)
+        lo, hi = self._ranges[dim]
+        if start < 0 or length < 0 or lo + start + length > hi:
+            raise ValueError(
+                f"{self._name}: narrow({dim}, {start}, {length}) outside shape {tuple(self.shape)}"
+            )
+        ranges = list(self._ranges)
+        ranges[dim] = (lo + start, lo + start + length)
+        out = LazySlice.__new__(LazySlice)
+        out._handle, out._name, out._slice, out._ranges = self._handle, self._name, self._slice, tuple(ranges)
+        return out
+
+    def load(self) -> torch.Tensor:
+        """Read the recorded range from the file (a CPU tensor)."""
+        if not self._ranges:
+            return self._handle.get_tensor(self._name)
+        return self._slice[tuple(slice(start, end) for start, end in self._ranges)]
+
+
+def iterate_safetensors(model_dir: str | Path, lazy: bool = False) -> Iterator[tuple[str, Any]]:
     """Every tensor of every ``*.safetensors`` file in ``model_dir``, as (name, CPU tensor).
+
+    With ``lazy``, each tensor is a ``LazySlice`` read only when (and as far as) a layer
+    loads it.
 
     Raises:
         FileNotFoundError: the directory holds no ``*.safetensors`` file.
@@ -99,7 +145,7 @@ def iterate_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tens
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open has keys() but no __iter__
-                yield name, f.get_tensor(name)
+                yield name, (LazySlice(f, name) if lazy else f.get_tensor(name))
 
 
 def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -113,10 +159,13 @@ def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dty
         KeyError: a checkpoint tensor that matches no parameter.
         FileNotFoundError: no safetensors files.
     """
+    from engine.distributed.parallel_state import get_tensor_model_parallel_world_size
+
     model_class = get_model_class(model_config.architecture)
     with torch.device(device), _default_dtype(dtype):
-        model = model_class(model_config.hf_config)
-    loaded = model.load_weights(iterate_safetensors(model_config.model))
+        model = model_class(model_config.hf_config)  # each layer sized for this TP rank
+    lazy = get_tensor_model_parallel_world_size() > 1
+    loaded = model.load_weights(iterate_safetensors(model_config.model, lazy=lazy))
     missing = sorted(set(dict(model.named_parameters())) - loaded)
     if missing:
         names = ", ".join(model.describe_parameter(name) for name in missing)

@@ -7,13 +7,19 @@ method is one stage (a span and a status-file entry):
 ``init_device`` → ``load_model`` → ``determine_available_memory`` →
 ``initialize_from_config`` → ``compile_or_warm_up_model`` → ``execute_model`` (each step).
 
-At world size 1 no torch.distributed process group is created, so many engines can live in
-one process (tests do this).
+With tensor parallelism (world size > 1, multiprocess executor only) ``init_device`` joins
+the engine's torch.distributed group (``engine.distributed.parallel_state``: gloo on CPU,
+NCCL on CUDA) before anything else, so every later stage — weights, profiling, KV cache —
+happens per rank on this rank's slice. Every rank runs every step (the broadcast queue
+gives each the same ``SchedulerOutput``) and samples the same tokens from the same
+all-gathered logits; only the driver (rank 0) returns them. At world size 1 no process
+group is created, so many engines can live in one process (tests do this).
 """
 
 from __future__ import annotations
 
 import gc
+import time
 from typing import Any
 
 import torch
@@ -60,6 +66,7 @@ class Worker:
         self.device: torch.device | None = None
         self.dtype: torch.dtype | None = None
         self.model_runner: ModelRunner | None = None
+        self._execute_model_s = 0.0  # total time in execute_model (get_comm_stats)
 
     def _attrs(self, **extra: Any) -> dict[str, Any]:
         return {catalogue.ATTR_RANK: self.rank, **extra}
@@ -76,8 +83,7 @@ class Worker:
             self.dtype = resolve_dtype(mc.dtype, mc.checkpoint_dtype, self.device)
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
-            if self.config.parallel_config.world_size > 1:
-                raise NotImplementedError("world size > 1 needs the multiprocess executor")
+            self._init_distributed()
             torch.manual_seed(mc.seed)
             gc.collect()
             self.model_runner = ModelRunner(self.config, self.device, self.dtype)
@@ -86,6 +92,41 @@ class Worker:
             st.set(catalogue.ATTR_MODEL_DTYPE, info["dtype"])
             logger.info("Worker rank %d on %s, dtype %s", self.rank, info["device"], info["dtype"])
             return info
+
+    def _init_distributed(self) -> None:
+        """Join the TP group (world size > 1 only); rendezvous bounded by GLASSBOX_DIST_INIT_TIMEOUT_S."""
+        pc = self.config.parallel_config
+        if pc.world_size == 1:
+            return
+        if self.distributed_init_method is None:
+            raise RuntimeError(
+                f"world size {pc.world_size} needs a distributed_init_method (the multiprocess executor)"
+            )
+        from engine.distributed import parallel_state
+        from engine.distributed.topology import ProcessRole
+
+        def rank_name(rank: int) -> str:  # one engine (DP rank 0) until data parallelism lands
+            return ProcessRole.worker_of_rank(0, rank, pc.tensor_parallel_size).name
+
+        assert self.device is not None
+        parallel_state.init_distributed_environment(
+            pc.world_size,
+            self.rank,
+            self.distributed_init_method,
+            self.local_rank,
+            backend="nccl" if self.device.type == "cuda" else "gloo",
+            rank_name=rank_name,
+        )
+        parallel_state.ensure_model_parallel_initialized(pc.tensor_parallel_size)
+
+    def get_comm_stats(self, reset: bool = False) -> dict[str, float]:
+        """Seconds in ``execute_model`` and in TP collectives (and their calls), for benchmarks."""
+        from engine.distributed import parallel_state
+
+        out = {"execute_model_s": self._execute_model_s, **parallel_state.get_comm_stats(reset)}
+        if reset:
+            self._execute_model_s = 0.0
+        return out
 
     def load_model(self) -> None:
         with stage(catalogue.WORKER_LOAD_MODEL, **self._attrs()) as st:
@@ -166,7 +207,9 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         assert self.model_runner is not None
+        start = time.perf_counter()
         output = self.model_runner.execute_model(scheduler_output)
+        self._execute_model_s += time.perf_counter() - start
         return output if self.is_driver_worker else None
 
     def check_health(self) -> None:
@@ -174,3 +217,7 @@ class Worker:
 
     def shutdown(self) -> None:
         self.model_runner = None
+        if self.config.parallel_config.world_size > 1:
+            from engine.distributed import parallel_state
+
+            parallel_state.destroy_distributed_environment()
