@@ -186,6 +186,7 @@ class ModelConfig:
             raise ConfigError("--model", self.model, "the directory has no config.json")
         given = self.model
         self.model = str(path.resolve())
+        self._tokenizer_given = self.tokenizer is not None
         if self.tokenizer is None:
             self.tokenizer = self.model
         elif not Path(self.tokenizer).expanduser().is_dir():
@@ -221,6 +222,8 @@ class ModelConfig:
             # vLLM serves a model under the name it was given; the bundled one has a short name.
             bundled = self.model == str(Path(DEFAULT_MODEL).resolve())
             self.served_model_name = DEFAULT_SERVED_NAME if bundled else given
+        if not isinstance(self.served_model_name, str) or not self.served_model_name.strip():
+            raise ConfigError("--served-model-name", self.served_model_name, "must be a non-empty name")
         if self.tokenizer_mode not in TOKENIZER_MODES:
             raise ConfigError(
                 "--tokenizer-mode",
@@ -242,6 +245,21 @@ class ModelConfig:
             self._log_once(
                 "--trust-remote-code is accepted for vLLM compatibility and changes nothing: Glassbox "
                 f"never runs code from a model directory (only its own {archs} code)"
+            )
+
+    def check_tokenizer_files(self) -> None:
+        """The frontend loads ``tokenizer.json`` (fast tokenizers only): refuse a directory
+        without one before anything is spawned. (``ModelConfig`` alone does not require it:
+        model-only uses — a worker, a test — need no tokenizer.)"""
+        if not (Path(self.tokenizer).expanduser() / "tokenizer.json").is_file():
+            if getattr(self, "_tokenizer_given", False):
+                raise ConfigError(
+                    "--tokenizer",
+                    self.tokenizer,
+                    "the directory has no tokenizer.json; only fast tokenizers are supported",
+                )
+            raise ConfigError(
+                "--model", self.model, "the directory has no tokenizer.json (give one with --tokenizer)"
             )
 
     def _load_generation_config(self, model_dir: Path) -> None:
@@ -274,6 +292,14 @@ class ModelConfig:
         override = self.override_generation_config
         if override is not None and not isinstance(override, dict):
             raise ConfigError("--override-generation-config", override, "must be a JSON object")
+        unknown = sorted(set(override or {}) - set(GENERATION_CONFIG_SAMPLING_KEYS))
+        if unknown:
+            # A typo ("temprature") would otherwise change nothing, silently.
+            raise ConfigError(
+                "--override-generation-config",
+                override,
+                f"unknown key(s) {', '.join(unknown)}; allowed: {', '.join(GENERATION_CONFIG_SAMPLING_KEYS)}",
+            )
         # A bad default would fail every request that relies on it: fail here instead.
         from engine.sampling_params import SamplingParams
 
@@ -312,15 +338,30 @@ class ModelConfig:
                     "requests sample at temperature 1.0 unless they set a temperature (0 = greedy)"
                 )
             return diff
-        values = ", ".join(f"{k}={v}" for k, v in diff.items())
-        if self.generation_config_source == "vllm":
-            message = f"Default sampling params set by --override-generation-config: {values}"
-        else:
+        override = self.override_generation_config or {}
+        from_override = {
+            k: v
+            for k, v in diff.items()
+            if k in override or (k == "max_tokens" and "max_new_tokens" in override)
+        }
+        from_file = {k: v for k, v in diff.items() if k not in from_override}
+        parts = []
+        if from_file:
             where = "the model's" if self.generation_config_source == "auto" else "--generation-config's"
-            message = (
-                f"Default sampling params taken from {where} generation_config.json: {values} (a request's "
-                "own values win). To keep vLLM's defaults instead, start with --generation-config vllm"
+            parts.append(
+                f"{where} generation_config.json: " + ", ".join(f"{k}={v}" for k, v in from_file.items())
             )
+        if from_override:
+            parts.append(
+                "--override-generation-config: " + ", ".join(f"{k}={v}" for k, v in from_override.items())
+            )
+        message = (
+            "Default sampling params taken from " + "; and from ".join(parts) + ". A request's own values win"
+        )
+        if "max_tokens" in diff:
+            message += f", except that the API server caps a request's max_tokens at {diff['max_tokens']} (as vLLM does)"
+        if from_file:
+            message += ". To keep vLLM's defaults instead, start with --generation-config vllm"
         self._log_once(message)
         return diff
 
@@ -431,8 +472,9 @@ class ParallelConfig:
     default is "uni": everything in the caller's process — except with tensor parallelism,
     which always needs one process per worker ("mp"; the engine core then stays in the
     caller's process, as vLLM does), and refuses an explicit "uni".
-    Tensor parallelism is supported; pipeline and data parallel sizes above 1 are refused
-    for now. Whether ``tensor_parallel_size`` fits the model's heads is checked by
+    Tensor and pipeline parallelism are supported (both need "mp"); data parallel sizes
+    above 1 are refused for now. Whether ``tensor_parallel_size`` fits the model's heads, and
+    ``pipeline_parallel_size`` its layers (and ``GLASSBOX_PP_LAYER_PARTITION``), is checked by
     ``EngineConfig``, which knows the model.
     """
 
@@ -456,19 +498,25 @@ class ParallelConfig:
                 self.distributed_executor_backend,
                 f"allowed: {', '.join(EXECUTOR_BACKENDS)}",
             )
-        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+        if self.distributed_executor_backend == "uni" and self.world_size > 1:
+            sizes = [
+                f"{flag} {value}"
+                for flag, value in (
+                    ("--tensor-parallel-size", self.tensor_parallel_size),
+                    ("--pipeline-parallel-size", self.pipeline_parallel_size),
+                )
+                if value > 1
+            ]
             raise ConfigError(
                 "--distributed-executor-backend",
                 "uni",
-                f"runs one worker inside the engine core; --tensor-parallel-size "
-                f"{self.tensor_parallel_size} needs one process per worker: use mp",
+                f"runs one worker inside the engine core; {' × '.join(sizes)} needs one process "
+                "per worker: use mp",
             )
-        for flag, value in (
-            ("--pipeline-parallel-size", self.pipeline_parallel_size),
-            ("--data-parallel-size", self.data_parallel_size),
-        ):
-            if value != 1:
-                raise ConfigError(flag, value, "only 1 is supported in this version")
+        if self.data_parallel_size != 1:
+            raise ConfigError(
+                "--data-parallel-size", self.data_parallel_size, "only 1 is supported in this version"
+            )
 
     @property
     def world_size(self) -> int:
@@ -587,6 +635,12 @@ class EngineConfig:
                     "--num-gpu-blocks-override", override, too_few_blocks_reason(max_len, needed)
                 )
         self._check_tensor_parallel_size()
+        self._check_pipeline_parallel_size()
+        if not any(Path(self.model_config.model).glob("*.safetensors")):
+            # Found here, not by the worker after the whole tree has started.
+            raise ConfigError(
+                "--model", self.model_config.model, "the directory has no *.safetensors weights"
+            )
         self._check_fixed_kv_budget()
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -623,6 +677,36 @@ class EngineConfig:
                 f"must divide intermediate_size ({intermediate}) of {model.model}",
             )
 
+    def _check_pipeline_parallel_size(self) -> None:
+        """Refuse, in the first process, a PP size or layer partition that does not fit the model.
+
+        Every stage needs at least one decoder layer; ``GLASSBOX_PP_LAYER_PARTITION``, when
+        set, must give one count per stage summing to ``num_hidden_layers``.
+        """
+        from engine.distributed.utils import PARTITION_ENV, get_pp_partition
+
+        pp = self.parallel_config.pipeline_parallel_size
+        layers = self.model_config.num_hidden_layers
+        try:
+            get_pp_partition(layers, pp)
+        except ValueError as e:
+            if os.environ.get(PARTITION_ENV):
+                reason = str(e).split(": ", 1)[-1]  # the variable and value are named already
+                raise ConfigError(PARTITION_ENV, os.environ[PARTITION_ENV], reason) from None
+            raise ConfigError(
+                "--pipeline-parallel-size",
+                pp,
+                f"must not exceed num_hidden_layers ({layers}) of {self.model_config.model}",
+            ) from None
+
+    def max_layers_per_stage(self) -> int:
+        """The most decoder layers any pipeline stage holds (its workers need the most KV memory)."""
+        from engine.distributed.utils import get_pp_partition
+
+        return max(
+            get_pp_partition(self.model_config.num_hidden_layers, self.parallel_config.pipeline_parallel_size)
+        )
+
     def _check_fixed_kv_budget(self) -> None:
         """Refuse, before anything is spawned, a fixed KV budget too small for one request.
 
@@ -652,6 +736,6 @@ class EngineConfig:
             num_kv_heads=max(model.num_key_value_heads // self.parallel_config.tensor_parallel_size, 1),
             head_size=model.head_dim,
             dtype_size=4 if dtype in ("float32", "float") else 2,
-            num_layers=model.num_hidden_layers,
+            num_layers=self.max_layers_per_stage(),
         )
         check_enough_kv_cache_memory(self, spec, available)

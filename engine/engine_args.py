@@ -22,6 +22,7 @@ from engine.config import (
     EXECUTOR_BACKENDS,
     SCHEDULING_POLICIES,
     CacheConfig,
+    ConfigError,
     DeviceConfig,
     EngineConfig,
     LoadConfig,
@@ -408,7 +409,8 @@ class EngineArgs:
             "-pp",
             type=int,
             default=1,
-            help="Pipeline stages (1 in this version).",
+            help="Pipeline stages, each with a consecutive share of the decoder layers (vLLM's partition; "
+            "GLASSBOX_PP_LAYER_PARTITION overrides it). At most num_hidden_layers.",
         )
         g.add_argument(
             "--data-parallel-size", "-dp", type=int, default=1, help="Engine cores (1 in this version)."
@@ -417,7 +419,8 @@ class EngineArgs:
             "--distributed-executor-backend",
             default=None,
             choices=EXECUTOR_BACKENDS,
-            help="uni: the worker runs inside the engine core.",
+            help="mp: each worker in its own process; uni: the one worker inside the engine core "
+            "(default: mp, or uni when GLASSBOX_ENABLE_MULTIPROCESSING=0 and tp × pp = 1).",
         )
         g = parser.add_argument_group("DeviceConfig / LoadConfig")
         g.add_argument(
@@ -481,10 +484,15 @@ class EngineArgs:
         """Validate every value and build the ``EngineConfig``.
 
         Raises:
-            ConfigError: a value is not allowed; the message names the flag.
+            ConfigError: a value is not allowed; the message names the flag (or the
+                ``GLASSBOX_*`` variable).
         """
         from engine import envs
 
+        try:
+            envs.validate_all()
+        except ValueError as e:
+            raise ConfigError.from_message(str(e), flag=str(e).split("=", 1)[0]) from None
         model_config = ModelConfig(
             model=self.model,
             tokenizer=self.tokenizer,
@@ -500,6 +508,7 @@ class EngineArgs:
             override_generation_config=self.override_generation_config,
             chat_template=self.chat_template,
         )
+        model_config.check_tokenizer_files()  # the frontend needs it; found before anything starts
         cache_config = CacheConfig(
             block_size=self.block_size,
             gpu_memory_utilization=self.gpu_memory_utilization,

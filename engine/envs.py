@@ -23,11 +23,33 @@ def _bool(value: str) -> bool:
     raise ValueError(f"expected 0 or 1, got {value!r}")
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _log_level(value: str) -> str:
+    level = value.strip().upper()
+    if level not in LOG_LEVELS:
+        raise ValueError(f"expected one of {', '.join(LOG_LEVELS)}, got {value!r}")
+    return level
+
+
 def _positive_float(value: str) -> float:
     number = float(value)
     if not number > 0:  # also refuses NaN
         raise ValueError(f"expected a number of seconds > 0, got {value!r}")
     return number
+
+
+def _layer_partition(value: str) -> tuple[int, ...]:
+    """``"2,2"`` → ``(2, 2)``: layer counts per pipeline stage, each a whole number >= 1.
+
+    That they are one per stage and add up to the model's layers is checked where the model
+    is known (``EngineConfig``, in the first process).
+    """
+    parts = value.split(",")
+    if not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+        raise ValueError(f"expected comma-separated layer counts >= 1, one per pipeline stage, got {value!r}")
+    return tuple(int(p) for p in parts)
 
 
 @dataclass(frozen=True)
@@ -50,7 +72,7 @@ ENV_VARS: dict[str, EnvVar] = {
         ),
         EnvVar(
             "GLASSBOX_LOGGING_LEVEL",
-            str,
+            _log_level,
             "INFO",
             "Log level of the glassbox loggers (DEBUG, INFO, WARNING, ERROR).",
         ),
@@ -84,21 +106,21 @@ ENV_VARS: dict[str, EnvVar] = {
         ),
         EnvVar(
             "GLASSBOX_ENGINE_READY_TIMEOUT_S",
-            float,
+            _positive_float,
             600.0,
             "Deadline, in seconds, for the engine core to say READY after it was started; the "
             "expiry message names the late process and its stage (vLLM: VLLM_ENGINE_READY_TIMEOUT_S).",
         ),
         EnvVar(
             "GLASSBOX_EXECUTE_MODEL_TIMEOUT_S",
-            float,
+            _positive_float,
             300.0,
             "Deadline, in seconds, for the workers to answer one execute_model or collective_rpc "
             "call (vLLM: VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS).",
         ),
         EnvVar(
             "GLASSBOX_MQ_TIMEOUT_S",
-            float,
+            _positive_float,
             300.0,
             "Deadline, in seconds, of one wait on the shared-memory broadcast queue; the expiry "
             "message names the reader that is behind.",
@@ -110,6 +132,14 @@ ENV_VARS: dict[str, EnvVar] = {
             "Deadline, in seconds, for every tensor-parallel worker to join the torch.distributed "
             "rendezvous (TCP, on a free port found at run time); the expiry message names the ranks "
             "that never arrived.",
+        ),
+        EnvVar(
+            "GLASSBOX_PP_LAYER_PARTITION",
+            _layer_partition,
+            None,
+            'Decoder layers per pipeline stage, comma-separated (e.g. "3,1"): one count per stage, '
+            "summing to num_hidden_layers (vLLM: VLLM_PP_LAYER_PARTITION). Unset: equal parts, the "
+            "remainder to the stages before the last.",
         ),
         EnvVar(
             "GLASSBOX_API_KEY",
@@ -126,7 +156,7 @@ ENV_VARS: dict[str, EnvVar] = {
         ),
         EnvVar(
             "GLASSBOX_DEFAULT_WAIT_TIMEOUT_S",
-            float,
+            _positive_float,
             300.0,
             "Deadline, in seconds, of a bounded wait that was given no deadline of its own.",
         ),
@@ -149,6 +179,18 @@ def get(name: str) -> Any:
         return var.parse(raw)
     except ValueError as e:
         raise ValueError(f"{name}={raw!r} is not valid: {e}") from None
+
+
+def validate_all() -> None:
+    """Parse every ``GLASSBOX_*`` variable that is set, so a bad value fails in the first
+    process, before anything is spawned (not later, inside a child that reads it).
+
+    Raises:
+        ValueError: the first variable set to a value its type cannot parse; the message
+            names the variable, its value and what is expected.
+    """
+    for name in ENV_VARS:
+        get(name)
 
 
 def __getattr__(name: str) -> Any:

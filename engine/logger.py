@@ -34,8 +34,6 @@ def _configure() -> None:
     global _CONFIGURED
     if _CONFIGURED:
         return
-    from engine import envs
-
     handler = logging.StreamHandler(sys.stderr)
     handler.addFilter(_RoleFilter())
     handler.setFormatter(
@@ -47,9 +45,20 @@ def _configure() -> None:
     for name in ("engine", "tracing"):
         root = logging.getLogger(name)
         root.addHandler(handler)
-        root.setLevel(envs.GLASSBOX_LOGGING_LEVEL.upper())
+        root.setLevel(_level())
         root.propagate = False
     _CONFIGURED = True
+
+
+def _level() -> str:
+    # A bad GLASSBOX_LOGGING_LEVEL is reported by envs.validate_all() as one line; logging
+    # set up at import time must not turn it into a traceback first.
+    from engine import envs
+
+    try:
+        return envs.GLASSBOX_LOGGING_LEVEL
+    except ValueError:
+        return "INFO"
 
 
 def init_logger(name: str) -> logging.Logger:

@@ -25,7 +25,7 @@ weights): ``STEPS`` steps of ``BATCH`` windows of ``SEQ_LEN`` tokens at random o
 training stream (drawn from one ``torch.Generator``), AdamW (β = 0.9, 0.95, weight decay 0.1
 on matrices only), linear warm-up then cosine decay to a tenth of the peak learning rate,
 gradient clipping at 1.0, float32, ``torch.set_num_threads(THREADS)``. The step count is fixed
-(not a time budget) and sized so a quiet 2-core machine finishes in under 30 minutes.
+(not a time budget) and sized so a quiet 2-core machine finishes in about 15 minutes (under 30).
 
 Held-out perplexity is exp(mean next-token cross-entropy) over non-overlapping ``SEQ_LEN``
 windows of the held-out stream; ``provenance.json`` records it for the whole held-out stream

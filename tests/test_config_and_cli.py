@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 
@@ -15,8 +17,9 @@ from engine.engine_args import EngineArgs
 GLASSBOX = [sys.executable, "-m", "engine.cli.main"]
 
 
-def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([*GLASSBOX, *args], capture_output=True, text=True, timeout=timeout)
+def _cli(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*GLASSBOX, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -109,15 +112,43 @@ def test_cli_generate_prints_text():
         (["--model", "/nonexistent/x"], "--model"),
         (["--temperature", "-1"], "--temperature"),
         (["--max-tokens", "0"], "--max-tokens"),
-        (["--kv-cache-memory-bytes", "1000"], "--max-model-len"),
+        (["--kv-cache-memory-bytes", "1000"], "--kv-cache-memory-bytes"),
+        (["--tokenizer", "/tmp"], "--tokenizer"),
+        (["--override-generation-config", '{"temprature": 0.5}'], "--override-generation-config"),
     ],
 )
 def test_cli_bad_value_exits_2_naming_the_flag(args, flag):
     proc = _cli("generate", "hi", *args)
     assert proc.returncode == 2
     last = proc.stderr.strip().splitlines()[-1]
-    assert flag in last
+    assert re.match(rf"glassbox generate: error: (argument )?{flag}\b", last), last
     assert "Traceback" not in proc.stderr
+
+
+def test_model_dir_without_weights_is_refused_before_anything_starts(tmp_path, default_model_dir):
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((default_model_dir / name).read_bytes())
+    proc = _cli("generate", "hi", "--model", str(tmp_path))
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip() == (
+        f"glassbox generate: error: --model: invalid value {str(tmp_path)!r} "
+        "(the directory has no *.safetensors weights) (see glassbox generate --help)"
+    )
+
+
+@pytest.mark.parametrize(
+    "var, value",
+    [
+        ("GLASSBOX_LOGGING_LEVEL", "bogus"),
+        ("GLASSBOX_CPU_KVCACHE_SPACE", "abc"),
+        ("GLASSBOX_MQ_TIMEOUT_S", "-1"),
+    ],
+)
+@pytest.mark.parametrize("command", [["ps"], ["generate", "hi"]])
+def test_bad_environment_variable_is_one_line_exit_2_before_anything_starts(var, value, command):
+    proc = _cli(*command, env={var: value})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and f"error: {var}={value!r} is not valid" in proc.stderr
 
 
 def test_cli_help_reads_well():

@@ -181,6 +181,7 @@ def test_readme_and_model_card_quote_the_real_greedy_continuation():
     def flat(text: str) -> str:
         return " ".join(text.split())
 
-    expected = flat(f'`"{GREEDY_PROMPT}"` → `"{GREEDY_CONTINUATION}"`')
+    shown = GREEDY_CONTINUATION.replace("\n", "\\n")  # the README writes the newline as \n
+    expected = flat(f'`"{GREEDY_PROMPT}"` → `"{shown}"`')
     assert expected in flat((REPO / "README.md").read_text())
     assert str(HELDOUT_PERPLEXITY_BOUND).rstrip("0").rstrip(".") in (MODEL_DIR / "README.md").read_text()

@@ -718,6 +718,30 @@ def test_a_prompt_too_long_leaves_no_misleading_warning_in_the_log(server: Serve
     assert "[transformers]" not in log, log[-3000:]
 
 
+@pytest.mark.parametrize(
+    "path,field,value",
+    [
+        ("/v1/completions", "prompt_logprobs", 1),
+        ("/v1/chat/completions", "prompt_logprobs", 1),
+        ("/v1/chat/completions", "chat_template", "{{ messages }}"),
+    ],
+)
+def test_a_vllm_extra_that_is_left_out_is_a_400_not_silently_ignored(
+    server: Server, path: str, field: str, value: object
+) -> None:
+    body = {"model": MODEL, "max_tokens": 2, field: value}
+    body.update({"prompt": "x"} if path == "/v1/completions" else {"messages": CHAT})
+    assert_error(server.post(path, body), 400, field, "BadRequestError")
+
+
+def test_an_unknown_field_is_ignored_and_logged(server: Server) -> None:
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1, "frobnicate_level": 3}
+    assert server.post("/v1/completions", body).status_code == 200
+    assert "field(s) frobnicate_level are not known and were ignored" in server.log.read_text(
+        errors="replace"
+    )
+
+
 def test_a_stream_error_before_start_is_a_plain_error(server: Server) -> None:
     body = {"model": MODEL, "prompt": "x", "stream": True, "temperature": -1}
     assert_error(server.post("/v1/completions", body), 400, "temperature")

@@ -172,7 +172,7 @@ def _assert_one_line_config_error(proc: subprocess.CompletedProcess, tmp_path, f
 def test_kv_cache_too_small_found_by_the_engine_core_is_one_line_exit_2(tmp_path):
     # --device auto: the budget is known only once the worker has picked its device.
     proc = _serve_to_exit(tmp_path, env={"GLASSBOX_CPU_KVCACHE_SPACE": "0.0001"})
-    _assert_one_line_config_error(proc, tmp_path, "--max-model-len")
+    _assert_one_line_config_error(proc, tmp_path, "GLASSBOX_CPU_KVCACHE_SPACE")
     assert "needed" in proc.stderr and "GLASSBOX_CPU_KVCACHE_SPACE" in proc.stderr
     assert "Worker_DP0_PP0_TP0" in proc.stdout + proc.stderr, "the tree had started"
 
@@ -183,9 +183,12 @@ def test_kv_cache_too_small_found_by_the_engine_core_is_one_line_exit_2(tmp_path
     ids=["kv-cache-memory-bytes", "cpu-space"],
 )
 def test_fixed_kv_budget_too_small_is_refused_before_anything_starts(tmp_path, args):
-    # A fixed budget (the flag, or GLASSBOX_CPU_KVCACHE_SPACE on --device cpu) is checked first.
+    # A fixed budget (the flag, or GLASSBOX_CPU_KVCACHE_SPACE on --device cpu) is checked first,
+    # and the error names the setting the user gave.
     proc = _serve_to_exit(tmp_path, *args, env={"GLASSBOX_CPU_KVCACHE_SPACE": "0.0001"})
-    _assert_one_line_config_error(proc, tmp_path, "--max-model-len")
+    _assert_one_line_config_error(
+        proc, tmp_path, args[0] if args[0] != "--device" else "GLASSBOX_CPU_KVCACHE_SPACE"
+    )
     assert proc.stdout == "" and proc.stderr.count("\n") == 1, "nothing started, nothing logged"
 
 

@@ -497,6 +497,11 @@ async def _first_model(client: Any, config: BenchmarkConfig) -> str:
     if config.model is not None:
         return config.model  # some servers have no /v1/models; answering at all is enough
     if response.status_code != 200:
+        if response.status_code == 401:
+            raise BenchmarkError(
+                f"GET {url} answered HTTP 401: the server wants an API key; pass --api-key "
+                "(or set OPENAI_API_KEY)"
+            )
         raise BenchmarkError(f"GET {url} answered HTTP {response.status_code}; pass --model")
     try:
         return response.json()["data"][0]["id"]

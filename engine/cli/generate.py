@@ -18,7 +18,8 @@ EXIT_STATUS = """exit status:
   0    every prompt was answered
   1    the engine died (the root cause is printed last)
   2    a bad flag or setting, found before or during start-up (one line naming the flag)
-  130  interrupted by Ctrl-C"""
+  130  interrupted by Ctrl-C
+  143  stopped by SIGTERM (the engine's processes are stopped too)"""
 
 
 def add_subparser(sub: argparse._SubParsersAction) -> None:
@@ -42,9 +43,24 @@ def add_subparser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="0 = greedy (default: the model's generation_config, else 1.0).",
     )
-    s.add_argument("--top-p", type=float, default=None)
-    s.add_argument("--top-k", type=int, default=None)
-    s.add_argument("--min-p", type=float, default=None)
+    s.add_argument(
+        "--top-p",
+        type=float,
+        default=None,
+        help="Nucleus sampling mass, in (0, 1] (default: the model's, else 1.0).",
+    )
+    s.add_argument(
+        "--top-k",
+        type=int,
+        default=None,
+        help="Keep the k likeliest tokens; 0 = off (default: the model's, else 0).",
+    )
+    s.add_argument(
+        "--min-p",
+        type=float,
+        default=None,
+        help="Drop tokens below min_p × the top probability (default: the model's, else 0.0).",
+    )
     s.add_argument("--n", type=int, default=1, help="Completions per prompt.")
     s.add_argument(
         "--sampling-seed", type=int, default=None, help="Per-request seed for reproducible sampling."

@@ -47,11 +47,22 @@ def _make_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = _make_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
     if args.command is None:
+        if unknown:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         parser.print_help()
         return 2
     subparser = parser._subparsers._group_actions[0].choices[args.command]
+    if unknown:  # named by the subcommand, whose --help lists what it takes
+        subparser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    from engine import envs
+
+    try:
+        envs.validate_all()  # every GLASSBOX_* variable, before anything starts
+    except ValueError as e:
+        print(f"{subparser.prog}: error: {e}", file=sys.stderr)
+        return 2
     try:
         return args.func(args, subparser)
     except KeyboardInterrupt:

@@ -30,6 +30,19 @@ EXIT_STATUS = """exit status:
   130  interrupted by Ctrl-C during start-up"""
 
 
+def _json_origins(text: str) -> list[str]:
+    """``--allowed-origins``: a JSON list of origin strings."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(o, str) for o in value):
+        raise argparse.ArgumentTypeError(
+            f"must be a JSON list of origins, e.g. '[\"http://localhost:3000\"]', got {text!r}"
+        )
+    return value
+
+
 def add_subparser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
@@ -56,7 +69,7 @@ def add_subparser(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument(
         "--allowed-origins",
-        type=json.loads,
+        type=_json_origins,
         default=None,
         help="CORS origins as JSON, e.g. '[\"http://localhost:3000\"]'.",
     )
@@ -64,6 +77,7 @@ def add_subparser(sub: argparse._SubParsersAction) -> None:
         "--uvicorn-log-level",
         default="info",
         choices=("critical", "error", "warning", "info", "debug", "trace"),
+        help="Log level of uvicorn's own lines (access log at info).",
     )
     EngineArgs.add_cli_args(p, serving=True)
     p.set_defaults(func=run)
@@ -90,7 +104,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         sock = bind_socket(args.host, args.port)
     except PortInUseError as e:
-        parser.error(f"--port: {e}")
+        parser.error(f"{e.flag}: {e}")
     from engine.entrypoints.openai.api_server import run_server
 
     server_args = ServerArgs(

@@ -4,10 +4,13 @@ Mirrors vLLM's ``get_kv_cache_configs`` / ``check_enough_kv_cache_memory``
 (``vllm/v1/core/kv_cache_utils.py``; ``kv_cache_planning.py`` in 0.33) for one group of
 full-attention layers: ``num_blocks = available_bytes // (page_size_bytes × num_layers)``,
 unless ``--num-gpu-blocks-override`` says otherwise. With several workers each reports its
-own budget and every worker gets the minimum.
+own budget and page shape (pipeline stages hold different numbers of layers), and every
+worker gets the smallest block count any of them can hold (``get_kv_cache_configs``).
 """
 
 from __future__ import annotations
+
+import os
 
 from engine.config import ConfigError, EngineConfig, too_few_blocks_reason
 from engine.kv_cache.kv_cache_interface import FullAttentionSpec, KVCacheConfig
@@ -36,13 +39,24 @@ def check_enough_kv_cache_memory(config: EngineConfig, spec: FullAttentionSpec, 
     needed = (cdiv(max_model_len, spec.block_size) + 1) * spec.bytes_per_block
     if needed > available_bytes:
         fits_blocks = max(available_bytes // spec.bytes_per_block - 1, 0)
+        # Blame the budget the user set, else the length (the budget is then a default).
+        if config.cache_config.kv_cache_memory_bytes:
+            flag = "--kv-cache-memory-bytes"
+        elif config.cache_config.num_gpu_blocks_override is None and config.device_config.device != "cuda":
+            flag = (
+                "GLASSBOX_CPU_KVCACHE_SPACE"
+                if os.environ.get("GLASSBOX_CPU_KVCACHE_SPACE")
+                else "--max-model-len"
+            )
+        else:
+            flag = "--max-model-len"
         raise ConfigError.from_message(
-            f"--max-model-len: to serve at least one request with --max-model-len {max_model_len}, "
+            f"{flag}: to serve at least one request with --max-model-len {max_model_len}, "
             f"{needed / (1 << 20):.2f} MiB of KV cache is needed, which is larger than the "
             f"available KV cache memory ({available_bytes / (1 << 20):.2f} MiB). The estimated "
             f"maximum model length is {fits_blocks * spec.block_size}. Try a smaller "
             "--max-model-len or a larger GLASSBOX_CPU_KVCACHE_SPACE / --kv-cache-memory-bytes.",
-            flag="--max-model-len",
+            flag=flag,
         )
 
 
@@ -72,3 +86,24 @@ def get_kv_cache_config(
         check_enough_kv_cache_memory(config, spec, available)
         num_blocks = available // spec.bytes_per_block
     return KVCacheConfig(num_blocks=num_blocks, spec=spec)
+
+
+def get_kv_cache_configs(
+    config: EngineConfig, specs: list[FullAttentionSpec], available_bytes: list[int]
+) -> list[KVCacheConfig]:
+    """One config per worker (rank order), all with the same number of blocks.
+
+    Workers may differ in their page shapes: with pipeline parallelism each holds the KV of
+    its own stage's layers only, so a block costs ``bytes_per_block`` of *that* stage. Every
+    worker must fit the same block count (the scheduler hands out one set of block ids), so
+    the count is the minimum over workers of ``available // bytes_per_block``. vLLM:
+    ``get_kv_cache_configs``.
+
+    Raises:
+        ConfigError: as ``get_kv_cache_config``, for the worker that fits the fewest blocks.
+    """
+    if len(specs) != len(available_bytes):
+        raise ValueError(f"{len(specs)} KV cache specs but {len(available_bytes)} memory budgets")
+    fewest = min(range(len(specs)), key=lambda r: available_bytes[r] // specs[r].bytes_per_block)
+    num_blocks = get_kv_cache_config(config, specs[fewest], [available_bytes[fewest]]).num_blocks
+    return [KVCacheConfig(num_blocks=num_blocks, spec=spec) for spec in specs]

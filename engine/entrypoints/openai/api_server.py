@@ -24,6 +24,7 @@ This process never imports torch.
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
 import signal
 import socket
@@ -61,7 +62,10 @@ class ServerArgs:
 
 
 class PortInUseError(OSError):
-    pass
+    """The listening address cannot be bound; ``flag`` is the flag to change (``--port`` when
+    the port is taken, ``--host`` when the address is not this machine's or not valid)."""
+
+    flag = "--port"
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -75,9 +79,12 @@ def bind_socket(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
-    except OSError as e:
+    except (OSError, OverflowError) as e:
         sock.close()
-        raise PortInUseError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        err = PortInUseError(f"cannot listen on {host}:{port}: {getattr(e, 'strerror', None) or e}")
+        if getattr(e, "errno", None) != errno.EADDRINUSE:
+            err.flag = "--host"
+        raise err from None
     sock.listen(2048)
     sock.set_inheritable(False)
     return sock

@@ -95,6 +95,12 @@ class SamplingFields(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # vLLM extras left out: declared so that asking for them is a 400, not silently ignored.
+    prompt_logprobs: int | None = None
+    chat_template: str | None = None
+
+    # Fields no model declares are kept (not dropped unseen) so the server can log them.
+    model_config = ConfigDict(extra="allow")
 
     def _sampling_params(
         self,

@@ -31,7 +31,10 @@ from pydantic import BaseModel
 from engine.entrypoints.openai.protocol import ChatMessageParam, ErrorInfo, ErrorResponse
 from engine.frontend.async_llm import AsyncLLM
 from engine.frontend.tokenizer import apply_chat_template, encode
+from engine.logger import init_logger
 from engine.sampling_params import SamplingParams
+
+logger = init_logger(__name__)
 
 T = TypeVar("T")
 
@@ -254,6 +257,21 @@ class OpenAIServing:
             )
         if request.stream_options is not None and not request.stream:
             raise OpenAIError("stream_options can only be given when stream is true.", param="stream_options")
+        if getattr(request, "prompt_logprobs", None) is not None:
+            raise OpenAIError(
+                "prompt_logprobs is not supported by the server (left out); for completions, "
+                "echo with logprobs returns the prompt's logprobs.",
+                param="prompt_logprobs",
+            )
+        if getattr(request, "chat_template", None) is not None:
+            raise OpenAIError(
+                "A per-request chat_template is not supported; start the server with --chat-template.",
+                param="chat_template",
+            )
+        ignored = sorted(request.model_extra or {})
+        if ignored:
+            # As vLLM: an unknown field is tolerated (OpenAI's clients send new ones) but said.
+            logger.warning("The request's field(s) %s are not known and were ignored", ", ".join(ignored))
 
     # ------------------------------------------------------------------ prompts
 
