@@ -51,9 +51,10 @@ RULES = [
          _modules("engine/sched", "engine/kv_cache"), ("torch", "zmq", *HTTP)),
     Rule("the API server imports no torch, model or worker", API_SERVER,
          ("torch", "engine.model", "engine.worker")),
-    Rule("the API server imports no engine.sched", API_SERVER, ("engine.sched",),
-         xfail="engine.core.messages imports FinishReason from engine.sched.request; issue 8 item 2 moves "
-               "the wire enums next to the messages"),
+    Rule("the API server imports no engine.sched", API_SERVER, ("engine.sched",)),
+    Rule("the client ↔ engine-core messages import no engine.sched (no core ↔ sched cycle)",
+         ("engine.core.messages",), ("engine.sched", "torch", "zmq")),
+    Rule("the engine-core ↔ worker messages import no torch", ("engine.executor.messages",), ("torch",)),
     Rule("the topology plan is torch-free", ("engine.distributed", "engine.distributed.topology"),
          ("torch", "zmq", *HTTP, "engine.model", "engine.worker", "engine.core", "engine.sched")),
     Rule("model knows nothing of scheduling, processes or HTTP", _modules("engine/model"),

@@ -20,15 +20,12 @@ outlive a dead engine and report it. Start-up: connect → HELLO → build the `
 
 from __future__ import annotations
 
-import json
 import os
-import pickle
 import queue
 import threading
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import zmq
 
 from engine.config import ConfigError, EngineConfig
@@ -40,12 +37,19 @@ from engine.core.messages import (
     TAG_UTILITY,
     EngineCoreRequest,
     EngineCoreRequestType,
+    EngineCoreSpawnPayload,
+    EngineDead,
     EngineHandshake,
+    UtilityReply,
+    UtilityRequest,
+    decode_as,
 )
+from engine.core.messages import encode as _encode
 from engine.distributed.topology import ProcessRole
 from engine.logger import init_logger
 from engine.utils import processes
 from engine.utils import run_dir as run_dirs
+from engine.utils.wire import ProtocolError
 from tracing import current_stage, setup_tracing
 from tracing.propagation import attached_trace_context
 
@@ -115,20 +119,25 @@ class EngineCoreProc(EngineCore):
     # ------------------------------------------------------------------ process entry
 
     @staticmethod
-    def run_engine_core(payload: dict[str, Any], *, run_dir: Path, role: str) -> None:
-        """Process target (vLLM: ``EngineCoreProc.run_engine_core``)."""
-        config: EngineConfig = payload["config"]
+    def run_engine_core(payload_bytes: bytes, *, run_dir: Path, role: str) -> None:
+        """Process target (vLLM: ``EngineCoreProc.run_engine_core``); the payload is an
+        encoded ``EngineCoreSpawnPayload``."""
+        if not isinstance(payload_bytes, bytes):
+            raise ProtocolError(f"the engine core's spawn payload is a {type(payload_bytes).__name__}, "
+                                "not encoded EngineCoreSpawnPayload bytes")  # fmt: skip
+        payload: EngineCoreSpawnPayload = decode_as(EngineCoreSpawnPayload, payload_bytes)
+        config: EngineConfig = payload.config
         obs = config.observability_config
-        setup_tracing(role, rank=payload["data_parallel_rank"], trace_file=obs.trace_file,
+        setup_tracing(role, rank=payload.data_parallel_rank, trace_file=obs.trace_file,
                       otlp_endpoint=obs.otlp_traces_endpoint,
                       status_file=str(run_dirs.status_file(run_dir, role)))  # fmt: skip
         processes.install_sigterm_exit()
         parent_pid = os.getppid()
         engine: EngineCoreProc | None = None
         try:
-            with attached_trace_context(payload.get("trace_headers")):
-                engine = EngineCoreProc(config, payload["input_address"], payload["output_address"],
-                                        payload["data_parallel_rank"], run_dir)  # fmt: skip
+            with attached_trace_context(payload.trace_headers):
+                engine = EngineCoreProc(config, payload.input_address, payload.output_address,
+                                        payload.data_parallel_rank, run_dir)  # fmt: skip
             engine.run_busy_loop()
         except SystemExit:
             processes.ignore_sigterm()
@@ -137,7 +146,7 @@ class EngineCoreProc(EngineCore):
             processes.ignore_sigterm()
             root = getattr(e, "root_cause", None)
             if root is None:
-                processes.write_crash_report(run_dir, role, e, current_stage(), payload["data_parallel_rank"])
+                processes.write_crash_report(run_dir, role, e, current_stage(), payload.data_parallel_rank)
                 root = processes.format_root_cause(run_dir, role, os.getpid(), 1)
                 if isinstance(e, ConfigError) and engine is None:
                     # A bad setting found during start-up: the frontend reports it as one
@@ -148,13 +157,15 @@ class EngineCoreProc(EngineCore):
             else:
                 # A worker died: the frontend prints the root-cause block, once.
                 logger.error("engine core stopping: a worker died (the frontend prints the root cause)")
-            error = {
-                "type": type(e).__name__,
-                "message": str(e),
-                "flag": getattr(e, "flag", None),
-                "during_startup": engine is None,
-            }
-            _send_dead(payload["output_address"], root, error)
+            flag = getattr(e, "flag", None)
+            dead = EngineDead(
+                root_cause=root,
+                error_type=type(e).__name__,
+                message=str(e),
+                flag=flag if isinstance(flag, str) else None,
+                during_startup=engine is None,
+            )
+            _send_dead(payload.output_address, dead)
             raise SystemExit(1) from None
         finally:
             processes.ignore_sigterm()
@@ -198,15 +209,16 @@ class EngineCoreProc(EngineCore):
             self.add_request(payload)
         elif request_type == EngineCoreRequestType.ABORT:
             self.abort_requests(payload)
-        elif request_type == EngineCoreRequestType.EXECUTOR_FAILED:
+        elif request_type in (EngineCoreRequestType.EXECUTOR_FAILED, EngineCoreRequestType.PROTOCOL_ERROR):
             raise payload
         elif request_type == EngineCoreRequestType.UTILITY:
-            call_id, method, args = payload
+            call: UtilityRequest = payload
             try:
-                result = (True, getattr(self, method)(*args))
+                with attached_trace_context(call.trace_headers):
+                    reply = UtilityReply.success(call.call_id, getattr(self, call.method)(*call.call_args()))
             except Exception as e:  # a failed utility call is the caller's error, not ours
-                result = (False, f"{type(e).__name__}: {e}")
-            self.output_queue.put([TAG_UTILITY, pickle.dumps((call_id, *result))])
+                reply = UtilityReply.failure(call.call_id, e)
+            self.output_queue.put([TAG_UTILITY, _encode(reply)])
         else:
             logger.warning("ignoring request type %s", request_type)
 
@@ -217,24 +229,23 @@ class EngineCoreProc(EngineCore):
         socket.setsockopt(zmq.IDENTITY, self.data_parallel_rank.to_bytes(2, "little"))
         socket.setsockopt(zmq.LINGER, 0)
         socket.connect(self.input_address)
-        decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
         poller = zmq.Poller()
         poller.register(socket, zmq.POLLIN)
         try:
             # Tell the frontend's ROUTER who we are, so it can route to us right away.
-            socket.send_multipart([b"READY"])
+            connected = EngineHandshake(kind="CONNECTED", role=self.role, pid=os.getpid(),
+                                        data_parallel_rank=self.data_parallel_rank)  # fmt: skip
+            socket.send_multipart([_encode(connected)])
             while not self._stop.is_set():
                 if not poller.poll(timeout=int(IDLE_POLL_S * 1000)):
                     continue
-                type_frame, *frames = socket.recv_multipart()
-                request_type = EngineCoreRequestType(type_frame)
-                if request_type == EngineCoreRequestType.ADD:
-                    payload: Any = decoder.decode(frames[0])
-                elif request_type == EngineCoreRequestType.ABORT:
-                    payload = msgspec.msgpack.decode(frames[0])
-                else:
-                    payload = pickle.loads(frames[0])
-                self.input_queue.put((request_type, payload))
+                frames = socket.recv_multipart()
+                try:
+                    self.input_queue.put(_decode_input(frames))
+                except ProtocolError as e:
+                    # A frontend that breaks the protocol is a bug: stop with a clear error.
+                    self.input_queue.put((EngineCoreRequestType.PROTOCOL_ERROR, e))
+                    return
         except zmq.ZMQError:
             pass
         finally:
@@ -261,17 +272,36 @@ class EngineCoreProc(EngineCore):
         self.ctx.term()
 
 
-def _encode(obj: msgspec.Struct) -> bytes:
-    return msgspec.msgpack.encode(obj)
+# What each request type's body decodes as (the internal types never arrive on the socket).
+_INPUT_TYPES: dict[EngineCoreRequestType, Any] = {
+    EngineCoreRequestType.ADD: EngineCoreRequest,
+    EngineCoreRequestType.ABORT: list[str],
+    EngineCoreRequestType.UTILITY: UtilityRequest,
+}
 
 
-def _send_dead(output_address: str, root_cause: str, error: dict[str, Any]) -> None:
+def _decode_input(frames: list[bytes]) -> tuple[EngineCoreRequestType, Any]:
+    """``[type, body]`` from the frontend → ``(type, message)``; ``ProtocolError`` otherwise."""
+    if len(frames) != 2:
+        raise ProtocolError(f"malformed message on the client ↔ engine core boundary: {len(frames)} frames, "
+                            "expected [request type, body]")  # fmt: skip
+    try:
+        request_type = EngineCoreRequestType(frames[0])
+    except ValueError:
+        request_type = None
+    if request_type not in _INPUT_TYPES:
+        raise ProtocolError(f"malformed message on the client ↔ engine core boundary: request type "
+                            f"{frames[0]!r} is not one of {[t.name for t in _INPUT_TYPES]}")  # fmt: skip
+    return request_type, decode_as(_INPUT_TYPES[request_type], frames[1])
+
+
+def _send_dead(output_address: str, dead: EngineDead) -> None:
     """Tell the frontend we are dying, on a fresh socket (the engine's may be mid-send)."""
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 2000)
     try:
         sock.connect(output_address)
-        sock.send_multipart([ENGINE_CORE_DEAD, root_cause.encode(), json.dumps(error).encode()])
+        sock.send_multipart([ENGINE_CORE_DEAD, _encode(dead)])
     finally:
         sock.close()

@@ -6,18 +6,49 @@ positional arrays (``array_like``), as vLLM does: the **field order is the wire 
 new fields go at the end, with defaults.
 Fields later work needs (``client_index``, ``data_parallel_rank``, ``current_wave``,
 ``priority``, ``trace_headers``) are already here.
+
+This module is the whole client ↔ engine-core protocol::
+
+    client ──spawn (stdin pipe)─▶ engine core   EngineCoreSpawnPayload
+    client ◀──PUSH/PULL───────── engine core    TAG_HANDSHAKE EngineHandshake HELLO, then READY
+    client ◀──DEALER/ROUTER───── engine core    EngineHandshake CONNECTED (its input socket is up)
+    client ──ROUTER/DEALER──────▶ engine core   ADD EngineCoreRequest | ABORT [ids] | UTILITY UtilityRequest
+    client ◀──PUSH/PULL───────── engine core    TAG_OUTPUTS EngineCoreOutputs | TAG_UTILITY UtilityReply
+    client ◀──PUSH/PULL───────── engine core    ENGINE_CORE_DEAD EngineDead (last words)
+
+The wire enums (``FinishReason``, ``EngineCoreRequestType``) live here too, so the frontend
+needs nothing from the scheduler (``engine.sched``) to read a message.
 """
 
 from __future__ import annotations
 
 import enum
+import pickle
 import time
+from typing import Any, Literal
 
 import msgspec
 
 from engine.outputs import LogprobsLists
 from engine.sampling_params import SamplingParams
-from engine.sched.request import FinishReason
+from engine.utils.wire import ProtocolError, decode
+
+BOUNDARY = "client ↔ engine core"
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request finished, as reported to the client (vLLM's ``FinishReason``).
+
+    A wire enum: it travels in ``EngineCoreOutput``, so it lives with the messages
+    (``engine.sched.request`` re-exports it).
+    """
+
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+
+    def __str__(self) -> str:
+        return self.name.lower()
 
 
 class EngineCoreRequestType(enum.Enum):
@@ -27,6 +58,8 @@ class EngineCoreRequestType(enum.Enum):
     UTILITY = b"\x03"
     # Internal: put on the engine core's own input queue when a worker died.
     EXECUTOR_FAILED = b"\x04"
+    # Internal: the input thread received a message that breaks the protocol.
+    PROTOCOL_ERROR = b"\x05"
 
 
 class EngineCoreRequest(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True, gc=False):
@@ -95,7 +128,7 @@ class EngineHandshake(msgspec.Struct, kw_only=True, array_like=True):
     only the worker could resolve (device, dtype) and the number of KV blocks.
     """
 
-    kind: str  # "HELLO" | "READY"
+    kind: Literal["HELLO", "READY", "CONNECTED"]  # CONNECTED: sent on the input socket
     role: str
     pid: int
     data_parallel_rank: int = 0
@@ -105,10 +138,110 @@ class EngineHandshake(msgspec.Struct, kw_only=True, array_like=True):
     max_model_len: int = 0
 
 
+class UtilityRequest(msgspec.Struct, kw_only=True, array_like=True):
+    """Run ``EngineCore.<method>(*args)`` in the engine core; the answer carries ``call_id``.
+
+    ``args_pickle``: the pickled argument tuple (utility calls are generic; their arguments
+    are whatever the method takes). ``trace_headers``: the caller's span (W3C).
+    """
+
+    call_id: int
+    method: str
+    args_pickle: bytes = b""
+    trace_headers: dict[str, str] | None = None
+
+    @classmethod
+    def make(cls, call_id: int, method: str, args: tuple = (), trace_headers: dict[str, str] | None = None):
+        args_pickle = pickle.dumps(tuple(args), protocol=5) if args else b""
+        return cls(call_id=call_id, method=method, args_pickle=args_pickle, trace_headers=trace_headers)
+
+    def call_args(self) -> tuple:
+        args = pickle.loads(self.args_pickle) if self.args_pickle else ()
+        if not isinstance(args, tuple):
+            raise ProtocolError(f"malformed message on the {BOUNDARY} boundary: utility {self.method!r} "
+                                f"arguments are a {type(args).__name__}, not a tuple")  # fmt: skip
+        return args
+
+
+class UtilityReply(msgspec.Struct, kw_only=True, array_like=True):
+    """The answer to ``UtilityRequest`` ``call_id``: a result or an error.
+
+    ``result_pickle``: the pickled return value (utility results are arbitrary objects,
+    e.g. ``SchedulerStats`` or a dict). ``error``: ``"<type>: <message>"`` when it failed.
+    """
+
+    call_id: int
+    ok: bool = True
+    result_pickle: bytes = b""
+    error: str = ""
+
+    @classmethod
+    def success(cls, call_id: int, value: Any) -> UtilityReply:
+        return cls(call_id=call_id, result_pickle=pickle.dumps(value, protocol=5))
+
+    @classmethod
+    def failure(cls, call_id: int, e: BaseException) -> UtilityReply:
+        return cls(call_id=call_id, ok=False, error=f"{type(e).__name__}: {e}")
+
+    def result(self) -> Any:
+        return pickle.loads(self.result_pickle) if self.result_pickle else None
+
+
+class EngineDead(msgspec.Struct, kw_only=True, array_like=True):
+    """The engine core's last words (vLLM: ``ENGINE_CORE_DEAD``).
+
+    ``root_cause`` is the printed block (role, rank, pid, stage, exit); ``error_type`` /
+    ``message`` / ``flag`` describe the exception that ended it; ``during_startup`` is true
+    when it died before READY (a ``ConfigError`` then is the caller's bad setting).
+    """
+
+    root_cause: str
+    error_type: str = ""
+    message: str = ""
+    flag: str | None = None
+    during_startup: bool = False
+
+
+class EngineCoreSpawnPayload(msgspec.Struct, kw_only=True):
+    """What the engine core process needs to start (written to its stdin by ``spawn_process``).
+
+    ``config_pickle`` is the pickled ``EngineConfig`` (a tree of dataclasses, pickled rather
+    than mapped field by field onto msgpack). ``trace_headers``: the spawning span (W3C), so
+    the engine core's start-up stages are its children.
+    """
+
+    config_pickle: bytes
+    input_address: str
+    output_address: str
+    data_parallel_rank: int = 0
+    trace_headers: dict[str, str] | None = None
+
+    @property
+    def config(self) -> Any:
+        return pickle.loads(self.config_pickle)
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoders: dict[type, msgspec.msgpack.Decoder] = {}
+
+
+def encode(message: Any) -> bytes:
+    """msgpack bytes of any message of this boundary."""
+    return _encoder.encode(message)
+
+
+def decode_as(message_type: Any, data: bytes | memoryview) -> Any:
+    """Decode ``data`` as ``message_type``; ``ProtocolError`` when it does not fit."""
+    decoder = _decoders.get(message_type)
+    if decoder is None:
+        decoder = _decoders[message_type] = msgspec.msgpack.Decoder(message_type)
+    return decode(decoder, data, BOUNDARY)
+
+
 # Frame tags on the engine → frontend socket (the first frame of each multipart message).
 TAG_HANDSHAKE = b"H"
 TAG_OUTPUTS = b"O"
 TAG_UTILITY = b"U"
 # A lone frame the engine core sends when it dies (vLLM: ``EngineCoreProc.ENGINE_CORE_DEAD``),
-# followed by a frame with the root-cause block.
+# followed by a frame with an encoded ``EngineDead``.
 ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"

@@ -15,11 +15,11 @@ through an ``EngineCoreClient``:
 from __future__ import annotations
 
 import itertools
-import json
 import pickle
 import time
 from abc import ABC, abstractmethod
 from collections import deque
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +36,20 @@ from engine.core.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
+    EngineCoreSpawnPayload,
+    EngineDead,
     EngineHandshake,
+    UtilityReply,
+    UtilityRequest,
+    decode_as,
 )
+from engine.core.messages import encode as encode_message
 from engine.distributed import topology
 from engine.logger import init_logger
 from engine.utils import processes
 from engine.utils import run_dir as run_dirs
 from engine.utils.processes import EngineDeadError
+from engine.utils.wire import ProtocolError
 
 logger = init_logger(__name__)
 
@@ -145,7 +152,8 @@ class MPClient(EngineCoreClient):
         self.encoder = msgspec.msgpack.Encoder()
         self.outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         self.pending: deque[EngineCoreOutputs] = deque()
-        self.utility_results: dict[int, tuple[bool, Any]] = {}
+        # Utility calls in flight: call id → (method, the future its UtilityReply resolves).
+        self.utility_futures: dict[int, tuple[str, Future]] = {}
         self.call_ids = itertools.count()
         self.dead: EngineDeadError | None = None
         self.engine_proc: processes.ChildProcess | None = None
@@ -163,13 +171,15 @@ class MPClient(EngineCoreClient):
         from tracing.propagation import inject_trace_headers
 
         with stage(catalogue.ENGINE_CORE_HANDSHAKE) as st:
-            payload = {
-                "config": self.config,
-                "input_address": self.input_address,
-                "output_address": self.output_address,
-                "data_parallel_rank": self.engine_role.dp_rank,
-                "trace_headers": inject_trace_headers(),
-            }
+            payload = encode_message(
+                EngineCoreSpawnPayload(
+                    config_pickle=pickle.dumps(self.config, protocol=5),
+                    input_address=self.input_address,
+                    output_address=self.output_address,
+                    data_parallel_rank=self.engine_role.dp_rank,
+                    trace_headers=inject_trace_headers(),
+                )
+            )
             self.engine_proc = processes.spawn_process(
                 self.engine_role.name,
                 "engine.core.engine_core_proc:EngineCoreProc.run_engine_core",
@@ -184,7 +194,11 @@ class MPClient(EngineCoreClient):
                 """One short poll: record HELLO / READY; True once READY arrived."""
                 msg = self._recv(deadline=time.monotonic())
                 if msg is not None and msg[0] == TAG_HANDSHAKE:
-                    hs = msgspec.msgpack.decode(msg[1][0], type=EngineHandshake)
+                    hs = decode_as(EngineHandshake, msg[1][0])
+                    if hs.kind not in ("HELLO", "READY"):
+                        raise ProtocolError(
+                            f"{hs.role} sent {hs.kind} on its output socket; HELLO or READY was due"
+                        )
                     seen[hs.kind] = hs
                     logger.debug("engine core %s (pid %d) said %s", hs.role, hs.pid, hs.kind)
                 return "READY" in seen
@@ -206,7 +220,13 @@ class MPClient(EngineCoreClient):
     def _await_engine_registration(self, deadline: float) -> None:
         while time.monotonic() < deadline:
             if self.input_socket.poll(POLL_MS):
-                self.input_socket.recv_multipart()
+                frames = self.input_socket.recv_multipart()
+                hs = decode_as(EngineHandshake, frames[-1])
+                if hs.kind != "CONNECTED" or frames[0] != self.engine_identity:
+                    raise ProtocolError(
+                        f"{hs.role} sent {hs.kind} as {frames[0]!r} on its input socket; CONNECTED "
+                        f"from {self.engine_identity!r} was due"
+                    )
                 return
             self._check_alive()
         raise TimeoutError("the engine core never connected its input socket")
@@ -226,7 +246,7 @@ class MPClient(EngineCoreClient):
             if self.output_socket.poll(POLL_MS):
                 tag, *frames = self.output_socket.recv_multipart()
                 if tag == ENGINE_CORE_DEAD:
-                    self._mark_dead(*_dead_frames(frames))
+                    self._mark_dead(_dead_message(frames))
                 return tag, frames
             self._check_alive()
             if deadline is not None and time.monotonic() >= deadline:
@@ -241,20 +261,26 @@ class MPClient(EngineCoreClient):
             if self.output_socket.poll(200):
                 tag, *frames = self.output_socket.recv_multipart()
                 if tag == ENGINE_CORE_DEAD:
-                    self._mark_dead(*_dead_frames(frames))
+                    self._mark_dead(_dead_message(frames))
             self._mark_dead(None)
 
-    def _mark_dead(self, root_cause: str | None, error: dict[str, Any] | None = None) -> None:
+    def _mark_dead(self, dead: EngineDead | None) -> None:
         if self.dead is None:
             proc = self.engine_proc
+            root_cause = dead.root_cause if dead is not None else None
             if root_cause is None and proc is not None:
                 root_cause = processes.format_root_cause(self.run_dir, proc.role, proc.pid, proc.poll())
             self.dead = EngineDeadError(root_cause or "the engine core died")
-            if error and error.get("during_startup") and error.get("type") == "ConfigError":
+            # Utility calls still waiting get the same error.
+            for _, future in self.utility_futures.values():
+                if not future.done():
+                    future.set_exception(self.dead)
+            self.utility_futures.clear()
+            if dead is not None and dead.during_startup and dead.error_type == "ConfigError":
                 # A bad setting found by the engine (e.g. a KV budget too small for one
                 # request) is the caller's error, raised as in-process: one ConfigError
                 # naming the flag, no root-cause block.
-                raise ConfigError.from_message(error["message"], flag=error.get("flag") or "") from None
+                raise ConfigError.from_message(dead.message, flag=dead.flag or "") from None
         raise self.dead
 
     def _send(self, request_type: EngineCoreRequestType, body: bytes) -> None:
@@ -283,14 +309,33 @@ class MPClient(EngineCoreClient):
         if tag == TAG_OUTPUTS:
             self.pending.append(self.outputs_decoder.decode(frames[0]))
         elif tag == TAG_UTILITY:
-            call_id, ok, result = pickle.loads(frames[0])
-            self.utility_results[call_id] = (ok, result)
+            reply: UtilityReply = decode_as(UtilityReply, frames[0])
+            pending = self.utility_futures.pop(reply.call_id, None)
+            if pending is None:
+                raise ProtocolError(
+                    f"the engine core answered utility call {reply.call_id}, which is not pending"
+                )
+            method, future = pending
+            if future.done():  # the caller gave up (cancelled) before the answer came
+                return
+            if reply.ok:
+                future.set_result(reply.result())
+            else:
+                future.set_exception(RuntimeError(f"engine utility {method!r} failed: {reply.error}"))
+        else:
+            raise ProtocolError(f"the engine core sent a message tagged {tag!r} after start-up; "
+                                f"expected {TAG_OUTPUTS!r} or {TAG_UTILITY!r}")  # fmt: skip
 
-    def _utility_result(self, call_id: int, method: str) -> Any:
-        ok, result = self.utility_results.pop(call_id)
-        if not ok:
-            raise RuntimeError(f"engine utility {method!r} failed: {result}")
-        return result
+    def _utility_request(self, method: str, args: tuple) -> tuple[Future, bytes]:
+        """A new call id, its pending future, and the encoded ``UtilityRequest``."""
+        from tracing.propagation import inject_trace_headers
+
+        call_id = next(self.call_ids)
+        future: Future = Future()
+        self.utility_futures[call_id] = (method, future)
+        return future, encode_message(
+            UtilityRequest.make(call_id, method, args, inject_trace_headers() or None)
+        )
 
     def shutdown(self) -> None:
         """Stop the engine core (and through it its workers) within a few seconds."""
@@ -320,15 +365,17 @@ class SyncMPClient(MPClient):
         return self.pending.popleft()
 
     def call_utility(self, method: str, *args: Any) -> Any:
-        call_id = next(self.call_ids)
-        self._send(EngineCoreRequestType.UTILITY, pickle.dumps((call_id, method, args)))
+        future, body = self._utility_request(method, args)
+        self._send(EngineCoreRequestType.UTILITY, body)
         deadline = time.monotonic() + envs.GLASSBOX_EXECUTE_MODEL_TIMEOUT_S
-        while call_id not in self.utility_results:
+        # This thread is the only reader: receive (keeping outputs for get_output) until
+        # the reply resolves the future.
+        while not future.done():
             msg = self._recv(deadline)
             if msg is None:
                 raise TimeoutError(f"utility call {method!r} got no answer in time")
             self._dispatch(msg)
-        return self._utility_result(call_id, method)
+        return future.result()
 
 
 class AsyncMPClient(MPClient):
@@ -350,7 +397,7 @@ class AsyncMPClient(MPClient):
             if await self.async_output.poll(POLL_MS):
                 tag, *frames = await self.async_output.recv_multipart()
                 if tag == ENGINE_CORE_DEAD:
-                    self._mark_dead(*_dead_frames(frames))
+                    self._mark_dead(_dead_message(frames))
                 return tag, frames
             self._check_alive()
             if deadline is not None and time.monotonic() >= deadline:
@@ -383,15 +430,23 @@ class AsyncMPClient(MPClient):
         """Utility call; its answer is picked up by the output handler's receive loop."""
         import asyncio
 
-        call_id = next(self.call_ids)
-        await self._send_async(EngineCoreRequestType.UTILITY, pickle.dumps((call_id, method, args)))
+        future, body = self._utility_request(method, args)
+        await self._send_async(EngineCoreRequestType.UTILITY, body)
         deadline = time.monotonic() + envs.GLASSBOX_EXECUTE_MODEL_TIMEOUT_S
-        while call_id not in self.utility_results:
-            self._check_alive()
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"utility call {method!r} got no answer in time")
-            await asyncio.sleep(0.005)
-        return self._utility_result(call_id, method)
+        waiter = asyncio.wrap_future(future)
+        # The output handler resolves the future; wait on it in bounded slices, checking
+        # between them that the engine is alive.
+        try:
+            while not waiter.done():
+                self._check_alive()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"utility call {method!r} got no answer in time")
+                await asyncio.wait({waiter}, timeout=min(POLL_MS / 1000, left))
+        finally:
+            if not waiter.done():
+                waiter.cancel()  # given up (timeout, dead engine, cancelled caller): a late answer is dropped
+        return waiter.result()
 
     # The synchronous verbs are not used from the event loop.
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -407,10 +462,9 @@ class AsyncMPClient(MPClient):
         raise NotImplementedError("use call_utility_async")
 
 
-def _dead_frames(frames: list[bytes]) -> tuple[str | None, dict[str, Any] | None]:
-    root = frames[0].decode() if frames else None
-    error = json.loads(frames[1]) if len(frames) > 1 else None
-    return root, error
+def _dead_message(frames: list[bytes]) -> EngineDead | None:
+    """The ``EngineDead`` after an ``ENGINE_CORE_DEAD`` tag (None when it did not come)."""
+    return decode_as(EngineDead, frames[0]) if frames else None
 
 
 def describe_laggard(run_dir: Path) -> str:

@@ -33,7 +33,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from engine.core.messages import EngineCoreOutput, EngineCoreRequest
+from engine.core.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from engine.frontend.detokenizer import IncrementalDetokenizer, backend_tokenizer
 from engine.frontend.outputs import (
     CompletionOutput,
@@ -44,7 +44,6 @@ from engine.frontend.outputs import (
 )
 from engine.outputs import LogprobsLists
 from engine.sampling_params import RequestOutputKind, SamplingParams
-from engine.sched.request import FinishReason
 
 
 class ParentRequest:

@@ -15,21 +15,12 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+# A wire enum: it lives with the client ↔ engine-core messages; re-exported here.
+from engine.core.messages import FinishReason
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.kv_cache.kv_cache_utils import BlockHash
-
-
-class FinishReason(enum.IntEnum):
-    """Why a request finished, as reported to the client (vLLM's ``FinishReason``)."""
-
-    STOP = 0
-    LENGTH = 1
-    ABORT = 2
-
-    def __str__(self) -> str:
-        return self.name.lower()
 
 
 class RequestStatus(enum.IntEnum):
