@@ -17,7 +17,7 @@ from engine.config import EngineConfig
 from engine.core.messages import EngineCoreOutputs, EngineCoreRequest
 from engine.executor.abstract import Executor
 from engine.kv_cache.kv_cache_interface import KVCacheConfig
-from engine.kv_cache.kv_cache_planning import get_kv_cache_config
+from engine.kv_cache.kv_cache_planning import get_kv_cache_configs
 from engine.kv_cache.kv_cache_utils import get_request_block_hasher
 from engine.logger import init_logger
 from engine.sched.request import Request, RequestStatus
@@ -62,6 +62,7 @@ class EngineCore:
                 config.cache_config,
                 self.kv_cache_config,
                 log_stats=log_stats,
+                use_pp=config.parallel_config.pipeline_parallel_size > 1,
             )
             self.block_hasher = (
                 get_request_block_hasher(config.cache_config.block_size)
@@ -74,7 +75,9 @@ class EngineCore:
         with stage(catalogue.ENGINE_CORE_INITIALIZE_KV_CACHE) as st:
             specs = self.model_executor.get_kv_cache_specs()
             available = self.model_executor.determine_available_memory()
-            kv_cache_config = get_kv_cache_config(self.config, specs[0], available)
+            # One config per worker: pipeline stages hold different numbers of layers.
+            kv_cache_configs = get_kv_cache_configs(self.config, specs, available)
+            kv_cache_config = kv_cache_configs[0]
             self.config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
             spec = kv_cache_config.spec
             capacity = (kv_cache_config.num_blocks - 1) * spec.block_size
@@ -92,7 +95,7 @@ class EngineCore:
                 max_len,
                 capacity / max_len,
             )
-            self.model_executor.initialize_from_config([kv_cache_config])
+            self.model_executor.initialize_from_config(kv_cache_configs)
             return kv_cache_config
 
     def add_request(self, request: EngineCoreRequest) -> None:

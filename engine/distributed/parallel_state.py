@@ -1,4 +1,4 @@
-"""Process groups for tensor parallelism: who talks to whom, and the two collectives TP needs.
+"""Process groups for tensor and pipeline parallelism: who talks to whom, and how.
 
 Mirrors vLLM's ``vllm/distributed/parallel_state.py`` (``init_distributed_environment``,
 ``initialize_model_parallel``, ``GroupCoordinator``, ``get_tp_group``) and
@@ -16,17 +16,22 @@ Start-up, inside ``Worker.init_device`` of every worker of one engine::
 The rendezvous is ours (not ``init_method="tcp://..."``) only so that an expired deadline
 can say *which* ranks never arrived instead of "timed out".
 
-One engine has ``world_size = tp × pp`` workers; with pp = 1 (this version) the TP group
-is the whole world. Without any group (world size 1, or the in-process ``uni`` executor)
-every helper below is the identity, so layers need no special case and many engines can
-share one process.
+One engine has ``world_size = tp × pp`` workers, rank ``pp_rank * tp + tp_rank``. The
+TP groups are runs of consecutive ranks (one per stage); the PP groups take every tp-th
+rank (one per TP rank): with tp = 2, pp = 2, TP groups {0, 1} and {2, 3}, PP groups {0, 2}
+and {1, 3}. Each step, TP rank t of stage p sends its hidden states to TP rank t of stage
+p + 1 (``send_tensor_dict`` / ``recv_tensor_dict`` point to point in its PP group). Without
+any group (world size 1, or the in-process ``uni`` executor) every helper below is the
+identity, so layers need no special case and many engines can share one process.
 
-Left out: PP and DP groups, custom all-reduce kernels, the CPU/shared-memory communicator,
-expert parallelism.
+Left out: DP groups, custom all-reduce kernels, the CPU/shared-memory communicator, expert
+parallelism, and vLLM's trick of sending only a 1/tp slice between stages and all-gathering
+it on the other side.
 """
 
 from __future__ import annotations
 
+import pickle
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -65,6 +70,10 @@ class CommStats:
     all_reduce_calls: int = 0
     all_gather_s: float = 0.0
     all_gather_calls: int = 0
+    pp_send_s: float = 0.0  # handing hidden states to the next stage
+    pp_recv_s: float = 0.0  # waiting for (and receiving) them from the previous one
+    pp_send_calls: int = 0
+    pp_recv_calls: int = 0
 
     def as_dict(self) -> dict[str, float]:
         return dict(self.__dict__)
@@ -118,6 +127,58 @@ class GroupCoordinator:
         self.stats.all_gather_calls += 1
         return out
 
+    @property
+    def is_last_rank(self) -> bool:
+        return self.rank_in_group == self.world_size - 1
+
+    @property
+    def next_rank(self) -> int:
+        """The global rank after this one in the group (wrapping around)."""
+        return self.ranks[(self.rank_in_group + 1) % self.world_size]
+
+    @property
+    def prev_rank(self) -> int:
+        """The global rank before this one in the group (wrapping around)."""
+        return self.ranks[(self.rank_in_group - 1) % self.world_size]
+
+    def send_tensor_dict(self, tensors: dict[str, torch.Tensor], dst: int | None = None) -> None:
+        """Send named tensors to global rank ``dst`` (default: the next rank) of this group.
+
+        Two messages, then one per tensor: the metadata's byte length, the metadata (names,
+        shapes, dtypes; pickled), then each tensor. The receiver learns the shapes from the
+        metadata, so stages need not agree on them in advance. vLLM: ``send_tensor_dict``.
+        """
+        dst = self.next_rank if dst is None else dst
+        start = time.perf_counter()
+        meta = [(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in tensors.items()]
+        device = next(iter(tensors.values())).device  # NCCL sends device tensors only
+        blob = torch.frombuffer(bytearray(pickle.dumps(meta)), dtype=torch.uint8).to(device)
+        size = torch.tensor([blob.numel()], dtype=torch.int64, device=device)
+        dist.send(size, dst=dst, group=self.device_group)
+        dist.send(blob, dst=dst, group=self.device_group)
+        for t in tensors.values():
+            dist.send(t.contiguous(), dst=dst, group=self.device_group)
+        self.stats.pp_send_s += time.perf_counter() - start
+        self.stats.pp_send_calls += 1
+
+    def recv_tensor_dict(
+        self, src: int | None = None, device: torch.device | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Receive what ``send_tensor_dict`` sent from global rank ``src`` (default: the previous rank)."""
+        src = self.prev_rank if src is None else src
+        start = time.perf_counter()
+        size = torch.empty(1, dtype=torch.int64, device=device)
+        dist.recv(size, src=src, group=self.device_group)
+        blob = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+        dist.recv(blob, src=src, group=self.device_group)
+        out = {}
+        for name, shape, dtype in pickle.loads(blob.cpu().numpy().tobytes()):
+            out[name] = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+            dist.recv(out[name], src=src, group=self.device_group)
+        self.stats.pp_recv_s += time.perf_counter() - start
+        self.stats.pp_recv_calls += 1
+        return out
+
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """``x`` of group rank ``src`` copied into ``x`` on every rank, in place."""
         if self.world_size > 1:
@@ -131,6 +192,7 @@ class GroupCoordinator:
 
 _WORLD: GroupCoordinator | None = None
 _TP: GroupCoordinator | None = None
+_PP: GroupCoordinator | None = None
 
 
 class RendezvousTimeout(TimeoutError):
@@ -249,29 +311,47 @@ def init_distributed_environment(
     )
 
 
-def initialize_model_parallel(tensor_model_parallel_size: int = 1) -> None:
-    """Split the world into TP groups of consecutive ranks (with pp = 1: one group, the world)."""
-    global _TP
+def initialize_model_parallel(
+    tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1
+) -> None:
+    """Split the world into TP groups of consecutive ranks and PP groups of every tp-th rank.
+
+    A group that is the whole world reuses the world group (with pp = 1 the TP group, with
+    tp = 1 the PP group).
+    """
+    global _TP, _PP
     if _WORLD is None:
         raise RuntimeError("init_distributed_environment() first")
-    tp = tensor_model_parallel_size
-    if _WORLD.world_size % tp:
-        raise ValueError(f"world size {_WORLD.world_size} is not divisible by tensor_parallel_size {tp}")
+    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    if _WORLD.world_size != tp * pp:
+        raise ValueError(
+            f"world size {_WORLD.world_size} is not tensor_parallel_size {tp} × pipeline_parallel_size {pp}"
+        )
+    # new_group is collective over the world: every rank creates every group, in the same order.
     for start in range(0, _WORLD.world_size, tp):
         ranks = list(range(start, start + tp))
-        # new_group is collective over the world: every rank creates every group.
         group = dist.group.WORLD if tp == _WORLD.world_size else dist.new_group(ranks)
         if _WORLD.rank in ranks:
             _TP = GroupCoordinator("tp", ranks, _WORLD.rank, group)
+    for tp_rank in range(tp):
+        ranks = list(range(tp_rank, _WORLD.world_size, tp))
+        group = dist.group.WORLD if pp == _WORLD.world_size else dist.new_group(ranks)
+        if _WORLD.rank in ranks:
+            _PP = GroupCoordinator("pp", ranks, _WORLD.rank, group)
 
 
-def ensure_model_parallel_initialized(tensor_model_parallel_size: int) -> None:
-    """Build the TP group unless it exists; refuse a different size."""
+def ensure_model_parallel_initialized(
+    tensor_model_parallel_size: int, pipeline_model_parallel_size: int = 1
+) -> None:
+    """Build the TP and PP groups unless they exist; refuse different sizes."""
     if _TP is None:
-        initialize_model_parallel(tensor_model_parallel_size)
-    elif _TP.world_size != tensor_model_parallel_size:
+        initialize_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size)
+    elif _TP.world_size != tensor_model_parallel_size or (
+        _PP is not None and _PP.world_size != pipeline_model_parallel_size
+    ):
         raise RuntimeError(
-            f"the TP group has size {_TP.world_size}, tensor_parallel_size {tensor_model_parallel_size}"
+            f"the TP/PP groups have sizes {_TP.world_size}/{_PP.world_size if _PP else 1}, asked "
+            f"{tensor_model_parallel_size}/{pipeline_model_parallel_size}"
         )
 
 
@@ -282,6 +362,19 @@ def model_parallel_is_initialized() -> bool:
 def get_tp_group() -> GroupCoordinator | None:
     """The TP group, or None when this process has none (world size 1)."""
     return _TP
+
+
+def get_pp_group() -> GroupCoordinator | None:
+    """The PP group (this worker's stage and its neighbours), or None without one."""
+    return _PP
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    return _PP.world_size if _PP is not None else 1
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    return _PP.rank_in_group if _PP is not None else 0
 
 
 def get_tensor_model_parallel_world_size() -> int:
@@ -303,20 +396,25 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
 
 
 def get_comm_stats(reset: bool = False) -> dict[str, float]:
-    """Seconds and calls spent in TP collectives by this process (zeros without a group)."""
-    if _TP is None:
-        return CommStats().as_dict()
-    out = _TP.stats.as_dict()
-    if reset:
-        _TP.stats = CommStats()
+    """Seconds and calls spent in TP collectives and PP hand-offs by this process (zeros
+    without a group)."""
+    out = CommStats().as_dict()
+    for group in (_TP, _PP):
+        if group is None:
+            continue
+        for key, value in group.stats.as_dict().items():
+            out[key] += value
+        if reset:
+            group.stats = CommStats()
     return out
 
 
 def destroy_model_parallel() -> None:
-    global _TP
-    if _TP is not None and _TP.device_group is not dist.group.WORLD and dist.is_initialized():
-        dist.destroy_process_group(_TP.device_group)
-    _TP = None
+    global _TP, _PP
+    for group in (_TP, _PP):
+        if group is not None and group.device_group is not dist.group.WORLD and dist.is_initialized():
+            dist.destroy_process_group(group.device_group)
+    _TP = _PP = None
 
 
 def destroy_distributed_environment() -> None:

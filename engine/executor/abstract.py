@@ -75,8 +75,12 @@ class Executor(ABC):
         return self.collective_rpc("get_kv_cache_spec")
 
     def initialize_from_config(self, kv_cache_configs: list[KVCacheConfig]) -> None:
-        """Allocate the KV caches, then warm up (vLLM does both in this call)."""
-        self.collective_rpc("initialize_from_config", args=(kv_cache_configs[0],))
+        """Allocate the KV caches, then warm up (vLLM does both in this call).
+
+        ``kv_cache_configs`` has one entry per worker, in rank order (pipeline stages differ in
+        their layers); each worker's wrapper picks its own.
+        """
+        self.collective_rpc("initialize_from_config", args=(kv_cache_configs,))
         self.collective_rpc("compile_or_warm_up_model")
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

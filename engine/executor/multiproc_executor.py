@@ -5,9 +5,9 @@ Mirrors vLLM's ``vllm/v1/executor/multiproc_executor.py``::
     engine core ──enqueue──▶ [rpc broadcast MessageQueue: 1 writer, N readers] ──▶ Worker_DP0_PP0_TP{0..N-1}
     engine core ◀─dequeue── [one response MessageQueue per worker: 1 writer, 1 reader] ◀──┘
 
-``collective_rpc(method, args)`` pickles ``(method, args, kwargs, output_rank)`` once and
-broadcasts it; every worker runs it and (if it is asked to answer) replies on its own
-response queue. ``execute_model`` is the same call with only rank 0 answering. Every wait
+``collective_rpc(method, args)`` encodes one ``WorkerRPC`` (with the caller's trace context)
+and broadcasts it; every worker runs it and (if it is asked to answer) replies with a
+``WorkerReply`` on its own response queue. The messages are in ``engine/executor/messages.py``. ``execute_model`` is the same call with only the output rank answering (TP rank 0 of the last pipeline stage). Every wait
 is bounded and, between waits, the executor checks that every worker is alive: a dead
 worker is noticed within ``DEATH_CHECK_S`` seconds, also when the engine is idle (a monitor
 thread), and turns into an ``EngineDeadError`` whose root cause names it.
@@ -17,10 +17,10 @@ The queues are files in the run directory, so removing the run directory removes
 
 from __future__ import annotations
 
+import os
 import pickle
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,12 +29,15 @@ from engine import envs
 from engine.config import ConfigError
 from engine.distributed import topology
 from engine.distributed.topology import ProcessRole
+from engine.executor import messages
 from engine.executor.abstract import Executor
+from engine.executor.messages import WorkerReady, WorkerReply, WorkerRPC, WorkerSpawnPayload
 from engine.executor.shm_broadcast import MessageQueue, MessageQueueClosed, MessageQueueTimeout
 from engine.logger import init_logger
 from engine.utils import processes
 from engine.utils import run_dir as run_dirs
 from engine.utils.processes import ChildProcess, EngineDeadError
+from engine.utils.wire import ProtocolError
 from tracing import catalogue, current_stage, read_status_file, setup_tracing, stage
 from tracing.propagation import attached_trace_context, inject_trace_headers
 
@@ -42,7 +45,6 @@ logger = init_logger(__name__)
 
 # How often waits look up from the queue to check the workers are alive (seconds).
 DEATH_CHECK_S = 0.5
-READY = "READY"
 
 
 def worker_role(dp_rank: int, pp_rank: int, tp_rank: int) -> str:
@@ -83,15 +85,18 @@ class MultiprocExecutor(Executor):
                 for rank in range(self.world_size)
             ]
             trace_headers = inject_trace_headers()
+            config_pickle = pickle.dumps(self.config, protocol=5)
             for rank, role in enumerate(self.roles):
-                payload = {
-                    "config": self.config,
-                    "rank": rank,
-                    "local_rank": rank,
-                    "rpc_handle": handle,
-                    "response_handle": response_handles[rank],
-                    "trace_headers": trace_headers,
-                }
+                payload = messages.encode(
+                    WorkerSpawnPayload(
+                        config_pickle=config_pickle,
+                        rank=rank,
+                        local_rank=rank,
+                        rpc_handle=handle,
+                        response_handle=response_handles[rank],
+                        trace_headers=trace_headers,
+                    )
+                )
                 self.workers.append(
                     processes.spawn_process(
                         role, "engine.executor.multiproc_executor:WorkerProc.worker_main", payload, run_dir
@@ -100,7 +105,11 @@ class MultiprocExecutor(Executor):
             self.response_mqs = [MessageQueue.open_reader(h, 0) for h in response_handles]
             deadline = time.monotonic() + envs.GLASSBOX_ENGINE_READY_TIMEOUT_S
             for rank in range(self.world_size):
-                assert self._receive(rank, deadline, "start-up") == READY
+                ready = self._receive(rank, deadline, "start-up")
+                if not isinstance(ready, WorkerReady) or ready.rank != rank:
+                    raise ProtocolError(
+                        f"{self.roles[rank]} sent {ready!r} at start-up where WorkerReady for rank {rank} was due"
+                    )
             self._monitor = threading.Thread(target=self._monitor_workers, name="WorkerMonitor", daemon=True)
             self._monitor.start()
             # Tensor parallelism: the workers meet on a TCP port free right now (none hard-coded).
@@ -115,7 +124,7 @@ class MultiprocExecutor(Executor):
                         "local_rank": r,
                         "rank": r,
                         "distributed_init_method": init_method,
-                        "is_driver_worker": r == 0,
+                        "is_driver_worker": r % pc.tensor_parallel_size == 0,  # TP rank 0 of its stage
                     }
                     for r in range(self.world_size)
                 ]
@@ -135,7 +144,9 @@ class MultiprocExecutor(Executor):
         (only ``unique_reply_rank``'s when given)."""
         self._raise_if_failed()
         deadline = time.monotonic() + (timeout or envs.GLASSBOX_EXECUTE_MODEL_TIMEOUT_S)
-        message = pickle.dumps((method, args, kwargs or {}, unique_reply_rank), protocol=5)
+        # The RPC carries the caller's span: the worker's span for it is that span's child.
+        rpc = WorkerRPC.make(method, args, kwargs, unique_reply_rank, inject_trace_headers() or None)
+        message = messages.encode(rpc)
         try:
             self.rpc_broadcast_mq.enqueue(message, timeout=max(deadline - time.monotonic(), 0.001))
         except MessageQueueTimeout as e:
@@ -144,27 +155,45 @@ class MultiprocExecutor(Executor):
         ranks = range(self.world_size) if unique_reply_rank is None else [unique_reply_rank]
         results = []
         for rank in ranks:
-            status, value = self._receive(rank, deadline, method)
-            if status != "ok":
-                if value["type"] == "ConfigError":
+            reply = self._receive(rank, deadline, method)
+            if not isinstance(reply, WorkerReply) or reply.rank != rank or reply.method != method:
+                raise ProtocolError(
+                    f"{self.roles[rank]} sent {type(reply).__name__} "
+                    f"({getattr(reply, 'method', '?')!r} from rank {getattr(reply, 'rank', '?')}) where the "
+                    f"reply to {method!r} from rank {rank} was due"
+                )
+            if not reply.ok:
+                error = reply.error
+                if error is None:
+                    raise ProtocolError(
+                        f"{self.roles[rank]} reported a failure of {method!r} without an error"
+                    )
+                if error.type == "ConfigError":
                     # A bad setting found where torch lives (e.g. --device cuda without
                     # CUDA): the caller's error, one line naming the flag, no traceback.
-                    logger.debug("%s failed in %s:\n%s", self.roles[rank], method, value["traceback"])
-                    raise ConfigError.from_message(value["message"], flag=value.get("flag") or "")
+                    logger.debug("%s failed in %s:\n%s", self.roles[rank], method, error.traceback)
+                    raise ConfigError.from_message(error.message, flag=error.flag or "")
                 self._blame_dead_peer(rank)
-                logger.error("%s failed in %s:\n%s", self.roles[rank], method, value["traceback"])
-                error_class = ValueError if value["type"] == "ValueError" else RuntimeError
-                raise error_class(
-                    f"{self.roles[rank]} failed in {method}: {value['type']}: {value['message']}"
-                )
-            results.append(value)
+                logger.error("%s failed in %s:\n%s", self.roles[rank], method, error.traceback)
+                error_class = ValueError if error.type == "ValueError" else RuntimeError
+                raise error_class(f"{self.roles[rank]} failed in {method}: {error.type}: {error.message}")
+            results.append(reply.result())
         return results
 
     def execute_model(self, scheduler_output):
-        return self.collective_rpc("execute_model", args=(scheduler_output,), unique_reply_rank=0)[0]
+        # The last pipeline stage samples: its TP rank 0 answers (vLLM: output_rank).
+        return self.collective_rpc(
+            "execute_model", args=(scheduler_output,), unique_reply_rank=self.output_rank
+        )[0]
 
-    def _receive(self, rank: int, deadline: float, what: str) -> Any:
-        """One reply from worker ``rank``: bounded waits with a liveness check in between."""
+    @property
+    def output_rank(self) -> int:
+        """The worker that returns each step's output: TP rank 0 of the last stage,
+        ``world_size - tensor_parallel_size`` (rank 0 without PP)."""
+        return self.world_size - self.config.parallel_config.tensor_parallel_size
+
+    def _receive(self, rank: int, deadline: float, what: str) -> WorkerReady | WorkerReply:
+        """One message from worker ``rank``: bounded waits with a liveness check in between."""
         mq = self.response_mqs[rank]
         while True:
             self._raise_if_failed()
@@ -175,7 +204,7 @@ class MultiprocExecutor(Executor):
                     f"{self.roles[rank]} did not answer {what} within its deadline; {self._describe_reader(rank)}"
                 )
             try:
-                return pickle.loads(mq.dequeue(timeout=min(DEATH_CHECK_S, left)))
+                return messages.decode_response(mq.dequeue(timeout=min(DEATH_CHECK_S, left)))
             except MessageQueueTimeout:
                 continue
             except MessageQueueClosed:
@@ -289,21 +318,24 @@ class WorkerProc:
     """
 
     @staticmethod
-    def worker_main(payload: dict[str, Any], *, run_dir: Path, role: str) -> None:
+    def worker_main(payload_bytes: bytes, *, run_dir: Path, role: str) -> None:
         from engine.worker.worker_base import WorkerWrapperBase
 
-        rank = payload["rank"]
-        config = payload["config"]
+        payload = messages.decode_spawn_payload(payload_bytes)
+        rank = payload.rank
+        config = payload.config
         obs = config.observability_config
         setup_tracing(role, rank=rank, trace_file=obs.trace_file, otlp_endpoint=obs.otlp_traces_endpoint,
                       status_file=str(run_dirs.status_file(run_dir, role)))  # fmt: skip
         processes.install_sigterm_exit()
-        rpc = MessageQueue.open_reader(payload["rpc_handle"], rank)
-        response = MessageQueue.open_writer(payload["response_handle"])
+        rpc = MessageQueue.open_reader(payload.rpc_handle, rank)
+        response = MessageQueue.open_writer(payload.response_handle)
         try:
-            with attached_trace_context(payload.get("trace_headers")):
+            with attached_trace_context(payload.trace_headers):
                 wrapper = WorkerWrapperBase(config, rpc_rank=rank)
-            response.enqueue(pickle.dumps(READY))
+            ready = WorkerReady(role=role, rank=rank, pid=os.getpid(), device=str(config.device_config.device),
+                                dtype=str(config.model_config.dtype))  # fmt: skip
+            response.enqueue(messages.encode(ready))
             while True:
                 try:
                     message = rpc.dequeue(timeout=1.0)
@@ -311,21 +343,19 @@ class WorkerProc:
                     continue  # idle: wait again (the lifeline watcher handles a dead parent)
                 except MessageQueueClosed:
                     return  # the engine core closed the queue: an orderly shutdown
-                method, args, kwargs, output_rank = pickle.loads(message)
+                rpc_msg = messages.decode_rpc(message)
                 try:
-                    with attached_trace_context(payload.get("trace_headers")):
-                        reply = ("ok", wrapper.execute_method(method, *args, **kwargs))
+                    # Each RPC runs under its caller's span (not the spawn-time one).
+                    with attached_trace_context(rpc_msg.trace_headers):
+                        args, kwargs = rpc_msg.call_args()
+                        value = wrapper.execute_method(rpc_msg.method, *args, **kwargs)
+                    reply = WorkerReply.success(rank, rpc_msg.method, value)
                 except Exception as e:
                     processes.write_crash_report(run_dir, role, e, current_stage(), rank)
-                    reply = ("error", {
-                        "type": type(e).__name__,
-                        "message": str(e),
-                        "flag": getattr(e, "flag", None),
-                        "traceback": "".join(traceback.format_exception(type(e), e, e.__traceback__)),
-                    })  # fmt: skip
-                if output_rank is None or output_rank == rank:
-                    response.enqueue(pickle.dumps(reply, protocol=5))
-                if reply[0] == "error":
+                    reply = WorkerReply.failure(rank, rpc_msg.method, e)
+                if rpc_msg.output_rank is None or rpc_msg.output_rank == rank:
+                    response.enqueue(messages.encode(reply))
+                if not reply.ok:
                     raise SystemExit(1)
         except SystemExit:
             processes.ignore_sigterm()

@@ -24,8 +24,14 @@ Tensor parallelism lives in the layers (``layers.py``): built inside a worker of
 group, each one takes its rank's slice (heads, MLP columns, vocabulary rows) and
 ``load_weights`` cuts that slice out of each checkpoint tensor as it streams past.
 
-Left out: pipeline parallelism (``IntermediateTensors``), LoRA, quantized weights,
-``inputs_embeds``, fused residual-add norms.
+Pipeline parallelism: built on stage p of P, the model holds only decoder layers
+``get_pp_indices(num_hidden_layers, p, P)`` (others are ``PPMissingLayer``), the embedding
+only on the first stage, the final norm and LM head only on the last (with tied embeddings
+the last stage holds the embedding too, as its LM head). ``forward`` then takes the previous
+stage's ``IntermediateTensors`` instead of token ids, and returns ``IntermediateTensors``
+on every stage but the last.
+
+Left out: LoRA, quantized weights, ``inputs_embeds``, fused residual-add norms.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.distributed.parallel_state import get_pp_group
+from engine.distributed.utils import get_pp_indices
 from engine.model.attention import Attention, AttentionMetadata, KVCache
 from engine.model.layers import (
     MergedColumnParallelLinear,
@@ -49,6 +57,7 @@ from engine.model.layers import (
     default_weight_loader,
     rope_parameters_from_config,
 )
+from engine.model.utils import IntermediateTensors, PPMissingLayer, pp_missing_prefixes
 
 
 class LlamaMLP(nn.Module):
@@ -136,15 +145,38 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, the decoder layers and the final norm (Hugging Face prefix ``model.``)."""
+    """Embedding, the decoder layers and the final norm (Hugging Face prefix ``model.``).
 
-    def __init__(self, layers: list[LlamaDecoderLayer], config: dict[str, Any], head_dim: int) -> None:
+    On pipeline stage p only layers ``[start_layer, end_layer)`` are real; ``kv_caches`` then
+    holds one (K, V) pair per *local* layer.
+    """
+
+    def __init__(
+        self,
+        layers: list[nn.Module],
+        config: dict[str, Any],
+        head_dim: int,
+        start_layer: int = 0,
+        end_layer: int | None = None,
+        is_first_rank: bool = True,
+        is_last_rank: bool = True,
+    ) -> None:
         super().__init__()
         hidden = int(config["hidden_size"])
-        self.embed_tokens = VocabParallelEmbedding(int(config["vocab_size"]), hidden)
+        self.start_layer = start_layer
+        self.end_layer = len(layers) if end_layer is None else end_layer
+        self.is_first_rank, self.is_last_rank = is_first_rank, is_last_rank
+        tied = bool(config.get("tie_word_embeddings", False))
+        if is_first_rank or (tied and is_last_rank):  # tied: the last stage's LM head is this table
+            self.embed_tokens = VocabParallelEmbedding(int(config["vocab_size"]), hidden)
+        else:
+            self.embed_tokens = PPMissingLayer()
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(hidden, float(config.get("rms_norm_eps", 1e-6)))
+        self.norm = (
+            RMSNorm(hidden, float(config.get("rms_norm_eps", 1e-6))) if is_last_rank else PPMissingLayer()
+        )
         self.rotary_emb = RotaryEmbedding(head_dim, rope_parameters_from_config(config))
+        self.hidden_size = hidden
 
     def forward(
         self,
@@ -152,11 +184,18 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         attn_metadata: AttentionMetadata,
         kv_caches: list[KVCache] | None,
-    ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)  # (num_tokens, hidden)
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        if self.is_first_rank:
+            hidden = self.embed_tokens(input_ids)  # (num_tokens, hidden)
+        else:
+            hidden = intermediate_tensors["hidden_states"]  # from the previous stage
         cos_sin = self.rotary_emb.get_cos_sin(positions, hidden.dtype)  # 2 x (num_tokens, 1, head_dim)
-        for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, cos_sin, kv_caches[i] if kv_caches else None, attn_metadata)
+        for i in range(self.start_layer, self.end_layer):
+            kv_cache = kv_caches[i - self.start_layer] if kv_caches else None
+            hidden = self.layers[i](hidden, cos_sin, kv_cache, attn_metadata)
+        if not self.is_last_rank:
+            return IntermediateTensors({"hidden_states": hidden})
         return self.norm(hidden)
 
 
@@ -191,15 +230,26 @@ class LlamaForCausalLM(nn.Module):
         attention_bias = bool(config.get("attention_bias", False))
         qkv_bias = attention_bias or self.qkv_bias_always
         o_bias = attention_bias and not self.qkv_bias_always
-        layers = []
-        for i in range(int(config["num_hidden_layers"])):
+        # Pipeline parallelism: this stage's layers (all of them without a PP group).
+        pp = get_pp_group()
+        pp_rank, pp_size = (pp.rank_in_group, pp.world_size) if pp is not None else (0, 1)
+        num_layers = int(config["num_hidden_layers"])
+        start, end = get_pp_indices(num_layers, pp_rank, pp_size)
+        layers: list[nn.Module] = []
+        for i in range(num_layers):
+            if not start <= i < end:
+                layers.append(PPMissingLayer())
+                continue
             attention = LlamaAttention(
                 config, self.head_dim, qkv_bias, o_bias, self.has_qk_norm, self.layer_sliding_window(i)
             )
             layers.append(LlamaDecoderLayer(config, attention, bool(config.get("mlp_bias", False))))
-        self.model = LlamaModel(layers, config, self.head_dim)
+        is_last = pp_rank == pp_size - 1
+        self.model = LlamaModel(layers, config, self.head_dim, start, end, pp_rank == 0, is_last)
         self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
-        if self.tie_word_embeddings:
+        if not is_last:
+            self.lm_head = PPMissingLayer()  # only the last stage computes logits
+        elif self.tie_word_embeddings:
             # Tied: the output projection *is* the embedding table (one tensor, loaded once).
             self.lm_head = self.model.embed_tokens
         else:
@@ -223,8 +273,13 @@ class LlamaForCausalLM(nn.Module):
     @property
     def sliding_window(self) -> int | None:
         """The window shared by every layer, or None when any layer attends fully."""
-        windows = {layer.self_attn.attn.sliding_window for layer in self.model.layers}
+        windows = {layer.self_attn.attn.sliding_window for layer in self.local_layers}
         return windows.pop() if len(windows) == 1 else None
+
+    @property
+    def local_layers(self) -> list[LlamaDecoderLayer]:
+        """The decoder layers this pipeline stage runs (all of them without PP)."""
+        return list(self.model.layers[self.model.start_layer : self.model.end_layer])
 
     def forward(
         self,
@@ -232,8 +287,10 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         attn_metadata: AttentionMetadata,
         kv_caches: list[KVCache] | None = None,
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, attn_metadata, kv_caches)
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """``(T, hidden)`` on the last stage, else ``IntermediateTensors`` for the next one."""
+        return self.model(input_ids, positions, attn_metadata, kv_caches, intermediate_tensors)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``(N, hidden)`` → ``(N, vocab)`` float32, the same on every TP rank (vocab slices all-gathered)."""
@@ -265,11 +322,14 @@ class LlamaForCausalLM(nn.Module):
                 if target in name:
                     shards_needed[name] += 1
         shards_seen: dict[str, int] = {}
+        missing = pp_missing_prefixes(self)  # other pipeline stages' modules
         for hf_name, tensor in weights:
             if "rotary_emb.inv_freq" in hf_name or "rotary_emb.cos_cached" in hf_name:
                 continue
             if hf_name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
+            if hf_name.startswith(missing):
+                continue  # held by another pipeline stage: never read
             for fragment, target, shard_id in self.stacked_params_mapping:
                 if fragment in hf_name:
                     name = hf_name.replace(fragment, target)

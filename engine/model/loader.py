@@ -10,7 +10,8 @@ weight.
 With tensor parallelism each worker reads only its slice: the tensors are handed to the
 layers as ``LazySlice`` objects, the layer's ``weight_loader`` narrows them to its rank's
 rows or columns, and only then are those bytes read from the file (safetensors
-``get_slice``). A TP rank never holds a whole projection in memory.
+``get_slice``). A TP rank never holds a whole projection in memory. With pipeline
+parallelism the model skips the tensors of other stages' layers, which are then never read.
 
 Left out: ``.bin``/``.pt`` checkpoints, downloads from the Hub, quantized formats.
 """
@@ -159,12 +160,16 @@ def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dty
         KeyError: a checkpoint tensor that matches no parameter.
         FileNotFoundError: no safetensors files.
     """
-    from engine.distributed.parallel_state import get_tensor_model_parallel_world_size
+    from engine.distributed.parallel_state import (
+        get_pipeline_model_parallel_world_size,
+        get_tensor_model_parallel_world_size,
+    )
 
     model_class = get_model_class(model_config.architecture)
     with torch.device(device), _default_dtype(dtype):
-        model = model_class(model_config.hf_config)  # each layer sized for this TP rank
-    lazy = get_tensor_model_parallel_world_size() > 1
+        model = model_class(model_config.hf_config)  # this PP stage's layers, sized for this TP rank
+    # Lazy: a TP rank reads only its slices, a PP stage only its own layers' tensors.
+    lazy = get_tensor_model_parallel_world_size() > 1 or get_pipeline_model_parallel_world_size() > 1
     loaded = model.load_weights(iterate_safetensors(model_config.model, lazy=lazy))
     missing = sorted(set(dict(model.named_parameters())) - loaded)
     if missing:

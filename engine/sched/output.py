@@ -53,6 +53,9 @@ class CachedRequestData(msgspec.Struct, kw_only=True):
     - ``resumed_req_token_ids[i]``: for a resumed request, all its tokens (prompt and
       output so far), so the worker can rebuild its state; None otherwise.
     - ``num_computed_tokens[i]``: tokens already in the KV cache before this step.
+    - ``new_token_ids[i]``: the tokens scheduled this step (for a decode, the one sampled
+      last step). Filled only with pipeline parallelism, where the stages before the last
+      sample nothing and learn the outputs from here; empty otherwise.
     """
 
     req_ids: list[str] = msgspec.field(default_factory=list)
@@ -60,6 +63,7 @@ class CachedRequestData(msgspec.Struct, kw_only=True):
     resumed_req_token_ids: list[list[int] | None] = msgspec.field(default_factory=list)
     new_block_ids: list[tuple[list[int], ...] | None] = msgspec.field(default_factory=list)
     num_computed_tokens: list[int] = msgspec.field(default_factory=list)
+    new_token_ids: list[list[int]] = msgspec.field(default_factory=list)
 
     @property
     def num_reqs(self) -> int:

@@ -73,6 +73,7 @@ class Scheduler:
         cache_config: CacheConfig,
         kv_cache_config: KVCacheConfig,
         log_stats: bool = True,
+        use_pp: bool = False,
     ) -> None:
         if cache_config.block_size != kv_cache_config.spec.block_size:
             raise ValueError(
@@ -83,6 +84,8 @@ class Scheduler:
         self.cache_config = cache_config
         self.kv_cache_config = kv_cache_config
         self.log_stats = log_stats
+        # Pipeline parallelism: tell the workers the scheduled token ids (new_token_ids).
+        self.use_pp = use_pp
 
         self.max_num_running_reqs = scheduler_config.max_num_seqs
         self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
@@ -290,7 +293,7 @@ class Scheduler:
                 for req in scheduled_new_reqs
             ],
             scheduled_cached_reqs=self._make_cached_request_data(
-                scheduled_running_reqs, scheduled_resumed_reqs, req_to_new_blocks
+                scheduled_running_reqs, scheduled_resumed_reqs, req_to_new_blocks, num_scheduled_tokens
             ),
             num_scheduled_tokens=num_scheduled_tokens,
             total_num_scheduled_tokens=total_num_scheduled_tokens,
@@ -324,11 +327,18 @@ class Scheduler:
         running_reqs: list[Request],
         resumed_reqs: list[Request],
         req_to_new_blocks: dict[str, KVCacheBlocks],
+        num_scheduled_tokens: dict[str, int],
     ) -> CachedRequestData:
-        """Deltas for requests the workers know: new blocks, or a whole new table if resumed."""
+        """Deltas for requests the workers know: new blocks, or a whole new table if resumed;
+        with PP also the scheduled token ids (vLLM fills ``new_token_ids`` only then too)."""
         data = CachedRequestData.make_empty()
         for req in running_reqs:
             new_blocks = req_to_new_blocks[req.request_id]
+            if self.use_pp:
+                start = req.num_computed_tokens
+                data.new_token_ids.append(
+                    list(req.all_token_ids[start : start + num_scheduled_tokens[req.request_id]])
+                )
             data.req_ids.append(req.request_id)
             data.resumed_from_preemption.append(False)
             data.resumed_req_token_ids.append(None)
@@ -338,6 +348,8 @@ class Scheduler:
             data.req_ids.append(req.request_id)
             data.resumed_from_preemption.append(True)
             data.resumed_req_token_ids.append(list(req.all_token_ids))
+            if self.use_pp:
+                data.new_token_ids.append([])  # resumed_req_token_ids carries them all
             data.new_block_ids.append(req_to_new_blocks[req.request_id].get_block_ids())
             data.num_computed_tokens.append(req.num_computed_tokens)
         return data

@@ -14,8 +14,14 @@ Mirrors vLLM's ``vllm/v1/worker/gpu_model_runner.py`` (``GPUModelRunner``). Each
    prompt for later samples nothing), compute logits and sample;
 4. append the sampled tokens to the mirror and return ``ModelRunnerOutput``.
 
+Pipeline parallelism: a stage other than the first takes the previous stage's hidden states
+(``intermediate_tensors``, received by the worker) instead of looking up token ids, and a
+stage other than the last returns ``IntermediateTensors`` instead of sampling. Those stages
+never see a sampled token, so the scheduler sends each request's scheduled tokens along
+(``CachedRequestData.new_token_ids``, filled only with PP) and they append them here.
+
 Left out: the persistent ``InputBatch`` (we rebuild small arrays each step), CUDA graphs,
-async scheduling, pipeline parallelism, speculative decoding, multimodal inputs, pooling.
+async scheduling, speculative decoding, multimodal inputs, pooling.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from engine.kv_cache.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 from engine.model.attention import AttentionMetadata, KVCache
 from engine.model.loader import load_model
 from engine.model.sampler import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
+from engine.model.utils import IntermediateTensors
 from engine.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput
 from engine.sampling_params import SamplingParams
 from engine.sched.output import SchedulerOutput
@@ -130,6 +137,11 @@ class ModelRunner:
         self.model_memory_usage = 0  # bytes of weights and buffers
         self.kv_caches: list[KVCache] = []
         self._forward = None  # the model, or its torch.compile wrapper
+        from engine.distributed.parallel_state import get_pp_group
+
+        pp = get_pp_group()  # None without pipeline parallelism: the one stage is first and last
+        self.is_first_stage = pp is None or pp.is_first_rank
+        self.is_last_stage = pp is None or pp.is_last_rank
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -150,13 +162,14 @@ class ModelRunner:
     def get_kv_cache_spec(self) -> FullAttentionSpec:
         """The page shape of one layer's KV cache (``load_model`` first)."""
         assert self.model is not None, "load_model() first"
-        attn = self.model.model.layers[0].self_attn.attn
+        layers = self.model.local_layers  # this pipeline stage's
+        attn = layers[0].self_attn.attn
         return FullAttentionSpec(
             block_size=self.block_size,
             num_kv_heads=attn.num_kv_heads,
             head_size=attn.head_dim,
             dtype_size=torch.empty(0, dtype=self.dtype).element_size(),
-            num_layers=len(self.model.model.layers),
+            num_layers=len(layers),
             sliding_window=self.model.sliding_window,
         )
 
@@ -175,10 +188,19 @@ class ModelRunner:
         positions = torch.cat([torch.arange(n) for n in seq_lens]).to(self.device)
         input_ids = torch.zeros(total, dtype=torch.int64, device=self.device)
         meta = AttentionMetadata.for_profile(seq_lens, self.device)
-        hidden = self.model(input_ids, positions, meta, None)  # (total, hidden)
-        num_rows = min(self.max_num_reqs, total)
-        self._dummy_sample(self.model.compute_logits(hidden[-num_rows:]))
+        hidden = self.model(input_ids, positions, meta, None, self._dummy_intermediate(total))
+        if self.is_last_stage:  # (total, hidden)
+            num_rows = min(self.max_num_reqs, total)
+            self._dummy_sample(self.model.compute_logits(hidden[-num_rows:]))
         self._synchronize()
+
+    def _dummy_intermediate(self, num_tokens: int) -> IntermediateTensors | None:
+        """Zeros in place of the previous stage's output, for profile and warm-up runs (which
+        stages run on their own, without talking to each other); None on the first stage."""
+        if self.is_first_stage:
+            return None
+        hidden = torch.zeros(num_tokens, self.model.model.hidden_size, dtype=self.dtype, device=self.device)
+        return IntermediateTensors({"hidden_states": hidden})
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         """Allocate each layer's K and V caches, ``(num_blocks, block_size, num_kv_heads, head_dim)``.
@@ -227,18 +249,26 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, intermediate_tensors: IntermediateTensors | None = None
+    ) -> ModelRunnerOutput | IntermediateTensors:
         """Run one scheduled step and sample.
 
         Returns one entry of ``sampled_token_ids`` per scheduled request, in batch order
         (decodes first); an empty list for a prefill chunk that leaves prompt tokens for
         later. ``logprobs`` and ``prompt_logprobs_dict`` hold rows for requests that asked.
+        With pipeline parallelism, a stage other than the first needs the previous stage's
+        ``intermediate_tensors``, and a stage other than the last returns its own instead.
         """
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
         batch = self._prepare_inputs(scheduler_output)
-        hidden = self._forward(batch.input_ids, batch.positions, batch.attn_metadata, self.kv_caches)
+        hidden = self._forward(
+            batch.input_ids, batch.positions, batch.attn_metadata, self.kv_caches, intermediate_tensors
+        )
+        if not self.is_last_stage:
+            return hidden  # IntermediateTensors, for the next stage
 
         sampled_lists: list[list[int]] = [[] for _ in batch.req_ids]
         logprobs: dict[str, LogprobsLists] = {}
@@ -303,6 +333,13 @@ class ModelRunner:
                     state.output_token_ids = list(tokens[state.num_prompt_tokens :])
             elif new_block_ids is not None and new_block_ids[0]:
                 state.set_block_ids(state.block_ids + list(new_block_ids[0]))
+            if not self.is_last_stage and not cached.resumed_from_preemption[i] and cached.new_token_ids:
+                # PP: this stage samples nothing; learn the last stage's tokens from the
+                # scheduler (the tokens scheduled now, the newest of them sampled last step).
+                tokens = cached.new_token_ids[i]
+                num_new = state.num_computed_tokens + len(tokens) - state.num_tokens
+                if num_new > 0:
+                    state.output_token_ids.extend(tokens[-num_new:])
 
     def _prepare_inputs(self, so: SchedulerOutput) -> _Batch:
         """Flatten the scheduled requests (decodes first) into token arrays and metadata."""
@@ -442,9 +479,12 @@ class ModelRunner:
             block_size=self.block_size,
         )
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        hidden = self._forward(input_ids, positions, meta, self.kv_caches)
-        last = torch.tensor(starts[1:], device=self.device) - 1
-        self._dummy_sample(self.model.compute_logits(hidden[last]))
+        hidden = self._forward(
+            input_ids, positions, meta, self.kv_caches, self._dummy_intermediate(num_tokens)
+        )
+        if self.is_last_stage:
+            last = torch.tensor(starts[1:], device=self.device) - 1
+            self._dummy_sample(self.model.compute_logits(hidden[last]))
 
     def _dummy_sample(self, logits: torch.Tensor) -> None:
         """Run the sampler's heaviest path (random rows with top-k, top-p and logprobs)."""

@@ -14,6 +14,15 @@ happens per rank on this rank's slice. Every rank runs every step (the broadcast
 gives each the same ``SchedulerOutput``) and samples the same tokens from the same
 all-gathered logits; only the driver (rank 0) returns them. At world size 1 no process
 group is created, so many engines can live in one process (tests do this).
+
+With pipeline parallelism (rank = pp_rank × tp + tp_rank) each worker holds one stage's
+layers. Each step, a worker of a stage after the first receives the previous stage's hidden
+states before running its layers, and a worker of a stage before the last sends its own on
+and returns None; the last stage samples, and its TP rank 0 (rank ``(pp - 1) × tp``, the
+executor's output rank) returns the step's output. One batch is in the pipeline at a time:
+vLLM keeps up to ``pipeline_parallel_size`` batches in flight (the engine core's batch
+queue) so that every stage is busy; that micro-batching is left out, so here a stage idles
+while the others work.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from engine.config import ConfigError, EngineConfig
 from engine.kv_cache.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 from engine.logger import init_logger
 from engine.model.loader import resolve_device, resolve_dtype
+from engine.model.utils import IntermediateTensors
 from engine.outputs import ModelRunnerOutput
 from engine.sched.output import SchedulerOutput
 from engine.worker.model_runner import ModelRunner
@@ -47,7 +57,8 @@ class Worker:
         local_rank: device index on this host.
         rank: global rank in the (tensor × pipeline) group.
         distributed_init_method: torch.distributed rendezvous (unused at world size 1).
-        is_driver_worker: rank 0 returns the step's output to the engine core.
+        is_driver_worker: TP rank 0 of its stage (``rank % tp == 0``); the last stage's returns
+            the step's output to the engine core.
     """
 
     def __init__(
@@ -94,7 +105,7 @@ class Worker:
             return info
 
     def _init_distributed(self) -> None:
-        """Join the TP group (world size > 1 only); rendezvous bounded by GLASSBOX_DIST_INIT_TIMEOUT_S."""
+        """Join the TP and PP groups (world size > 1 only); rendezvous bounded by GLASSBOX_DIST_INIT_TIMEOUT_S."""
         pc = self.config.parallel_config
         if pc.world_size == 1:
             return
@@ -117,10 +128,11 @@ class Worker:
             backend="nccl" if self.device.type == "cuda" else "gloo",
             rank_name=rank_name,
         )
-        parallel_state.ensure_model_parallel_initialized(pc.tensor_parallel_size)
+        parallel_state.ensure_model_parallel_initialized(pc.tensor_parallel_size, pc.pipeline_parallel_size)
 
     def get_comm_stats(self, reset: bool = False) -> dict[str, float]:
-        """Seconds in ``execute_model`` and in TP collectives (and their calls), for benchmarks."""
+        """Seconds in ``execute_model``, in TP collectives and in PP hand-offs (and their calls), for
+        benchmarks."""
         from engine.distributed import parallel_state
 
         out = {"execute_model_s": self._execute_model_s, **parallel_state.get_comm_stats(reset)}
@@ -207,8 +219,20 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         assert self.model_runner is not None
+        from engine.distributed.parallel_state import get_pp_group
+
         start = time.perf_counter()
-        output = self.model_runner.execute_model(scheduler_output)
+        pp = get_pp_group()
+        intermediate_tensors = None
+        runs_forward = scheduler_output.total_num_scheduled_tokens > 0
+        if pp is not None and not pp.is_first_rank and runs_forward:
+            # The previous stage's hidden states for this step (blocks until they arrive).
+            intermediate_tensors = IntermediateTensors(pp.recv_tensor_dict(device=self.device))
+        output = self.model_runner.execute_model(scheduler_output, intermediate_tensors)
+        if isinstance(output, IntermediateTensors):
+            assert pp is not None
+            pp.send_tensor_dict(output.tensors)  # on to the next stage; nothing for the engine core
+            output = None
         self._execute_model_s += time.perf_counter() - start
         return output if self.is_driver_worker else None
 

@@ -37,6 +37,10 @@ class WorkerWrapperBase:
             kwargs = all_kwargs[self.rpc_rank]
             self.worker = Worker(config=self.config, **kwargs)
 
+    def initialize_from_config(self, kv_cache_configs: list[Any]) -> None:
+        """Hand the worker its own entry of the per-worker KV cache configs (rank order)."""
+        self.worker.initialize_from_config(kv_cache_configs[self.rpc_rank])
+
     def execute_method(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Call ``method`` on the wrapper if it has it, else on the worker."""
         target = self if hasattr(type(self), method) else self.worker
