@@ -309,3 +309,19 @@ def test_the_laggard_is_the_deepest_planned_process_in_a_stage(tmp_path):
     assert describe_laggard(tmp_path).startswith(
         "Worker_DP0_PP0_TP0 (pid 7) has been in stage worker.load_model"
     )
+
+
+def test_architecture_doc_tree_table_matches_the_plan():
+    """docs/architecture.md's table of trees gives each count the plan gives."""
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "architecture.md").read_text()
+    rows = re.findall(r"^\| (\(none\)|`[^|]*`) \| [^|]*: (\d+) \|", doc, flags=re.M)
+    assert len(rows) == 4
+    for flags, count in rows:
+        tp = int(m.group(1)) if (m := re.search(r"-tp (\d+)", flags)) else 1
+        pp = int(m.group(1)) if (m := re.search(r"-pp (\d+)", flags)) else 1
+        assert topology.plan(_shape(tp=tp, pp=pp), frontend="serve").expected_process_count == int(count), (
+            flags
+        )
