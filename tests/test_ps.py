@@ -321,3 +321,24 @@ def test_new_run_dir_sweeps_away_dead_ones_and_keeps_live_ones(tmp_path, monkeyp
     fresh = run_dirs.create_run_dir()
     assert not stale.exists()
     assert live.exists() and fresh.exists()
+
+
+def test_a_glassbox_process_the_plan_does_not_name_is_listed_as_extra(base, spawn_tree, capsys):
+    run_dir = base / "glassbox-2-extra"
+    run_dir.mkdir()
+    tree = {"name": "LLM", "status": "llm.init", "children": [
+        {"name": "EngineCore_DP0", "title": "glassbox::EngineCore_DP0", "status": "engine_core.init", "children": [
+            {"name": "Worker_DP0_PP0_TP0", "title": "glassbox::Worker_DP0_PP0_TP0", "status": "worker.load_model"},
+            {"name": "Worker_DP0_PP0_TP7", "title": "glassbox::Worker_DP0_PP0_TP7", "status": "worker.load_model"},
+        ]}]}  # fmt: skip
+    frontend = spawn_tree(run_dir, tree)
+    (run_dir / "manifest.json").write_text(
+        json.dumps({"created_at": time.time(), "run_dir": str(run_dir), "mode": "mp", "frontend_pid": frontend.pid,
+                    "roles": ROLES[:3], "expected_process_count": 2, "api_server_count": 0,
+                    "data_parallel_size": 1, "world_size": 1})
+    )  # fmt: skip
+    [inst] = _ps_json(capsys, "--run-dir", str(run_dir))
+    assert [e["role"] for e in inst["extra"]] == ["Worker_DP0_PP0_TP7"]
+    assert (inst["found_process_count"], inst["expected_process_count"], inst["missing"]) == (3, 2, [])
+    code, table = _ps(capsys, "--run-dir", str(run_dir))
+    assert "extra: Worker_DP0_PP0_TP7 (pid" in table and "not in the plan" in table

@@ -123,6 +123,11 @@ class InstanceInfo:
         return sum(p.counted and p.alive for p in self.processes)
 
     @property
+    def extra(self) -> list[ProcessInfo]:
+        """Live Glassbox processes of this instance that its plan does not name."""
+        return [p for p in self.processes if not p.planned and p.kind != "helper" and p.alive]
+
+    @property
     def missing(self) -> list[tuple[str, str]]:
         """``(role, reason)`` for each counted planned role that is not alive."""
         return [
@@ -334,6 +339,7 @@ def to_json(instances: list[InstanceInfo]) -> dict[str, Any]:
         data["run_dir"] = str(inst.run_dir)
         data["found_process_count"] = inst.found_process_count
         data["missing"] = [{"role": role, "reason": reason} for role, reason in inst.missing]
+        data["extra"] = [{"role": p.role, "pid": p.pid, "title": p.title} for p in inst.extra]
         out.append(data)
     return {"instances": out}
 
@@ -415,6 +421,13 @@ def render_table(instances: list[InstanceInfo], console) -> None:
         if inst.missing:
             console.print(
                 "[red]missing:[/red] " + ", ".join(f"{escape(r)} ({escape(why)})" for r, why in inst.missing)
+            )
+        if inst.extra:
+            console.print(
+                "[red]extra:[/red] "
+                + ", ".join(
+                    f"{escape(p.role or p.title or '?')} (pid {p.pid}, not in the plan)" for p in inst.extra
+                )
             )
         if inst.helpers:
             helpers = Table(box=None, pad_edge=False, header_style="bold", title_justify="left",
