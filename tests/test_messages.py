@@ -179,7 +179,7 @@ def test_a_worker_rpc_carries_the_callers_span():
         EngineCoreSpawnPayload(
             config_pickle=pickle.dumps("cfg"),
             input_address="ipc:///r/in.sock",
-            output_address="ipc:///r/out.sock",
+            output_addresses=["ipc:///r/out0.sock", "ipc:///r/out1.sock"],
             trace_headers=TRACE,
         ),  # fmt: skip
         EngineCoreRequest(
@@ -246,10 +246,12 @@ def test_utility_replies_resolve_their_own_future_by_call_id():
 
     client = object.__new__(SyncMPClient)  # no engine process: only the matching logic
     client.utility_futures, client.call_ids, client.pending = {}, itertools.count(), deque()
+    client.client_index = 1  # the reply goes to the caller's output socket
     first, body1 = client._utility_request("get_scheduler_stats", ())
     second, body2 = client._utility_request("get_comm_stats", (True,))
     req1, req2 = (core_msgs.decode_as(UtilityRequest, b) for b in (body1, body2))
     assert (req1.method, req2.method, req2.call_args()) == ("get_scheduler_stats", "get_comm_stats", (True,))
+    assert (req1.client_index, req2.client_index) == (1, 1)
     client._dispatch((TAG_UTILITY, [core_msgs.encode(UtilityReply.failure(req2.call_id, KeyError("x")))]))
     client._dispatch((TAG_UTILITY, [core_msgs.encode(UtilityReply.success(req1.call_id, {"steps": 3}))]))
     assert first.result() == {"steps": 3}

@@ -806,6 +806,40 @@ def test_a_full_response_whose_client_leaves_is_aborted(server: Server) -> None:
     assert time.monotonic() - left_at < natural / 2
 
 
+def _engine_sample(text: str, name: str, engine_index: int = 0) -> float:
+    """The value of ``name``'s series for DP rank ``engine_index`` in ``/metrics`` text."""
+    (line,) = [
+        ln for ln in text.splitlines() if ln.startswith(name + "{") and f'engine="{engine_index}"' in ln
+    ]
+    assert f'model_name="{MODEL}"' in line
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_metrics_follow_the_stats_that_come_with_the_outputs(server: Server) -> None:
+    """``/metrics`` shows engine 0 idle as soon as a request's answer is back (the stats of
+    the step that finished it came with its last output), and busy from a stream's first
+    chunk on (the stats came with that chunk) — no utility call, no waiting."""
+    r = server.post("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    assert _engine_sample(text, "vllm:num_requests_running") == 0
+    assert _engine_sample(text, "vllm:num_requests_waiting") == 0
+    assert _engine_sample(text, "vllm:kv_cache_usage_perc") == 0
+    body = {"model": MODEL, "prompt": "x", "max_tokens": LONG, "ignore_eos": True, "stream": True}
+    with (
+        httpx.Client(timeout=30) as client,
+        client.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH) as response,
+    ):
+        lines = response.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        assert _engine_sample(text, "vllm:num_requests_running") == 1
+        assert _engine_sample(text, "vllm:kv_cache_usage_perc") > 0
+    # The client left: the abort's step and the final update on going idle bring it to 0.
+    elapsed, metrics = server.wait_idle(5)
+    assert metrics["vllm:num_requests_running"] == 0, f"still running after {elapsed:.1f} s"
+
+
 # ---------------------------------------------------------------------------- engine death (last)
 
 

@@ -2,15 +2,18 @@
 
 Mirrors vLLM's ``EngineCoreProc`` (``vllm/v1/engine/core.py``)::
 
-    frontend ──ROUTER ipc──▶ [input thread] ─▶ input_queue ─▶ [busy loop: step()] ─▶ output_queue ─▶ [output thread] ──PUSH ipc──▶ frontend
+    frontend ──ROUTER ipc──▶ [input thread] ─▶ input_queue ─▶ [busy loop: step()] ─▶ output_queue ─▶ [output thread] ──PUSH ipc──▶ client i
 
 - The **input thread** (``EngineCoreInputThread``) reads requests from a DEALER socket
   connected to the frontend's ROUTER and puts ``(type, payload)`` on ``input_queue``.
 - The **busy loop** (the main thread) drains ``input_queue`` — adding and aborting requests,
   answering utility calls — then runs ``step()`` while there is work, and blocks (a bounded
   wait, repeated) on ``input_queue`` when there is none.
-- The **output thread** (``EngineCoreOutputThread``) encodes what the busy loop put on
-  ``output_queue`` and pushes it to the frontend's PULL socket.
+- The **output thread** (``EngineCoreOutputThread``) takes ``(client_index, message)`` pairs
+  off ``output_queue``, encodes each and pushes it to that client's PULL socket: one PUSH
+  socket per client output address (one per API server), so a client only ever receives
+  the outputs of its own requests and the replies to its own utility calls.
+  ``OutputRouter`` groups each step's outputs per client and adds the scheduler stats.
 
 The frontend binds both sockets and the engine connects (vLLM's layout), so a frontend can
 outlive a dead engine and report it. Start-up: connect → HELLO → build the ``EngineCore``
@@ -23,6 +26,8 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +40,7 @@ from engine.core.messages import (
     TAG_HANDSHAKE,
     TAG_OUTPUTS,
     TAG_UTILITY,
+    EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
     EngineCoreSpawnPayload,
@@ -57,6 +63,62 @@ logger = init_logger(__name__)
 
 # How long one idle wait on the input queue lasts before the loop looks around again.
 IDLE_POLL_S = 1.0
+# A client without outputs of its own still gets the engine's stats this often while the
+# engine works (vLLM's coordinator publishes at this rate), and always after the last step.
+STATS_INTERVAL_S = 0.1
+
+
+class OutputRouter:
+    """Groups one step's outputs per client and gives every client the scheduler stats.
+
+    The scheduler returns ``{client_index: EngineCoreOutputs}`` with this step's
+    ``SchedulerStats`` on one entry. ``route`` returns the ``(client_index, outputs)`` pairs
+    to send: each client's own outputs, stamped with this engine's index and carrying the
+    stats; a client with no outputs this step gets the stats on their own when its last
+    ones are ``stats_interval_s`` old, or when the engine goes idle after this step (the
+    final update, so every client sees 0 running once the requests are done).
+
+    Raises:
+        ProtocolError: an output for a client index this engine has no socket for.
+    """
+
+    def __init__(
+        self,
+        num_clients: int,
+        engine_index: int,
+        stats_interval_s: float = STATS_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.num_clients = num_clients
+        self.engine_index = engine_index
+        self.stats_interval_s = stats_interval_s
+        self.clock = clock
+        self.stats_sent_at = [float("-inf")] * num_clients
+
+    def route(
+        self, outputs: dict[int, EngineCoreOutputs], going_idle: bool
+    ) -> list[tuple[int, EngineCoreOutputs]]:
+        unknown = [index for index in outputs if not 0 <= index < self.num_clients]
+        if unknown:
+            raise ProtocolError(f"outputs for client index {unknown[0]}, but this engine core has "
+                                f"{self.num_clients} client(s)")  # fmt: skip
+        stats = next((o.scheduler_stats for o in outputs.values() if o.scheduler_stats is not None), None)
+        now = self.clock()
+        routed = []
+        for client_index in range(self.num_clients):
+            eco = outputs.get(client_index)
+            if stats is not None and (
+                eco is not None
+                or going_idle
+                or now - self.stats_sent_at[client_index] >= self.stats_interval_s
+            ):
+                eco = eco if eco is not None else EngineCoreOutputs()
+                eco.scheduler_stats = stats
+                self.stats_sent_at[client_index] = now
+            if eco is not None:
+                eco.engine_index = self.engine_index
+                routed.append((client_index, eco))
+        return routed
 
 
 class EngineCoreProc(EngineCore):
@@ -64,7 +126,8 @@ class EngineCoreProc(EngineCore):
 
     Args:
         config: the engine config.
-        input_address / output_address: the frontend's ``ipc://`` endpoints.
+        input_address: the frontend's ``ipc://`` ROUTER endpoint.
+        output_addresses: one ``ipc://`` PULL endpoint per client, by client index.
         data_parallel_rank: this engine's index (its DEALER identity).
         run_dir: the instance's run directory.
     """
@@ -73,7 +136,7 @@ class EngineCoreProc(EngineCore):
         self,
         config: EngineConfig,
         input_address: str,
-        output_address: str,
+        output_addresses: list[str],
         data_parallel_rank: int,
         run_dir: Path,
     ) -> None:
@@ -81,14 +144,21 @@ class EngineCoreProc(EngineCore):
         self.data_parallel_rank = data_parallel_rank
         self.role = ProcessRole.engine_core(data_parallel_rank).name
         self.input_queue: queue.Queue[tuple[EngineCoreRequestType, Any]] = queue.Queue()
-        self.output_queue: queue.Queue[list[bytes] | None] = queue.Queue()
+        if not output_addresses:
+            raise ProtocolError("the engine core's spawn payload names no client output address")
+        # (client_index, EngineCoreOutputs | UtilityReply); None stops the output thread.
+        self.output_queue: queue.Queue[tuple[int, EngineCoreOutputs | UtilityReply] | None] = queue.Queue()
+        self.output_router = OutputRouter(len(output_addresses), data_parallel_rank)
         self.ctx = zmq.Context()
-        self.output_socket = self.ctx.socket(zmq.PUSH)
-        self.output_socket.setsockopt(zmq.LINGER, 2000)
-        self.output_socket.connect(output_address)
+        self.output_sockets: list[zmq.Socket] = []
+        for address in output_addresses:
+            socket = self.ctx.socket(zmq.PUSH)
+            socket.setsockopt(zmq.LINGER, 2000)
+            socket.connect(address)
+            self.output_sockets.append(socket)
         self.input_address = input_address
-        self._send([TAG_HANDSHAKE, _encode(EngineHandshake(kind="HELLO", role=self.role, pid=os.getpid(),
-                                                           data_parallel_rank=data_parallel_rank))])  # fmt: skip
+        self._send_all([TAG_HANDSHAKE, _encode(EngineHandshake(kind="HELLO", role=self.role, pid=os.getpid(),
+                                                               data_parallel_rank=data_parallel_rank))])  # fmt: skip
         super().__init__(config, run_dir=str(run_dir))
         # A worker that dies while we are idle wakes the busy loop through the input queue.
         self.model_executor.register_failure_callback(
@@ -105,7 +175,7 @@ class EngineCoreProc(EngineCore):
             dtype=info.get("dtype", ""),
             max_model_len=config.model_config.max_model_len or 0,
         )
-        self._send([TAG_HANDSHAKE, _encode(ready)])
+        self._send_all([TAG_HANDSHAKE, _encode(ready)])
         self._stop = threading.Event()
         self.input_thread = threading.Thread(
             target=self._input_thread, name="EngineCoreInputThread", daemon=True
@@ -136,7 +206,7 @@ class EngineCoreProc(EngineCore):
         engine: EngineCoreProc | None = None
         try:
             with attached_trace_context(payload.trace_headers):
-                engine = EngineCoreProc(config, payload.input_address, payload.output_address,
+                engine = EngineCoreProc(config, payload.input_address, payload.output_addresses,
                                         payload.data_parallel_rank, run_dir)  # fmt: skip
             engine.run_busy_loop()
         except SystemExit:
@@ -165,7 +235,7 @@ class EngineCoreProc(EngineCore):
                 flag=flag if isinstance(flag, str) else None,
                 during_startup=engine is None,
             )
-            _send_dead(payload.output_address, dead)
+            _send_dead(payload.output_addresses, dead)
             raise SystemExit(1) from None
         finally:
             processes.ignore_sigterm()
@@ -184,8 +254,9 @@ class EngineCoreProc(EngineCore):
             self._process_input_queue()
             if self.scheduler.has_requests():
                 outputs, _ = self.step()
-                for client_outputs in outputs.values():
-                    self.output_queue.put([TAG_OUTPUTS, _encode(client_outputs)])
+                going_idle = not self.scheduler.has_requests()
+                for client_index, client_outputs in self.output_router.route(outputs, going_idle):
+                    self.output_queue.put((client_index, client_outputs))
 
     def _process_input_queue(self) -> None:
         if not self.scheduler.has_requests():
@@ -206,6 +277,7 @@ class EngineCoreProc(EngineCore):
 
     def _handle_input(self, request_type: EngineCoreRequestType, payload: Any) -> None:
         if request_type == EngineCoreRequestType.ADD:
+            self._check_client_index(payload.client_index, f"request {payload.request_id!r}")
             self.add_request(payload)
         elif request_type == EngineCoreRequestType.ABORT:
             self.abort_requests(payload)
@@ -213,14 +285,21 @@ class EngineCoreProc(EngineCore):
             raise payload
         elif request_type == EngineCoreRequestType.UTILITY:
             call: UtilityRequest = payload
+            self._check_client_index(call.client_index, f"utility call {call.method!r}")
             try:
                 with attached_trace_context(call.trace_headers):
                     reply = UtilityReply.success(call.call_id, getattr(self, call.method)(*call.call_args()))
             except Exception as e:  # a failed utility call is the caller's error, not ours
                 reply = UtilityReply.failure(call.call_id, e)
-            self.output_queue.put([TAG_UTILITY, _encode(reply)])
+            self.output_queue.put((call.client_index, reply))
         else:
             logger.warning("ignoring request type %s", request_type)
+
+    def _check_client_index(self, client_index: int, what: str) -> None:
+        if not 0 <= client_index < len(self.output_sockets):
+            raise ProtocolError(f"malformed message on the client ↔ engine core boundary: {what} comes from "
+                                f"client {client_index}, but this engine core has {len(self.output_sockets)} "
+                                "client(s)")  # fmt: skip
 
     # ------------------------------------------------------------------ threads
 
@@ -253,13 +332,17 @@ class EngineCoreProc(EngineCore):
 
     def _output_thread(self) -> None:
         while True:
-            frames = self.output_queue.get()
-            if frames is None:
+            item = self.output_queue.get()
+            if item is None:
                 return
-            self._send(frames)
+            client_index, message = item
+            tag = TAG_OUTPUTS if isinstance(message, EngineCoreOutputs) else TAG_UTILITY
+            self.output_sockets[client_index].send_multipart([tag, _encode(message)], copy=False)
 
-    def _send(self, frames: list[bytes]) -> None:
-        self.output_socket.send_multipart(frames, copy=False)
+    def _send_all(self, frames: list[bytes]) -> None:
+        """To every client (the start-up handshake)."""
+        for socket in self.output_sockets:
+            socket.send_multipart(frames, copy=False)
 
     def shutdown(self) -> None:
         stop = getattr(self, "_stop", None)
@@ -268,7 +351,8 @@ class EngineCoreProc(EngineCore):
             self.output_queue.put(None)
             self.output_thread.join(timeout=2.0)
         super().shutdown()
-        self.output_socket.close(linger=1000)
+        for socket in self.output_sockets:
+            socket.close(linger=1000)
         self.ctx.term()
 
 
@@ -295,13 +379,15 @@ def _decode_input(frames: list[bytes]) -> tuple[EngineCoreRequestType, Any]:
     return request_type, decode_as(_INPUT_TYPES[request_type], frames[1])
 
 
-def _send_dead(output_address: str, dead: EngineDead) -> None:
-    """Tell the frontend we are dying, on a fresh socket (the engine's may be mid-send)."""
+def _send_dead(output_addresses: list[str], dead: EngineDead) -> None:
+    """Tell every client we are dying, on fresh sockets (the engine's may be mid-send)."""
     ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.PUSH)
-    sock.setsockopt(zmq.LINGER, 2000)
-    try:
-        sock.connect(output_address)
-        sock.send_multipart([ENGINE_CORE_DEAD, _encode(dead)])
-    finally:
-        sock.close()
+    body = _encode(dead)
+    for address in output_addresses:
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 2000)
+        try:
+            sock.connect(address)
+            sock.send_multipart([ENGINE_CORE_DEAD, body])
+        finally:
+            sock.close()

@@ -16,6 +16,14 @@ This module is the whole client ↔ engine-core protocol::
     client ◀──PUSH/PULL───────── engine core    TAG_OUTPUTS EngineCoreOutputs | TAG_UTILITY UtilityReply
     client ◀──PUSH/PULL───────── engine core    ENGINE_CORE_DEAD EngineDead (last words)
 
+Outputs per client: the engine core connects one PUSH socket per client output address in
+its spawn payload (``output_addresses[client_index]``; one today, one per API server with
+several). Each step's ``EngineCoreOutputs`` are grouped by the requests' ``client_index``, a
+utility reply goes to the caller's ``client_index``, and handshakes and ``ENGINE_CORE_DEAD``
+go to every client — so no client ever sees another's request outputs. Every client gets
+the engine's ``SchedulerStats`` (``engine_index`` says which engine), on its outputs or on
+their own.
+
 The wire enums (``FinishReason``, ``EngineCoreRequestType``) live here too, so the frontend
 needs nothing from the scheduler (``engine.sched``) to read a message.
 """
@@ -111,7 +119,13 @@ class SchedulerStats(msgspec.Struct, kw_only=True, array_like=True, gc=False):
 
 
 class EngineCoreOutputs(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True, gc=False):
-    """Everything one engine step produced for one client."""
+    """Everything one engine step produced for one client.
+
+    ``engine_index``: the DP rank of the engine that sent it. ``scheduler_stats``: that
+    engine's state after the step (every client gets them, also with no outputs of its own,
+    and once more when the engine goes idle); the client keeps the latest per engine
+    (``EngineStatsTable``).
+    """
 
     engine_index: int = 0
     outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
@@ -149,11 +163,21 @@ class UtilityRequest(msgspec.Struct, kw_only=True, array_like=True):
     method: str
     args_pickle: bytes = b""
     trace_headers: dict[str, str] | None = None
+    # The calling client: its output socket gets the reply.
+    client_index: int = 0
 
     @classmethod
-    def make(cls, call_id: int, method: str, args: tuple = (), trace_headers: dict[str, str] | None = None):
+    def make(
+        cls,
+        call_id: int,
+        method: str,
+        args: tuple = (),
+        trace_headers: dict[str, str] | None = None,
+        client_index: int = 0,
+    ):
         args_pickle = pickle.dumps(tuple(args), protocol=5) if args else b""
-        return cls(call_id=call_id, method=method, args_pickle=args_pickle, trace_headers=trace_headers)
+        return cls(call_id=call_id, method=method, args_pickle=args_pickle, trace_headers=trace_headers,
+                   client_index=client_index)  # fmt: skip
 
     def call_args(self) -> tuple:
         args = pickle.loads(self.args_pickle) if self.args_pickle else ()
@@ -207,12 +231,13 @@ class EngineCoreSpawnPayload(msgspec.Struct, kw_only=True):
 
     ``config_pickle`` is the pickled ``EngineConfig`` (a tree of dataclasses, pickled rather
     than mapped field by field onto msgpack). ``trace_headers``: the spawning span (W3C), so
-    the engine core's start-up stages are its children.
+    the engine core's start-up stages are its children. ``output_addresses``: one per client
+    (API server), indexed by ``client_index``; the engine core connects a PUSH socket to each.
     """
 
     config_pickle: bytes
     input_address: str
-    output_address: str
+    output_addresses: list[str]
     data_parallel_rank: int = 0
     trace_headers: dict[str, str] | None = None
 

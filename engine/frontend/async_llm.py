@@ -27,6 +27,7 @@ import msgspec
 
 from engine.config import EngineConfig
 from engine.frontend.core_client import AsyncMPClient
+from engine.frontend.engine_stats import EngineStatsTable
 from engine.frontend.input_processor import InputProcessor
 from engine.frontend.output_processor import OutputProcessor, ParentRequest
 from engine.frontend.outputs import PromptType, RequestOutput
@@ -205,8 +206,15 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ utilities
 
+    @property
+    def stats_table(self) -> EngineStatsTable:
+        """The latest ``SchedulerStats`` per engine, kept up to date by the output handler
+        from the stats that come with the outputs (what ``/metrics`` reads)."""
+        return self.engine_core.stats_table
+
     async def get_scheduler_stats(self):
-        """The scheduler's counters now (running, waiting, KV usage, ...)."""
+        """The scheduler's counters now (running, waiting, KV usage, ...), asked of the engine
+        core by a utility call; ``stats_table`` has the same figures without one."""
         self._ensure_output_handler()
         return await self.engine_core.call_utility_async("get_scheduler_stats")
 

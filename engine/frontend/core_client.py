@@ -9,7 +9,13 @@ through an ``EngineCoreClient``:
 - ``SyncMPClient`` (the offline default): the engine core runs in its own process
   (``EngineCoreProc``); requests go out on a ROUTER socket, outputs come back on a PULL
   socket, both bound by this client on ``ipc://`` paths in the run directory.
-- ``AsyncMPClient`` (the API server's) arrives with ``glassbox serve``.
+- ``AsyncMPClient`` (the API server's): the same, driven from an asyncio loop.
+
+Each multiprocess client is one of the engine core's clients (``client_index``; one today,
+one per API server with several): it binds its own output socket
+(``client_output_address``), stamps its index on every request and utility call, and so
+receives only its own outputs. The ``SchedulerStats`` that come with the outputs go into
+``stats_table`` (``EngineStatsTable``: latest stats per engine), which ``/metrics`` reads.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from engine.core.messages import (
 )
 from engine.core.messages import encode as encode_message
 from engine.distributed import topology
+from engine.frontend.engine_stats import EngineStatsTable
 from engine.logger import init_logger
 from engine.utils import processes
 from engine.utils import run_dir as run_dirs
@@ -63,6 +70,8 @@ class EngineCoreClient(ABC):
     # Resolved by the worker: {"device": "cpu", "dtype": "float32"}.
     device_info: dict[str, str]
     num_gpu_blocks: int
+    # The latest SchedulerStats of each engine, as they arrive with the outputs.
+    stats_table: EngineStatsTable
 
     @staticmethod
     def make_client(
@@ -100,6 +109,7 @@ class InprocClient(EngineCoreClient):
         self.device_info = self.engine_core.model_executor.device_info
         self.num_gpu_blocks = self.engine_core.kv_cache_config.num_blocks
         self.last_step_executed = False
+        self.stats_table = EngineStatsTable([0])
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.engine_core.add_request(request)
@@ -110,6 +120,8 @@ class InprocClient(EngineCoreClient):
 
     def get_output(self) -> EngineCoreOutputs:
         outputs, self.last_step_executed = self.engine_core.step()
+        for client_outputs in outputs.values():
+            self.stats_table.update_from_outputs(client_outputs)
         return outputs.get(0) or EngineCoreOutputs()
 
     def call_utility(self, method: str, *args: Any) -> Any:
@@ -127,17 +139,31 @@ class MPClient(EngineCoreClient):
     the stage it is in (from the status files). Every later wait is a bounded poll that
     checks the engine process is alive between polls.
 
+    Args:
+        config: the engine config.
+        run_dir: the instance's run directory (where the ``ipc://`` sockets live).
+        client_index: which of the engine core's clients this is (its output socket, the
+            ``client_index`` on its requests).
+        num_clients: how many clients the engine core serves; the engine connects one output
+            socket to each (``client_output_address``). This client launches the engine.
+
     Raises:
         EngineDeadError: the engine core (or a worker) died; ``root_cause`` says which.
         TimeoutError: start-up took longer than the deadline.
     """
 
-    def __init__(self, config: EngineConfig, run_dir: Path) -> None:
+    def __init__(
+        self, config: EngineConfig, run_dir: Path, *, client_index: int = 0, num_clients: int = 1
+    ) -> None:
+        if not 0 <= client_index < num_clients:
+            raise ValueError(f"client_index {client_index} is not one of the {num_clients} client(s)")
         self.config = config
         self.run_dir = run_dir
+        self.client_index = client_index
         self.ctx = zmq.Context()
         self.input_address = f"ipc://{run_dir}/in.sock"
-        self.output_address = f"ipc://{run_dir}/out.sock"
+        self.output_addresses = [client_output_address(run_dir, i) for i in range(num_clients)]
+        self.output_address = self.output_addresses[client_index]
         self.input_socket = self.ctx.socket(zmq.ROUTER)
         self.input_socket.setsockopt(zmq.LINGER, 0)
         self.input_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -149,8 +175,8 @@ class MPClient(EngineCoreClient):
         # parallelism lands (issue 8); its DEALER identity is its DP rank.
         self.engine_role = topology.plan(config).engine_cores[0]
         self.engine_identity = self.engine_role.dp_rank.to_bytes(2, "little")
+        self.stats_table = EngineStatsTable([self.engine_role.dp_rank])
         self.encoder = msgspec.msgpack.Encoder()
-        self.outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         self.pending: deque[EngineCoreOutputs] = deque()
         # Utility calls in flight: call id → (method, the future its UtilityReply resolves).
         self.utility_futures: dict[int, tuple[str, Future]] = {}
@@ -175,7 +201,7 @@ class MPClient(EngineCoreClient):
                 EngineCoreSpawnPayload(
                     config_pickle=pickle.dumps(self.config, protocol=5),
                     input_address=self.input_address,
-                    output_address=self.output_address,
+                    output_addresses=self.output_addresses,
                     data_parallel_rank=self.engine_role.dp_rank,
                     trace_headers=inject_trace_headers(),
                 )
@@ -307,7 +333,10 @@ class MPClient(EngineCoreClient):
             return
         tag, frames = msg
         if tag == TAG_OUTPUTS:
-            self.pending.append(self.outputs_decoder.decode(frames[0]))
+            outputs: EngineCoreOutputs = decode_as(EngineCoreOutputs, frames[0])
+            self.stats_table.update_from_outputs(outputs)
+            if outputs.outputs or outputs.finished_requests:
+                self.pending.append(outputs)  # stats alone need nothing more
         elif tag == TAG_UTILITY:
             reply: UtilityReply = decode_as(UtilityReply, frames[0])
             pending = self.utility_futures.pop(reply.call_id, None)
@@ -334,7 +363,7 @@ class MPClient(EngineCoreClient):
         future: Future = Future()
         self.utility_futures[call_id] = (method, future)
         return future, encode_message(
-            UtilityRequest.make(call_id, method, args, inject_trace_headers() or None)
+            UtilityRequest.make(call_id, method, args, inject_trace_headers() or None, self.client_index)
         )
 
     def shutdown(self) -> None:
@@ -353,6 +382,7 @@ class SyncMPClient(MPClient):
     """The engine core in its own process, driven synchronously (the offline ``LLM``'s client)."""
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        request.client_index = self.client_index
         self._send(EngineCoreRequestType.ADD, self.encoder.encode(request))
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -385,8 +415,8 @@ class AsyncMPClient(MPClient):
     used through asyncio shadows, so waiting for outputs never blocks the event loop.
     """
 
-    def __init__(self, config: EngineConfig, run_dir: Path) -> None:
-        super().__init__(config, run_dir)
+    def __init__(self, config: EngineConfig, run_dir: Path, **kwargs: Any) -> None:
+        super().__init__(config, run_dir, **kwargs)
         import zmq.asyncio
 
         self.async_input = zmq.asyncio.Socket.shadow(self.input_socket.underlying)
@@ -414,6 +444,7 @@ class AsyncMPClient(MPClient):
             self._unroutable()
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
+        request.client_index = self.client_index
         await self._send_async(EngineCoreRequestType.ADD, self.encoder.encode(request))
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
@@ -460,6 +491,11 @@ class AsyncMPClient(MPClient):
 
     def call_utility(self, method: str, *args: Any) -> Any:
         raise NotImplementedError("use call_utility_async")
+
+
+def client_output_address(run_dir: Path, client_index: int) -> str:
+    """Where client ``client_index`` receives its engine outputs (it binds, engines connect)."""
+    return f"ipc://{run_dir}/out{client_index}.sock"
 
 
 def _dead_message(frames: list[bytes]) -> EngineDead | None:

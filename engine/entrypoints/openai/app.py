@@ -26,8 +26,10 @@ Starlette cancels it and ``ClosingStreamingResponse`` closes it, so ``AsyncLLM.g
 client's disconnect, and cancelled when the client leaves first (vLLM's
 ``with_cancellation``).
 
-Metrics: a per-app ``CollectorRegistry``; the scheduler gauges are read from the engine
-core (``get_scheduler_stats``) each time ``/metrics`` is scraped.
+Metrics: a per-app ``CollectorRegistry``; the scheduler gauges are rendered from the
+client's ``EngineStatsTable`` (the latest ``SchedulerStats`` of each engine, which arrive with
+the engine's outputs), one ``engine="<DP rank>"`` series per engine. A scrape asks the
+engine nothing.
 
 Left out: ``/load``, ``/v1/responses``, embeddings/pooling/score/rerank, audio, LoRA and dev
 routes, ``X-Request-Id`` middleware, request-level Prometheus histograms and counters (TTFT,
@@ -72,6 +74,7 @@ from engine.entrypoints.openai.serving_engine import OpenAIError, bad_request_fr
 from engine.entrypoints.openai.serving_models import OpenAIServingModels
 from engine.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from engine.frontend.async_llm import AsyncLLM
+from engine.frontend.engine_stats import EngineStatsTable
 from engine.logger import init_logger
 from engine.utils.processes import EngineDeadError
 
@@ -81,9 +84,6 @@ logger = init_logger(__name__)
 GUARDED_PREFIX = "/v1"
 # Status for a request whose client left before the answer (nginx's "client closed request").
 CLIENT_CLOSED_REQUEST = 499
-
-# /metrics serves the last scheduler figures it has when the engine does not answer in time.
-METRICS_REFRESH_TIMEOUT_S = 2.0
 
 router = APIRouter()
 
@@ -111,7 +111,7 @@ def build_app(
     state.serving_completion = OpenAIServingCompletion(engine, served_model_name)
     state.serving_chat = OpenAIServingChat(engine, served_model_name)
     state.serving_tokenization = OpenAIServingTokenization(engine, served_model_name)
-    state.stats_collector = EngineStatsCollector(served_model_name)
+    state.stats_collector = EngineStatsCollector(served_model_name, engine.stats_table)
     state.metrics_registry = CollectorRegistry()
     state.metrics_registry.register(state.stats_collector)
 
@@ -203,13 +203,9 @@ async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Respon
 
 @router.get("/metrics")
 async def metrics(raw_request: Request) -> Response:
-    """Prometheus text, with the scheduler gauges refreshed from the engine core now."""
+    """Prometheus text, from the latest stats each engine sent with its outputs (no call to
+    the engine: a dead or busy engine shows its last figures)."""
     state = raw_request.app.state
-    try:
-        stats = asyncio.wait_for(state.engine.get_scheduler_stats(), METRICS_REFRESH_TIMEOUT_S)
-        state.stats_collector.stats = await stats
-    except Exception as e:  # a dead or slow engine: serve the last values we have
-        logger.warning("cannot refresh scheduler stats for /metrics: %s", e)
     return Response(generate_latest(state.metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -400,42 +396,47 @@ class APIKeyMiddleware:
 
 
 class EngineStatsCollector(Collector):
-    """vLLM's scheduler gauges and counters, from the latest ``SchedulerStats``.
+    """vLLM's scheduler gauges and counters, one series per engine, from an ``EngineStatsTable``.
 
-    Labels as vLLM's: ``model_name`` (the served name) and ``engine`` (the DP rank, "0").
+    Labels as vLLM's: ``model_name`` (the served name) and ``engine`` (the DP rank).
     ``vllm:kv_cache_usage_perc`` is a fraction (0..1), as in vLLM despite its name.
     """
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, stats_table: EngineStatsTable) -> None:
         self.labels = ["model_name", "engine"]
-        self.label_values = [model_name, "0"]
-        self.stats = SchedulerStats()
+        self.model_name = model_name
+        self.stats_table = stats_table
 
     def collect(self):
-        stats = self.stats
-        gauges = (
-            ("vllm:num_requests_running", "Requests in the running batch.", stats.num_running_reqs),
-            ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting_reqs),
-            (
-                "vllm:kv_cache_usage_perc",
-                "Fraction of KV-cache blocks in use (1 = full).",
-                stats.kv_cache_usage,
-            ),
-        )
-        for name, doc, value in gauges:
-            family = GaugeMetricFamily(name, doc, labels=self.labels)
-            family.add_metric(self.label_values, value)
-            yield family
-        counters = (
-            (
-                "vllm:prefix_cache_queries",
-                "Prompt tokens looked up in the prefix cache.",
-                stats.prefix_cache_queries,
-            ),
-            ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
-            ("vllm:num_preemptions", "Requests preempted (their KV blocks freed).", stats.num_preemptions),
-        )
-        for name, doc, value in counters:
-            family = CounterMetricFamily(name, doc, labels=self.labels)
-            family.add_metric(self.label_values, value)
-            yield family
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
+        for engine_index, stats in self.stats_table.snapshot().items():
+            label_values = [self.model_name, str(engine_index)]
+            for kind, name, doc, value in _stats_samples(stats):
+                family = families.get(name)
+                if family is None:
+                    family = families[name] = kind(name, doc, labels=self.labels)
+                family.add_metric(label_values, value)
+        yield from families.values()
+
+
+def _stats_samples(stats: SchedulerStats):
+    """``(family type, name, help, value)`` for each of vLLM's scheduler metrics."""
+    G, C = GaugeMetricFamily, CounterMetricFamily
+    return (
+        (G, "vllm:num_requests_running", "Requests in the running batch.", stats.num_running_reqs),
+        (G, "vllm:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting_reqs),
+        (
+            G,
+            "vllm:kv_cache_usage_perc",
+            "Fraction of KV-cache blocks in use (1 = full).",
+            stats.kv_cache_usage,
+        ),
+        (
+            C,
+            "vllm:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            stats.prefix_cache_queries,
+        ),
+        (C, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
+        (C, "vllm:num_preemptions", "Requests preempted (their KV blocks freed).", stats.num_preemptions),
+    )
