@@ -472,8 +472,10 @@ class ParallelConfig:
     default is "uni": everything in the caller's process — except with tensor parallelism,
     which always needs one process per worker ("mp"; the engine core then stays in the
     caller's process, as vLLM does), and refuses an explicit "uni".
-    Tensor and pipeline parallelism are supported (both need "mp"); data parallel sizes
-    above 1 are refused for now. Whether ``tensor_parallel_size`` fits the model's heads, and
+    Tensor, pipeline and data parallelism are supported (TP and PP need "mp"; DP needs the
+    engine cores in processes of their own, so not ``GLASSBOX_ENABLE_MULTIPROCESSING=0``).
+    ``data_parallel_rank`` is not a flag: each ``EngineCore_DP<k>`` sets it to ``k`` in its own
+    copy of the config, so its executor knows which workers (and queues) are its own. Whether ``tensor_parallel_size`` fits the model's heads, and
     ``pipeline_parallel_size`` its layers (and ``GLASSBOX_PP_LAYER_PARTITION``), is checked by
     ``EngineConfig``, which knows the model.
     """
@@ -482,6 +484,7 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    data_parallel_rank: int = 0
 
     def __post_init__(self) -> None:
         _positive_int("--tensor-parallel-size", self.tensor_parallel_size, allow_none=False)
@@ -513,10 +516,15 @@ class ParallelConfig:
                 f"runs one worker inside the engine core; {' × '.join(sizes)} needs one process "
                 "per worker: use mp",
             )
-        if self.data_parallel_size != 1:
-            raise ConfigError(
-                "--data-parallel-size", self.data_parallel_size, "only 1 is supported in this version"
-            )
+        if self.data_parallel_size > 1:
+            from engine import envs
+
+            if not envs.GLASSBOX_ENABLE_MULTIPROCESSING:
+                raise ConfigError(
+                    "--data-parallel-size",
+                    self.data_parallel_size,
+                    "runs one engine core process per rank: it needs GLASSBOX_ENABLE_MULTIPROCESSING=1",
+                )
 
     @property
     def world_size(self) -> int:

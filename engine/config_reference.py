@@ -25,8 +25,6 @@ NO_EFFECT_FLAGS = {"--trust-remote-code": "no code from a model directory is eve
 VALUE_LIMITS = {
     "--kv-cache-dtype": KV_CACHE_DTYPES,
     "--tokenizer-mode": TOKENIZER_MODES,
-    "--pipeline-parallel-size": ("1",),
-    "--data-parallel-size": ("1",),
 }
 
 

@@ -413,7 +413,12 @@ class EngineArgs:
             "GLASSBOX_PP_LAYER_PARTITION overrides it). At most num_hidden_layers.",
         )
         g.add_argument(
-            "--data-parallel-size", "-dp", type=int, default=1, help="Engine cores (1 in this version)."
+            "--data-parallel-size",
+            "-dp",
+            type=int,
+            default=1,
+            help="Engine cores, each with its own workers, plus a DPCoordinator when above 1; "
+            "one API server for now.",
         )
         g.add_argument(
             "--distributed-executor-backend",

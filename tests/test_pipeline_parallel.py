@@ -114,13 +114,20 @@ def test_pp_size_above_the_layers_is_a_one_line_config_error(tiny_dir):
     assert config.create_engine_config().parallel_config.world_size == 4
 
 
-def test_uni_backend_with_pp_is_refused_and_dp_still_is(tiny_dir):
+def test_uni_backend_with_pp_is_refused_and_dp_is_accepted(tiny_dir, monkeypatch):
     path = str(tiny_dir("llama"))
     with pytest.raises(ConfigError, match="--pipeline-parallel-size 2 needs one process per worker") as err:
         EngineArgs(
             model=path, pipeline_parallel_size=2, distributed_executor_backend="uni"
         ).create_engine_config()
     assert err.value.flag == "--distributed-executor-backend"
+    # Data parallelism runs (tests/test_data_parallel.py), in engine core processes only.
+    monkeypatch.setenv("GLASSBOX_ENABLE_MULTIPROCESSING", "1")
+    assert (
+        EngineArgs(model=path, data_parallel_size=2).create_engine_config().parallel_config.data_parallel_size
+        == 2
+    )
+    monkeypatch.setenv("GLASSBOX_ENABLE_MULTIPROCESSING", "0")
     with pytest.raises(ConfigError) as err:
         EngineArgs(model=path, data_parallel_size=2).create_engine_config()
     assert err.value.flag == "--data-parallel-size"

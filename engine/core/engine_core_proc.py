@@ -34,6 +34,8 @@ from typing import Any
 import zmq
 
 from engine.config import ConfigError, EngineConfig
+from engine.core.coordinator_messages import EngineLoad
+from engine.core.coordinator_messages import encode as encode_coordinator
 from engine.core.engine_core import EngineCore
 from engine.core.messages import (
     ENGINE_CORE_DEAD,
@@ -130,6 +132,8 @@ class EngineCoreProc(EngineCore):
         output_addresses: one ``ipc://`` PULL endpoint per client, by client index.
         data_parallel_rank: this engine's index (its DEALER identity).
         run_dir: the instance's run directory.
+        coordinator_address: the ``DPCoordinator``'s input (data parallelism): the busy loop
+            pushes an ``EngineLoad`` there whenever its (waiting, running) counts change.
     """
 
     def __init__(
@@ -139,6 +143,7 @@ class EngineCoreProc(EngineCore):
         output_addresses: list[str],
         data_parallel_rank: int,
         run_dir: Path,
+        coordinator_address: str | None = None,
     ) -> None:
         self.run_dir = run_dir
         self.data_parallel_rank = data_parallel_rank
@@ -159,6 +164,16 @@ class EngineCoreProc(EngineCore):
         self.input_address = input_address
         self._send_all([TAG_HANDSHAKE, _encode(EngineHandshake(kind="HELLO", role=self.role, pid=os.getpid(),
                                                                data_parallel_rank=data_parallel_rank))])  # fmt: skip
+        # This engine's own copy of the config says which DP rank it is, so its executor
+        # starts its own workers (Worker_DP<k>_*) on its own queues.
+        config.parallel_config.data_parallel_rank = data_parallel_rank
+        self.coordinator_socket: zmq.Socket | None = None
+        self.load_sent: tuple[int, int] | None = None
+        if coordinator_address is not None:
+            self.coordinator_socket = self.ctx.socket(zmq.PUSH)
+            self.coordinator_socket.setsockopt(zmq.LINGER, 0)
+            self.coordinator_socket.setsockopt(zmq.SNDHWM, 100)
+            self.coordinator_socket.connect(coordinator_address)
         super().__init__(config, run_dir=str(run_dir))
         # A worker that dies while we are idle wakes the busy loop through the input queue.
         self.model_executor.register_failure_callback(
@@ -207,7 +222,8 @@ class EngineCoreProc(EngineCore):
         try:
             with attached_trace_context(payload.trace_headers):
                 engine = EngineCoreProc(config, payload.input_address, payload.output_addresses,
-                                        payload.data_parallel_rank, run_dir)  # fmt: skip
+                                        payload.data_parallel_rank, run_dir,
+                                        payload.coordinator_address)  # fmt: skip
             engine.run_busy_loop()
         except SystemExit:
             processes.ignore_sigterm()
@@ -252,11 +268,27 @@ class EngineCoreProc(EngineCore):
         """Drain inputs, step while there is work; block (bounded) when idle."""
         while True:
             self._process_input_queue()
+            self._report_load()
             if self.scheduler.has_requests():
                 outputs, _ = self.step()
                 going_idle = not self.scheduler.has_requests()
                 for client_index, client_outputs in self.output_router.route(outputs, going_idle):
                     self.output_queue.put((client_index, client_outputs))
+                self._report_load()
+
+    def _report_load(self) -> None:
+        """Push (waiting, running) to the DP coordinator when they changed (data parallelism)."""
+        if self.coordinator_socket is None:
+            return
+        load = (len(self.scheduler.waiting), len(self.scheduler.running))
+        if load == self.load_sent:
+            return
+        message = EngineLoad(engine_index=self.data_parallel_rank, num_waiting=load[0], num_running=load[1])
+        try:
+            self.coordinator_socket.send(encode_coordinator(message), zmq.NOBLOCK)
+            self.load_sent = load
+        except zmq.Again:  # the coordinator is slow or gone; the next change tries again
+            pass
 
     def _process_input_queue(self) -> None:
         if not self.scheduler.has_requests():
@@ -353,6 +385,8 @@ class EngineCoreProc(EngineCore):
         super().shutdown()
         for socket in self.output_sockets:
             socket.close(linger=1000)
+        if getattr(self, "coordinator_socket", None) is not None:
+            self.coordinator_socket.close(linger=0)
         self.ctx.term()
 
 

@@ -233,6 +233,8 @@ class EngineCoreSpawnPayload(msgspec.Struct, kw_only=True):
     than mapped field by field onto msgpack). ``trace_headers``: the spawning span (W3C), so
     the engine core's start-up stages are its children. ``output_addresses``: one per client
     (API server), indexed by ``client_index``; the engine core connects a PUSH socket to each.
+    ``coordinator_address``: where it pushes its request counts (``EngineLoad``) when there
+    is a ``DPCoordinator`` (data parallelism), else None.
     """
 
     config_pickle: bytes
@@ -240,6 +242,7 @@ class EngineCoreSpawnPayload(msgspec.Struct, kw_only=True):
     output_addresses: list[str]
     data_parallel_rank: int = 0
     trace_headers: dict[str, str] | None = None
+    coordinator_address: str | None = None
 
     @property
     def config(self) -> Any:

@@ -68,20 +68,23 @@ class MultiprocExecutor(Executor):
         pc = self.config.parallel_config
         self.world_size = pc.world_size
         # This engine and its workers in rank order (pp * tp_size + tp), from the topology
-        # plan; DP rank 0 until data parallelism lands (issue 8).
+        # plan. Under data parallelism each EngineCore_DP<k> has its own workers and its own
+        # queues in the shared run directory (names prefixed dp<k>_), and its TP/PP group
+        # meets on a port of its own.
         plan = topology.plan(self.config)
-        engine_role = plan.engine_cores[0]
+        engine_role = plan.engine_cores[pc.data_parallel_rank]
+        prefix = f"dp{engine_role.dp_rank}_"
         self.roles = [w.name for w in plan.workers_of(engine_role.dp_rank)]
         self.failure: EngineDeadError | None = None
         self.failure_callback: Callable[[EngineDeadError], None] | None = None
         self._shutting_down = False
         self.workers: list[ChildProcess] = []
         with stage(catalogue.EXECUTOR_INIT):
-            handle = MessageQueue.create(run_dir, "rpc", self.world_size, reader_names=self.roles,
+            handle = MessageQueue.create(run_dir, f"{prefix}rpc", self.world_size, reader_names=self.roles,
                                          writer_name=engine_role.name)  # fmt: skip
             self.rpc_broadcast_mq = MessageQueue.open_writer(handle, describe_reader=self._describe_reader)
             response_handles = [
-                MessageQueue.create(run_dir, f"r{rank}", 1, reader_names=[engine_role.name])
+                MessageQueue.create(run_dir, f"{prefix}r{rank}", 1, reader_names=[engine_role.name])
                 for rank in range(self.world_size)
             ]
             trace_headers = inject_trace_headers()

@@ -11,6 +11,10 @@ through an ``EngineCoreClient``:
   socket, both bound by this client on ``ipc://`` paths in the run directory.
 - ``AsyncMPClient`` (the API server's): the same, driven from an asyncio loop.
 
+With ``--data-parallel-size N`` a multiprocess client holds N engine cores and starts the
+``DPCoordinator``; it load-balances new requests over the engines (vLLM's
+``DPLBAsyncMPClient``: lowest ``waiting * 4 + running``), see ``MPClient``.
+
 Each multiprocess client is one of the engine core's clients (``client_index``; one today,
 one per API server with several): it binds its own output socket
 (``client_output_address``), stamps its index on every request and utility call, and so
@@ -34,6 +38,14 @@ import zmq
 
 from engine import envs
 from engine.config import ConfigError, EngineConfig
+from engine.core.coordinator_messages import (
+    CoordinatorSpawnPayload,
+    EngineLoads,
+    coordinator_addresses,
+    score,
+)
+from engine.core.coordinator_messages import decode_as as decode_coordinator
+from engine.core.coordinator_messages import encode as encode_coordinator
 from engine.core.messages import (
     ENGINE_CORE_DEAD,
     TAG_HANDSHAKE,
@@ -132,23 +144,34 @@ class InprocClient(EngineCoreClient):
 
 
 class MPClient(EngineCoreClient):
-    """What both multiprocess clients share: launching the engine core and the handshake.
+    """What both multiprocess clients share: launching the engine cores and the handshake.
 
-    Start-up waits for HELLO then READY under one deadline
-    (``GLASSBOX_ENGINE_READY_TIMEOUT_S``); on expiry the error names the late process and
-    the stage it is in (from the status files). Every later wait is a bounded poll that
-    checks the engine process is alive between polls.
+    With ``--data-parallel-size N`` this client starts N engine cores (``EngineCore_DP<k>``,
+    each with its own workers) and, for N > 1, the ``DPCoordinator``. All engines connect
+    to this client's one ROUTER (input; an engine's DEALER identity is its DP rank) and push
+    to its one PULL (outputs), so outputs of every engine arrive merged on one socket, each
+    stamped with its ``engine_index``. Each new request goes to the engine with the lowest
+    score ``waiting * 4 + running`` (vLLM's ``DPLBAsyncMPClient``): the coordinator's latest
+    published counts, plus the requests this client sent each engine since that publish; a
+    request that pins ``data_parallel_rank`` goes to that engine. Aborts go to the engine
+    that has the request; utility calls go to every engine (engine 0's answer is returned).
+
+    Start-up waits for HELLO then READY from every engine under one deadline
+    (``GLASSBOX_ENGINE_READY_TIMEOUT_S``); on expiry the error names the engines not ready
+    and the late process and its stage (from the status files). Every later wait is a
+    bounded poll that checks every engine process (and the coordinator) is alive between
+    polls; when one dies, the others are stopped, and one ``EngineDeadError`` names it.
 
     Args:
         config: the engine config.
         run_dir: the instance's run directory (where the ``ipc://`` sockets live).
-        client_index: which of the engine core's clients this is (its output socket, the
+        client_index: which of the engine cores' clients this is (its output socket, the
             ``client_index`` on its requests).
-        num_clients: how many clients the engine core serves; the engine connects one output
-            socket to each (``client_output_address``). This client launches the engine.
+        num_clients: how many clients the engine cores serve; each engine connects one output
+            socket to each (``client_output_address``). This client launches the engines.
 
     Raises:
-        EngineDeadError: the engine core (or a worker) died; ``root_cause`` says which.
+        EngineDeadError: an engine core, a worker or the coordinator died; ``root_cause`` says which.
         TimeoutError: start-up took longer than the deadline.
     """
 
@@ -171,24 +194,51 @@ class MPClient(EngineCoreClient):
         self.output_socket = self.ctx.socket(zmq.PULL)
         self.output_socket.setsockopt(zmq.LINGER, 0)
         self.output_socket.bind(self.output_address)
-        # The engine core this client talks to: DP rank 0, the only one until data
-        # parallelism lands (issue 8); its DEALER identity is its DP rank.
-        self.engine_role = topology.plan(config).engine_cores[0]
-        self.engine_identity = self.engine_role.dp_rank.to_bytes(2, "little")
-        self.stats_table = EngineStatsTable([self.engine_role.dp_rank])
+        # The engine cores this client talks to, one per DP rank; an engine's DEALER
+        # identity is its DP rank.
+        plan = topology.plan(config)
+        self.engine_roles = list(plan.engine_cores)
+        self.engine_role = self.engine_roles[0]
+        self.engine_identities = [r.dp_rank.to_bytes(2, "little") for r in self.engine_roles]
+        self.engine_identity = self.engine_identities[0]
+        self.coordinator_role = plan.coordinator
+        self.stats_table = EngineStatsTable(r.dp_rank for r in self.engine_roles)
+        # Load balancing: the coordinator's latest (waiting, running) per engine, what this
+        # client sent each engine since then, and which engine has each request.
+        dp = len(self.engine_roles)
+        self.engine_loads: list[tuple[int, int]] = [(0, 0)] * dp
+        self.sent_since_loads = [0] * dp
+        self.requests_sent = [0] * dp  # per engine, since start (tests, introspection)
+        self.loads_seq = 0
+        self.request_engine: dict[str, int] = {}
+        self.coordinator_sub: zmq.Socket | None = None
         self.encoder = msgspec.msgpack.Encoder()
         self.pending: deque[EngineCoreOutputs] = deque()
         # Utility calls in flight: call id → (method, the future its UtilityReply resolves).
         self.utility_futures: dict[int, tuple[str, Future]] = {}
         self.call_ids = itertools.count()
         self.dead: EngineDeadError | None = None
-        self.engine_proc: processes.ChildProcess | None = None
+        self.engine_procs: list[processes.ChildProcess] = []
+        self.coordinator_proc: processes.ChildProcess | None = None
+        self._alive_checked_at = 0.0
         self._closed = False
         try:
             self._launch_and_wait_ready()
         except BaseException:
             self.shutdown()
             raise
+
+    @property
+    def engine_proc(self) -> processes.ChildProcess | None:
+        """Engine DP0's process (the only one without data parallelism)."""
+        return self.engine_procs[0] if self.engine_procs else None
+
+    @property
+    def data_parallel_size(self) -> int:
+        return len(self.engine_roles)
+
+    def _children(self) -> list[processes.ChildProcess]:
+        return [*self.engine_procs, *([self.coordinator_proc] if self.coordinator_proc else [])]
 
     # ------------------------------------------------------------------ start-up
 
@@ -197,102 +247,206 @@ class MPClient(EngineCoreClient):
         from tracing.propagation import inject_trace_headers
 
         with stage(catalogue.ENGINE_CORE_HANDSHAKE) as st:
-            payload = encode_message(
-                EngineCoreSpawnPayload(
-                    config_pickle=pickle.dumps(self.config, protocol=5),
-                    input_address=self.input_address,
-                    output_addresses=self.output_addresses,
-                    data_parallel_rank=self.engine_role.dp_rank,
-                    trace_headers=inject_trace_headers(),
+            coordinator_input = None
+            if self.coordinator_role is not None:
+                coordinator_input, publish = coordinator_addresses(self.run_dir)
+                self.coordinator_sub = self.ctx.socket(zmq.SUB)
+                self.coordinator_sub.setsockopt(zmq.LINGER, 0)
+                self.coordinator_sub.setsockopt(zmq.SUBSCRIBE, b"")
+                self.coordinator_sub.connect(publish)
+                coordinator_payload = CoordinatorSpawnPayload(
+                    input_address=coordinator_input,
+                    publish_address=publish,
+                    data_parallel_size=self.data_parallel_size,
                 )
-            )
-            self.engine_proc = processes.spawn_process(
-                self.engine_role.name,
-                "engine.core.engine_core_proc:EngineCoreProc.run_engine_core",
-                payload,
-                self.run_dir,
-            )
+                self.coordinator_proc = processes.spawn_process(
+                    self.coordinator_role.name,
+                    "engine.core.coordinator:DPCoordinator.run_coordinator",
+                    encode_coordinator(coordinator_payload),
+                    self.run_dir,
+                )
+            config_pickle = pickle.dumps(self.config, protocol=5)
+            trace_headers = inject_trace_headers()
+            for role in self.engine_roles:
+                payload = encode_message(
+                    EngineCoreSpawnPayload(
+                        config_pickle=config_pickle,
+                        input_address=self.input_address,
+                        output_addresses=self.output_addresses,
+                        data_parallel_rank=role.dp_rank,
+                        trace_headers=trace_headers,
+                        coordinator_address=coordinator_input,
+                    )
+                )
+                self.engine_procs.append(
+                    processes.spawn_process(
+                        role.name,
+                        "engine.core.engine_core_proc:EngineCoreProc.run_engine_core",
+                        payload,
+                        self.run_dir,
+                    )
+                )
             timeout = envs.GLASSBOX_ENGINE_READY_TIMEOUT_S
             deadline = time.monotonic() + timeout
-            seen: dict[str, EngineHandshake] = {}
+            # Per engine: the handshakes seen so far (HELLO, READY).
+            seen: dict[int, dict[str, EngineHandshake]] = {r.dp_rank: {} for r in self.engine_roles}
 
             def handshake_step() -> bool:
-                """One short poll: record HELLO / READY; True once READY arrived."""
+                """One short poll: record HELLO / READY; True once every engine is READY."""
                 msg = self._recv(deadline=time.monotonic())
                 if msg is not None and msg[0] == TAG_HANDSHAKE:
                     hs = decode_as(EngineHandshake, msg[1][0])
-                    if hs.kind not in ("HELLO", "READY"):
+                    if hs.kind not in ("HELLO", "READY") or hs.data_parallel_rank not in seen:
                         raise ProtocolError(
-                            f"{hs.role} sent {hs.kind} on its output socket; HELLO or READY was due"
+                            f"{hs.role} sent {hs.kind} (DP rank {hs.data_parallel_rank}) on its output "
+                            "socket; HELLO or READY from a planned engine was due"
                         )
-                    seen[hs.kind] = hs
+                    seen[hs.data_parallel_rank][hs.kind] = hs
                     logger.debug("engine core %s (pid %d) said %s", hs.role, hs.pid, hs.kind)
-                return "READY" in seen
+                return all("READY" in kinds for kinds in seen.values())
 
             try:
                 # The bounded-wait helper: a deadline, a name, and wait events for telemetry.
-                awaited = f"READY from {self.engine_role.name}"
+                awaited = f"READY from {', '.join(r.name for r in self.engine_roles)}"
                 wait_for(awaited, handshake_step, timeout_s=timeout, poll_interval_s=0)
             except WaitTimeout:
-                raise TimeoutError(self._startup_timeout_message(timeout, "HELLO" in seen)) from None
-            ready = seen["READY"]
-            self.num_gpu_blocks = ready.num_gpu_blocks
-            self.device_info = {"device": ready.device, "dtype": ready.dtype}
-            st.set(catalogue.ATTR_KV_NUM_BLOCKS, ready.num_gpu_blocks)
-            # The engine's DEALER announces itself once connected; wait for it so the first
-            # request cannot be dropped by the ROUTER.
+                raise TimeoutError(self._startup_timeout_message(timeout, seen)) from None
+            ready = [seen[r.dp_rank]["READY"] for r in self.engine_roles]
+            # Every engine sizes its own KV cache; report the smallest.
+            self.num_gpu_blocks = min(hs.num_gpu_blocks for hs in ready)
+            self.device_info = {"device": ready[0].device, "dtype": ready[0].dtype}
+            st.set(catalogue.ATTR_KV_NUM_BLOCKS, self.num_gpu_blocks)
+            # Each engine's DEALER announces itself once connected; wait for all so the
+            # first request cannot be dropped by the ROUTER.
             self._await_engine_registration(deadline)
 
     def _await_engine_registration(self, deadline: float) -> None:
+        waiting = set(self.engine_identities)
         while time.monotonic() < deadline:
             if self.input_socket.poll(POLL_MS):
                 frames = self.input_socket.recv_multipart()
                 hs = decode_as(EngineHandshake, frames[-1])
-                if hs.kind != "CONNECTED" or frames[0] != self.engine_identity:
+                if hs.kind != "CONNECTED" or frames[0] not in waiting:
                     raise ProtocolError(
                         f"{hs.role} sent {hs.kind} as {frames[0]!r} on its input socket; CONNECTED "
-                        f"from {self.engine_identity!r} was due"
+                        f"from one of {sorted(waiting)!r} was due"
                     )
-                return
+                waiting.discard(frames[0])
+                if not waiting:
+                    return
             self._check_alive()
-        raise TimeoutError("the engine core never connected its input socket")
+        names = [r.name for r, i in zip(self.engine_roles, self.engine_identities) if i in waiting]
+        raise TimeoutError(f"the engine core(s) {', '.join(names)} never connected their input socket")
 
-    def _startup_timeout_message(self, timeout: float, seen_hello: bool) -> str:
+    def _startup_timeout_message(self, timeout: float, seen: dict[int, dict[str, EngineHandshake]]) -> str:
         late = describe_laggard(self.run_dir)
+        if len(seen) == 1:
+            said = "it said HELLO" if "HELLO" in seen[self.engine_role.dp_rank] else "it never said HELLO"
+            return f"The engine did not become ready within GLASSBOX_ENGINE_READY_TIMEOUT_S={timeout:g} s ({said}). {late}"
+        laggards = [
+            f"{r.name} ({'said HELLO' if 'HELLO' in seen[r.dp_rank] else 'never said HELLO'})"
+            for r in self.engine_roles
+            if "READY" not in seen[r.dp_rank]
+        ]
         return (
-            f"The engine did not become ready within GLASSBOX_ENGINE_READY_TIMEOUT_S={timeout:g} s "
-            f"({'it said HELLO' if seen_hello else 'it never said HELLO'}). {late}"
+            f"Not every engine became ready within GLASSBOX_ENGINE_READY_TIMEOUT_S={timeout:g} s; "
+            f"not ready: {', '.join(laggards)}. {late}"
         )
+
+    # ------------------------------------------------------------------ load balancing
+
+    def _drain_coordinator(self) -> None:
+        """Take the coordinator's newest published counts, if any arrived (non-blocking)."""
+        if self.coordinator_sub is None:
+            return
+        while True:
+            try:
+                frame = self.coordinator_sub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            loads: EngineLoads = decode_coordinator(EngineLoads, frame)
+            if loads.seq > self.loads_seq and len(loads.counts) == self.data_parallel_size:
+                self.loads_seq = loads.seq
+                self.engine_loads = [tuple(c) for c in loads.counts]
+                self.sent_since_loads = [0] * self.data_parallel_size
+
+    def engine_scores(self) -> list[int]:
+        """Each engine's score ``waiting * 4 + running``: the coordinator's latest counts, with
+        the requests sent since counted as waiting."""
+        self._drain_coordinator()
+        return [
+            score(waiting + sent, running)
+            for (waiting, running), sent in zip(self.engine_loads, self.sent_since_loads)
+        ]
+
+    def _choose_engine(self, request: EngineCoreRequest) -> int:
+        """The engine for a new request: its pinned ``data_parallel_rank``, else the lowest score."""
+        dp = self.data_parallel_size
+        if request.data_parallel_rank is not None:
+            if not 0 <= request.data_parallel_rank < dp:
+                raise ValueError(
+                    f"request {request.request_id!r} asks for data_parallel_rank "
+                    f"{request.data_parallel_rank}, but there are {dp} engine(s) (0..{dp - 1})"
+                )
+            engine = request.data_parallel_rank
+        elif dp == 1:
+            engine = 0
+        else:
+            scores = self.engine_scores()
+            engine = min(range(dp), key=lambda k: (scores[k], k))
+        self.sent_since_loads[engine] += 1
+        self.requests_sent[engine] += 1
+        self.request_engine[request.request_id] = engine
+        return engine
+
+    def _engines_for_abort(self, request_ids: list[str]) -> dict[int, list[str]]:
+        """Engine → the ids it has (an id this client does not know goes to every engine)."""
+        by_engine: dict[int, list[str]] = {}
+        for request_id in request_ids:
+            engine = self.request_engine.pop(request_id, None)
+            for k in [engine] if engine is not None else range(self.data_parallel_size):
+                by_engine.setdefault(k, []).append(request_id)
+        return by_engine
 
     # ------------------------------------------------------------------ messages
 
     def _recv(self, deadline: float | None) -> tuple[bytes, list[bytes]] | None:
-        """One message from the engine, or None at the deadline. Raises EngineDeadError."""
+        """One message from the engines, or None at the deadline. Raises EngineDeadError."""
         while True:
             if self.output_socket.poll(POLL_MS):
                 tag, *frames = self.output_socket.recv_multipart()
                 if tag == ENGINE_CORE_DEAD:
                     self._mark_dead(_dead_message(frames))
+                self._check_alive_now_and_then()
                 return tag, frames
             self._check_alive()
             if deadline is not None and time.monotonic() >= deadline:
                 return None
 
+    def _check_alive_now_and_then(self) -> None:
+        """While messages keep coming (no poll times out), still look at every child each
+        ``POLL_MS``: with several engines, one can die while another streams outputs."""
+        now = time.monotonic()
+        if now - self._alive_checked_at >= POLL_MS / 1000:
+            self._alive_checked_at = now
+            self._check_alive()
+
     def _check_alive(self) -> None:
         if self.dead is not None:
             raise self.dead
-        proc = self.engine_proc
-        if proc is not None and not proc.is_alive():
+        for proc in self._children():
+            if proc.is_alive():
+                continue
             # Give a dying engine a moment to deliver its ENGINE_CORE_DEAD message.
             if self.output_socket.poll(200):
                 tag, *frames = self.output_socket.recv_multipart()
                 if tag == ENGINE_CORE_DEAD:
                     self._mark_dead(_dead_message(frames))
-            self._mark_dead(None)
+            self._mark_dead(None, proc)
 
-    def _mark_dead(self, dead: EngineDead | None) -> None:
+    def _mark_dead(self, dead: EngineDead | None, proc: processes.ChildProcess | None = None) -> None:
         if self.dead is None:
-            proc = self.engine_proc
+            proc = proc or self.engine_proc
             root_cause = dead.root_cause if dead is not None else None
             if root_cause is None and proc is not None:
                 root_cause = processes.format_root_cause(self.run_dir, proc.role, proc.pid, proc.poll())
@@ -302,6 +456,10 @@ class MPClient(EngineCoreClient):
                 if not future.done():
                     future.set_exception(self.dead)
             self.utility_futures.clear()
+            if len(self._children()) > 1:
+                # One process of the tree died: the rest (other engines, the coordinator)
+                # go down with it, so the root cause is the only story.
+                _stop_all(self._children())
             if dead is not None and dead.during_startup and dead.error_type == "ConfigError":
                 # A bad setting found by the engine (e.g. a KV budget too small for one
                 # request) is the caller's error, raised as in-process: one ConfigError
@@ -309,24 +467,26 @@ class MPClient(EngineCoreClient):
                 raise ConfigError.from_message(dead.message, flag=dead.flag or "") from None
         raise self.dead
 
-    def _send(self, request_type: EngineCoreRequestType, body: bytes) -> None:
+    def _send(self, request_type: EngineCoreRequestType, body: bytes, engine: int = 0) -> None:
         if self.dead is not None:
             raise self.dead
         try:
-            self.input_socket.send_multipart([self.engine_identity, request_type.value, body], copy=False)
+            self.input_socket.send_multipart(
+                [self.engine_identities[engine], request_type.value, body], copy=False
+            )
         except zmq.ZMQError:
-            self._unroutable()
+            self._unroutable(engine)
 
-    def _unroutable(self) -> None:
-        """The ROUTER cannot reach the engine core: it disconnected, so it is dying or dead."""
-        proc = self.engine_proc
+    def _unroutable(self, engine: int = 0) -> None:
+        """The ROUTER cannot reach an engine core: it disconnected, so it is dying or dead."""
+        proc = self.engine_procs[engine] if engine < len(self.engine_procs) else None
         if proc is not None:
             try:
                 proc.popen.wait(1.0)
             except Exception:  # still alive but unreachable: report it as dead anyway
                 pass
         self._check_alive()
-        self._mark_dead(None)
+        self._mark_dead(None, proc)
 
     def _dispatch(self, msg: tuple[bytes, list[bytes]] | None) -> None:
         if msg is None:
@@ -335,6 +495,12 @@ class MPClient(EngineCoreClient):
         if tag == TAG_OUTPUTS:
             outputs: EngineCoreOutputs = decode_as(EngineCoreOutputs, frames[0])
             self.stats_table.update_from_outputs(outputs)
+            if self.request_engine:  # finished requests are no engine's any more
+                for output in outputs.outputs:
+                    if output.finished:
+                        self.request_engine.pop(output.request_id, None)
+                for request_id in outputs.finished_requests or ():
+                    self.request_engine.pop(request_id, None)
             if outputs.outputs or outputs.finished_requests:
                 self.pending.append(outputs)  # stats alone need nothing more
         elif tag == TAG_UTILITY:
@@ -367,27 +533,31 @@ class MPClient(EngineCoreClient):
         )
 
     def shutdown(self) -> None:
-        """Stop the engine core (and through it its workers) within a few seconds."""
+        """Stop the engine cores (and through them their workers) and the coordinator within a
+        few seconds."""
         if self._closed:
             return
         self._closed = True
-        if self.engine_proc is not None:
-            self.engine_proc.stop(timeout=4.0)
+        _stop_all(self._children())
         self.input_socket.close(linger=0)
         self.output_socket.close(linger=0)
+        if self.coordinator_sub is not None:
+            self.coordinator_sub.close(linger=0)
         self.ctx.term()
 
 
 class SyncMPClient(MPClient):
-    """The engine core in its own process, driven synchronously (the offline ``LLM``'s client)."""
+    """The engine cores in their own processes, driven synchronously (the offline ``LLM``'s client)."""
 
     def add_request(self, request: EngineCoreRequest) -> None:
         request.client_index = self.client_index
-        self._send(EngineCoreRequestType.ADD, self.encoder.encode(request))
+        engine = self._choose_engine(request)
+        self._send(EngineCoreRequestType.ADD, self.encoder.encode(request), engine)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids and self.dead is None:
-            self._send(EngineCoreRequestType.ABORT, self.encoder.encode(list(request_ids)))
+            for engine, ids in self._engines_for_abort(request_ids).items():
+                self._send(EngineCoreRequestType.ABORT, self.encoder.encode(ids), engine)
 
     def get_output(self) -> EngineCoreOutputs:
         while not self.pending:
@@ -395,21 +565,25 @@ class SyncMPClient(MPClient):
         return self.pending.popleft()
 
     def call_utility(self, method: str, *args: Any) -> Any:
-        future, body = self._utility_request(method, args)
-        self._send(EngineCoreRequestType.UTILITY, body)
+        """Run the utility on every engine; engine 0's answer is returned."""
+        futures = []
+        for engine in range(self.data_parallel_size):
+            future, body = self._utility_request(method, args)
+            futures.append(future)
+            self._send(EngineCoreRequestType.UTILITY, body, engine)
         deadline = time.monotonic() + envs.GLASSBOX_EXECUTE_MODEL_TIMEOUT_S
         # This thread is the only reader: receive (keeping outputs for get_output) until
-        # the reply resolves the future.
-        while not future.done():
+        # the replies resolve the futures.
+        while not all(f.done() for f in futures):
             msg = self._recv(deadline)
             if msg is None:
                 raise TimeoutError(f"utility call {method!r} got no answer in time")
             self._dispatch(msg)
-        return future.result()
+        return [f.result() for f in futures][0]
 
 
 class AsyncMPClient(MPClient):
-    """The engine core in its own process, driven from an asyncio loop (the API server's client).
+    """The engine cores in their own processes, driven from an asyncio loop (the API server's client).
 
     The handshake runs synchronously before serving starts; afterwards the same sockets are
     used through asyncio shadows, so waiting for outputs never blocks the event loop.
@@ -428,28 +602,31 @@ class AsyncMPClient(MPClient):
                 tag, *frames = await self.async_output.recv_multipart()
                 if tag == ENGINE_CORE_DEAD:
                     self._mark_dead(_dead_message(frames))
+                self._check_alive_now_and_then()
                 return tag, frames
             self._check_alive()
             if deadline is not None and time.monotonic() >= deadline:
                 return None
 
-    async def _send_async(self, request_type: EngineCoreRequestType, body: bytes) -> None:
+    async def _send_async(self, request_type: EngineCoreRequestType, body: bytes, engine: int = 0) -> None:
         if self.dead is not None:
             raise self.dead
         try:
             await self.async_input.send_multipart(
-                [self.engine_identity, request_type.value, body], copy=False
+                [self.engine_identities[engine], request_type.value, body], copy=False
             )
         except zmq.ZMQError:
-            self._unroutable()
+            self._unroutable(engine)
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         request.client_index = self.client_index
-        await self._send_async(EngineCoreRequestType.ADD, self.encoder.encode(request))
+        engine = self._choose_engine(request)
+        await self._send_async(EngineCoreRequestType.ADD, self.encoder.encode(request), engine)
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         if request_ids and self.dead is None:
-            await self._send_async(EngineCoreRequestType.ABORT, self.encoder.encode(list(request_ids)))
+            for engine, ids in self._engines_for_abort(request_ids).items():
+                await self._send_async(EngineCoreRequestType.ABORT, self.encoder.encode(ids), engine)
 
     async def get_output_async(self) -> EngineCoreOutputs:
         """The next outputs; only one task (the output handler) may call this."""
@@ -458,26 +635,31 @@ class AsyncMPClient(MPClient):
         return self.pending.popleft()
 
     async def call_utility_async(self, method: str, *args: Any) -> Any:
-        """Utility call; its answer is picked up by the output handler's receive loop."""
+        """Utility call on every engine (engine 0's answer is returned); the answers are picked
+        up by the output handler's receive loop."""
         import asyncio
 
-        future, body = self._utility_request(method, args)
-        await self._send_async(EngineCoreRequestType.UTILITY, body)
+        futures = []
+        for engine in range(self.data_parallel_size):
+            future, body = self._utility_request(method, args)
+            futures.append(future)
+            await self._send_async(EngineCoreRequestType.UTILITY, body, engine)
         deadline = time.monotonic() + envs.GLASSBOX_EXECUTE_MODEL_TIMEOUT_S
-        waiter = asyncio.wrap_future(future)
-        # The output handler resolves the future; wait on it in bounded slices, checking
-        # between them that the engine is alive.
+        waiters = [asyncio.wrap_future(f) for f in futures]
+        # The output handler resolves the futures; wait on them in bounded slices, checking
+        # between them that the engines are alive.
         try:
-            while not waiter.done():
+            while not all(w.done() for w in waiters):
                 self._check_alive()
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"utility call {method!r} got no answer in time")
-                await asyncio.wait({waiter}, timeout=min(POLL_MS / 1000, left))
+                await asyncio.wait(set(waiters), timeout=min(POLL_MS / 1000, left))
         finally:
-            if not waiter.done():
-                waiter.cancel()  # given up (timeout, dead engine, cancelled caller): a late answer is dropped
-        return waiter.result()
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.cancel()  # given up: a late answer is dropped
+        return [w.result() for w in waiters][0]
 
     # The synchronous verbs are not used from the event loop.
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -491,6 +673,26 @@ class AsyncMPClient(MPClient):
 
     def call_utility(self, method: str, *args: Any) -> Any:
         raise NotImplementedError("use call_utility_async")
+
+
+def _stop_all(children: list[processes.ChildProcess], timeout: float = 4.0) -> None:
+    """Stop every child at once: lifelines closed and SIGTERM to all, then wait (SIGKILL after
+    ``timeout``), so N engines take as long to stop as one."""
+    import signal
+
+    for child in children:
+        try:
+            child.lifeline.close()
+        except OSError:
+            pass
+        if child.popen.poll() is None:
+            try:
+                child.popen.send_signal(signal.SIGTERM)
+            except OSError:
+                pass
+    deadline = time.monotonic() + timeout
+    for child in children:
+        child.stop(timeout=max(deadline - time.monotonic(), 0.1))
 
 
 def client_output_address(run_dir: Path, client_index: int) -> str:

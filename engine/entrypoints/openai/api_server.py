@@ -108,7 +108,9 @@ def run_server(config: EngineConfig, args: ServerArgs, sock: socket.socket | Non
     signal.signal(signal.SIGTERM, on_signal_during_startup)
     signal.signal(signal.SIGINT, on_signal_during_startup)
     # Every process of the tree, named once. This process is APIServer_0, the only API
-    # server until several exist (issue 8); it owns the run directory.
+    # server for now, also with --data-parallel-size > 1 (it then talks to every engine
+    # core); vLLM's --api-server-count defaulting to the DP size is the next step (issue 8).
+    # It owns the run directory.
     plan = topology.plan(config, frontend="serve", api_server_count=1)
     role = plan.api_servers[0]
     processes.set_process_title(role.name)

@@ -1,0 +1,276 @@
+"""Data parallelism (issue 8 item 7, first slice): N engine cores, one DPCoordinator, one client.
+
+Fast tests check the pieces in-process: the coordinator publishes (waiting, running) per
+engine at most every 100 ms while they change and never while they don't; the client scores
+engines ``waiting * 4 + running`` from the latest publish plus what it sent since, honours a
+pinned ``data_parallel_rank`` and routes aborts to the engine that has the request.
+Slow tests run the real tree: ``LLM(data_parallel_size=2)`` gives dp 1's greedy tokens with
+both engines busy, a pinned request lands on its engine, the titles and ``glassbox ps`` count
+2 + 2 + 1, SIGKILL of the ``DPCoordinator`` or of ``EngineCore_DP1`` brings the tree down
+(the latter within 5 s mid-generate) with one root cause naming it;
+``glassbox serve -dp 2`` is 1 + 2 + 2 + 1 = 6 processes that answer and stop on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+import zmq
+from proc_utils import titled_processes, wait_gone
+from server_utils import start_server
+from tiny_models import build_tiny_checkpoint
+
+from engine import LLM, SamplingParams
+from engine.config import ConfigError, ParallelConfig
+from engine.core.coordinator import DPCoordinator
+from engine.core.coordinator_messages import (
+    CoordinatorSpawnPayload,
+    EngineLoad,
+    EngineLoads,
+    coordinator_addresses,
+    decode_as,
+    score,
+)
+from engine.core.messages import EngineCoreRequest
+from engine.frontend.core_client import SyncMPClient
+from engine.utils.processes import EngineDeadError
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+PROMPTS = [{"prompt_token_ids": list(range(7, 7 + n))} for n in (3, 9, 20, 33, 41, 64)]
+
+
+# ---------------------------------------------------------------------- fast: the pieces
+
+
+def test_config_accepts_dp_and_refuses_it_without_processes(monkeypatch):
+    monkeypatch.setenv("GLASSBOX_ENABLE_MULTIPROCESSING", "1")
+    assert ParallelConfig(data_parallel_size=2).data_parallel_size == 2
+    monkeypatch.setenv("GLASSBOX_ENABLE_MULTIPROCESSING", "0")
+    with pytest.raises(ConfigError, match="--data-parallel-size"):
+        ParallelConfig(data_parallel_size=2)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_coordinator_publishes_changes_at_most_every_100_ms(tmp_path):
+    clock = FakeClock()
+    engines_to_coordinator, to_clients = coordinator_addresses(tmp_path)
+    coordinator = DPCoordinator(
+        CoordinatorSpawnPayload(
+            input_address=engines_to_coordinator, publish_address=to_clients, data_parallel_size=2
+        ),  # fmt: skip
+        clock=clock,
+    )
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(to_clients)
+    try:
+        # PUB/SUB drops what is sent before the subscription is in place: publish until one arrives.
+        deadline = time.monotonic() + 5
+        while not sub.poll(50):
+            assert time.monotonic() < deadline
+            coordinator.dirty, clock.now = True, clock.now + 1
+            coordinator.maybe_publish()
+        while sub.poll(10):
+            sub.recv()
+        clock.now += 1
+        assert not coordinator.maybe_publish(), "nothing changed: nothing is published"
+        coordinator.record(EngineLoad(engine_index=1, num_waiting=3, num_running=2))
+        assert coordinator.maybe_publish()
+        loads = decode_as(EngineLoads, sub.recv())
+        assert [tuple(c) for c in loads.counts] == [(0, 0), (3, 2)]
+        coordinator.record(EngineLoad(engine_index=0, num_waiting=1, num_running=0))
+        clock.now += 0.05
+        assert not coordinator.maybe_publish(), "a change within 100 ms waits"
+        clock.now += 0.06
+        assert coordinator.maybe_publish()
+        later = decode_as(EngineLoads, sub.recv())
+        assert later.seq > loads.seq and [tuple(c) for c in later.counts] == [(1, 0), (3, 2)]
+    finally:
+        sub.close(linger=0)
+        ctx.term()
+        coordinator.close()
+
+
+def _client(dp: int) -> SyncMPClient:
+    """A client's routing state without processes (the routing methods need no sockets)."""
+    client = SyncMPClient.__new__(SyncMPClient)
+    client.engine_roles = list(range(dp))
+    client.engine_loads = [(0, 0)] * dp
+    client.sent_since_loads = [0] * dp
+    client.requests_sent = [0] * dp
+    client.request_engine = {}
+    client.coordinator_sub = None
+    return client
+
+
+def _request(request_id: str, rank: int | None = None) -> EngineCoreRequest:
+    return EngineCoreRequest(request_id=request_id, prompt_token_ids=[1], sampling_params=SamplingParams(),
+                             eos_token_id=None, arrival_time=0.0, data_parallel_rank=rank)  # fmt: skip
+
+
+def test_client_picks_the_lowest_score_counting_what_it_sent_since_the_last_publish():
+    assert score(num_waiting=1, num_running=0) == 4 and score(0, 3) == 3
+    client = _client(2)
+    # Nothing published yet: a burst alternates, each send counted as waiting.
+    assert [client._choose_engine(_request(f"r{i}")) for i in range(4)] == [0, 1, 0, 1]
+    # The coordinator says engine 0 has 2 waiting, engine 1 runs 5: 8 vs 5 → engine 1, then
+    # engine 1 counts 4 more (9) → engine 0.
+    client.engine_loads, client.sent_since_loads = [(2, 0), (0, 5)], [0, 0]
+    assert client._choose_engine(_request("a")) == 1
+    assert client._choose_engine(_request("b")) == 0
+    assert client._choose_engine(_request("pinned", rank=1)) == 1
+    with pytest.raises(ValueError, match="data_parallel_rank 2"):
+        client._choose_engine(_request("bad", rank=2))
+    assert client.requests_sent == [3, 4]
+    # Aborts go to the engine that has the request; an unknown id goes to every engine.
+    assert client._engines_for_abort(["a", "b", "pinned", "nobody"]) == {1: ["a", "pinned", "nobody"],
+                                                                         0: ["b", "nobody"]}  # fmt: skip
+    assert "a" not in client.request_engine
+
+
+# ---------------------------------------------------------------------- slow: the real tree
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, default_model_dir):
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("dp"), "llama", tie_word_embeddings=True,
+                                 tokenizer_dir=default_model_dir)  # fmt: skip
+
+
+@pytest.fixture
+def cleanup():
+    yield
+    for child in psutil.Process().children(recursive=True):
+        child.kill()
+
+
+@pytest.mark.slow
+def test_dp2_llm_equals_dp1_spreads_work_honours_pins_counts_five_processes_and_dies_whole(
+    tiny, monkeypatch, cleanup
+):
+    monkeypatch.setenv("GLASSBOX_ENABLE_MULTIPROCESSING", "0")
+    with LLM(str(tiny), max_model_len=128) as llm:
+        expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    monkeypatch.setenv("GLASSBOX_ENABLE_MULTIPROCESSING", "1")
+    with LLM(str(tiny), max_model_len=128, data_parallel_size=2) as llm:
+        tree = titled_processes(os.getpid())
+        assert sorted(tree) == ["glassbox::DPCoordinator", "glassbox::EngineCore_DP0", "glassbox::EngineCore_DP1",
+                                "glassbox::Worker_DP0_PP0_TP0", "glassbox::Worker_DP1_PP0_TP0"]  # fmt: skip
+        for k in (0, 1):
+            assert tree[f"glassbox::Worker_DP{k}_PP0_TP0"].ppid() == tree[f"glassbox::EngineCore_DP{k}"].pid
+        ps = subprocess.run([sys.executable, "-m", "engine.cli.main", "ps", "--json", "--run-dir", str(llm.run_dir)],
+                            capture_output=True, text=True, timeout=60)  # fmt: skip
+        info = json.loads(ps.stdout)["instances"][0]
+        assert info["expected_process_count"] == 5 and info["found_process_count"] == 5, info
+
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        client = llm.engine_core
+        stats = client.stats_table.snapshot()
+        assert sorted(stats) == [0, 1]
+        assert all(s.step_counter > 0 for s in stats.values()), "both engines stepped"
+        assert min(client.requests_sent) >= 2, client.requests_sent
+
+        # A request pinned to engine 1 runs there (its outputs say engine_index 1).
+        before = list(client.requests_sent)
+        pinned = EngineCoreRequest(request_id="pinned", prompt_token_ids=[5, 6, 7],
+                                   sampling_params=SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+                                   eos_token_id=None, arrival_time=time.time(), data_parallel_rank=1)  # fmt: skip
+        client.add_request(pinned)
+        engines = set()
+        while True:
+            out = client.get_output()
+            engines |= {out.engine_index for o in out.outputs if o.request_id == "pinned"}
+            if any(o.request_id == "pinned" and o.finished for o in out.outputs):
+                break
+        assert engines == {1}
+        assert client.requests_sent == [before[0], before[1] + 1]
+        run_dir = llm.run_dir
+
+        # The coordinator dying is noticed too, even while outputs stream: one root cause.
+        os.kill(tree["glassbox::DPCoordinator"].pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError) as err:
+            llm.generate(PROMPTS, SamplingParams(max_tokens=400, ignore_eos=True), use_tqdm=False)
+        assert "DPCoordinator" in err.value.root_cause and "SIGKILL" in err.value.root_cause
+    assert got == expected
+    assert wait_gone([p.pid for p in tree.values()]) == []
+    assert not run_dir.exists()
+
+
+@pytest.mark.slow
+def test_sigkill_of_engine_core_dp1_mid_generate_brings_the_tree_down(tiny, monkeypatch, cleanup):
+    monkeypatch.setenv("GLASSBOX_ENABLE_MULTIPROCESSING", "1")
+    llm = LLM(str(tiny), max_model_len=512, data_parallel_size=2)
+    try:
+        tree = titled_processes(os.getpid())
+        assert len(tree) == 5
+        victim = tree["glassbox::EngineCore_DP1"]
+        params = [SamplingParams(max_tokens=1)] + [SamplingParams(max_tokens=400, ignore_eos=True)] * 3
+        killed_at: list[float] = []
+
+        def kill_on_first_finish(done: int, total: int) -> None:
+            if done == 1 and not killed_at:
+                os.kill(victim.pid, signal.SIGKILL)
+                killed_at.append(time.monotonic())
+
+        with pytest.raises(EngineDeadError) as err:
+            llm.generate(["a", "b", "c", "d"], params, use_tqdm=kill_on_first_finish)
+        assert killed_at and time.monotonic() - killed_at[0] < 5
+        assert "EngineCore_DP1" in err.value.root_cause and "SIGKILL" in err.value.root_cause
+        # The rest (engine 0, both workers, the coordinator) went down with it.
+        assert wait_gone([p.pid for p in tree.values()], timeout=5) == []
+    finally:
+        llm.shutdown()
+    assert not llm.run_dir.exists()
+
+
+@pytest.mark.slow
+def test_serve_dp2_is_six_processes_that_answer_and_stop(tmp_path, default_model_dir):
+    server = start_server(tmp_path, "--max-model-len", "256", "-dp", "2")
+    try:
+        tree = titled_processes(server.proc.pid, include_self=True)
+        assert sorted(tree) == ["glassbox::APIServer_0", "glassbox::DPCoordinator", "glassbox::EngineCore_DP0",
+                                "glassbox::EngineCore_DP1", "glassbox::Worker_DP0_PP0_TP0",
+                                "glassbox::Worker_DP1_PP0_TP0"]  # fmt: skip
+        ps = subprocess.run([sys.executable, "-m", "engine.cli.main", "ps", "--json", "--run-dir",
+                             str(server.run_dir)], capture_output=True, text=True, timeout=60)  # fmt: skip
+        info = json.loads(ps.stdout)["instances"][0]
+        assert info["expected_process_count"] == 6 and info["found_process_count"] == 6, info
+        results: list[int] = []
+
+        def complete(i: int) -> None:
+            body = {"model": httpx.get(server.base_url + "/v1/models").json()["data"][0]["id"],
+                    "prompt": f"Hello {i}", "max_tokens": 16, "ignore_eos": True}  # fmt: skip
+            results.append(httpx.post(server.base_url + "/v1/completions", json=body, timeout=60).status_code)
+
+        threads = [threading.Thread(target=complete, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        assert results == [200] * 6
+        metrics = httpx.get(server.base_url + "/metrics").text
+        assert 'engine="0"' in metrics and 'engine="1"' in metrics
+        pids = [p.pid for p in tree.values()]
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(15) == 0
+        assert wait_gone(pids) == []
+        assert not server.run_dir.exists()
+    finally:
+        server.kill_group()
