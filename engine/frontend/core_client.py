@@ -678,18 +678,8 @@ class AsyncMPClient(MPClient):
 def _stop_all(children: list[processes.ChildProcess], timeout: float = 4.0) -> None:
     """Stop every child at once: lifelines closed and SIGTERM to all, then wait (SIGKILL after
     ``timeout``), so N engines take as long to stop as one."""
-    import signal
-
     for child in children:
-        try:
-            child.lifeline.close()
-        except OSError:
-            pass
-        if child.popen.poll() is None:
-            try:
-                child.popen.send_signal(signal.SIGTERM)
-            except OSError:
-                pass
+        child.request_stop()
     deadline = time.monotonic() + timeout
     for child in children:
         child.stop(timeout=max(deadline - time.monotonic(), 0.1))

@@ -96,8 +96,8 @@ class ChildProcess:
     def is_alive(self) -> bool:
         return self.popen.poll() is None
 
-    def stop(self, timeout: float = 4.0) -> int | None:
-        """Ask the child to exit (close the lifeline, SIGTERM), SIGKILL it after ``timeout``."""
+    def request_stop(self) -> None:
+        """Ask the child to exit (close the lifeline, SIGTERM) without waiting for it."""
         try:
             self.lifeline.close()
         except OSError:
@@ -105,6 +105,14 @@ class ChildProcess:
         if self.popen.poll() is None:
             try:
                 self.popen.send_signal(signal.SIGTERM)
+            except OSError:  # already gone
+                pass
+
+    def stop(self, timeout: float = 4.0) -> int | None:
+        """Ask the child to exit (``request_stop``), SIGKILL it after ``timeout``."""
+        self.request_stop()
+        if self.popen.poll() is None:
+            try:
                 self.popen.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.popen.kill()
