@@ -22,70 +22,39 @@ PP = 1: the same compute, fewer threads per layer, plus the hand-off.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
-from offline_throughput import build_small_model, make_workload  # noqa: E402
+from offline_throughput import build_small_model  # noqa: E402
+from parallel_common import add_workload_args, describe, timed_run, workload  # noqa: E402
 
 
 def run_one(model: Path, pp: int, prompts, outputs, cores: int, max_model_len: int) -> dict:
-    from engine import LLM, SamplingParams
-
-    os.environ["OMP_NUM_THREADS"] = str(max(1, cores // pp))  # read by each freshly spawned worker
-    start = time.perf_counter()
-    llm = LLM(
-        str(model), pipeline_parallel_size=pp, max_model_len=max_model_len, distributed_executor_backend="mp"
-    )
-    startup = time.perf_counter() - start
-    try:
-        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outputs]
-        llm.engine_core.call_utility("get_worker_comm_stats", True)  # reset after warm-up
-        start = time.perf_counter()
-        results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-        stats = llm.engine_core.call_utility("get_worker_comm_stats", False)  # one per stage (tp = 1)
-    finally:
-        llm.shutdown()
-    tokens = sum(len(r.outputs[0].token_ids) for r in results)
+    row = timed_run(model, pp, prompts, outputs, cores, max_model_len, pipeline_parallel_size=pp)
+    stats = row.pop("stats")  # one per stage (tp = 1)
     first = stats[0]
     return {
         "pp": pp,
-        "threads_per_worker": max(1, cores // pp),
-        "startup_s": startup,
-        "generate_s": elapsed,
-        "output_tok_s": tokens / elapsed,
+        **row,
         "stages": [(s["execute_model_s"], s["pp_send_s"], s["pp_recv_s"]) for s in stats],
         "handoff_share": first["pp_send_s"] / first["execute_model_s"] if first["execute_model_s"] else 0.0,
-        "tokens": [list(r.outputs[0].token_ids) for r in results],
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pp", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--num-prompts", type=int, default=16)
-    parser.add_argument("--input-len", type=int, nargs=2, default=(32, 256))
-    parser.add_argument("--output-len", type=int, nargs=2, default=(32, 128))
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)))
+    add_workload_args(parser)
     args = parser.parse_args()
 
-    prompts, outputs = make_workload(
-        args.num_prompts, args.seed, tuple(args.input_len), tuple(args.output_len)
-    )
-    max_model_len = max(len(p) for p in prompts) + max(outputs) + 16
+    prompts, outputs, max_model_len = workload(args)
     with tempfile.TemporaryDirectory() as tmp:
         model = build_small_model(Path(tmp) / "small")
         rows = [run_one(model, pp, prompts, outputs, args.cores, max_model_len) for pp in args.pp]
-    print(
-        f"\n{args.num_prompts} prompts, input {args.input_len[0]}-{args.input_len[1]}, "
-        f"output {args.output_len[0]}-{args.output_len[1]} tokens, greedy; {args.cores} cores"
-    )
+    print(describe(args))
     print(
         f"{'pp':>3} {'thr/wkr':>7} {'start-up s':>10} {'generate s':>10} {'out tok/s':>9} {'hand-off share':>14}"
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -20,3 +21,31 @@ def default_model_dir() -> Path:
     from engine.config import DEFAULT_MODEL
 
     return Path(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, default_model_dir):
+    """``tiny_dir(arch, **kwargs)``: a tiny checkpoint (``build_tiny_checkpoint``) with the
+    bundled model's tokenizer, in a fresh directory."""
+    from tiny_models import build_tiny_checkpoint
+
+    def build(arch: str, **kwargs):
+        return build_tiny_checkpoint(
+            tmp_path_factory.mktemp(arch), arch, tokenizer_dir=default_model_dir, **kwargs
+        )
+
+    return build
+
+
+@pytest.fixture
+def reap_children():
+    """After the test, SIGKILL every process it left (and their process groups)."""
+    import psutil
+
+    yield
+    for child in psutil.Process().children(recursive=True):
+        try:
+            os.killpg(child.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        child.kill()

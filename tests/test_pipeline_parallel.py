@@ -10,15 +10,14 @@ stage over gloo each step.
 
 from __future__ import annotations
 
+import functools
 import os
-import signal
 from types import SimpleNamespace
 
-import psutil
 import pytest
 import torch
 from proc_utils import titled_processes, wait_gone
-from tiny_models import build_tiny_checkpoint, hf_greedy
+from tiny_models import hf_greedy
 
 from engine import LLM, SamplingParams
 from engine.config import ConfigError
@@ -32,23 +31,9 @@ ENV = "GLASSBOX_PP_LAYER_PARTITION"
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, default_model_dir):
-    def build(arch: str, **kwargs):
-        return build_tiny_checkpoint(tmp_path_factory.mktemp(arch), arch, tokenizer_dir=default_model_dir,
-                                     num_layers=4, **kwargs)  # fmt: skip
-
-    return build
-
-
-@pytest.fixture
-def reap_children():
-    yield
-    for child in psutil.Process().children(recursive=True):
-        try:
-            os.killpg(child.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        child.kill()
+def tiny_dir(tiny_dir):
+    """conftest's builder, with 4 layers (2 per stage)."""
+    return functools.partial(tiny_dir, num_layers=4)
 
 
 # ----------------------------------------------------------------------------- fast

@@ -16,11 +16,10 @@ import subprocess
 import sys
 import time
 
-import psutil
 import pytest
 import torch
 from proc_utils import titled_processes, wait_gone
-from tiny_models import build_tiny_checkpoint, hf_greedy
+from tiny_models import hf_greedy
 
 from engine import LLM, SamplingParams
 from engine.config import ConfigError
@@ -29,26 +28,6 @@ from engine.utils.processes import EngineDeadError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 PROMPTS = [list(range(7, 7 + n)) for n in (3, 20, 41)]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, default_model_dir):
-    def build(arch: str, **kwargs):
-        return build_tiny_checkpoint(tmp_path_factory.mktemp(arch), arch, tokenizer_dir=default_model_dir,
-                                     **kwargs)  # fmt: skip
-
-    return build
-
-
-@pytest.fixture
-def reap_children():
-    yield
-    for child in psutil.Process().children(recursive=True):
-        try:
-            os.killpg(child.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        child.kill()
 
 
 # ----------------------------------------------------------------------------- fast
