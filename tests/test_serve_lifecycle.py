@@ -228,3 +228,30 @@ def test_signal_during_start_up_exit_code(tmp_path, sig, code):
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_ctrl_c_during_start_up_with_a_stopped_worker_leaves_nothing(tmp_path):
+    """A SIGSTOPped process acts on no signal and reads no lifeline until continued: stopping
+    the tree must continue it, or it would stay behind, stopped, forever."""
+    log_path = tmp_path / "server.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "engine.cli.main", "serve", "--port", "0", *ARGS],
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "GLASSBOX_RUN_DIR_BASE": str(tmp_path)})  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        worker = None
+        while worker is None and time.monotonic() < deadline:  # the event: the worker exists
+            assert proc.poll() is None, log_path.read_text()
+            worker = titled_processes(proc.pid).get("glassbox::Worker_DP0_PP0_TP0")
+            time.sleep(0.02)
+        assert worker is not None, log_path.read_text()
+        worker.send_signal(signal.SIGSTOP)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 130, log_path.read_text()[-2000:]
+        assert wait_gone(_session_members(proc.pid), timeout=10) == [], "no process of the tree is left"
+        assert list(tmp_path.glob("glassbox-*")) == []
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGCONT)
+            os.killpg(proc.pid, signal.SIGKILL)

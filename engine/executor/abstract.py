@@ -31,7 +31,14 @@ class Executor(ABC):
         self.run_dir = run_dir
         # Set by init_device on every worker; the driver's copy is reported to the frontend.
         self.device_info: dict[str, str] = {}
-        self._init_executor()
+        try:
+            self._init_executor()
+        except BaseException:
+            # Failed or interrupted (SIGTERM, Ctrl-C) part-way: stop the workers already
+            # started, in order, rather than leave them to their lifelines (a SIGSTOPped
+            # one would never read its lifeline again).
+            self.shutdown()
+            raise
 
     @staticmethod
     def get_class(config: EngineConfig) -> type[Executor]:

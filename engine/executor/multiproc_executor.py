@@ -299,10 +299,7 @@ class MultiprocExecutor(Executor):
         """Stop every worker (lifeline closed, SIGTERM, then SIGKILL) and remove the queues."""
         self._shutting_down = True
         for proc in getattr(self, "workers", []):
-            try:
-                proc.lifeline.close()
-            except OSError:
-                pass
+            proc.request_stop()  # all at once (and a SIGSTOPped one continued), then wait for each
         for proc in getattr(self, "workers", []):
             # Shorter than the frontend's patience with us, so we always get to SIGKILL a
             # stuck (or SIGSTOPped) worker ourselves before we are killed.

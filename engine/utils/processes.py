@@ -105,6 +105,9 @@ class ChildProcess:
         if self.popen.poll() is None:
             try:
                 self.popen.send_signal(signal.SIGTERM)
+                # A stopped (SIGSTOP) child acts on nothing until continued: wake it, so it
+                # stops its own children in order instead of being SIGKILLed around them.
+                self.popen.send_signal(signal.SIGCONT)
             except OSError:  # already gone
                 pass
 
