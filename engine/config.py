@@ -598,14 +598,25 @@ class ObservabilityConfig:
     with prompts cut to ``max_log_len`` characters / token ids (None: whole). vLLM keeps
     these two among its frontend arguments; here they travel in the config so the API
     server's ``AsyncLLM`` sees them.
+    ``telemetry_record``: write every process's live telemetry to this file (engine-top
+    ``--replay`` plays it). ``step_delay_ms``: sleep this long after each engine step, so a
+    class can watch the scheduler in slow motion (both Glassbox additions).
     """
 
     otlp_traces_endpoint: str | None = None
     trace_file: str | None = None
     enable_log_requests: bool = False
     max_log_len: int | None = None
+    telemetry_record: str | None = None
+    step_delay_ms: float = 0.0
 
     def __post_init__(self) -> None:
+        if (
+            not isinstance(self.step_delay_ms, (int, float))
+            or isinstance(self.step_delay_ms, bool)
+            or not 0 <= self.step_delay_ms <= 60_000
+        ):
+            raise ConfigError("--step-delay-ms", self.step_delay_ms, "must be a number of milliseconds in 0..60000")
         if self.max_log_len is not None and (
             not isinstance(self.max_log_len, int)
             or isinstance(self.max_log_len, bool)

@@ -45,7 +45,7 @@ class VllmFlag:
     """A ``vllm serve`` flag Glassbox knows but does not implement.
 
     ``takes_value``: the flag is followed by a value. ``allowed``: values that are accepted
-    because they ask for nothing Glassbox lacks (e.g. ``--api-server-count 1``).
+    because they ask for nothing Glassbox lacks (e.g. ``--runner generate``).
     ``serving``: a flag of ``vllm serve``'s HTTP frontend (not of the engine).
     """
 
@@ -106,13 +106,6 @@ REFUSED_VLLM_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag(("--ssl-certfile",), True, "HTTPS is left out; put a TLS proxy in front", serving=True),
     VllmFlag(("--uds",), True, "the server listens on TCP only", serving=True),
     VllmFlag(("--headless",), False, "multi-node data parallelism is left out", serving=True),
-    VllmFlag(
-        ("--api-server-count", "-asc"),
-        True,
-        "one API server process in this version",
-        allowed=("1",),
-        serving=True,
-    ),
 )
 
 
@@ -253,6 +246,8 @@ class EngineArgs:
     trace_file: str | None = None
     enable_log_requests: bool = False
     max_log_len: int | None = None
+    telemetry_record: str | None = None
+    step_delay_ms: float = 0.0
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, serving: bool = False) -> argparse.ArgumentParser:
@@ -445,6 +440,18 @@ class EngineArgs:
             default=None,
             help="Write every finished span as a JSON line to this file (or GLASSBOX_TRACE_FILE).",
         )
+        g.add_argument(
+            "--telemetry-record",
+            default=None,
+            metavar="FILE",
+            help="Record every process's live telemetry to FILE (play it with engine-top --replay FILE).",
+        )
+        g.add_argument(
+            "--step-delay-ms",
+            type=float,
+            default=d.step_delay_ms,
+            help="Sleep this many ms after each engine step: slow motion, to watch the scheduler in engine-top.",
+        )
         if serving:
             g.add_argument(
                 "--enable-log-requests",
@@ -557,5 +564,7 @@ class EngineArgs:
                 trace_file=self.trace_file or envs.GLASSBOX_TRACE_FILE,
                 enable_log_requests=self.enable_log_requests,
                 max_log_len=self.max_log_len,
+                telemetry_record=self.telemetry_record,
+                step_delay_ms=self.step_delay_ms,
             ),
         )

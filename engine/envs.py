@@ -40,6 +40,13 @@ def _positive_float(value: str) -> float:
     return number
 
 
+def _non_negative_float(value: str) -> float:
+    number = float(value)
+    if not number >= 0:  # also refuses NaN
+        raise ValueError(f"expected a number of seconds >= 0, got {value!r}")
+    return number
+
+
 def _layer_partition(value: str) -> tuple[int, ...]:
     """``"2,2"`` → ``(2, 2)``: layer counts per pipeline stage, each a whole number >= 1.
 
@@ -140,6 +147,15 @@ ENV_VARS: dict[str, EnvVar] = {
             'Decoder layers per pipeline stage, comma-separated (e.g. "3,1"): one count per stage, '
             "summing to num_hidden_layers (vLLM: VLLM_PP_LAYER_PARTITION). Unset: equal parts, the "
             "remainder to the stages before the last.",
+        ),
+        EnvVar(
+            "GLASSBOX_DP_DUMMY_STEP_INTERVAL_S",
+            _non_negative_float,
+            0.02,
+            "Data parallelism: the pause, in seconds, after each dummy batch an engine runs while "
+            "its request wave runs and it has nothing to do (0: back to back, as vLLM, whose "
+            "expert-parallel collectives need it; Glassbox has none across engines, so the pause "
+            "keeps an idle engine from taking the core a busy one needs).",
         ),
         EnvVar(
             "GLASSBOX_API_KEY",

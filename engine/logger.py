@@ -12,6 +12,7 @@ import sys
 
 _ROLE = "Main"
 _CONFIGURED = False
+_HANDLER: logging.Handler | None = None
 
 
 class _RoleFilter(logging.Filter):
@@ -31,7 +32,7 @@ def get_process_role() -> str:
 
 
 def _configure() -> None:
-    global _CONFIGURED
+    global _CONFIGURED, _HANDLER
     if _CONFIGURED:
         return
     handler = logging.StreamHandler(sys.stderr)
@@ -47,7 +48,18 @@ def _configure() -> None:
         root.addHandler(handler)
         root.setLevel(_level())
         root.propagate = False
+    _HANDLER = handler
     _CONFIGURED = True
+
+
+def adopt_logger(name: str, level: str) -> None:
+    """Send library logger ``name`` (e.g. ``uvicorn``) through the glassbox handler, so its
+    lines carry the role prefix too — with several API servers, which one logged."""
+    _configure()
+    adopted = logging.getLogger(name)
+    adopted.handlers[:] = [_HANDLER]
+    adopted.setLevel(level.upper() if level != "trace" else 5)
+    adopted.propagate = False
 
 
 def _level() -> str:
@@ -67,4 +79,4 @@ def init_logger(name: str) -> logging.Logger:
     return logging.getLogger(name)
 
 
-__all__ = ["init_logger", "set_process_role", "get_process_role"]
+__all__ = ["init_logger", "set_process_role", "get_process_role", "adopt_logger"]

@@ -1,14 +1,18 @@
-"""Data parallelism (issue 8 item 7, first slice): N engine cores, one DPCoordinator, one client.
+"""Data parallelism (issue 8 item 7): N engine cores, one DPCoordinator, request waves.
 
 Fast tests check the pieces in-process: the coordinator publishes (waiting, running) per
 engine at most every 100 ms while they change and never while they don't; the client scores
 engines ``waiting * 4 + running`` from the latest publish plus what it sent since, honours a
-pinned ``data_parallel_rank`` and routes aborts to the engine that has the request.
+pinned ``data_parallel_rank`` and routes aborts to the engine that has the request; the
+coordinator runs a wave from the first request until every engine is at zero, and an engine
+starts a wave once (and again when one ends under its late requests).
 Slow tests run the real tree: ``LLM(data_parallel_size=2)`` gives dp 1's greedy tokens with
-both engines busy, a pinned request lands on its engine, the titles and ``glassbox ps`` count
+both engines busy, a pinned request lands on its engine while the other runs dummy
+batches until the wave ends, the titles and ``glassbox ps`` count
 2 + 2 + 1, SIGKILL of the ``DPCoordinator`` or of ``EngineCore_DP1`` brings the tree down
 (the latter within 5 s mid-generate) with one root cause naming it;
-``glassbox serve -dp 2`` is 1 + 2 + 2 + 1 = 6 processes that answer and stop on SIGTERM.
+``glassbox serve -dp 2 --api-server-count 1`` is 1 + 2 + 2 + 1 = 6 processes that answer and
+stop on SIGTERM (the default, two API servers, is in ``test_api_servers.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import httpx
 import psutil
@@ -34,15 +39,20 @@ from engine.config import ConfigError, ParallelConfig
 from engine.core.coordinator import DPCoordinator
 from engine.core.coordinator_messages import (
     CoordinatorSpawnPayload,
+    DPWave,
     EngineLoad,
     EngineLoads,
+    EngineToCoordinator,
+    StartWave,
     coordinator_addresses,
     decode_as,
     score,
+    wave_address,
 )
 from engine.core.messages import EngineCoreRequest
 from engine.frontend.core_client import SyncMPClient
 from engine.utils.processes import EngineDeadError
+from engine.utils.wire import ProtocolError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 PROMPTS = [{"prompt_token_ids": list(range(7, 7 + n))} for n in (3, 9, 20, 33, 41, 64)]
@@ -108,6 +118,64 @@ def test_coordinator_publishes_changes_at_most_every_100_ms(tmp_path):
         coordinator.close()
 
 
+def test_coordinator_runs_a_wave_from_the_first_request_until_every_engine_is_at_zero(tmp_path):
+    engines_to_coordinator, to_clients = coordinator_addresses(tmp_path)
+    waves = wave_address(tmp_path)
+    coordinator = DPCoordinator(CoordinatorSpawnPayload(input_address=engines_to_coordinator, publish_address=to_clients,
+                                                        data_parallel_size=2, wave_address=waves))  # fmt: skip
+    sent: list[DPWave] = []
+    coordinator._send_wave = sent.append
+    try:
+        coordinator.handle(StartWave(engine_index=1, wave=0))
+        assert sent == [DPWave(wave=0, running=True, exclude_engine=1)] and coordinator.engines_running
+        coordinator.handle(StartWave(engine_index=0, wave=0))  # it runs already: nothing new
+        coordinator.handle(EngineLoad(engine_index=1, num_waiting=1, num_running=0))
+        coordinator.handle(EngineLoad(engine_index=1, num_waiting=0, num_running=1))
+        assert len(sent) == 1
+        coordinator.handle(EngineLoad(engine_index=1, num_waiting=0, num_running=0))
+        assert sent[-1] == DPWave(wave=1, running=False) and not coordinator.engines_running
+        coordinator.handle(StartWave(engine_index=0, wave=0))  # a stale start: ignored
+        assert len(sent) == 2
+        coordinator.handle(StartWave(engine_index=0, wave=1))
+        assert sent[-1] == DPWave(wave=1, running=True, exclude_engine=0)
+        with pytest.raises(ProtocolError, match="StartWave from engine 5"):
+            coordinator.handle(StartWave(engine_index=5, wave=1))
+    finally:
+        coordinator.close()
+
+
+def test_an_engine_starts_a_wave_once_and_restarts_one_that_ended_under_its_requests():
+    """The engine side of waves, without a process: ``_maybe_start_wave`` and ``_on_wave``."""
+    from engine.core.engine_core_proc import EngineCoreProc
+
+    engine = EngineCoreProc.__new__(EngineCoreProc)
+    engine.data_parallel_rank, engine.current_wave, engine.engines_running = 1, 0, False
+    engine._coordinator_backlog = []
+    sent: list[bytes] = []
+    engine.coordinator_socket = types.SimpleNamespace(send=lambda data, flags=0: sent.append(data))
+    unfinished = [0]
+    engine.scheduler = types.SimpleNamespace(has_unfinished_requests=lambda: unfinished[0] > 0)
+
+    engine._maybe_start_wave()
+    engine._maybe_start_wave()  # running already: one StartWave only
+    assert [decode_as(EngineToCoordinator, m) for m in sent] == [StartWave(engine_index=1, wave=0)]
+    engine._on_wave(DPWave(wave=0, running=True, exclude_engine=1))
+    assert engine.engines_running and engine.current_wave == 0
+    # The wave ends while a request that came late is still here: the engine starts the next.
+    unfinished[0] = 1
+    engine._on_wave(DPWave(wave=1, running=False))
+    assert engine.engines_running and engine.current_wave == 1
+    assert decode_as(EngineToCoordinator, sent[-1]) == StartWave(engine_index=1, wave=1)
+    # Another engine's wave: follow it; its end, with nothing here: stop.
+    unfinished[0] = 0
+    engine._on_wave(DPWave(wave=1, running=False))  # not newer: ignored
+    assert engine.engines_running
+    engine._on_wave(DPWave(wave=2, running=False))
+    assert not engine.engines_running and engine.current_wave == 2
+    engine._on_wave(DPWave(wave=2, running=True, exclude_engine=0))
+    assert engine.engines_running and len(sent) == 2
+
+
 def _client(dp: int) -> SyncMPClient:
     """A client's routing state without processes (the routing methods need no sockets)."""
     client = SyncMPClient.__new__(SyncMPClient)
@@ -146,6 +214,17 @@ def test_client_picks_the_lowest_score_counting_what_it_sent_since_the_last_publ
 
 
 # ---------------------------------------------------------------------- slow: the real tree
+
+
+def _wave_over(client: SyncMPClient) -> list[dict]:
+    """Each engine's wave state once the coordinator has ended the wave (both at zero)."""
+    deadline = time.monotonic() + 10
+    while True:
+        waves = client.call_utility_each("get_dp_state")
+        if not any(w["engines_running"] for w in waves):
+            return waves
+        assert time.monotonic() < deadline, waves
+        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -187,10 +266,12 @@ def test_dp2_llm_equals_dp1_spreads_work_honours_pins_counts_five_processes_and_
         assert all(s.step_counter > 0 for s in stats.values()), "both engines stepped"
         assert min(client.requests_sent) >= 2, client.requests_sent
 
-        # A request pinned to engine 1 runs there (its outputs say engine_index 1).
+        # A request pinned to engine 1 runs there (its outputs say engine_index 1), and
+        # starts a wave: engine 0, with nothing to do, runs dummy batches meanwhile.
+        waves_before = _wave_over(client)
         before = list(client.requests_sent)
         pinned = EngineCoreRequest(request_id="pinned", prompt_token_ids=[5, 6, 7],
-                                   sampling_params=SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+                                   sampling_params=SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
                                    eos_token_id=None, arrival_time=time.time(), data_parallel_rank=1)  # fmt: skip
         client.add_request(pinned)
         engines = set()
@@ -201,6 +282,10 @@ def test_dp2_llm_equals_dp1_spreads_work_honours_pins_counts_five_processes_and_
                 break
         assert engines == {1}
         assert client.requests_sent == [before[0], before[1] + 1]
+        waves = _wave_over(client)
+        dummy = [w["num_dummy_steps"] - b["num_dummy_steps"] for w, b in zip(waves, waves_before)]
+        assert dummy[0] > 0, waves  # the idle engine stepped while engine 1 worked
+        assert waves[0]["current_wave"] == waves[1]["current_wave"] > waves_before[0]["current_wave"]
         run_dir = llm.run_dir
 
         # The coordinator dying is noticed too, even while outputs stream: one root cause.
@@ -241,8 +326,8 @@ def test_sigkill_of_engine_core_dp1_mid_generate_brings_the_tree_down(tiny, monk
 
 
 @pytest.mark.slow
-def test_serve_dp2_is_six_processes_that_answer_and_stop(tmp_path, default_model_dir):
-    server = start_server(tmp_path, "--max-model-len", "256", "-dp", "2")
+def test_serve_dp2_with_one_api_server_is_six_processes_that_answer_and_stop(tmp_path, default_model_dir):
+    server = start_server(tmp_path, "--max-model-len", "256", "-dp", "2", "--api-server-count", "1")
     try:
         tree = titled_processes(server.proc.pid, include_self=True)
         assert sorted(tree) == ["glassbox::APIServer_0", "glassbox::DPCoordinator", "glassbox::EngineCore_DP0",

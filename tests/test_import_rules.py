@@ -47,6 +47,13 @@ HTTP = ("fastapi", "uvicorn", "starlette")
 RULES = [
     Rule("tracing imports no engine, tui or torch", _modules("tracing"), ("engine", "tui", "torch")),
     Rule("tui imports no engine (engine-top works on a recording)", _modules("tui"), ("engine", "torch")),
+    # Each alone, in its own interpreter: what glassbox ps and engine-top read a run directory with.
+    Rule("the run-directory contract imports no engine or torch", ("tracing.run_dir",),
+         ("engine", "tui", "torch")),
+    Rule("the instance collector imports no engine or torch", ("tracing.instances",),
+         ("engine", "tui", "torch")),
+    Rule("engine-top's data path (tui, the contract, the collector) imports no engine",
+         ("tui", "tracing.run_dir", "tracing.instances"), ("engine", "torch")),
     Rule("sched and kv_cache are pure logic: no torch, ZMQ or HTTP",
          _modules("engine/sched", "engine/kv_cache"), ("torch", "zmq", *HTTP)),
     Rule("the API server imports no torch, model or worker", API_SERVER,

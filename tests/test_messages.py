@@ -178,7 +178,7 @@ def test_a_worker_rpc_carries_the_callers_span():
         ),  # fmt: skip
         EngineCoreSpawnPayload(
             config_pickle=pickle.dumps("cfg"),
-            input_address="ipc:///r/in.sock",
+            input_addresses=["ipc:///r/in0.sock", "ipc:///r/in1.sock"],
             output_addresses=["ipc:///r/out0.sock", "ipc:///r/out1.sock"],
             trace_headers=TRACE,
         ),  # fmt: skip
@@ -233,6 +233,14 @@ def test_malformed_engine_core_messages_are_refused():
         _decode_input([EngineCoreRequestType.ADD.value])
     request_type, ids = _decode_input([EngineCoreRequestType.ABORT.value, msgspec.msgpack.encode(["a", "b"])])
     assert (request_type, ids) == (EngineCoreRequestType.ABORT, ["a", "b"])
+    # A request stamped with another client's index than the socket it came in on: its
+    # outputs would go to the wrong API server.
+    request = EngineCoreRequest(request_id="r", prompt_token_ids=[1], sampling_params=SamplingParams(),
+                                eos_token_id=None, arrival_time=0.0, client_index=0)  # fmt: skip
+    frames = [EngineCoreRequestType.ADD.value, core_msgs.encode(request)]
+    assert _decode_input(frames, client_index=0)[1].request_id == "r"
+    with pytest.raises(ProtocolError, match="stamped client_index 0 came in on client 1's socket"):
+        _decode_input(frames, client_index=1)
 
 
 def test_utility_replies_resolve_their_own_future_by_call_id():

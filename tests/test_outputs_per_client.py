@@ -7,8 +7,9 @@
   they are received; stats that come alone are not handed on as outputs.
 - ``/metrics`` renders the table with an ``engine`` label per DP rank and asks the engine
   nothing (no utility call per scrape).
-- One real ``EngineCoreProc`` with two clients (two output sockets in this process): each
-  receives exactly the outputs of its own requests and the reply to its own utility call.
+- One real ``EngineCoreProc`` with two clients (client 1 is two bare sockets in this
+  process): each receives exactly the outputs of its own requests and the reply to its own
+  utility call; only client 0, which launched the engine, gets HELLO / READY.
 """
 
 from __future__ import annotations
@@ -203,11 +204,11 @@ def test_metrics_read_the_table_with_an_engine_label_and_make_no_utility_call():
 @pytest.mark.slow
 def test_two_clients_of_one_engine_core_each_get_only_their_own_outputs(default_model_dir):
     """Client 0 is a ``SyncMPClient`` (it launches the engine core for two clients); client 1
-    is a bare PULL socket bound at its output address in this process. Requests of both go
-    in through client 0's input socket with their ``client_index``."""
+    is a bare ROUTER and a bare PULL socket bound at its addresses in this process. Each
+    client's requests go in through its own input socket, stamped with its index."""
     from engine.distributed import topology
     from engine.engine_args import EngineArgs
-    from engine.frontend.core_client import SyncMPClient, client_output_address
+    from engine.frontend.core_client import SyncMPClient, client_input_address, client_output_address
     from engine.utils import run_dir as run_dirs
 
     config = EngineArgs(model=str(default_model_dir), max_model_len=128).create_engine_config(
@@ -218,6 +219,9 @@ def test_two_clients_of_one_engine_core_each_get_only_their_own_outputs(default_
     second = ctx.socket(zmq.PULL)
     second.setsockopt(zmq.LINGER, 0)
     second.bind(client_output_address(run_dir, 1))
+    second_in = ctx.socket(zmq.ROUTER)
+    second_in.setsockopt(zmq.LINGER, 0)
+    second_in.bind(client_input_address(run_dir, 1))
     client = None
     try:
         run_dirs.write_manifest(run_dir, **run_dirs.plan_tree(topology.plan(config, multiprocess=True)))
@@ -234,12 +238,15 @@ def test_two_clients_of_one_engine_core_each_get_only_their_own_outputs(default_
         theirs = [request(1, n) for n in (2, 5, 8)]
         for req in mine:
             client.add_request(req)
-        for req in theirs:  # client 1's requests, sent as client 1 would
-            client._send(EngineCoreRequestType.ADD, encode(req))
-        client._send(
-            EngineCoreRequestType.UTILITY,
-            encode(UtilityRequest.make(77, "get_kv_cache_info", client_index=1)),
-        )
+        # Client 1: the engine's DEALER says CONNECTED on client 1's ROUTER; then client 1
+        # sends its requests and a utility call through it, as an attached client would.
+        assert second_in.poll(30_000), "the engine core never connected to client 1's input socket"
+        identity, body = second_in.recv_multipart()
+        assert decode_as(EngineHandshake, body).kind == "CONNECTED"
+        for req in theirs:
+            second_in.send_multipart([identity, EngineCoreRequestType.ADD.value, encode(req)])
+        utility = encode(UtilityRequest.make(77, "get_kv_cache_info", client_index=1))
+        second_in.send_multipart([identity, EngineCoreRequestType.UTILITY.value, utility])
 
         # Client 0: its outputs only (a reply to client 1's utility call here would be a
         # ProtocolError: no such call is pending on this client).
@@ -252,8 +259,8 @@ def test_two_clients_of_one_engine_core_each_get_only_their_own_outputs(default_
                     finished0.add(out.request_id)
         assert tokens0 == {r.request_id: r.sampling_params.max_tokens for r in mine}
 
-        # Client 1: the handshake, its own outputs, its utility reply, and stats until the
-        # engine is idle (the final update after the last step).
+        # Client 1: its own outputs, its utility reply, and stats until the engine is idle
+        # (the final update after the last step); no handshake (client 0 launched it).
         handshakes, tokens1, finished1, replies, last_stats = [], {}, set(), [], None
         deadline = time.monotonic() + 60
         while not (finished1 == {r.request_id for r in theirs} and replies and last_stats
@@ -276,7 +283,7 @@ def test_two_clients_of_one_engine_core_each_get_only_their_own_outputs(default_
                     tokens1[out.request_id] = tokens1.get(out.request_id, 0) + len(out.new_token_ids)
                     if out.finished:
                         finished1.add(out.request_id)
-        assert handshakes == ["HELLO", "READY"]
+        assert handshakes == []
         assert tokens1 == {r.request_id: r.sampling_params.max_tokens for r in theirs}
         assert [r.call_id for r in replies] == [77] and replies[0].result()["num_blocks"] > 0
 
@@ -291,5 +298,6 @@ def test_two_clients_of_one_engine_core_each_get_only_their_own_outputs(default_
         if client is not None:
             client.shutdown()
         second.close(linger=0)
+        second_in.close(linger=0)
         ctx.term()
         run_dirs.remove_run_dir(run_dir)

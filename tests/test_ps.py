@@ -342,3 +342,65 @@ def test_a_glassbox_process_the_plan_does_not_name_is_listed_as_extra(base, spaw
     assert (inst["found_process_count"], inst["expected_process_count"], inst["missing"]) == (3, 2, [])
     code, table = _ps(capsys, "--run-dir", str(run_dir))
     assert "extra: Worker_DP0_PP0_TP7 (pid" in table and "not in the plan" in table
+
+
+def test_a_manifest_written_by_the_engine_reads_as_the_old_one_did(capsys, mp_instance):
+    """The engine's adapter writes richer entries (ranks, title, counted); ps shows the same."""
+    from engine.config import ParallelConfig
+    from engine.distributed import topology
+    from engine.utils import run_dir as run_dirs
+
+    run_dir, frontend_pid, _ = mp_instance
+    keys = (
+        "role",
+        "kind",
+        "pid",
+        "ppid",
+        "state",
+        "counted",
+        "planned",
+        "note",
+        "rank",
+        "stage",
+        "title",
+        "depth",
+    )
+
+    def view() -> dict:
+        [inst] = _ps_json(capsys)
+        rows = [{k: p[k] for k in keys} for p in inst["processes"]]
+        return {k: inst[k] for k in ("mode", "frontend_pid", "expected_process_count", "missing", "extra",
+                                     "found_process_count", "stale")} | {"rows": rows}  # fmt: skip
+
+    old = view()
+    plan = topology.plan(ParallelConfig(tensor_parallel_size=3, distributed_executor_backend="mp"))
+    assert [r.name for r in plan.roles] == [r["role"] for r in ROLES]
+    run_dirs.write_manifest(run_dir, **{**run_dirs.plan_tree(plan), "frontend_pid": frontend_pid})
+    assert (
+        json.loads((run_dir / "manifest.json").read_text())["roles"][2]["title"]
+        == "glassbox::Worker_DP0_PP0_TP0"
+    )
+    assert view() == old
+
+
+def test_the_collector_alone_keeps_role_names_opaque(base, spawn_tree):
+    """Without the engine, a role the manifest does not describe has kind ``unknown`` and is
+    not counted; ``glassbox ps`` reads its kind off the name through the topology."""
+    from engine.cli import ps
+    from tracing import instances
+
+    run_dir = base / "glassbox-2-opaque"
+    run_dir.mkdir()
+    tree = {"name": "LLM", "children": [
+        {"name": "EngineCore_DP0", "title": "glassbox::EngineCore_DP0", "status": "engine_core.init", "children": [
+            {"name": "Worker_DP0_PP0_TP7", "title": "glassbox::Worker_DP0_PP0_TP7", "status": "worker.load_model"},
+        ]}]}  # fmt: skip
+    frontend = spawn_tree(run_dir, tree)
+    (run_dir / "manifest.json").write_text(
+        json.dumps({"created_at": time.time(), "mode": "mp", "frontend_pid": frontend.pid,
+                    "roles": ROLES[:2], "expected_process_count": 1})
+    )  # fmt: skip
+    bare, viewed = instances.collect_instance(run_dir), ps.collect_instance(run_dir)
+    assert [(p.role, p.kind, p.counted) for p in bare.extra] == [("Worker_DP0_PP0_TP7", "unknown", False)]
+    assert [(p.role, p.kind, p.counted) for p in viewed.extra] == [("Worker_DP0_PP0_TP7", "worker", True)]
+    assert ps.to_json([viewed])["instances"][0]["extra"][0]["role"] == "Worker_DP0_PP0_TP7"

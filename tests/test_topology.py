@@ -318,11 +318,11 @@ def test_architecture_doc_tree_table_matches_the_plan():
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "architecture.md").read_text()
     rows = re.findall(r"^\| (\(none\)|`[^|]*`) \| [^|]*: (\d+) \|", doc, flags=re.M)
-    assert len(rows) == 5
+    assert len(rows) == 7
     for flags, count in rows:
         tp = int(m.group(1)) if (m := re.search(r"-tp (\d+)", flags)) else 1
         pp = int(m.group(1)) if (m := re.search(r"-pp (\d+)", flags)) else 1
         dp = int(m.group(1)) if (m := re.search(r"-dp (\d+)", flags)) else 1
-        # One API server for now, also with DP > 1 (the API server plans api_server_count=1).
-        plan = topology.plan(_shape(tp=tp, pp=pp, dp=dp), frontend="serve", api_server_count=1)
+        api = int(m.group(1)) if (m := re.search(r"--api-server-count (\d+)", flags)) else None
+        plan = topology.plan(_shape(tp=tp, pp=pp, dp=dp), frontend="serve", api_server_count=api)
         assert plan.expected_process_count == int(count), flags

@@ -104,6 +104,27 @@ def test_status_file_names_the_current_lifecycle_stage(traced):
     assert not list(Path(path).parent.glob("*.tmp"))  # atomic writes leave no temp files
 
 
+def test_status_file_is_the_contracts_typed_record(traced, caplog):
+    """Written through ``tracing.run_dir``'s one writer; ``read_status_file`` is its dict form."""
+    from tracing import run_dir as run_dirs
+
+    with tracing.stage(catalogue.WORKER_LOAD_MODEL):
+        status = run_dirs.read_status(traced.status_file)
+    assert isinstance(status, run_dirs.ProcessStatus)
+    assert (status.role, status.rank, status.stage_stack) == ("TestRole", 3, ["worker.load_model"])
+    assert tracing.read_status_file(traced.status_file) == {
+        "role": "TestRole", "rank": 3, "pid": os.getpid(), "stage": None, "stage_stack": [],
+        "entered_at": None, "updated_at": run_dirs.read_status(traced.status_file).updated_at,
+        "last_finished": tracing.read_status_file(traced.status_file)["last_finished"],
+    }  # fmt: skip
+    assert tracing.read_status_file(Path(traced.status_file).parent / "none.status.json") is None
+    # A field of the wrong type is a caller's bug: logged, the file left as it was, no raise.
+    before = Path(traced.status_file).read_bytes()
+    traced.write_status({"stage_stack": "not a list"})
+    assert Path(traced.status_file).read_bytes() == before
+    assert "status file" in caplog.text
+
+
 def test_status_file_records_a_failed_stage(traced):
     with pytest.raises(RuntimeError), tracing.stage(catalogue.WORKER_INIT_DEVICE):
         raise RuntimeError("no device")

@@ -332,7 +332,7 @@ def test_refused_vllm_flags_name_the_flag(capsys, flag):
 @pytest.mark.parametrize(
     "argv",
     [["-q", "awq"], ["--quantization=awq"], ["--swap-space", "4"], ["--kv-transfer-config"],
-     ["--api-server-count", "2"], ["--task", "embed"]],
+     ["--task", "embed"]],
 )  # fmt: skip
 def test_refused_flag_spellings(capsys, argv):
     err = _parse_error(capsys, *argv)
@@ -343,9 +343,14 @@ def test_harmless_values_of_refused_flags_are_accepted():
     from engine.cli.main import _make_parser
 
     args = _make_parser().parse_args(
-        ["serve", "--api-server-count", "1", "--runner", "generate", "--task", "auto"]
+        ["serve", "--api-server-count", "2", "--runner", "generate", "--task", "auto"]
     )
-    assert args.command == "serve"
+    assert args.command == "serve" and args.api_server_count == 2
+
+
+def test_api_server_count_below_one_names_the_flag(capsys):
+    err = _parse_error(capsys, "--api-server-count", "0")
+    assert "--api-server-count" in err and "must be an integer >= 1, got '0'" in err
 
 
 @pytest.mark.parametrize(

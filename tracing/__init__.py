@@ -8,6 +8,11 @@ server can use it cheaply.
 - ``stage(name, **attrs)``: the one way into a stage (span, stage stack, status file, hooks).
 - ``setup_tracing(role, ...)``: this process's tracer provider and exporters.
 - ``wait_for(what, condition, timeout_s=...)`` / ``bounded_get``: waits with a deadline.
+- ``tracing.run_dir``: the run-directory contract — manifest, status file and crash report
+  as typed records, one atomic writer, one reader per kind, listing and the stale sweep.
+- ``tracing.instances``: the collector of running instances (run directory + psutil) that
+  ``glassbox ps`` and engine-top render. Reach both by module (``from tracing import
+  run_dir``); ``import tracing`` does not load the collector (nor psutil).
 
 ``tracing.stage`` is the function (it shadows the submodule of the same name): reach the
 module's other names with ``from tracing.stage import open_stages``.

@@ -107,6 +107,10 @@ ATTR_STEP_NUM_PREEMPTED = _attr(
 ATTR_STEP_NUM_RUNNING = _attr("glassbox.step.num_running", "int", "Requests in RUNNING after the step.")
 ATTR_STEP_NUM_WAITING = _attr("glassbox.step.num_waiting", "int", "Requests in WAITING after the step.")
 
+ATTR_DP_WAVE = _attr(
+    "glassbox.dp.wave", "int", "Data-parallel request wave the engine is in (vLLM: current_wave)."
+)
+
 ATTR_KV_NUM_BLOCKS = _attr(
     "glassbox.kv.num_blocks", "int", "KV-cache blocks in the pool (null block included)."
 )
@@ -179,6 +183,20 @@ ENGINE_CORE_HANDSHAKE = _span(
     LIFECYCLE,
     "Frontend side of start-up: spawn the engine core, wait for HELLO then READY (one deadline).",
     (ATTR_KV_NUM_BLOCKS,),
+)
+API_SERVER_START_OTHERS = _span(
+    "api_server.start_api_servers",
+    LIFECYCLE,
+    "APIServer_0 with --api-server-count A > 1: spawn APIServer_1..A-1 on the shared listening "
+    "socket and wait until each is serving (one deadline).",
+    (ATTR_ROLE,),
+)
+API_SERVER_ATTACH = _span(
+    "api_server.attach",
+    LIFECYCLE,
+    "APIServer_<i> (i > 0): attach to the engine cores APIServer_0 launched (their CONNECTED on its "
+    "own input socket), then build its app.",
+    (ATTR_ROLE,),
 )
 ENGINE_CORE_INIT = _span(
     "engine_core.init",
@@ -256,6 +274,19 @@ SCHEDULER_SCHEDULE = _span(
 )
 EXECUTOR_EXECUTE_MODEL = _span(
     "executor.execute_model", STEP, "Run the forward pass and sampling on the workers.", (ATTR_STEP_ID,)
+)
+ENGINE_CORE_DUMMY_STEP = _span(
+    "engine_core.dummy_step",
+    STEP,
+    "Data parallelism: a dummy batch on an engine with no requests while its wave runs (vLLM: "
+    "execute_dummy_batch), so every engine steps while any has work.",
+    (ATTR_DP_WAVE,),
+)
+WORKER_EXECUTE_DUMMY_BATCH = _span(
+    "worker.execute_dummy_batch",
+    STEP,
+    "One forward of a one-token dummy request into the null block, and a sampler run.",
+    _WORKER,
 )
 SCHEDULER_UPDATE_FROM_OUTPUT = _span(
     "scheduler.update_from_output",

@@ -13,10 +13,10 @@ different roles and exporters — in one process. So the provider lives here and
 *context* (parent links, ``trace.get_current_span()``) is OpenTelemetry's ordinary
 context, so propagation works as usual.
 
-The handle also owns the process's **status file**: a small JSON file rewritten atomically
-(temp file + ``os.replace``) whenever a lifecycle stage is entered or left, so a deadline
-message, ``glassbox ps`` or a crash report can name the stage of a process even when it is
-frozen and exports nothing.
+The handle also owns the process's **status file** (``tracing.run_dir.ProcessStatus``): a
+small JSON file rewritten atomically by the run-directory contract's one writer whenever a
+lifecycle stage is entered or left, so a deadline message, ``glassbox ps`` or a crash report
+can name the stage of a process even when it is frozen and exports nothing.
 
 Mirrors vLLM's ``init_tracer`` in ``vllm/tracing.py`` (OTLP only, global provider,
 ``BatchSpanProcessor``). Left out: sampling (every span is recorded), metrics providers.
@@ -26,7 +26,6 @@ A forked child inherits the parent's handle and must call ``setup_tracing`` agai
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import threading
@@ -34,12 +33,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
 
 from tracing import catalogue
+from tracing import run_dir as run_dirs
 from tracing.exporters import CountingExporter, ExporterHealth, InMemorySpanExporter, JsonLinesSpanExporter
 
 logger = logging.getLogger(__name__)
@@ -108,18 +109,22 @@ class TracingHandle:
     def write_status(self, fields: dict[str, Any]) -> None:
         """Atomically rewrite the status file with identity fields plus ``fields``.
 
+        ``fields``: the other ``tracing.run_dir.ProcessStatus`` fields (``stage``,
+        ``stage_stack``, ``entered_at``, ``last_finished`` as a dict); ``updated_at`` is now.
         Never raises: a status file that cannot be written (its run directory already
         removed, say) must not break the stage being recorded.
         """
         if self.status_file is None:
             return
         data = {"role": self.role, "rank": self.rank, "pid": self.pid, **fields, "updated_at": time.time()}
-        tmp = f"{self.status_file}.{self.pid}.tmp"
         try:
-            with self._status_lock:
-                with open(tmp, "w") as f:
-                    json.dump(data, f)
-                os.replace(tmp, self.status_file)
+            status = msgspec.convert(data, run_dirs.ProcessStatus)
+        except msgspec.ValidationError as e:  # a caller's bug; the stage itself goes on
+            logger.warning("status file %s not written: %s", self.status_file, e)
+            return
+        try:
+            with self._status_lock:  # writes land in the order the stages changed
+                run_dirs.write_status(self.status_file, status)
         except OSError as e:
             logger.debug("could not write status file %s: %s", self.status_file, e)
 
@@ -267,13 +272,13 @@ def clear_finished_spans() -> None:
 def read_status_file(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The status file at ``path`` as a dict, or None when it is missing or unreadable.
 
-    Fields: ``role``, ``rank``, ``pid``, ``stage`` (innermost open lifecycle stage or
-    None), ``stage_stack`` (open lifecycle stages, outermost first), ``entered_at`` (Unix
-    time the current stage was entered), ``updated_at``, ``last_finished`` (``name``,
-    ``duration_ms``, ``error``, ``finished_at`` of the last lifecycle stage left).
+    The dict form of ``tracing.run_dir.read_status`` (which new code should call for the
+    typed ``ProcessStatus``), kept for callers that index it. Fields: ``role``, ``rank``,
+    ``pid``, ``stage`` (innermost open lifecycle stage or None), ``stage_stack`` (open
+    lifecycle stages, outermost first), ``entered_at`` (Unix time the current stage was
+    entered), ``updated_at``, ``last_finished`` (``name``, ``duration_ms``, ``error``,
+    ``finished_at`` of the last lifecycle stage left, or None); a field missing from the
+    file reads as None (``stage_stack``: ``[]``).
     """
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
+    status = run_dirs.read_status(path)
+    return None if status is None else msgspec.to_builtins(status)

@@ -1,20 +1,18 @@
-"""``glassbox ps``: the running Glassbox instances and the processes of each.
+"""``glassbox ps``: the running Glassbox instances and the processes of each — one view.
 
-Every instance has a run directory (``engine/utils/run_dir.py``). Its manifest is the
-*planned* tree — roles, ranks, the expected process count (A + DP + N, plus 1 coordinator
-when DP > 1) — and each process's status file gives its pid and the lifecycle stage it is
-in. psutil adds what the kernel knows: state, parent, uptime, RSS, threads, and the full
-process title (``glassbox::<role>``, read from the command line because the kernel's short
-name stops at 15 characters). Comparing plan and kernel answers "is everything up, and if
-not, which role is missing and why" without any live telemetry, even when a process hangs.
+The data comes from the instance collector, ``tracing/instances.py``: each run directory's
+manifest (the *planned* tree — roles, ranks, the expected process count, A + DP + N plus 1
+coordinator when DP > 1) and status files, matched against what psutil sees (state,
+parent, uptime, RSS, threads, the ``glassbox::<role>`` title). That answers "is everything
+up, and if not, which role is missing and why" without any live telemetry, even when a
+process hangs. Processes under a listed pid whose title is not ``glassbox::...``
+(multiprocessing's resource tracker, say) are *helpers*: shown apart and never counted.
 
-Processes under a listed pid whose title is not ``glassbox::...`` (multiprocessing's
-resource tracker, say) are *helpers*: shown apart and never counted.
-
-Data and rendering are kept apart: ``collect_instances()`` returns ``InstanceInfo``
-records (also for ``engine-top`` and ``glassbox doctor``); ``render_table`` and
-``to_json`` turn them into text. vLLM has no such command — its processes are found with
-``ps`` by their ``VLLM::EngineCore`` titles — so this one is ours.
+This module only renders: ``render_table`` (Rich) and ``to_json`` (``--json``), and the
+command line. engine-top is another view over the same collector. ``collect_instances``
+and ``collect_instance`` here are the collector's, with the engine's topology supplying
+the kind of a role the manifest does not describe. vLLM has no such command — its
+processes are found with ``ps`` by their ``VLLM::EngineCore`` titles — so this one is ours.
 """
 
 from __future__ import annotations
@@ -22,23 +20,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-
-import psutil
 
 from engine.cli.help_formatter import DefaultsHelpFormatter
 from engine.distributed import topology
 from engine.utils import run_dir as run_dirs
+from tracing import instances as collector
+from tracing.instances import COUNTED_KINDS, InstanceInfo, ProcessInfo  # noqa: F401 - re-exported
 
 TITLE_PREFIX = topology.TITLE_PREFIX
-# Roles the process-count formula counts. The offline LLM's process is the user's own, so
-# it counts as nothing — except in "inproc" mode, where the whole engine runs inside it.
-COUNTED_KINDS = ("api_server", "engine_core", "worker", "coordinator", "dp_coordinator")
-# Slack for comparing a process's start time with a time it wrote (clock granularity).
-_PID_REUSE_SLACK_S = 2.0
 
 DESCRIPTION = """List the running Glassbox instances (one per run directory) and, for each,
 its process tree: role, pid, state, current lifecycle stage and time in it, uptime, RSS and
@@ -47,285 +38,20 @@ missing roles. Helper processes (e.g. multiprocessing's resource tracker) are sh
 and not counted."""
 
 
-@dataclass
-class ProcessInfo:
-    """One row: a planned role (alive or not), an unplanned Glassbox process, or a helper.
-
-    Attributes:
-        role: the Glassbox role (``EngineCore_DP0``); None for a helper.
-        kind: ``frontend``, ``api_server``, ``engine_core``, ``worker``, ``dp_coordinator``
-            or ``helper``.
-        pid: None when the role has not started.
-        state: psutil's status (``running``, ``sleeping``, ``zombie``, ...), ``exited`` or
-            ``not started``.
-        counted: whether it counts toward the expected process count.
-        planned: listed in the manifest.
-        note: why a planned role is not alive (``no status file: not started``).
-        stage: innermost open lifecycle stage (status file), None when idle.
-        time_in_stage_s: seconds in ``stage``; when idle, seconds since ``last_finished``.
-        last_finished: name of the last lifecycle stage left.
-        uptime_s, rss_mib, threads: from psutil; None when not alive.
-        depth: nesting under the frontend among the rows shown (for indenting).
-    """
-
-    role: str | None
-    kind: str
-    pid: int | None
-    state: str
-    counted: bool
-    planned: bool
-    note: str | None = None
-    ppid: int | None = None
-    title: str | None = None
-    rank: int | None = None
-    stage: str | None = None
-    stage_stack: list[str] = field(default_factory=list)
-    time_in_stage_s: float | None = None
-    last_finished: str | None = None
-    uptime_s: float | None = None
-    rss_mib: float | None = None
-    threads: int | None = None
-    depth: int = 0
-
-    @property
-    def alive(self) -> bool:
-        return self.state not in ("exited", "not started", "zombie")
-
-
-@dataclass
-class InstanceInfo:
-    """One Glassbox instance, read from its run directory.
-
-    Attributes:
-        run_dir: the run directory.
-        mode: the manifest's ``inproc``, ``mp`` or ``serve``; None before it is written.
-        frontend_pid: the process that owns the instance (the user's ``LLM`` or the server).
-        stale: the frontend is gone; the directory was left behind (or its processes orphaned).
-        created_at: Unix time the manifest was written.
-        expected_process_count: from the manifest; None when it is not written yet.
-        processes: planned roles in manifest order, then unplanned ``glassbox::`` processes.
-        helpers: non-Glassbox processes in the tree (not counted).
-        problems: what could not be read (e.g. ``manifest.json missing``).
-    """
-
-    run_dir: Path
-    mode: str | None
-    frontend_pid: int | None
-    stale: bool
-    created_at: float | None
-    expected_process_count: int | None
-    processes: list[ProcessInfo] = field(default_factory=list)
-    helpers: list[ProcessInfo] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
-
-    @property
-    def found_process_count(self) -> int:
-        return sum(p.counted and p.alive for p in self.processes)
-
-    @property
-    def extra(self) -> list[ProcessInfo]:
-        """Live Glassbox processes of this instance that its plan does not name."""
-        return [p for p in self.processes if not p.planned and p.kind != "helper" and p.alive]
-
-    @property
-    def missing(self) -> list[tuple[str, str]]:
-        """``(role, reason)`` for each counted planned role that is not alive."""
-        return [
-            (p.role, p.note or p.state) for p in self.processes if p.planned and p.counted and not p.alive
-        ]
-
-
-# ------------------------------------------------------------------------ collection
+# ------------------------------------------------------------------------ data
 
 
 def collect_instances(base: Path | None = None, include_stale: bool = False) -> list[InstanceInfo]:
-    """Every instance with a run directory under ``base`` (default: ``run_dir_base()``), oldest first.
-
-    Stale instances (frontend pid gone) are left out unless ``include_stale``.
-    """
-    instances = [collect_instance(d) for d in run_dirs.list_run_dirs(base)]
-    return sorted(
-        (i for i in instances if include_stale or not i.stale),
-        key=lambda i: (i.created_at or 0.0, str(i.run_dir)),
-    )
+    """Every instance under ``base`` (default: the engine's ``run_dir_base()``), oldest first;
+    stale ones only with ``include_stale``. ``tracing.instances.collect_instances``, with
+    role kinds the manifest leaves out read off the role name by the topology."""
+    base = run_dirs.run_dir_base() if base is None else base
+    return collector.collect_instances(base, include_stale=include_stale, kind_of=topology.kind_of)
 
 
 def collect_instance(run_dir: Path) -> InstanceInfo:
-    """Read one run directory and match its plan against the live processes."""
-    from tracing.setup import read_status_file
-
-    run_dir = Path(run_dir)
-    problems: list[str] = []
-    try:
-        manifest = run_dirs.read_manifest(run_dir)
-    except FileNotFoundError:
-        manifest = {}
-        problems.append("manifest.json missing (the instance is starting, or died before writing it)")
-    except (OSError, ValueError) as e:
-        manifest = {}
-        problems.append(f"manifest.json unreadable: {e}")
-    mode = manifest.get("mode")
-    created_at = manifest.get("created_at")
-    roles = [dict(r) for r in manifest.get("roles", [])]
-    statuses = {role: read_status_file(path) for role, path in run_dirs.status_files(run_dir).items()}
-
-    frontend_pid = manifest.get("frontend_pid")
-    if frontend_pid is None:  # older manifests: the frontend's own entry, else the dir name
-        entry = next((r for r in roles if _kind(r) == "frontend" and r.get("pid")), None)
-        frontend_pid = entry["pid"] if entry else run_dirs.creator_pid(run_dir)
-    frontend = _live_process(frontend_pid, started_before=created_at)
-
-    now = time.time()
-    rows: list[ProcessInfo] = []
-    procs: dict[int, psutil.Process] = {}
-    for entry in roles:
-        role, kind = entry.get("role"), _kind(entry)
-        status = statuses.get(role) or {}
-        if kind == "frontend":
-            pid, proc = frontend_pid, frontend
-        else:
-            pid = status.get("pid", entry.get("pid"))
-            proc = _live_process(pid, started_before=status.get("updated_at") or created_at)
-        row = ProcessInfo(
-            role=role, kind=kind, pid=pid, state="", counted=_counts(kind, mode), planned=True,
-            rank=entry.get("rank", status.get("rank")),
-        )  # fmt: skip
-        _fill_status(row, status, now)
-        if proc is not None:
-            procs[proc.pid] = proc
-            _fill_process(row, proc, now)
-        else:
-            _mark_absent(row)
-        rows.append(row)
-
-    # Walk the tree below every live listed process: a child titled glassbox::<role> that
-    # has no status file yet is that role just starting; anything else is a helper.
-    helpers: list[ProcessInfo] = []
-    by_role = {r.role: r for r in rows}
-    roots = ([frontend] if frontend is not None else []) + list(procs.values())
-    seen = {p.pid for p in roots}
-    for root in roots:
-        for child in _children(root):
-            if child.pid in seen:
-                continue
-            seen.add(child.pid)
-            title = _title(child)
-            role = topology.name_from_title(title)
-            if role is not None:
-                row = by_role.get(role)
-                if row is None or row.alive:  # not planned, or a second process with one role
-                    row = ProcessInfo(
-                        role=role, kind=_kind({"role": role}), pid=None, state="",
-                        counted=_counts(_kind({"role": role}), mode), planned=False,
-                    )  # fmt: skip
-                    rows.append(row)
-                    by_role.setdefault(role, row)
-                row.pid, row.note = child.pid, None
-                _fill_status(row, statuses.get(role) or {}, now)
-                _fill_process(row, child, now)
-            else:
-                helper = ProcessInfo(
-                    role=None, kind="helper", pid=child.pid, state="", counted=False, planned=False
-                )
-                _fill_process(helper, child, now)
-                helpers.append(helper)
-
-    _set_depths(rows, frontend_pid)
-    return InstanceInfo(
-        run_dir=run_dir, mode=mode, frontend_pid=frontend_pid, stale=frontend is None,
-        created_at=created_at, expected_process_count=manifest.get("expected_process_count"),
-        processes=rows, helpers=helpers, problems=problems,
-    )  # fmt: skip
-
-
-def _kind(entry: dict[str, Any]) -> str:
-    """A role's kind: the manifest's, else read off the role name (``unknown`` if it is not one)."""
-    if entry.get("kind"):
-        return entry["kind"]
-    return topology.kind_of(entry.get("role") or "")
-
-
-def _counts(kind: str, mode: str | None) -> bool:
-    return kind in COUNTED_KINDS or (mode == "inproc" and kind == "frontend")
-
-
-def _live_process(pid: int | None, started_before: float | None) -> psutil.Process | None:
-    """The process ``pid`` if it exists and is not a newer process that reused the pid.
-
-    ``started_before`` is a time the process itself wrote (manifest or status file): a
-    process that started after it cannot be the writer.
-    """
-    if not pid:
-        return None
-    try:
-        proc = psutil.Process(pid)
-        if started_before is not None and proc.create_time() > started_before + _PID_REUSE_SLACK_S:
-            return None
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return None
-    return proc
-
-
-def _children(proc: psutil.Process) -> list[psutil.Process]:
-    try:
-        return proc.children(recursive=True)
-    except psutil.Error:
-        return []
-
-
-def _title(proc: psutil.Process) -> str | None:
-    """The full process title (``glassbox::Worker_DP0_PP0_TP0``), or None when unreadable."""
-    try:
-        # setproctitle rewrites argv in place; psutil may hand it back split on spaces.
-        return " ".join(proc.cmdline()).strip()
-    except psutil.Error:
-        return None
-
-
-def _fill_status(row: ProcessInfo, status: dict[str, Any], now: float) -> None:
-    row.stage = status.get("stage")
-    row.stage_stack = list(status.get("stage_stack") or [])
-    last = status.get("last_finished") or {}
-    row.last_finished = last.get("name")
-    since = status.get("entered_at") if row.stage else last.get("finished_at")
-    row.time_in_stage_s = max(0.0, now - since) if since else None
-
-
-def _fill_process(row: ProcessInfo, proc: psutil.Process, now: float) -> None:
-    try:
-        with proc.oneshot():
-            row.state = proc.status()
-            row.ppid = proc.ppid()
-            row.uptime_s = max(0.0, now - proc.create_time())
-            if row.state == psutil.STATUS_ZOMBIE:
-                row.note = f"pid {proc.pid} is a zombie (exited, not yet reaped by its parent)"
-                return
-            row.title = _title(proc)
-            row.rss_mib = proc.memory_info().rss / 2**20
-            row.threads = proc.num_threads()
-    except psutil.NoSuchProcess:
-        row.state, row.note = "exited", f"pid {proc.pid} exited"
-    except psutil.AccessDenied:
-        row.state = row.state or "unknown"
-
-
-def _mark_absent(row: ProcessInfo) -> None:
-    if row.pid is None:
-        row.state, row.note = "not started", "no status file: not started"
-        return
-    row.state = "exited"
-    where = f" in stage {row.stage}" if row.stage else ""
-    row.note = f"pid {row.pid} exited{where}"
-    row.time_in_stage_s = None  # the clock stopped when it died
-
-
-def _set_depths(rows: list[ProcessInfo], frontend_pid: int | None) -> None:
-    parents = {r.pid: r.ppid for r in rows if r.pid is not None and r.alive}
-    for r in rows:
-        depth, pid = 0, r.pid
-        while pid in parents and pid != frontend_pid and depth < 8:
-            pid, depth = parents[pid], depth + 1
-        r.depth = depth if pid == frontend_pid else 0
+    """One run directory matched against the live processes (``tracing.instances.collect_instance``)."""
+    return collector.collect_instance(run_dir, kind_of=topology.kind_of)
 
 
 # ------------------------------------------------------------------------ rendering
@@ -333,15 +59,7 @@ def _set_depths(rows: list[ProcessInfo], frontend_pid: int | None) -> None:
 
 def to_json(instances: list[InstanceInfo]) -> dict[str, Any]:
     """The instances as plain JSON data (what ``--json`` prints)."""
-    out = []
-    for inst in instances:
-        data = asdict(inst)
-        data["run_dir"] = str(inst.run_dir)
-        data["found_process_count"] = inst.found_process_count
-        data["missing"] = [{"role": role, "reason": reason} for role, reason in inst.missing]
-        data["extra"] = [{"role": p.role, "pid": p.pid, "title": p.title} for p in inst.extra]
-        out.append(data)
-    return {"instances": out}
+    return {"instances": [collector.instance_to_dict(inst) for inst in instances]}
 
 
 def _duration(seconds: float | None) -> str:
@@ -359,12 +77,6 @@ def _or_dash(value: object) -> str:
     return "-" if value is None else str(value)
 
 
-def _is_owner(p: ProcessInfo) -> bool:
-    """The process that created the instance (the user's ``LLM``) when it is not itself one of
-    the planned engine processes: shown, but not counted."""
-    return p.kind == "frontend" and p.planned and not p.counted
-
-
 def count_line(inst: InstanceInfo) -> str:
     """``processes: found F of expected E``, naming any row that is shown but not counted.
 
@@ -372,7 +84,7 @@ def count_line(inst: InstanceInfo) -> str:
     expected 2 (not counted: LLM pid 4972, the owner — the process that created the engine)``.
     """
     line = f"processes: found {inst.found_process_count} of expected {_or_dash(inst.expected_process_count)}"
-    owners = [p for p in inst.processes if _is_owner(p)]
+    owners = [p for p in inst.processes if p.is_owner]
     if owners:
         names = ", ".join(f"{p.role} pid {_or_dash(p.pid)}" for p in owners)
         line += f" (not counted: {names}, the owner — the process that created the engine)"
@@ -411,7 +123,7 @@ def render_table(instances: list[InstanceInfo], console) -> None:
                 "  " * p.depth
                 + escape(p.role or "?")
                 + ("" if p.planned else " [yellow](unplanned)[/yellow]")
-                + (" [dim](owner)[/dim]" if _is_owner(p) else "")
+                + (" [dim](owner)[/dim]" if p.is_owner else "")
             )
             rss = f"{p.rss_mib:.0f}" if p.rss_mib is not None else "-"
             table.add_row(role, _or_dash(p.pid), _or_dash(p.ppid), state, stage, _duration(p.time_in_stage_s),

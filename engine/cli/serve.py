@@ -19,9 +19,11 @@ from engine.engine_args import EngineArgs
 _API, _CORE, _WORKER = (r.title for r in (ProcessRole.api_server(0), ProcessRole.engine_core(0),
                                           ProcessRole.worker(0, 0, 0)))  # fmt: skip
 DESCRIPTION = f"""Serve a model over an OpenAI-compatible HTTP API (/v1/completions,
-/v1/chat/completions, /v1/models, ...). Starts three processes: {_API} (this
-one: HTTP, tokenization, streaming), {_CORE} (scheduler, KV cache) and
-{_WORKER} (the model). Uses the bundled tiny model unless MODEL is given."""
+/v1/chat/completions, /v1/models, ...). By default starts three processes: {_API}
+(this one: HTTP, tokenization, streaming), {_CORE} (scheduler, KV cache) and
+{_WORKER} (the model). With parallelism: A API servers + DP engine cores +
+DP x PP x TP workers (+ 1 DPCoordinator when DP > 1). Uses the bundled tiny model
+unless MODEL is given."""
 
 EXIT_STATUS = """exit status:
   0    stopped by SIGTERM, or by Ctrl-C once serving (the whole tree stopped cleanly)
@@ -40,6 +42,17 @@ def _json_origins(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(
             f"must be a JSON list of origins, e.g. '[\"http://localhost:3000\"]', got {text!r}"
         )
+    return value
+
+
+def _at_least_one(text: str) -> int:
+    """``--api-server-count``: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
     return value
 
 
@@ -72,6 +85,14 @@ def add_subparser(sub: argparse._SubParsersAction) -> None:
         type=_json_origins,
         default=None,
         help="CORS origins as JSON, e.g. '[\"http://localhost:3000\"]'.",
+    )
+    g.add_argument(
+        "--api-server-count",
+        "-asc",
+        type=_at_least_one,
+        default=None,
+        help="API server processes sharing the listening socket (each talks to every engine "
+        "core); default: the data-parallel size, as vLLM.",
     )
     g.add_argument(
         "--uvicorn-log-level",
@@ -114,5 +135,6 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         served_model_name=args.served_model_name,
         allowed_origins=args.allowed_origins,
         uvicorn_log_level=args.uvicorn_log_level,
+        api_server_count=args.api_server_count,
     )
     return run_server(config, server_args, sock)

@@ -1,15 +1,18 @@
 """``DPCoordinator``: the data-parallel coordinator process (``glassbox::DPCoordinator``).
 
-Mirrors the load-balancing half of vLLM's ``DPCoordinator`` (``vllm/v1/engine/coordinator.py``).
-With ``--data-parallel-size N > 1`` the client starts one coordinator beside the N engine
-cores. Each ``EngineCore_DP<k>`` pushes an ``EngineLoad`` (waiting, running) whenever its
-counts change; the coordinator keeps the latest per engine and publishes the whole table
-(``EngineLoads``) to every client at most every ``PUBLISH_INTERVAL_S`` (100 ms) while it
-changes, and not at all while nothing changes. The clients pick the engine with the lowest
-``waiting * 4 + running`` for each new request.
+Mirrors vLLM's ``DPCoordinator`` (``vllm/v1/engine/coordinator.py``). With
+``--data-parallel-size N > 1`` the client starts one coordinator beside the N engine cores.
 
-Not here yet (issue 8 item 7, next slices): request waves (``START_DP_WAVE``, engines that
-step together and run dummy batches when idle) and several API servers subscribing.
+- **Load balancing**: each ``EngineCore_DP<k>`` pushes an ``EngineLoad`` (waiting, running)
+  whenever its counts change; the coordinator keeps the latest per engine and publishes the
+  whole table (``EngineLoads``) to every client (every API server subscribes) at most every
+  ``PUBLISH_INTERVAL_S`` (100 ms) while it changes, and not at all while nothing changes.
+  The clients pick the engine with the lowest ``waiting * 4 + running`` for each new request.
+- **Request waves**: an idle engine that gets a request sends ``StartWave``; the coordinator
+  marks the wave running and tells every other engine (``DPWave``, vLLM's
+  ``START_DP_WAVE``), which then steps — a dummy batch when it has nothing to do — until the
+  coordinator sees every engine at zero waiting and zero running and ends the wave
+  (``DPWave`` not running, next wave number). See ``coordinator_messages.py``.
 
 The coordinator owns no run directory and no engine: if its parent (the client) goes away
 its lifeline closes and it exits; if it dies, the client notices and brings the tree down.
@@ -25,8 +28,11 @@ import zmq
 
 from engine.core.coordinator_messages import (
     CoordinatorSpawnPayload,
+    DPWave,
     EngineLoad,
     EngineLoads,
+    EngineToCoordinator,
+    StartWave,
     decode_as,
     encode,
 )
@@ -53,6 +59,9 @@ class DPCoordinator:
         self.payload = payload
         self.clock = clock
         self.counts: list[tuple[int, int]] = [(0, 0)] * payload.data_parallel_size
+        # The wave state: the current wave's number, and whether it runs (every engine steps).
+        self.current_wave = 0
+        self.engines_running = False
         self.seq = 0
         self.dirty = False
         self.published_at = float("-inf")
@@ -63,16 +72,51 @@ class DPCoordinator:
         self.publish_socket = self.ctx.socket(zmq.PUB)
         self.publish_socket.setsockopt(zmq.LINGER, 0)
         self.publish_socket.bind(payload.publish_address)
+        self.wave_socket: zmq.Socket | None = None
+        if payload.wave_address is not None:
+            self.wave_socket = self.ctx.socket(zmq.PUB)
+            self.wave_socket.setsockopt(zmq.LINGER, 0)
+            self.wave_socket.bind(payload.wave_address)
+
+    def handle(self, message: EngineToCoordinator) -> None:
+        """One message from an engine core."""
+        if not 0 <= message.engine_index < len(self.counts):
+            raise ProtocolError(f"{type(message).__name__} from engine {message.engine_index}, but there "
+                                f"are {len(self.counts)} engines")  # fmt: skip
+        if isinstance(message, StartWave):
+            self.start_wave(message)
+        else:
+            self.record(message)
 
     def record(self, load: EngineLoad) -> None:
-        """Take one engine's new counts (a change marks the table for publishing)."""
-        if not 0 <= load.engine_index < len(self.counts):
-            raise ProtocolError(f"EngineLoad from engine {load.engine_index}, but there are "
-                                f"{len(self.counts)} engines")  # fmt: skip
+        """Take one engine's new counts (a change marks the table for publishing); when the
+        wave runs and every engine is at zero, the wave is complete."""
         counts = (load.num_waiting, load.num_running)
         if self.counts[load.engine_index] != counts:
             self.counts[load.engine_index] = counts
             self.dirty = True
+        if self.engines_running and all(c == (0, 0) for c in self.counts):
+            self.engines_running = False
+            self.current_wave += 1
+            self.dirty = True
+            logger.debug("wave %d complete", self.current_wave - 1)
+            self._send_wave(DPWave(wave=self.current_wave, running=False))
+
+    def start_wave(self, message: StartWave) -> None:
+        """An idle engine got a request: run wave ``message.wave`` unless it runs already (vLLM:
+        ``start_wave`` handling and ``_send_start_wave``)."""
+        if message.wave > self.current_wave or (
+            message.wave == self.current_wave and not self.engines_running
+        ):
+            self.current_wave = message.wave
+            self.engines_running = True
+            self.dirty = True
+            logger.debug("wave %d started by engine %d", message.wave, message.engine_index)
+            self._send_wave(DPWave(wave=message.wave, running=True, exclude_engine=message.engine_index))
+
+    def _send_wave(self, wave: DPWave) -> None:
+        if self.wave_socket is not None:
+            self.wave_socket.send(encode(wave))
 
     def maybe_publish(self) -> bool:
         """Publish the table if it changed and the last publish is ``publish_interval_s`` old."""
@@ -80,7 +124,9 @@ class DPCoordinator:
         if not self.dirty or now - self.published_at < self.payload.publish_interval_s:
             return False
         self.seq += 1
-        self.publish_socket.send(encode(EngineLoads(seq=self.seq, counts=list(self.counts))))
+        self.publish_socket.send(encode(EngineLoads(seq=self.seq, counts=list(self.counts),
+                                                    current_wave=self.current_wave,
+                                                    engines_running=self.engines_running)))  # fmt: skip
         self.published_at = now
         self.dirty = False
         return True
@@ -98,12 +144,14 @@ class DPCoordinator:
                         frame = self.input_socket.recv(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    self.record(decode_as(EngineLoad, frame))
+                    self.handle(decode_as(EngineToCoordinator, frame))
             self.maybe_publish()
 
     def close(self) -> None:
         self.input_socket.close(linger=0)
         self.publish_socket.close(linger=0)
+        if self.wave_socket is not None:
+            self.wave_socket.close(linger=0)
         self.ctx.term()
 
     @staticmethod

@@ -1,16 +1,26 @@
 """Messages of the data-parallel coordinator (``glassbox::DPCoordinator``): one module, typed.
 
 Mirrors what vLLM's ``DPCoordinator`` (``vllm/v1/engine/coordinator.py``) carries for load
-balancing::
+balancing and request waves::
 
     engine core k ──PUSH/PULL──▶ DPCoordinator   EngineLoad (k, waiting, running), on change
-    DPCoordinator ──PUB/SUB────▶ every client    EngineLoads (all engines), ≤ 1 per 100 ms
+                                                 StartWave (k, wave): k got a request while idle
+    DPCoordinator ──PUB/SUB────▶ every engine    DPWave (wave, running, exclude): START_DP_WAVE
+                                                 (running) or wave complete (not running)
+    DPCoordinator ──PUB/SUB────▶ every client    EngineLoads (all engines, wave), ≤ 1 per 100 ms
 
-Both sockets are ``ipc://`` paths in the run directory (``coordinator_addresses``): the
+The sockets are ``ipc://`` paths in the run directory (``coordinator_addresses``): the
 coordinator binds them, engines and clients connect. The client scores each engine
 ``waiting * 4 + running`` from the latest ``EngineLoads`` (corrected locally for what it sent
-since) and sends each new request to the lowest. Waves (``START_DP_WAVE``) and dummy batches
-are later work.
+since) and sends each new request to the lowest.
+
+**Request waves** (vLLM's ``DPEngineCoreProc``, with 0.33's engine-started waves): while any
+engine has unfinished requests, every engine steps — an engine with nothing to do runs a
+dummy batch — so the engines move in lockstep (what the collectives of expert parallelism
+need). An idle engine that gets a request starts a wave (``StartWave``); the coordinator
+tells every other engine (``DPWave`` running). When every engine reports no waiting and no
+running requests, the coordinator ends the wave (``DPWave`` not running, with the next wave
+number); an engine that still has requests then starts the next one.
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ BOUNDARY = "engine core ↔ DP coordinator ↔ client"
 PUBLISH_INTERVAL_S = 0.1
 
 
-class EngineLoad(msgspec.Struct, kw_only=True, array_like=True):
+class EngineLoad(msgspec.Struct, kw_only=True, array_like=True, tag="load"):
     """One engine core's request counts after a step or after taking new requests."""
 
     engine_index: int
@@ -35,28 +45,59 @@ class EngineLoad(msgspec.Struct, kw_only=True, array_like=True):
     num_running: int
 
 
+class StartWave(msgspec.Struct, kw_only=True, array_like=True, tag="start_wave"):
+    """Engine ``engine_index`` got a request while its engines were idle: start wave ``wave``
+    (vLLM: ``EngineCoreOutputs(start_wave=...)`` to the coordinator)."""
+
+    engine_index: int
+    wave: int
+
+
+# What an engine core sends the coordinator.
+EngineToCoordinator = EngineLoad | StartWave
+
+
+class DPWave(msgspec.Struct, kw_only=True, array_like=True):
+    """The coordinator to every engine: wave ``wave`` runs (vLLM's ``START_DP_WAVE``; the
+    engine that started it, ``exclude_engine``, knows already), or, with ``running`` false,
+    the last wave is complete and ``wave`` is the next one's number."""
+
+    wave: int
+    running: bool
+    exclude_engine: int | None = None
+
+
 class EngineLoads(msgspec.Struct, kw_only=True, array_like=True):
     """Every engine's latest counts, by engine index: ``counts[k] = (waiting, running)``.
 
     ``seq`` grows with each publish, so a client can tell a fresh table from one it has used.
+    ``current_wave`` and ``engines_running``: the wave state (running: every engine steps).
     """
 
     seq: int
     counts: list[tuple[int, int]]
+    current_wave: int = 0
+    engines_running: bool = False
 
 
 class CoordinatorSpawnPayload(msgspec.Struct, kw_only=True):
-    """What the coordinator process needs: its two addresses and the number of engines."""
+    """What the coordinator process needs: its three addresses and the number of engines."""
 
     input_address: str
     publish_address: str
     data_parallel_size: int
     publish_interval_s: float = PUBLISH_INTERVAL_S
+    wave_address: str | None = None
 
 
 def coordinator_addresses(run_dir: Path | str) -> tuple[str, str]:
     """(engines → coordinator, coordinator → clients) ``ipc://`` addresses in the run directory."""
     return f"ipc://{run_dir}/coord_in.sock", f"ipc://{run_dir}/coord_pub.sock"
+
+
+def wave_address(run_dir: Path | str) -> str:
+    """Coordinator → engines (``DPWave``) ``ipc://`` address in the run directory."""
+    return f"ipc://{run_dir}/coord_wave.sock"
 
 
 def score(num_waiting: int, num_running: int) -> int:

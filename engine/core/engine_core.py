@@ -13,6 +13,9 @@ capacity, and only then builds the ``Scheduler`` over that many blocks.
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 from engine.config import EngineConfig
 from engine.core.messages import EngineCoreOutputs, EngineCoreRequest
 from engine.executor.abstract import Executor
@@ -20,6 +23,7 @@ from engine.kv_cache.kv_cache_interface import KVCacheConfig
 from engine.kv_cache.kv_cache_planning import get_kv_cache_configs
 from engine.kv_cache.kv_cache_utils import get_request_block_hasher
 from engine.logger import init_logger
+from engine.sched.output import SchedulerOutput
 from engine.sched.request import Request, RequestStatus
 from engine.sched.scheduler import Scheduler
 from tracing import catalogue, stage
@@ -70,6 +74,9 @@ class EngineCore:
                 else None
             )
             self.step_counter = 0
+            # The last step's figures (``step()`` fills it; see ``_after_step``).
+            self.last_step: dict[str, Any] | None = None
+            self.step_delay_s = config.observability_config.step_delay_ms / 1e3
 
     def _initialize_kv_caches(self) -> KVCacheConfig:
         with stage(catalogue.ENGINE_CORE_INITIALIZE_KV_CACHE) as st:
@@ -128,9 +135,12 @@ class EngineCore:
         if not self.scheduler.has_requests():
             return {}, False
         self.step_counter += 1
+        started_at = time.time()
+        t0 = time.perf_counter()
         with stage(catalogue.ENGINE_CORE_STEP, **{catalogue.ATTR_STEP_ID: self.step_counter}) as st:
             with stage(catalogue.SCHEDULER_SCHEDULE) as sched_span:
                 scheduler_output = self.scheduler.schedule()
+                batch = self._classify_batch(scheduler_output)
                 num_running, num_waiting = self.scheduler.get_request_counts()
                 sched_span.set(
                     catalogue.ATTR_STEP_NUM_SCHEDULED_TOKENS, scheduler_output.total_num_scheduled_tokens
@@ -145,12 +155,66 @@ class EngineCore:
                 sched_span.set(catalogue.ATTR_STEP_NUM_PREEMPTED, len(scheduler_output.preempted_req_ids))
                 sched_span.set(catalogue.ATTR_STEP_NUM_RUNNING, num_running)
                 sched_span.set(catalogue.ATTR_STEP_NUM_WAITING, num_waiting)
+            t1 = time.perf_counter()
             with stage(catalogue.EXECUTOR_EXECUTE_MODEL):
                 model_output = self.model_executor.execute_model(scheduler_output)
+            t2 = time.perf_counter()
             with stage(catalogue.SCHEDULER_UPDATE_FROM_OUTPUT):
                 outputs = self.scheduler.update_from_output(scheduler_output, model_output)
-            st.set(catalogue.ATTR_KV_USAGE, self.scheduler.kv_cache_manager.usage)
+            t3 = time.perf_counter()
+            kv_usage = self.scheduler.kv_cache_manager.usage
+            st.set(catalogue.ATTR_KV_USAGE, kv_usage)
+        num_running, num_waiting = self.scheduler.get_request_counts()
+        # What engine-top's step panel shows (a StepRecord without its header).
+        self.last_step = {
+            "step_id": self.step_counter,
+            "started_at": started_at,
+            "duration_ms": (t3 - t0) * 1e3,
+            "schedule_ms": (t1 - t0) * 1e3,
+            "execute_ms": (t2 - t1) * 1e3,
+            "update_ms": (t3 - t2) * 1e3,
+            **batch,
+            "tokens_scheduled": scheduler_output.total_num_scheduled_tokens,
+            "token_budget": self.config.scheduler_config.max_num_batched_tokens,
+            "num_running": num_running,
+            "num_waiting": num_waiting,
+            "num_preempted": len(scheduler_output.preempted_req_ids),
+            "kv_usage": kv_usage,
+        }
+        self._after_step()
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)  # --step-delay-ms: slow motion for a class
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
+
+    def _after_step(self) -> None:
+        """Called after each step with ``last_step`` filled (the process hands it to telemetry)."""
+
+    def _classify_batch(self, so: SchedulerOutput) -> dict[str, Any]:
+        """Split a step's requests into decodes (one token, past the prompt) and prefills
+        (prompt tokens, or recomputation after preemption); a prefill that leaves tokens for
+        a later step is a chunk."""
+        decode_reqs = decode_tokens = prefill_reqs = prefill_tokens = chunked = 0
+        requests = self.scheduler.requests
+        for req_id, n in so.num_scheduled_tokens.items():
+            request = requests.get(req_id)
+            if request is None:
+                continue
+            computed = request.num_computed_tokens - n  # the scheduler has advanced it already
+            if n == 1 and computed >= request.num_prompt_tokens:
+                decode_reqs += 1
+                decode_tokens += 1
+            else:
+                prefill_reqs += 1
+                prefill_tokens += n
+                if computed + n < request.num_tokens:
+                    chunked += 1
+        return {
+            "num_decode_reqs": decode_reqs,
+            "num_decode_tokens": decode_tokens,
+            "num_prefill_reqs": prefill_reqs,
+            "num_prefill_tokens": prefill_tokens,
+            "num_chunked_prefills": chunked,
+        }
 
     # Utility calls (the frontend reaches these through ``call_utility``).
 
@@ -160,6 +224,10 @@ class EngineCore:
     def get_kv_cache_info(self) -> dict[str, int]:
         pool = self.scheduler.kv_cache_manager.block_pool
         return {"num_blocks": self.kv_cache_config.num_blocks, "num_free_blocks": pool.get_num_free_blocks()}
+
+    def execute_dummy_batch(self) -> None:
+        """A dummy forward on the workers; the engine's scheduler and KV cache are untouched."""
+        self.model_executor.execute_dummy_batch()
 
     def get_worker_comm_stats(self, reset: bool = False) -> list[dict[str, float]]:
         """Per worker, in rank order: seconds in ``execute_model`` and in TP collectives."""

@@ -2,13 +2,19 @@
 
 Mirrors vLLM's ``EngineCoreProc`` (``vllm/v1/engine/core.py``)::
 
-    frontend ──ROUTER ipc──▶ [input thread] ─▶ input_queue ─▶ [busy loop: step()] ─▶ output_queue ─▶ [output thread] ──PUSH ipc──▶ client i
+    client i ──ROUTER ipc──▶ [input thread] ─▶ input_queue ─▶ [busy loop: step()] ─▶ output_queue ─▶ [output thread] ──PUSH ipc──▶ client i
 
-- The **input thread** (``EngineCoreInputThread``) reads requests from a DEALER socket
-  connected to the frontend's ROUTER and puts ``(type, payload)`` on ``input_queue``.
+- The **input thread** (``EngineCoreInputThread``) reads requests from one DEALER socket per
+  client (each connected to that client's ROUTER; one client per API server), checks each
+  request's ``client_index`` is the socket it came in on, and puts ``(type, payload)`` on
+  ``input_queue``.
 - The **busy loop** (the main thread) drains ``input_queue`` — adding and aborting requests,
   answering utility calls — then runs ``step()`` while there is work, and blocks (a bounded
-  wait, repeated) on ``input_queue`` when there is none.
+  wait, repeated) on ``input_queue`` when there is none. With data parallelism it also
+  follows the coordinator's request waves (vLLM's ``DPEngineCoreProc``): while a wave runs,
+  an engine without requests runs a dummy batch (``engine_core.dummy_step``) instead of
+  blocking, so every engine steps while any has work; an engine that gets a request while
+  its wave is over starts the next one (``StartWave`` to the coordinator).
 - The **output thread** (``EngineCoreOutputThread``) takes ``(client_index, message)`` pairs
   off ``output_queue``, encodes each and pushes it to that client's PULL socket: one PUSH
   socket per client output address (one per API server), so a client only ever receives
@@ -17,7 +23,8 @@ Mirrors vLLM's ``EngineCoreProc`` (``vllm/v1/engine/core.py``)::
 
 The frontend binds both sockets and the engine connects (vLLM's layout), so a frontend can
 outlive a dead engine and report it. Start-up: connect → HELLO → build the ``EngineCore``
-(executor, workers, KV cache) → READY. On a fatal error the engine core sends
+(executor, workers, KV cache) → READY (HELLO and READY go to client 0, which launched the
+engines) → CONNECTED on every input socket. On a fatal error the engine core sends
 ``ENGINE_CORE_DEAD`` with a root-cause block and exits non-zero.
 """
 
@@ -33,8 +40,10 @@ from typing import Any
 
 import zmq
 
+from engine import envs
 from engine.config import ConfigError, EngineConfig
-from engine.core.coordinator_messages import EngineLoad
+from engine.core.coordinator_messages import DPWave, EngineLoad, StartWave
+from engine.core.coordinator_messages import decode_as as decode_coordinator
 from engine.core.coordinator_messages import encode as encode_coordinator
 from engine.core.engine_core import EngineCore
 from engine.core.messages import (
@@ -128,29 +137,35 @@ class EngineCoreProc(EngineCore):
 
     Args:
         config: the engine config.
-        input_address: the frontend's ``ipc://`` ROUTER endpoint.
+        input_addresses: one ``ipc://`` ROUTER endpoint per client, by client index.
         output_addresses: one ``ipc://`` PULL endpoint per client, by client index.
         data_parallel_rank: this engine's index (its DEALER identity).
         run_dir: the instance's run directory.
         coordinator_address: the ``DPCoordinator``'s input (data parallelism): the busy loop
-            pushes an ``EngineLoad`` there whenever its (waiting, running) counts change.
+            pushes an ``EngineLoad`` there whenever its (waiting, running) counts change, and
+            a ``StartWave`` when it gets a request while its wave is over.
+        coordinator_wave_address: where the coordinator publishes ``DPWave`` (wave started
+            or complete); the input thread subscribes.
     """
 
     def __init__(
         self,
         config: EngineConfig,
-        input_address: str,
+        input_addresses: list[str],
         output_addresses: list[str],
         data_parallel_rank: int,
         run_dir: Path,
         coordinator_address: str | None = None,
+        coordinator_wave_address: str | None = None,
     ) -> None:
         self.run_dir = run_dir
         self.data_parallel_rank = data_parallel_rank
         self.role = ProcessRole.engine_core(data_parallel_rank).name
         self.input_queue: queue.Queue[tuple[EngineCoreRequestType, Any]] = queue.Queue()
-        if not output_addresses:
-            raise ProtocolError("the engine core's spawn payload names no client output address")
+        if not output_addresses or len(input_addresses) != len(output_addresses):
+            raise ProtocolError(f"the engine core's spawn payload names {len(input_addresses)} client input "
+                                f"and {len(output_addresses)} output address(es); one of each per client "
+                                "(at least one) is due")  # fmt: skip
         # (client_index, EngineCoreOutputs | UtilityReply); None stops the output thread.
         self.output_queue: queue.Queue[tuple[int, EngineCoreOutputs | UtilityReply] | None] = queue.Queue()
         self.output_router = OutputRouter(len(output_addresses), data_parallel_rank)
@@ -161,14 +176,22 @@ class EngineCoreProc(EngineCore):
             socket.setsockopt(zmq.LINGER, 2000)
             socket.connect(address)
             self.output_sockets.append(socket)
-        self.input_address = input_address
-        self._send_all([TAG_HANDSHAKE, _encode(EngineHandshake(kind="HELLO", role=self.role, pid=os.getpid(),
-                                                               data_parallel_rank=data_parallel_rank))])  # fmt: skip
+        self.input_addresses = input_addresses
+        self._send_handshake(EngineHandshake(kind="HELLO", role=self.role, pid=os.getpid(),
+                                             data_parallel_rank=data_parallel_rank))  # fmt: skip
         # This engine's own copy of the config says which DP rank it is, so its executor
         # starts its own workers (Worker_DP<k>_*) on its own queues.
         config.parallel_config.data_parallel_rank = data_parallel_rank
         self.coordinator_socket: zmq.Socket | None = None
         self.load_sent: tuple[int, int] | None = None
+        # Request waves (data parallelism): the wave this engine is in, whether it runs (then
+        # this engine steps even without requests), and how many dummy batches it ran.
+        self.coordinator_wave_address = coordinator_wave_address
+        self.current_wave = 0
+        self.engines_running = False
+        self.num_dummy_steps = 0
+        self.dummy_step_interval_s = envs.GLASSBOX_DP_DUMMY_STEP_INTERVAL_S
+        self._coordinator_backlog: list[bytes] = []
         if coordinator_address is not None:
             self.coordinator_socket = self.ctx.socket(zmq.PUSH)
             self.coordinator_socket.setsockopt(zmq.LINGER, 0)
@@ -190,7 +213,7 @@ class EngineCoreProc(EngineCore):
             dtype=info.get("dtype", ""),
             max_model_len=config.model_config.max_model_len or 0,
         )
-        self._send_all([TAG_HANDSHAKE, _encode(ready)])
+        self._send_handshake(ready)
         self._stop = threading.Event()
         self.input_thread = threading.Thread(
             target=self._input_thread, name="EngineCoreInputThread", daemon=True
@@ -221,9 +244,9 @@ class EngineCoreProc(EngineCore):
         engine: EngineCoreProc | None = None
         try:
             with attached_trace_context(payload.trace_headers):
-                engine = EngineCoreProc(config, payload.input_address, payload.output_addresses,
-                                        payload.data_parallel_rank, run_dir,
-                                        payload.coordinator_address)  # fmt: skip
+                engine = EngineCoreProc(config, payload.input_addresses, payload.output_addresses,
+                                        payload.data_parallel_rank, run_dir, payload.coordinator_address,
+                                        payload.coordinator_wave_address)  # fmt: skip
             engine.run_busy_loop()
         except SystemExit:
             processes.ignore_sigterm()
@@ -265,7 +288,8 @@ class EngineCoreProc(EngineCore):
     # ------------------------------------------------------------------ busy loop
 
     def run_busy_loop(self) -> None:
-        """Drain inputs, step while there is work; block (bounded) when idle."""
+        """Drain inputs, step while there is work (a dummy batch while a DP wave runs and this
+        engine has none); block (bounded) when idle."""
         while True:
             self._process_input_queue()
             self._report_load()
@@ -274,12 +298,30 @@ class EngineCoreProc(EngineCore):
                 going_idle = not self.scheduler.has_requests()
                 for client_index, client_outputs in self.output_router.route(outputs, going_idle):
                     self.output_queue.put((client_index, client_outputs))
-                self._report_load()
+            elif self.engines_running:
+                self._dummy_step()
+            self._report_load()
+
+    def _dummy_step(self) -> None:
+        """One dummy batch (the wave runs, this engine has no request), then a short pause
+        that any input ends (``GLASSBOX_DP_DUMMY_STEP_INTERVAL_S``)."""
+        from tracing import catalogue, stage
+
+        self.num_dummy_steps += 1
+        with stage(catalogue.ENGINE_CORE_DUMMY_STEP, **{catalogue.ATTR_DP_WAVE: self.current_wave}):
+            self.execute_dummy_batch()
+        if self.dummy_step_interval_s > 0:
+            try:
+                item = self.input_queue.get(timeout=self.dummy_step_interval_s)
+            except queue.Empty:
+                return
+            self._handle_input(*item)
 
     def _report_load(self) -> None:
         """Push (waiting, running) to the DP coordinator when they changed (data parallelism)."""
         if self.coordinator_socket is None:
             return
+        self._flush_coordinator_backlog()
         load = (len(self.scheduler.waiting), len(self.scheduler.running))
         if load == self.load_sent:
             return
@@ -290,8 +332,48 @@ class EngineCoreProc(EngineCore):
         except zmq.Again:  # the coordinator is slow or gone; the next change tries again
             pass
 
+    def _flush_coordinator_backlog(self) -> None:
+        """Send wave starts that could not go out at once (they must not be lost)."""
+        while self._coordinator_backlog:
+            try:
+                self.coordinator_socket.send(self._coordinator_backlog[0], zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._coordinator_backlog.pop(0)
+
+    def _maybe_start_wave(self) -> None:
+        """A request arrived (or remains) while this engine's wave is over: start the next one
+        (vLLM 0.33: an idle engine that gets a request starts the wave itself)."""
+        if self.coordinator_socket is None or self.engines_running:
+            return
+        self.engines_running = True
+        self._coordinator_backlog.append(
+            encode_coordinator(StartWave(engine_index=self.data_parallel_rank, wave=self.current_wave))
+        )
+        self._flush_coordinator_backlog()
+
+    def _on_wave(self, wave: DPWave) -> None:
+        """The coordinator's news: a wave runs (every engine steps) or the last one is complete."""
+        if wave.running:
+            if wave.exclude_engine != self.data_parallel_rank and wave.wave >= self.current_wave:
+                self.current_wave = wave.wave
+                self.engines_running = True
+        elif wave.wave > self.current_wave:
+            self.current_wave = wave.wave
+            self.engines_running = False
+            if self.scheduler.has_unfinished_requests():  # a request arrived as the wave ended
+                self._maybe_start_wave()
+
+    def get_dp_state(self) -> dict[str, int | bool]:
+        """Utility: this engine's wave state and dummy-batch count (data parallelism)."""
+        return {
+            "current_wave": self.current_wave,
+            "engines_running": self.engines_running,
+            "num_dummy_steps": self.num_dummy_steps,
+        }
+
     def _process_input_queue(self) -> None:
-        if not self.scheduler.has_requests():
+        if not self.scheduler.has_requests() and not self.engines_running:
             # Idle: wait for the next request, a bounded wait repeated forever.
             while True:
                 try:
@@ -311,6 +393,9 @@ class EngineCoreProc(EngineCore):
         if request_type == EngineCoreRequestType.ADD:
             self._check_client_index(payload.client_index, f"request {payload.request_id!r}")
             self.add_request(payload)
+            self._maybe_start_wave()
+        elif request_type == EngineCoreRequestType.START_DP_WAVE:
+            self._on_wave(payload)
         elif request_type == EngineCoreRequestType.ABORT:
             self.abort_requests(payload)
         elif request_type in (EngineCoreRequestType.EXECUTOR_FAILED, EngineCoreRequestType.PROTOCOL_ERROR):
@@ -336,31 +421,51 @@ class EngineCoreProc(EngineCore):
     # ------------------------------------------------------------------ threads
 
     def _input_thread(self) -> None:
-        socket = self.ctx.socket(zmq.DEALER)
-        socket.setsockopt(zmq.IDENTITY, self.data_parallel_rank.to_bytes(2, "little"))
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.connect(self.input_address)
+        # One DEALER per client, connected to its ROUTER; our identity there is our DP rank.
+        sockets: list[zmq.Socket] = []
         poller = zmq.Poller()
-        poller.register(socket, zmq.POLLIN)
+        for address in self.input_addresses:
+            socket = self.ctx.socket(zmq.DEALER)
+            socket.setsockopt(zmq.IDENTITY, self.data_parallel_rank.to_bytes(2, "little"))
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.connect(address)
+            poller.register(socket, zmq.POLLIN)
+            sockets.append(socket)
+        client_of = {socket: index for index, socket in enumerate(sockets)}
+        wave_socket = None
+        if self.coordinator_wave_address is not None:
+            wave_socket = self.ctx.socket(zmq.SUB)
+            wave_socket.setsockopt(zmq.LINGER, 0)
+            wave_socket.setsockopt(zmq.SUBSCRIBE, b"")
+            wave_socket.connect(self.coordinator_wave_address)
+            poller.register(wave_socket, zmq.POLLIN)
         try:
-            # Tell the frontend's ROUTER who we are, so it can route to us right away.
+            # Tell each client's ROUTER who we are, so it can route to us right away (a
+            # client that binds later gets it when it does: ZMQ queues it meanwhile).
             connected = EngineHandshake(kind="CONNECTED", role=self.role, pid=os.getpid(),
                                         data_parallel_rank=self.data_parallel_rank)  # fmt: skip
-            socket.send_multipart([_encode(connected)])
+            for socket in sockets:
+                socket.send_multipart([_encode(connected)])
             while not self._stop.is_set():
-                if not poller.poll(timeout=int(IDLE_POLL_S * 1000)):
-                    continue
-                frames = socket.recv_multipart()
-                try:
-                    self.input_queue.put(_decode_input(frames))
-                except ProtocolError as e:
-                    # A frontend that breaks the protocol is a bug: stop with a clear error.
-                    self.input_queue.put((EngineCoreRequestType.PROTOCOL_ERROR, e))
-                    return
+                for socket, _ in poller.poll(timeout=int(IDLE_POLL_S * 1000)):
+                    frames = socket.recv_multipart()
+                    try:
+                        if socket is wave_socket:
+                            wave = decode_coordinator(DPWave, frames[-1])
+                            self.input_queue.put((EngineCoreRequestType.START_DP_WAVE, wave))
+                            continue
+                        self.input_queue.put(_decode_input(frames, client_of[socket]))
+                    except ProtocolError as e:
+                        # A frontend that breaks the protocol is a bug: stop with a clear error.
+                        self.input_queue.put((EngineCoreRequestType.PROTOCOL_ERROR, e))
+                        return
         except zmq.ZMQError:
             pass
         finally:
-            socket.close()
+            for socket in sockets:
+                socket.close()
+            if wave_socket is not None:
+                wave_socket.close()
 
     def _output_thread(self) -> None:
         while True:
@@ -371,10 +476,9 @@ class EngineCoreProc(EngineCore):
             tag = TAG_OUTPUTS if isinstance(message, EngineCoreOutputs) else TAG_UTILITY
             self.output_sockets[client_index].send_multipart([tag, _encode(message)], copy=False)
 
-    def _send_all(self, frames: list[bytes]) -> None:
-        """To every client (the start-up handshake)."""
-        for socket in self.output_sockets:
-            socket.send_multipart(frames, copy=False)
+    def _send_handshake(self, handshake: EngineHandshake) -> None:
+        """HELLO / READY to client 0, the one that launched this engine and waits for them."""
+        self.output_sockets[0].send_multipart([TAG_HANDSHAKE, _encode(handshake)], copy=False)
 
     def shutdown(self) -> None:
         stop = getattr(self, "_stop", None)
@@ -398,8 +502,13 @@ _INPUT_TYPES: dict[EngineCoreRequestType, Any] = {
 }
 
 
-def _decode_input(frames: list[bytes]) -> tuple[EngineCoreRequestType, Any]:
-    """``[type, body]`` from the frontend → ``(type, message)``; ``ProtocolError`` otherwise."""
+def _decode_input(frames: list[bytes], client_index: int = 0) -> tuple[EngineCoreRequestType, Any]:
+    """``[type, body]`` from client ``client_index``'s socket → ``(type, message)``.
+
+    Raises:
+        ProtocolError: not two frames, an unknown type, a body that does not decode, or a
+            request / utility call stamped with another client's index than its socket's.
+    """
     if len(frames) != 2:
         raise ProtocolError(f"malformed message on the client ↔ engine core boundary: {len(frames)} frames, "
                             "expected [request type, body]")  # fmt: skip
@@ -410,7 +519,13 @@ def _decode_input(frames: list[bytes]) -> tuple[EngineCoreRequestType, Any]:
     if request_type not in _INPUT_TYPES:
         raise ProtocolError(f"malformed message on the client ↔ engine core boundary: request type "
                             f"{frames[0]!r} is not one of {[t.name for t in _INPUT_TYPES]}")  # fmt: skip
-    return request_type, decode_as(_INPUT_TYPES[request_type], frames[1])
+    message = decode_as(_INPUT_TYPES[request_type], frames[1])
+    stamped = getattr(message, "client_index", client_index)
+    if stamped != client_index:
+        raise ProtocolError(f"malformed message on the client ↔ engine core boundary: a {request_type.name} "
+                            f"stamped client_index {stamped} came in on client {client_index}'s socket; its "
+                            "outputs would go to the wrong API server")  # fmt: skip
+    return request_type, message
 
 
 def _send_dead(output_addresses: list[str], dead: EngineDead) -> None:

@@ -9,20 +9,22 @@ Fields later work needs (``client_index``, ``data_parallel_rank``, ``current_wav
 
 This module is the whole client ↔ engine-core protocol::
 
-    client ──spawn (stdin pipe)─▶ engine core   EngineCoreSpawnPayload
-    client ◀──PUSH/PULL───────── engine core    TAG_HANDSHAKE EngineHandshake HELLO, then READY
-    client ◀──DEALER/ROUTER───── engine core    EngineHandshake CONNECTED (its input socket is up)
-    client ──ROUTER/DEALER──────▶ engine core   ADD EngineCoreRequest | ABORT [ids] | UTILITY UtilityRequest
-    client ◀──PUSH/PULL───────── engine core    TAG_OUTPUTS EngineCoreOutputs | TAG_UTILITY UtilityReply
-    client ◀──PUSH/PULL───────── engine core    ENGINE_CORE_DEAD EngineDead (last words)
+    client 0 ──spawn (stdin pipe)─▶ engine core   EngineCoreSpawnPayload
+    client 0 ◀──PUSH/PULL───────── engine core    TAG_HANDSHAKE EngineHandshake HELLO, then READY
+    client i ◀──DEALER/ROUTER───── engine core    EngineHandshake CONNECTED (its input socket to i is up)
+    client i ──ROUTER/DEALER──────▶ engine core   ADD EngineCoreRequest | ABORT [ids] | UTILITY UtilityRequest
+    client i ◀──PUSH/PULL───────── engine core    TAG_OUTPUTS EngineCoreOutputs | TAG_UTILITY UtilityReply
+    client i ◀──PUSH/PULL───────── engine core    ENGINE_CORE_DEAD EngineDead (last words)
 
-Outputs per client: the engine core connects one PUSH socket per client output address in
-its spawn payload (``output_addresses[client_index]``; one today, one per API server with
-several). Each step's ``EngineCoreOutputs`` are grouped by the requests' ``client_index``, a
-utility reply goes to the caller's ``client_index``, and handshakes and ``ENGINE_CORE_DEAD``
-go to every client — so no client ever sees another's request outputs. Every client gets
-the engine's ``SchedulerStats`` (``engine_index`` says which engine), on its outputs or on
-their own.
+One socket pair per client: each client (an API server, or the offline ``LLM``) binds its
+own ROUTER (input) and PULL (output) at ``input_addresses[i]`` / ``output_addresses[i]``
+of the spawn payload, and every engine core connects one DEALER and one PUSH to each
+(vLLM's layout with ``--api-server-count``). A request's ``client_index`` must be the index
+of the socket it came in on; each step's ``EngineCoreOutputs`` are grouped by it and a
+utility reply goes to the caller — so no client ever sees another's outputs. Client 0
+launched the engines and alone gets the HELLO / READY handshake; ``ENGINE_CORE_DEAD`` goes
+to every client, and so do the engine's ``SchedulerStats`` (``engine_index`` says which
+engine), on a client's outputs or on their own.
 
 The wire enums (``FinishReason``, ``EngineCoreRequestType``) live here too, so the frontend
 needs nothing from the scheduler (``engine.sched``) to read a message.
@@ -62,6 +64,7 @@ class FinishReason(enum.IntEnum):
 class EngineCoreRequestType(enum.Enum):
     ADD = b"\x00"
     ABORT = b"\x01"
+    # Internal: from the DP coordinator's wave socket (a client never sends it).
     START_DP_WAVE = b"\x02"
     UTILITY = b"\x03"
     # Internal: put on the engine core's own input queue when a worker died.
@@ -231,22 +234,42 @@ class EngineCoreSpawnPayload(msgspec.Struct, kw_only=True):
 
     ``config_pickle`` is the pickled ``EngineConfig`` (a tree of dataclasses, pickled rather
     than mapped field by field onto msgpack). ``trace_headers``: the spawning span (W3C), so
-    the engine core's start-up stages are its children. ``output_addresses``: one per client
-    (API server), indexed by ``client_index``; the engine core connects a PUSH socket to each.
-    ``coordinator_address``: where it pushes its request counts (``EngineLoad``) when there
-    is a ``DPCoordinator`` (data parallelism), else None.
+    the engine core's start-up stages are its children. ``input_addresses`` and
+    ``output_addresses``: one of each per client (API server), indexed by ``client_index``;
+    the engine core connects a DEALER to each input and a PUSH to each output.
+    ``coordinator_address``: where it pushes its request counts (``EngineLoad``) and wave
+    starts when there is a ``DPCoordinator`` (data parallelism), else None;
+    ``coordinator_wave_address``: where the coordinator publishes ``DPWave``.
     """
 
     config_pickle: bytes
-    input_address: str
+    input_addresses: list[str]
     output_addresses: list[str]
     data_parallel_rank: int = 0
     trace_headers: dict[str, str] | None = None
     coordinator_address: str | None = None
+    coordinator_wave_address: str | None = None
 
     @property
     def config(self) -> Any:
         return pickle.loads(self.config_pickle)
+
+
+class EnginesInfo(msgspec.Struct, kw_only=True):
+    """What client 0 learned at start-up and hands to the other clients (API servers).
+
+    Only client 0 launches the engine cores and gets their READY; an API server started
+    after it attaches with this: the engines to expect a CONNECTED from (and watch, by
+    pid), the resolved device and dtype, the smallest KV cache, and where the
+    ``DPCoordinator`` publishes its counts (None without data parallelism).
+    """
+
+    engine_roles: list[str]
+    engine_pids: list[int]
+    num_gpu_blocks: int
+    device: str
+    dtype: str
+    coordinator_publish_address: str | None = None
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -36,8 +36,9 @@ from typing import Any
 
 import msgspec
 
-TITLE_PREFIX = "glassbox::"
-STATUS_SUFFIX = ".status.json"
+# The file-name and title conventions belong to the run-directory contract (tracing/).
+from tracing.run_dir import STATUS_SUFFIX, TITLE_PREFIX
+
 FRONTEND_NAME = "LLM"
 COORDINATOR_NAME = "DPCoordinator"
 

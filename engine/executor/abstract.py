@@ -93,6 +93,11 @@ class Executor(ABC):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.collective_rpc("execute_model", args=(scheduler_output,))[0]
 
+    def execute_dummy_batch(self) -> None:
+        """A dummy forward on every worker (data parallelism: an engine with nothing to do
+        steps while its wave runs; vLLM: ``execute_dummy_batch``)."""
+        self.collective_rpc("execute_dummy_batch")
+
     def check_health(self) -> None:
         self.collective_rpc("check_health")
 

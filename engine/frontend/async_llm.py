@@ -17,7 +17,6 @@ streaming, which end with that error.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 from collections.abc import AsyncGenerator
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Any
 import msgspec
 
 from engine.config import EngineConfig
+from engine.core.messages import EnginesInfo
 from engine.frontend.core_client import AsyncMPClient
 from engine.frontend.engine_stats import EngineStatsTable
 from engine.frontend.input_processor import InputProcessor
@@ -45,9 +45,21 @@ class AsyncLLM:
     Args:
         config: the validated engine config.
         run_dir: this instance's run directory (sockets, status files, manifest).
+        client_index: this API server's index among the engine cores' clients.
+        num_clients: how many API servers there are (``--api-server-count``).
+        engines: None for API server 0, which launches the engine cores; for the others,
+            what API server 0 learned at start-up (``EnginesInfo``), to attach to them.
     """
 
-    def __init__(self, config: EngineConfig, run_dir: Path) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        run_dir: Path,
+        *,
+        client_index: int = 0,
+        num_clients: int = 1,
+        engines: EnginesInfo | None = None,
+    ) -> None:
         self.config = config
         self.model_config = config.model_config
         self.tokenizer = get_tokenizer(config.model_config.tokenizer)
@@ -56,20 +68,18 @@ class AsyncLLM:
         self.log_requests = config.observability_config.enable_log_requests
         self.input_processor = InputProcessor(config.model_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=False)
-        self.engine_core = AsyncMPClient(config, run_dir)
+        self.engine_core = AsyncMPClient(
+            config, run_dir, client_index=client_index, num_clients=num_clients, engines=engines
+        )
         self.queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self.output_handler: asyncio.Task | None = None
         self.dead_error: EngineDeadError | None = None
-        self.request_ids = itertools.count()
         # Called once with the error when the engine dies (the server decides what to do).
         self.on_engine_dead: list[Any] = []
 
     @property
     def errored(self) -> bool:
         return self.dead_error is not None
-
-    def new_request_id(self, prefix: str = "req") -> str:
-        return f"{prefix}-{next(self.request_ids)}-{int(time.time() * 1000) % 10**8}"
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's defaults, overridden by the model's (``ModelConfig.get_diff_sampling_param``:

@@ -15,10 +15,12 @@ With ``--data-parallel-size N`` a multiprocess client holds N engine cores and s
 ``DPCoordinator``; it load-balances new requests over the engines (vLLM's
 ``DPLBAsyncMPClient``: lowest ``waiting * 4 + running``), see ``MPClient``.
 
-Each multiprocess client is one of the engine core's clients (``client_index``; one today,
-one per API server with several): it binds its own output socket
-(``client_output_address``), stamps its index on every request and utility call, and so
-receives only its own outputs. The ``SchedulerStats`` that come with the outputs go into
+Each multiprocess client is one of the engine cores' clients (``client_index``: the offline
+``LLM``, or one per API server with ``--api-server-count``): it binds its own input and
+output sockets (``client_input_address``, ``client_output_address``), stamps its index on
+every request and utility call, and so receives only its own outputs. Client 0 launches the
+engine cores (and the coordinator); the others attach to them with the ``EnginesInfo`` that
+client 0 hands on. The ``SchedulerStats`` that come with the outputs go into
 ``stats_table`` (``EngineStatsTable``: latest stats per engine), which ``/metrics`` reads.
 """
 
@@ -43,6 +45,7 @@ from engine.core.coordinator_messages import (
     EngineLoads,
     coordinator_addresses,
     score,
+    wave_address,
 )
 from engine.core.coordinator_messages import decode_as as decode_coordinator
 from engine.core.coordinator_messages import encode as encode_coordinator
@@ -57,6 +60,7 @@ from engine.core.messages import (
     EngineCoreSpawnPayload,
     EngineDead,
     EngineHandshake,
+    EnginesInfo,
     UtilityReply,
     UtilityRequest,
     decode_as,
@@ -146,29 +150,36 @@ class InprocClient(EngineCoreClient):
 class MPClient(EngineCoreClient):
     """What both multiprocess clients share: launching the engine cores and the handshake.
 
-    With ``--data-parallel-size N`` this client starts N engine cores (``EngineCore_DP<k>``,
-    each with its own workers) and, for N > 1, the ``DPCoordinator``. All engines connect
-    to this client's one ROUTER (input; an engine's DEALER identity is its DP rank) and push
-    to its one PULL (outputs), so outputs of every engine arrive merged on one socket, each
-    stamped with its ``engine_index``. Each new request goes to the engine with the lowest
+    With ``--data-parallel-size N`` client 0 starts N engine cores (``EngineCore_DP<k>``,
+    each with its own workers) and, for N > 1, the ``DPCoordinator``; with several clients
+    (API servers) the others attach to those engines (``engines``). Every engine connects to
+    each client's ROUTER (input; an engine's DEALER identity is its DP rank) and pushes to
+    each client's PULL (outputs), so one client's outputs of every engine arrive merged on
+    its one socket, each stamped with its ``engine_index``. Each new request goes to the engine with the lowest
     score ``waiting * 4 + running`` (vLLM's ``DPLBAsyncMPClient``): the coordinator's latest
     published counts, plus the requests this client sent each engine since that publish; a
     request that pins ``data_parallel_rank`` goes to that engine. Aborts go to the engine
     that has the request; utility calls go to every engine (engine 0's answer is returned).
 
-    Start-up waits for HELLO then READY from every engine under one deadline
+    Start-up (client 0) waits for HELLO then READY from every engine under one deadline
     (``GLASSBOX_ENGINE_READY_TIMEOUT_S``); on expiry the error names the engines not ready
-    and the late process and its stage (from the status files). Every later wait is a
-    bounded poll that checks every engine process (and the coordinator) is alive between
-    polls; when one dies, the others are stopped, and one ``EngineDeadError`` names it.
+    and the late process and its stage (from the status files). Every client then waits
+    for each engine's CONNECTED on its own input socket. Every later wait is a bounded poll
+    that checks every engine process (and the coordinator, and processes handed to
+    ``watch_child``) is alive between polls; when one dies, client 0 stops the others, and
+    one ``EngineDeadError`` names it. An attached client watches the engines by pid and
+    leaves stopping (and the root cause) to client 0.
 
     Args:
         config: the engine config.
         run_dir: the instance's run directory (where the ``ipc://`` sockets live).
         client_index: which of the engine cores' clients this is (its output socket, the
             ``client_index`` on its requests).
-        num_clients: how many clients the engine cores serve; each engine connects one output
-            socket to each (``client_output_address``). This client launches the engines.
+        num_clients: how many clients the engine cores serve; each engine connects one
+            input and one output socket to each (``client_input_address``,
+            ``client_output_address``).
+        engines: None for client 0, which launches the engines; for any other client, what
+            client 0 learned (``MPClient.engines_info()``), to attach to the same engines.
 
     Raises:
         EngineDeadError: an engine core, a worker or the coordinator died; ``root_cause`` says which.
@@ -176,16 +187,25 @@ class MPClient(EngineCoreClient):
     """
 
     def __init__(
-        self, config: EngineConfig, run_dir: Path, *, client_index: int = 0, num_clients: int = 1
+        self,
+        config: EngineConfig,
+        run_dir: Path,
+        *,
+        client_index: int = 0,
+        num_clients: int = 1,
+        engines: EnginesInfo | None = None,
     ) -> None:
         if not 0 <= client_index < num_clients:
             raise ValueError(f"client_index {client_index} is not one of the {num_clients} client(s)")
+        if (engines is None) != (client_index == 0):
+            raise ValueError("client 0 launches the engine cores; every other client attaches (engines=...)")
         self.config = config
         self.run_dir = run_dir
         self.client_index = client_index
         self.ctx = zmq.Context()
-        self.input_address = f"ipc://{run_dir}/in.sock"
+        self.input_addresses = [client_input_address(run_dir, i) for i in range(num_clients)]
         self.output_addresses = [client_output_address(run_dir, i) for i in range(num_clients)]
+        self.input_address = self.input_addresses[client_index]
         self.output_address = self.output_addresses[client_index]
         self.input_socket = self.ctx.socket(zmq.ROUTER)
         self.input_socket.setsockopt(zmq.LINGER, 0)
@@ -210,6 +230,8 @@ class MPClient(EngineCoreClient):
         self.sent_since_loads = [0] * dp
         self.requests_sent = [0] * dp  # per engine, since start (tests, introspection)
         self.loads_seq = 0
+        # The coordinator's wave state, as last published (data parallelism).
+        self.current_wave, self.engines_running = 0, False
         self.request_engine: dict[str, int] = {}
         self.coordinator_sub: zmq.Socket | None = None
         self.encoder = msgspec.msgpack.Encoder()
@@ -220,10 +242,18 @@ class MPClient(EngineCoreClient):
         self.dead: EngineDeadError | None = None
         self.engine_procs: list[processes.ChildProcess] = []
         self.coordinator_proc: processes.ChildProcess | None = None
+        # Other processes whose death takes the tree down (client 0: the other API servers).
+        self.watched: list[processes.ChildProcess] = []
+        # An attached client's engines, watched by pid: (role, pid).
+        self.attached_engines: list[tuple[str, int]] = []
+        self.coordinator_publish_address: str | None = None
         self._alive_checked_at = 0.0
         self._closed = False
         try:
-            self._launch_and_wait_ready()
+            if engines is None:
+                self._launch_and_wait_ready()
+            else:
+                self._attach(engines)
         except BaseException:
             self.shutdown()
             raise
@@ -238,7 +268,45 @@ class MPClient(EngineCoreClient):
         return len(self.engine_roles)
 
     def _children(self) -> list[processes.ChildProcess]:
-        return [*self.engine_procs, *([self.coordinator_proc] if self.coordinator_proc else [])]
+        coordinator = [self.coordinator_proc] if self.coordinator_proc else []
+        return [*self.engine_procs, *coordinator, *self.watched]
+
+    def watch_child(self, proc: processes.ChildProcess) -> None:
+        """Treat ``proc``'s death as the tree's (client 0 watches the other API servers)."""
+        self.watched.append(proc)
+
+    def engines_info(self) -> EnginesInfo:
+        """What another client needs to attach to this client's engines (client 0 only)."""
+        if not self.engine_procs:
+            raise RuntimeError("only the client that launched the engine cores can describe them")
+        return EnginesInfo(
+            engine_roles=[p.role for p in self.engine_procs],
+            engine_pids=[p.pid for p in self.engine_procs],
+            num_gpu_blocks=self.num_gpu_blocks,
+            device=self.device_info["device"],
+            dtype=self.device_info["dtype"],
+            coordinator_publish_address=self.coordinator_publish_address,
+        )
+
+    def _attach(self, engines: EnginesInfo) -> None:
+        """Another client's engines: subscribe to the coordinator and wait for every engine's
+        CONNECTED on this client's input socket."""
+        if engines.engine_roles != [r.name for r in self.engine_roles]:
+            raise ProtocolError(f"attached to engines {engines.engine_roles}, but the plan has "
+                                f"{[r.name for r in self.engine_roles]}")  # fmt: skip
+        self.attached_engines = list(zip(engines.engine_roles, engines.engine_pids))
+        self.num_gpu_blocks = engines.num_gpu_blocks
+        self.device_info = {"device": engines.device, "dtype": engines.dtype}
+        if engines.coordinator_publish_address is not None:
+            self._subscribe_coordinator(engines.coordinator_publish_address)
+        self._await_engine_registration(time.monotonic() + envs.GLASSBOX_ENGINE_READY_TIMEOUT_S)
+
+    def _subscribe_coordinator(self, publish_address: str) -> None:
+        self.coordinator_publish_address = publish_address
+        self.coordinator_sub = self.ctx.socket(zmq.SUB)
+        self.coordinator_sub.setsockopt(zmq.LINGER, 0)
+        self.coordinator_sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.coordinator_sub.connect(publish_address)
 
     # ------------------------------------------------------------------ start-up
 
@@ -247,17 +315,16 @@ class MPClient(EngineCoreClient):
         from tracing.propagation import inject_trace_headers
 
         with stage(catalogue.ENGINE_CORE_HANDSHAKE) as st:
-            coordinator_input = None
+            coordinator_input = coordinator_waves = None
             if self.coordinator_role is not None:
+                coordinator_waves = wave_address(self.run_dir)
                 coordinator_input, publish = coordinator_addresses(self.run_dir)
-                self.coordinator_sub = self.ctx.socket(zmq.SUB)
-                self.coordinator_sub.setsockopt(zmq.LINGER, 0)
-                self.coordinator_sub.setsockopt(zmq.SUBSCRIBE, b"")
-                self.coordinator_sub.connect(publish)
+                self._subscribe_coordinator(publish)
                 coordinator_payload = CoordinatorSpawnPayload(
                     input_address=coordinator_input,
                     publish_address=publish,
                     data_parallel_size=self.data_parallel_size,
+                    wave_address=coordinator_waves,
                 )
                 self.coordinator_proc = processes.spawn_process(
                     self.coordinator_role.name,
@@ -271,11 +338,12 @@ class MPClient(EngineCoreClient):
                 payload = encode_message(
                     EngineCoreSpawnPayload(
                         config_pickle=config_pickle,
-                        input_address=self.input_address,
+                        input_addresses=self.input_addresses,
                         output_addresses=self.output_addresses,
                         data_parallel_rank=role.dp_rank,
                         trace_headers=trace_headers,
                         coordinator_address=coordinator_input,
+                        coordinator_wave_address=coordinator_waves,
                     )
                 )
                 self.engine_procs.append(
@@ -369,6 +437,7 @@ class MPClient(EngineCoreClient):
                 self.loads_seq = loads.seq
                 self.engine_loads = [tuple(c) for c in loads.counts]
                 self.sent_since_loads = [0] * self.data_parallel_size
+                self.current_wave, self.engines_running = loads.current_wave, loads.engines_running
 
     def engine_scores(self) -> list[int]:
         """Each engine's score ``waiting * 4 + running``: the coordinator's latest counts, with
@@ -434,6 +503,14 @@ class MPClient(EngineCoreClient):
     def _check_alive(self) -> None:
         if self.dead is not None:
             raise self.dead
+        for role, pid in self.attached_engines:
+            if not _pid_running(pid):
+                self.dead = EngineDeadError(
+                    f"{role} (pid {pid}) is gone; the API server that launched it "
+                    f"({topology.ProcessRole.api_server(0).name}) reports the root cause"
+                )
+                self._fail_utility_calls()
+                raise self.dead
         for proc in self._children():
             if proc.is_alive():
                 continue
@@ -451,11 +528,7 @@ class MPClient(EngineCoreClient):
             if root_cause is None and proc is not None:
                 root_cause = processes.format_root_cause(self.run_dir, proc.role, proc.pid, proc.poll())
             self.dead = EngineDeadError(root_cause or "the engine core died")
-            # Utility calls still waiting get the same error.
-            for _, future in self.utility_futures.values():
-                if not future.done():
-                    future.set_exception(self.dead)
-            self.utility_futures.clear()
+            self._fail_utility_calls()
             if len(self._children()) > 1:
                 # One process of the tree died: the rest (other engines, the coordinator)
                 # go down with it, so the root cause is the only story.
@@ -466,6 +539,13 @@ class MPClient(EngineCoreClient):
                 # naming the flag, no root-cause block.
                 raise ConfigError.from_message(dead.message, flag=dead.flag or "") from None
         raise self.dead
+
+    def _fail_utility_calls(self) -> None:
+        """Utility calls still waiting get the engine's death as their error."""
+        for _, future in self.utility_futures.values():
+            if not future.done():
+                future.set_exception(self.dead)
+        self.utility_futures.clear()
 
     def _send(self, request_type: EngineCoreRequestType, body: bytes, engine: int = 0) -> None:
         if self.dead is not None:
@@ -566,6 +646,10 @@ class SyncMPClient(MPClient):
 
     def call_utility(self, method: str, *args: Any) -> Any:
         """Run the utility on every engine; engine 0's answer is returned."""
+        return self.call_utility_each(method, *args)[0]
+
+    def call_utility_each(self, method: str, *args: Any) -> list[Any]:
+        """Run the utility on every engine; their answers, by DP rank."""
         futures = []
         for engine in range(self.data_parallel_size):
             future, body = self._utility_request(method, args)
@@ -579,7 +663,7 @@ class SyncMPClient(MPClient):
             if msg is None:
                 raise TimeoutError(f"utility call {method!r} got no answer in time")
             self._dispatch(msg)
-        return [f.result() for f in futures][0]
+        return [f.result() for f in futures]
 
 
 class AsyncMPClient(MPClient):
@@ -685,9 +769,24 @@ def _stop_all(children: list[processes.ChildProcess], timeout: float = 4.0) -> N
         child.stop(timeout=max(deadline - time.monotonic(), 0.1))
 
 
+def client_input_address(run_dir: Path, client_index: int) -> str:
+    """Where client ``client_index`` sends requests from (its ROUTER: it binds, engines connect)."""
+    return f"ipc://{run_dir}/in{client_index}.sock"
+
+
 def client_output_address(run_dir: Path, client_index: int) -> str:
     """Where client ``client_index`` receives its engine outputs (it binds, engines connect)."""
     return f"ipc://{run_dir}/out{client_index}.sock"
+
+
+def _pid_running(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie — dead, not yet reaped by its parent — does not)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _dead_message(frames: list[bytes]) -> EngineDead | None:

@@ -25,7 +25,7 @@ def main() -> None:
 
     stdin_fd = sys.stdin.fileno()
     spec = processes.read_payload(stdin_fd)
-    role, run_dir = spec["role"], Path(spec["run_dir"])
+    role, run_dir = spec.role, Path(spec.run_dir)
     processes.set_process_title(role)
     set_process_role(role)
     logger = init_logger("engine.process")
@@ -47,12 +47,12 @@ def main() -> None:
 
     processes.watch_lifeline(stdin_fd, on_parent_death)
     try:
-        module_name, qualname = spec["target"].split(":")
+        module_name, qualname = spec.target.split(":")
         target = functools.reduce(getattr, qualname.split("."), importlib.import_module(module_name))
     except Exception as e:
         processes.write_crash_report(run_dir, role, e, stage=None)
         raise
-    target(spec["payload"], run_dir=run_dir, role=role)
+    target(spec.payload, run_dir=run_dir, role=role)
 
 
 if __name__ == "__main__":

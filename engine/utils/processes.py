@@ -6,8 +6,9 @@ Every child (engine core, worker) is started the same way, by ``spawn_process``:
   engine.utils.process_entry``, so it never inherits a forked torch state, and a user script
   without an ``if __name__ == "__main__":`` guard still works — the child never re-imports
   the user's ``__main__`` (multiprocessing's spawn would).
-- **the payload and the lifeline are one pipe**: the parent writes the pickled payload to
-  the child's stdin and keeps the pipe open. A watcher thread in the child then blocks on
+- **the payload and the lifeline are one pipe**: the parent writes a ``SpawnEnvelope``
+  (msgspec: role, target, run directory, and the target's own encoded payload) to the
+  child's stdin and keeps the pipe open. A watcher thread in the child then blocks on
   that pipe; end-of-file means the parent is gone — however it died, SIGKILL included,
   because the kernel closes a dead process's file descriptors. The child then stops its own
   children (each has its own lifeline to it) and exits within a few seconds. This is the
@@ -26,9 +27,7 @@ orphans when the API server is SIGKILLed).
 
 from __future__ import annotations
 
-import json
 import os
-import pickle
 import signal
 import struct
 import subprocess
@@ -41,7 +40,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 _LEN = struct.Struct("<Q")
+
+
+class SpawnEnvelope(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """What ``spawn_process`` writes to a child's stdin (length-prefixed msgpack).
+
+    ``payload`` is the target's own spawn message, already encoded by the boundary module
+    that owns it (``EngineCoreSpawnPayload``, ``WorkerSpawnPayload``,
+    ``CoordinatorSpawnPayload``, ``APIServerSpawnPayload``).
+    """
+
+    role: str
+    target: str  # "package.module:function"
+    payload: bytes
+    run_dir: str
 
 
 class EngineDeadError(RuntimeError):
@@ -126,13 +141,25 @@ class ChildProcess:
 
 
 def spawn_process(
-    role: str, target: str, payload: Any, run_dir: Path, env: dict[str, str] | None = None
+    role: str,
+    target: str,
+    payload: bytes,
+    run_dir: Path,
+    env: dict[str, str] | None = None,
+    pass_fds: tuple[int, ...] = (),
 ) -> ChildProcess:
     """Start ``target`` ("package.module:function") in a fresh interpreter titled ``glassbox::<role>``.
 
-    ``target(payload)`` runs in the child after its title, log prefix and lifeline watcher
-    are in place. ``payload`` must be picklable.
+    ``target(payload, run_dir=..., role=...)`` runs in the child after its title, log prefix
+    and lifeline watcher are in place. ``payload`` is the target's encoded spawn message.
+    ``pass_fds``: file descriptors the child inherits under the same numbers (the API
+    servers' shared listening socket).
+
+    Raises:
+        TypeError: ``payload`` is not bytes.
     """
+    if not isinstance(payload, bytes):
+        raise TypeError(f"spawn payload for {role} must be encoded bytes, not {type(payload).__name__}")
     child_env = dict(os.environ)
     # The child must import this same `engine`, wherever the parent found it.
     root = str(Path(__file__).resolve().parents[2])
@@ -146,10 +173,11 @@ def spawn_process(
             stdin=subprocess.PIPE,
             env=child_env,
             close_fds=True,
+            pass_fds=pass_fds,
         )
         assert popen.stdin is not None
         st.set(catalogue.ATTR_PID, popen.pid)
-        data = pickle.dumps({"role": role, "target": target, "payload": payload, "run_dir": str(run_dir)})
+        data = msgspec.msgpack.encode(SpawnEnvelope(role, target, payload, str(run_dir)))
         popen.stdin.write(_LEN.pack(len(data)) + data)
         popen.stdin.flush()
     return ChildProcess(role=role, popen=popen, lifeline=popen.stdin, run_dir=run_dir)
@@ -159,33 +187,42 @@ def spawn_process(
 
 
 def crash_file(run_dir: Path, role: str) -> Path:
-    return Path(run_dir) / f"{role}.crash.json"
+    """Where process ``role`` writes its crash report (``tracing.run_dir.crash_path``)."""
+    from tracing import run_dir as run_dirs
+
+    return run_dirs.crash_path(run_dir, role)
 
 
 def write_crash_report(
     run_dir: Path, role: str, exc: BaseException, stage: str | None, rank: int | None = None
 ) -> None:
-    """Record why this process is about to die (best effort: the run dir may be gone)."""
-    report = {
-        "role": role,
-        "rank": rank,
-        "pid": os.getpid(),
-        "stage": stage,
-        "exception": f"{type(exc).__name__}: {exc}",
-        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-        "time": time.time(),
-    }
+    """Record why this process is about to die: a ``tracing.run_dir.CrashReport`` (best effort,
+    never raises: the run dir may be gone)."""
+    from tracing import run_dir as run_dirs
+
+    report = run_dirs.CrashReport(
+        role=str(role),
+        rank=rank,
+        pid=os.getpid(),
+        stage=stage,
+        exception=f"{type(exc).__name__}: {exc}",
+        traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        time=time.time(),
+    )
     try:
-        crash_file(run_dir, role).write_text(json.dumps(report, indent=2))
+        run_dirs.write_crash_report(run_dir, report)
     except OSError:
         pass
 
 
 def read_crash_report(run_dir: Path, role: str) -> dict[str, Any] | None:
-    try:
-        return json.loads(crash_file(run_dir, role).read_text())
-    except (OSError, ValueError):
-        return None
+    """The crash report of ``role`` as a dict (``tracing.run_dir.CrashReport``'s fields), or
+    None when it wrote none or it is unreadable (``tracing.run_dir.read_crash_report`` gives
+    the typed record)."""
+    from tracing import run_dir as run_dirs
+
+    report = run_dirs.read_crash_report(run_dir, role)
+    return None if report is None else msgspec.to_builtins(report)
 
 
 def describe_exit(returncode: int | None) -> str:
@@ -203,29 +240,37 @@ def describe_exit(returncode: int | None) -> str:
 def format_root_cause(
     run_dir: Path, role: str, pid: int | None, returncode: int | None, rank: int | None = None, note: str = ""
 ) -> str:
-    """One block naming the process that died first: role, rank, pid, stage, exit, exception."""
-    from engine.utils import run_dir as run_dirs
-    from tracing import read_status_file
+    """One block naming the process that died first: role, rank, pid, stage, exit, exception.
 
-    crash = read_crash_report(run_dir, role) or {}
-    status = read_status_file(run_dirs.status_file(Path(run_dir), role)) or {}
-    stage = crash.get("stage") or status.get("stage")
+    Read from the run directory: the process's crash report and its status file (both
+    ``tracing.run_dir`` records), either of which may be missing.
+    """
+    from tracing import run_dir as run_dirs
+
+    role = str(role)
+    crash = run_dirs.read_crash_report(run_dir, role)
+    status = run_dirs.read_status(run_dirs.status_path(run_dir, role)) or run_dirs.ProcessStatus()
+    stage = (crash.stage if crash is not None else None) or status.stage
     if not stage:
         # Step stages are not written to the status file (too frequent), so a process
         # between lifecycle stages was serving, or idle.
-        last = status.get("last_finished") or {}
-        if last.get("error"):
-            stage = f"{last.get('name')} (failed: {last['error']})"
-        elif last.get("name"):
-            stage = f"none (serving or idle; last lifecycle stage finished: {last['name']})"
-    rank = rank if rank is not None else crash.get("rank", status.get("rank"))
+        last = status.last_finished
+        if last is not None and last.error:
+            stage = f"{last.name} (failed: {last.error})"
+        elif last is not None and last.name:
+            stage = f"none (serving or idle; last lifecycle stage finished: {last.name})"
+    if rank is None:
+        rank = crash.rank if crash is not None and crash.rank is not None else status.rank
+    if pid is None and crash is not None:
+        pid = crash.pid
+    exception = crash.exception if crash is not None else None
     lines = [
         "=" * 24 + " Glassbox root cause " + "=" * 24,
         f"process:   {role}" + (f" (rank {rank})" if rank is not None else ""),
-        f"pid:       {pid if pid is not None else crash.get('pid', '?')}",
+        f"pid:       {pid if pid is not None else '?'}",
         f"stage:     {stage or 'unknown'}",
         f"exit:      {describe_exit(returncode)}",
-        f"exception: {crash.get('exception') or 'none recorded (killed from outside, or died before reporting)'}",
+        f"exception: {exception or 'none recorded (killed from outside, or died before reporting)'}",
     ]
     if note:
         lines.append(f"note:      {note}")
@@ -283,7 +328,14 @@ def _read_exact(fd: int, n: int) -> bytes:
     return b"".join(chunks)
 
 
-def read_payload(fd: int) -> dict[str, Any]:
-    """The spawn payload, read from the lifeline pipe ``fd`` (the child's stdin)."""
+def read_payload(fd: int) -> SpawnEnvelope:
+    """The ``SpawnEnvelope``, read from the lifeline pipe ``fd`` (the child's stdin).
+
+    Raises:
+        SystemExit: the pipe closed before the whole envelope came, or it does not decode.
+    """
     (n,) = _LEN.unpack(_read_exact(fd, _LEN.size))
-    return pickle.loads(_read_exact(fd, n))
+    try:
+        return msgspec.msgpack.decode(_read_exact(fd, n), type=SpawnEnvelope)
+    except msgspec.DecodeError as e:
+        raise SystemExit(f"glassbox: malformed spawn envelope on stdin: {e}") from None

@@ -1,138 +1,81 @@
-"""The run directory: one per engine instance, where its processes leave their traces.
+"""The engine's side of the run directory: the topology plan written as the manifest.
 
-Holds the manifest (planned roles, pids, expected process count) and each process's status
-file (its current lifecycle stage, written by ``tracing.stage``). Later it also holds the
-ZMQ ipc sockets and the live-telemetry sockets, which is why paths are kept short (ipc
-socket paths are limited to 107 characters). ``glassbox ps`` and ``engine-top`` find
-running instances by listing these directories.
+The run-directory contract — the file formats (``Manifest``, ``ProcessStatus``,
+``CrashReport``), the one atomic writer, the readers, the base directory, listing and the
+stale sweep — lives in ``tracing/run_dir.py``, below the engine, so that ``glassbox ps``
+and engine-top read run directories without importing the engine. This module adapts it to
+the engine:
 
-Created under ``GLASSBOX_RUN_DIR_BASE``, else ``$XDG_RUNTIME_DIR``, else ``/dev/shm``, else
-the temp dir, with mode 0700, and removed when the instance shuts down. A memory-backed
-filesystem matters: the workers' shared-memory queues are files in this directory, and on a
-disk-backed one the kernel would write their pages back to disk.
+- ``plan_tree(plan)`` / ``write_manifest(run_dir, **fields)``: the topology plan
+  (``engine/distributed/topology.py``) as the manifest, each planned process with its kind,
+  ranks, title, status file name and whether it is counted. Role names are built and
+  parsed here (through the topology), never in the contract.
+- ``create_run_dir()``: a fresh run directory under the base that ``engine/envs.py``
+  declares (``GLASSBOX_RUN_DIR_BASE``, else ``$XDG_RUNTIME_DIR``, else ``/dev/shm``, else
+  the temp dir), mode 0700. A memory-backed filesystem matters: the workers'
+  shared-memory queues are files in this directory.
+- ``status_file(run_dir, role)``: where a process (a ``ProcessRole`` or its name) writes its
+  status file.
+
+The other names (``list_run_dirs``, ``creator_pid``, ``sweep_stale_run_dirs``,
+``remove_run_dir``, ``status_files``, ``read_manifest``) are the contract's, kept here for
+the engine's callers.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
-import shutil
-import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-from engine.distributed.topology import STATUS_SUFFIX, ProcessRole, TopologyPlan
+import msgspec
 
-RUN_DIR_PREFIX = "glassbox-"
-MANIFEST = "manifest.json"
-# create_run_dir names a directory glassbox-<creator pid>-<random>.
-_RUN_DIR_NAME = re.compile(rf"^{re.escape(RUN_DIR_PREFIX)}(\d+)-")
+from engine.distributed.topology import ProcessRole, RoleKind, TopologyPlan
+from tracing import run_dir as contract
+from tracing.run_dir import (  # noqa: F401 - re-exported for the engine's callers
+    MANIFEST,
+    RUN_DIR_PREFIX,
+    creator_pid,
+    list_run_dirs,
+    remove_run_dir,
+    sweep_stale_run_dirs,
+)
 
 
 def run_dir_base() -> Path:
+    """Where this engine creates run directories (``GLASSBOX_RUN_DIR_BASE`` from
+    ``engine/envs.py``, else ``$XDG_RUNTIME_DIR``, else ``/dev/shm``, else the temp dir)."""
     from engine import envs
 
-    base = envs.GLASSBOX_RUN_DIR_BASE or os.environ.get("XDG_RUNTIME_DIR")
-    if not base and os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
-        base = "/dev/shm"
-    return Path(base or tempfile.gettempdir())
+    return contract.run_dir_base(envs.GLASSBOX_RUN_DIR_BASE)
 
 
 def create_run_dir() -> Path:
-    """Make a fresh run directory (mode 0700) and return its path.
+    """Make a fresh run directory (mode 0700) under ``run_dir_base()`` and return its path.
 
     First sweeps away run directories that nothing owns any more (see
     ``sweep_stale_run_dirs``), so a tree that was killed all at once leaves no litter.
+
+    Raises:
+        OSError: the base directory cannot be created or written.
     """
-    base = run_dir_base()
-    base.mkdir(parents=True, exist_ok=True)
-    sweep_stale_run_dirs(base)
-    return Path(tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-", dir=base))
+    return contract.make_run_dir(run_dir_base())
 
 
 def status_file(run_dir: Path, role: str | ProcessRole) -> Path:
     """Where process ``role`` (a ``ProcessRole`` or its name) records its current stage."""
     if isinstance(role, ProcessRole):
         return Path(run_dir) / role.status_file_name
-    return Path(run_dir) / f"{role}{STATUS_SUFFIX}"
+    return contract.status_path(run_dir, role)
 
 
 def status_files(run_dir: Path) -> dict[str, Path]:
-    """Every status file in ``run_dir``, by role (empty when the directory is gone)."""
-    try:
-        names = sorted(p.name for p in run_dir.iterdir())
-    except OSError:
-        return {}
-    return {n[: -len(STATUS_SUFFIX)]: run_dir / n for n in names if n.endswith(STATUS_SUFFIX)}
+    """Every status file in ``run_dir``, by role name (empty when the directory is gone)."""
+    return contract.status_paths(run_dir)
 
 
-def list_run_dirs(base: Path | None = None) -> list[Path]:
-    """Every run directory under ``base`` (default: ``run_dir_base()``), sorted by name.
-
-    Only directories named like ``create_run_dir`` names them are listed; a stale one
-    (its creator gone) is listed too — telling live from stale is the caller's job.
-    """
-    base = run_dir_base() if base is None else Path(base)
-    try:
-        entries = list(base.iterdir())
-    except OSError:  # no base yet: nothing ever ran here
-        return []
-    return sorted(p for p in entries if _RUN_DIR_NAME.match(p.name) and p.is_dir())
-
-
-def creator_pid(run_dir: Path) -> int | None:
-    """The pid of the process that created ``run_dir`` (from its name), or None."""
-    m = _RUN_DIR_NAME.match(Path(run_dir).name)
-    return int(m.group(1)) if m else None
-
-
-def write_manifest(run_dir: Path, **fields: object) -> None:
-    """Atomically (re)write the manifest with ``fields`` plus creation time."""
-    data = {"created_at": time.time(), "run_dir": str(run_dir), **fields}
-    tmp = run_dir / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, run_dir / MANIFEST)
-
-
-def read_manifest(run_dir: Path) -> dict:
-    return json.loads((run_dir / MANIFEST).read_text())
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
-
-
-def sweep_stale_run_dirs(base: Path) -> list[Path]:
-    """Remove run directories whose creator and every process with a status file are dead.
-
-    A tree normally cleans up after itself (the last survivor removes the directory); this
-    catches the rest — e.g. a whole process group SIGKILLed at once. A directory with any
-    live pid is left alone. Returns the removed paths.
-    """
-    removed = []
-    for run_dir in list_run_dirs(base):
-        pids = [creator_pid(run_dir)]
-        for path in status_files(run_dir).values():
-            try:
-                pids.append(int(json.loads(path.read_text()).get("pid")))
-            except (OSError, ValueError, TypeError):
-                continue
-        if any(pid is not None and _pid_alive(pid) for pid in pids):
-            continue
-        remove_run_dir(run_dir)
-        removed.append(run_dir)
-    return removed
-
-
-def remove_run_dir(run_dir: Path) -> None:
-    shutil.rmtree(run_dir, ignore_errors=True)
+# ------------------------------------------------------------------------ the manifest
 
 
 def plan_tree(plan: TopologyPlan) -> dict:
@@ -142,24 +85,85 @@ def plan_tree(plan: TopologyPlan) -> dict:
     order and the expected count, A + DP + N (+1 when DP > 1) — A API servers, DP engine
     cores, N workers (N = DP × PP × TP when the workers run in their own processes, else 0).
     An offline ``LLM`` is not an API server, so it is not counted (except in ``inproc`` mode,
-    where it is the whole engine).
+    where it is the whole engine). Each ``roles`` entry holds ``role``, ``kind`` and ``rank``;
+    ``write_manifest`` completes it (``planned_process``).
     """
     return {"mode": plan.mode, "frontend_pid": os.getpid(), "roles": plan.manifest_roles(),
             "expected_process_count": plan.expected_process_count, "api_server_count": plan.api_server_count,
             "data_parallel_size": plan.data_parallel_size, "world_size": plan.world_size}  # fmt: skip
 
 
+def planned_process(
+    role: ProcessRole, *, mode: str | None, rank: int | None = None, pid: int | None = None
+) -> contract.PlannedProcess:
+    """The manifest entry of ``role``: its name, kind, ranks, title and status file name.
+
+    ``rank``: the plan's rank (an engine core's DP rank, a worker's rank in its engine).
+    ``counted`` follows ``TopologyPlan.is_counted``: everything but the owner ``LLM``, which
+    counts only in ``inproc`` mode (where it is the whole engine).
+    """
+    return contract.PlannedProcess(
+        role=role.name, kind=role.kind.value, rank=rank, dp_rank=role.dp_rank, pp_rank=role.pp_rank,
+        tp_rank=role.tp_rank, api_index=role.api_index, pid=pid, title=role.title,
+        status_file=role.status_file_name, counted=role.kind is not RoleKind.FRONTEND or mode == "inproc",
+    )  # fmt: skip
+
+
+def build_manifest(run_dir: Path, **fields: Any) -> contract.Manifest:
+    """The ``Manifest`` of ``fields`` (``plan_tree``'s, plus e.g. ``host``/``port``) and the
+    creation time, each ``roles`` entry completed by ``planned_process``.
+
+    Raises:
+        TypeError: a field the manifest does not have.
+        ValueError: a ``roles`` entry whose ``role`` is not a role name.
+    """
+    mode = fields.get("mode")
+    roles = []
+    for entry in fields.pop("roles", []):
+        entry = dict(entry) if isinstance(entry, dict) else msgspec.structs.asdict(entry)
+        role = ProcessRole.parse(entry.get("role"))
+        pid = entry.get("pid") or (fields.get("frontend_pid") if role.kind is RoleKind.FRONTEND else None)
+        roles.append(planned_process(role, mode=mode, rank=entry.get("rank"), pid=pid))
+    manifest = contract.Manifest(created_at=time.time(), run_dir=str(run_dir), roles=roles, **fields)
+    if manifest.tensor_parallel_size is None and manifest.pipeline_parallel_size is None:
+        workers = [r for r in roles if r.kind == RoleKind.WORKER.value]
+        if workers:
+            manifest.tensor_parallel_size = 1 + max(r.tp_rank for r in workers)
+            manifest.pipeline_parallel_size = 1 + max(r.pp_rank for r in workers)
+        elif manifest.world_size == 1:  # no worker processes (the uni executor): one worker
+            manifest.tensor_parallel_size = manifest.pipeline_parallel_size = 1
+    return manifest
+
+
+def write_manifest(run_dir: Path, **fields: Any) -> None:
+    """Atomically (re)write the manifest with ``fields`` plus creation time (``build_manifest``).
+
+    Raises:
+        TypeError, ValueError: as ``build_manifest``.
+        OSError: the run directory is not writable.
+    """
+    contract.write_manifest(run_dir, build_manifest(run_dir, **fields))
+
+
+def read_manifest(run_dir: Path) -> dict:
+    """The manifest as a dict (unset fields left out; ``tracing.run_dir.read_manifest`` gives
+    the typed ``Manifest``).
+
+    Raises:
+        OSError: missing (``FileNotFoundError``) or unreadable.
+        ValueError: it does not decode (``tracing.run_dir.RecordError``).
+    """
+    return msgspec.to_builtins(contract.load_manifest(run_dir))
+
+
 def planned_roles(run_dir: Path) -> list[ProcessRole]:
     """The roles the manifest plans, in its order (empty when it is missing or unreadable;
     names that are not roles are skipped)."""
-    try:
-        entries = read_manifest(run_dir).get("roles", [])
-    except (OSError, ValueError):
-        return []
+    manifest = contract.read_manifest(run_dir)
     roles = []
-    for entry in entries:
+    for entry in manifest.roles if manifest is not None else ():
         try:
-            roles.append(ProcessRole.parse(entry.get("role")))
-        except (ValueError, AttributeError):
+            roles.append(ProcessRole.parse(entry.role))
+        except ValueError:
             continue
     return roles

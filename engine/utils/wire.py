@@ -3,7 +3,7 @@ typed decoding that raises it.
 
 Each boundary's messages live in their own module (``engine/core/messages.py`` between the
 frontend and the engine core, ``engine/executor/messages.py`` between the engine core and
-its workers); this module only holds the check they all make. Protocol checks are real
+its workers, ...); this module only holds the check they all make. Protocol checks are real
 checks: a message that does not decode into the expected type raises ``ProtocolError``
 naming the boundary and what was wrong (an ``assert`` would vanish under ``python -O``).
 """

@@ -454,6 +454,11 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ dummy runs
 
+    def execute_dummy_batch(self) -> None:
+        """One decode-sized dummy step (vLLM: ``_dummy_run(1, uniform_decode=True)``); each
+        pipeline stage runs on zeros, so no stage waits for another."""
+        self._dummy_step([1])
+
     def _dummy_step(self, query_lens: list[int]) -> None:
         """A forward and a sampler run over fresh dummy requests writing into the null block."""
         num_reqs = len(query_lens)

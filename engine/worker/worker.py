@@ -236,6 +236,13 @@ class Worker:
         self._execute_model_s += time.perf_counter() - start
         return output if self.is_driver_worker else None
 
+    def execute_dummy_batch(self) -> None:
+        """A one-token dummy forward (and sampler run) into the null block: what an engine
+        without requests runs while its data-parallel wave runs (vLLM: ``execute_dummy_batch``)."""
+        assert self.model_runner is not None
+        with stage(catalogue.WORKER_EXECUTE_DUMMY_BATCH, **self._attrs()):
+            self.model_runner.execute_dummy_batch()
+
     def check_health(self) -> None:
         return None
 

@@ -13,6 +13,13 @@ order, each step before the next:
 6. serve with uvicorn on uvloop, on the socket from step 2;
 7. freeze the start-up objects out of the garbage collector's way (``gc.freeze``).
 
+With ``--api-server-count A > 1`` (default: the data-parallel size, as vLLM 0.33) this
+process is ``APIServer_0``: after step 4 it starts ``APIServer_1 .. A-1``, which inherit the
+listening socket from step 2 (the kernel spreads ``accept()`` among them), attach to the
+same engine cores with their own sockets (``run_api_server_worker``) and say ready; then it
+serves as one of them. Any of them dying brings the tree down with one root cause, printed
+by APIServer_0; the others stop when APIServer_0 stops them (or dies: their lifeline).
+
 Shutdown: SIGINT/SIGTERM → uvicorn stops accepting and finishes → the engine tree is
 stopped → the run directory is removed → exit 0. If the engine dies, requests in flight end
 with an error, new ones get 503, the root cause is printed last, and the server exits 1 —
@@ -26,16 +33,26 @@ from __future__ import annotations
 import asyncio
 import errno
 import gc
+import os
+import pickle
 import signal
 import socket
 import sys
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
 from engine import envs
 from engine.config import EngineConfig
 from engine.distributed import topology
-from engine.logger import init_logger, set_process_role
+from engine.entrypoints.openai.api_server_messages import (
+    APIServerReady,
+    APIServerSpawnPayload,
+    ServerArgs,
+    decode_as,
+    encode,
+    ready_address,
+)
+from engine.logger import adopt_logger, init_logger, set_process_role
 from engine.utils import processes
 from engine.utils import run_dir as run_dirs
 from engine.utils.processes import EngineDeadError
@@ -49,16 +66,7 @@ EXIT_ENGINE_DEAD = 1  # the engine died (the root cause is printed last)
 EXIT_INTERRUPTED = 130  # Ctrl-C during start-up (128 + SIGINT)
 
 
-@dataclass
-class ServerArgs:
-    """The server's own flags (the engine's are in ``EngineConfig``)."""
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    served_model_name: str | None = None
-    allowed_origins: list[str] | None = None
-    uvicorn_log_level: str = "info"
+__all__ = ["ServerArgs", "bind_socket", "run_server", "run_api_server_worker", "PortInUseError"]
 
 
 class PortInUseError(OSError):
@@ -107,11 +115,9 @@ def run_server(config: EngineConfig, args: ServerArgs, sock: socket.socket | Non
 
     signal.signal(signal.SIGTERM, on_signal_during_startup)
     signal.signal(signal.SIGINT, on_signal_during_startup)
-    # Every process of the tree, named once. This process is APIServer_0, the only API
-    # server for now, also with --data-parallel-size > 1 (it then talks to every engine
-    # core); vLLM's --api-server-count defaulting to the DP size is the next step (issue 8).
-    # It owns the run directory.
-    plan = topology.plan(config, frontend="serve", api_server_count=1)
+    # Every process of the tree, named once. This process is APIServer_0: it owns the run
+    # directory, launches the engine cores, then the other API servers.
+    plan = topology.plan(config, frontend="serve", api_server_count=args.api_server_count)
     role = plan.api_servers[0]
     processes.set_process_title(role.name)
     set_process_role(role.name)
@@ -136,7 +142,9 @@ def run_server(config: EngineConfig, args: ServerArgs, sock: socket.socket | Non
 
         from engine.frontend.async_llm import AsyncLLM
 
-        engine = AsyncLLM(config, run_dir)
+        engine = AsyncLLM(config, run_dir, client_index=0, num_clients=len(plan.api_servers))
+        if len(plan.api_servers) > 1:
+            _start_api_servers(engine, plan, config, args, sock, run_dir)
         return loop.run_until_complete(_serve(engine, config, args, sock, port))
     except KeyboardInterrupt:
         # Ctrl-C exits 130 as a shell expects (128 + SIGINT); SIGTERM is a clean stop: 0.
@@ -168,7 +176,25 @@ def _new_event_loop() -> asyncio.AbstractEventLoop:
         return asyncio.new_event_loop()
 
 
-async def _serve(engine, config: EngineConfig, args: ServerArgs, sock: socket.socket, port: int) -> int:
+async def _serve(
+    engine,
+    config: EngineConfig,
+    args: ServerArgs,
+    sock: socket.socket,
+    port: int,
+    *,
+    launcher: bool = True,
+    on_serving: Callable[[], None] | None = None,
+) -> int:
+    """Serve ``engine``'s app on ``sock`` until told to stop; returns the exit code.
+
+    ``launcher``: this is APIServer_0, which owns the tree: an engine death ends it with
+    ``EXIT_ENGINE_DEAD`` and the root cause printed last. Another API server reports the
+    death to its clients (503) and keeps going until APIServer_0 stops it, so only one
+    process prints the root cause; it stops on SIGTERM alone (a terminal's Ctrl-C reaches
+    the whole process group, and APIServer_0 decides). ``on_serving``: called once uvicorn
+    accepts connections.
+    """
     import uvicorn
 
     from engine.entrypoints.openai.app import build_app
@@ -176,9 +202,13 @@ async def _serve(engine, config: EngineConfig, args: ServerArgs, sock: socket.so
     served_name = args.served_model_name or config.model_config.served_model_name
     app = build_app(engine, served_model_name=served_name, api_key=args.api_key,
                     allowed_origins=args.allowed_origins)  # fmt: skip
-    server = uvicorn.Server(
+    # uvicorn's own lines (start-up, access log) get the role prefix like ours: with
+    # several API servers, each line says which one served.
+    adopt_logger("uvicorn", args.uvicorn_log_level)
+    server = (uvicorn.Server if launcher else _no_signal_server)(
         uvicorn.Config(
             app,
+            log_config=None,
             log_level=args.uvicorn_log_level,
             timeout_graceful_shutdown=2,
             timeout_keep_alive=5,
@@ -190,6 +220,10 @@ async def _serve(engine, config: EngineConfig, args: ServerArgs, sock: socket.so
     def on_engine_dead(error: EngineDeadError) -> None:
         nonlocal exit_code
         dead.append(error)
+        if not launcher:
+            logger.error("The engine died; /health answers 503 until %s stops this server",
+                         topology.ProcessRole.api_server(0).name)  # fmt: skip
+            return
         if envs.GLASSBOX_KEEP_ALIVE_ON_ENGINE_DEATH:
             logger.error(
                 "The engine died; staying up (GLASSBOX_KEEP_ALIVE_ON_ENGINE_DEATH=1), /health answers 503"
@@ -200,11 +234,18 @@ async def _serve(engine, config: EngineConfig, args: ServerArgs, sock: socket.so
 
     engine.on_engine_dead.append(on_engine_dead)
     watchdog = asyncio.create_task(_watch_engine(engine))
-    # While serving, uvicorn's own handlers turn SIGINT/SIGTERM into a graceful stop; when
-    # it returns it re-raises the signal it caught into the handlers it found. Those are
-    # no-ops, so the shutdown below (engine tree, run directory) runs and we exit 0.
-    signal.signal(signal.SIGTERM, _ignore_signal)
-    signal.signal(signal.SIGINT, _ignore_signal)
+    if launcher:
+        # While serving, uvicorn's own handlers turn SIGINT/SIGTERM into a graceful stop;
+        # when it returns it re-raises the signal it caught into the handlers it found.
+        # Those are no-ops, so the shutdown below (engine tree, run directory) runs and we
+        # exit 0.
+        signal.signal(signal.SIGTERM, _ignore_signal)
+        signal.signal(signal.SIGINT, _ignore_signal)
+    else:
+        asyncio.get_running_loop().add_signal_handler(
+            signal.SIGTERM, lambda: setattr(server, "should_exit", True)
+        )
+    announce = asyncio.create_task(_when_serving(server, on_serving)) if on_serving is not None else None
     gc.collect()
     gc.freeze()
     logger.info("Glassbox API server ready on http://%s:%d (model %s)", args.host, port, served_name)
@@ -212,10 +253,154 @@ async def _serve(engine, config: EngineConfig, args: ServerArgs, sock: socket.so
         await server.serve(sockets=[sock])
     finally:
         watchdog.cancel()
-    if dead:
+        if announce is not None:
+            announce.cancel()
+    if dead and launcher:
         # The root cause comes last, after uvicorn's shutdown lines.
         print(dead[0].root_cause, file=sys.stderr, flush=True)
     return exit_code
+
+
+def _no_signal_server(config):
+    """A uvicorn server without its SIGINT/SIGTERM handlers (vLLM: ``NoSignalServer``): the
+    caller installs its own SIGTERM handler, and SIGINT stays ignored."""
+    import contextlib
+
+    import uvicorn
+
+    class NoSignalServer(uvicorn.Server):
+        def capture_signals(self):
+            return contextlib.nullcontext()
+
+    return NoSignalServer(config)
+
+
+async def _when_serving(server, on_serving: Callable[[], None]) -> None:
+    while not server.started:
+        await asyncio.sleep(0.01)
+    on_serving()
+
+
+# ------------------------------------------------------------------ several API servers
+
+
+def _start_api_servers(engine, plan, config: EngineConfig, args: ServerArgs, sock: socket.socket,
+                       run_dir: Path) -> None:  # fmt: skip
+    """APIServer_0: spawn APIServer_1..A-1 on the shared socket; return once each serves.
+
+    Each is watched like an engine process: its death (also during start-up) stops the tree
+    with its root cause.
+
+    Raises:
+        EngineDeadError: an API server (or an engine process) died meanwhile.
+        TimeoutError: not every API server was serving within ``GLASSBOX_ENGINE_READY_TIMEOUT_S``.
+    """
+    import zmq
+
+    from tracing import WaitTimeout, catalogue, stage, wait_for
+    from tracing.propagation import inject_trace_headers
+
+    others = plan.api_servers[1:]
+    client = engine.engine_core
+    ctx = zmq.Context.instance()
+    ready_socket = ctx.socket(zmq.PULL)
+    ready_socket.setsockopt(zmq.LINGER, 0)
+    try:
+        with stage(catalogue.API_SERVER_START_OTHERS):
+            address = ready_address(run_dir)
+            ready_socket.bind(address)
+            engines = client.engines_info()
+            config_pickle = pickle.dumps(config, protocol=5)
+            trace_headers = inject_trace_headers() or None
+            for role in others:
+                payload = APIServerSpawnPayload(
+                    config_pickle=config_pickle,
+                    server_args=args,
+                    client_index=role.api_index,
+                    num_clients=len(plan.api_servers),
+                    engines=engines,
+                    listen_fd=sock.fileno(),
+                    ready_address=address,
+                    trace_headers=trace_headers,
+                )
+                proc = processes.spawn_process(
+                    role.name,
+                    "engine.entrypoints.openai.api_server:run_api_server_worker",
+                    encode(payload),
+                    run_dir,
+                    pass_fds=(sock.fileno(),),
+                )
+                client.watch_child(proc)
+            waiting = {role.api_index: role.name for role in others}
+
+            def all_serving() -> bool:
+                if ready_socket.poll(100):
+                    ready: APIServerReady = decode_as(APIServerReady, ready_socket.recv())
+                    waiting.pop(ready.client_index, None)
+                client._check_alive()  # a server that died during start-up: its root cause
+                return not waiting
+
+            timeout = envs.GLASSBOX_ENGINE_READY_TIMEOUT_S
+            try:
+                wait_for(f"ready from {', '.join(waiting.values())}", all_serving, timeout_s=timeout,
+                         poll_interval_s=0)  # fmt: skip
+            except WaitTimeout:
+                raise TimeoutError(
+                    f"API server(s) {', '.join(waiting.values())} not serving within "
+                    f"GLASSBOX_ENGINE_READY_TIMEOUT_S={timeout:g} s"
+                ) from None
+    finally:
+        ready_socket.close(linger=0)
+
+
+def run_api_server_worker(payload_bytes: bytes, *, run_dir: Path, role: str) -> None:
+    """Process target of APIServer_<i>, i > 0 (vLLM: ``run_api_server_worker_proc``).
+
+    Attaches to the engine cores APIServer_0 launched, serves on the inherited listening
+    socket, and tells APIServer_0 once it accepts connections. Exits 0 when stopped
+    (SIGTERM, or its lifeline to APIServer_0 closing).
+    """
+    from tracing import catalogue, setup_tracing, stage
+    from tracing.propagation import attached_trace_context
+
+    payload: APIServerSpawnPayload = decode_as(APIServerSpawnPayload, payload_bytes)
+    config: EngineConfig = payload.config
+    obs = config.observability_config
+    setup_tracing(role, trace_file=obs.trace_file, otlp_endpoint=obs.otlp_traces_endpoint,
+                  status_file=str(run_dirs.status_file(run_dir, role)))  # fmt: skip
+    processes.install_sigterm_exit()  # during start-up; serving installs its own handler
+    sock = socket.socket(fileno=payload.listen_fd)
+    port = sock.getsockname()[1]
+    loop = _new_event_loop()
+    asyncio.set_event_loop(loop)
+    engine = None
+
+    def say_ready() -> None:
+        import zmq
+
+        push = zmq.Context.instance().socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 2000)
+        push.connect(payload.ready_address)
+        push.send(encode(APIServerReady(client_index=payload.client_index, role=role, pid=os.getpid())))
+        push.close()
+
+    try:
+        from engine.frontend.async_llm import AsyncLLM
+
+        with attached_trace_context(payload.trace_headers), stage(catalogue.API_SERVER_ATTACH, role=role):
+            engine = AsyncLLM(config, run_dir, client_index=payload.client_index,
+                              num_clients=payload.num_clients, engines=payload.engines)  # fmt: skip
+        loop.run_until_complete(
+            _serve(engine, config, payload.server_args, sock, port, launcher=False, on_serving=say_ready)
+        )
+    except SystemExit:
+        logger.debug("stopped during start-up")
+    finally:
+        processes.ignore_sigterm()
+        if engine is not None:
+            engine.shutdown()
+        sock.close()
+        loop.close()
 
 
 def _ignore_signal(signum: int, frame: object) -> None:

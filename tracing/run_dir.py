@@ -1,0 +1,474 @@
+"""The run-directory contract: what a Glassbox instance leaves on disk, typed, in one place.
+
+Every instance (an offline ``LLM`` or a server) owns one run directory, named
+``glassbox-<creator pid>-<random>`` under the base directory (``run_dir_base``), mode 0700.
+Besides the ZMQ ipc sockets and shared-memory files of the engine, it holds three kinds of
+small JSON file — JSON because people read them with ``cat`` while a server hangs::
+
+    manifest.json              Manifest        the planned tree, written by the owner
+    <role>.status.json         ProcessStatus   each process's current lifecycle stage
+    <role>.crash.json          CrashReport     why a process died, written as it dies
+
+Each is written through one atomic writer (``write_record``: a temp file, then
+``os.replace``, so a reader never sees half a file) and read by one reader per kind
+(``read_manifest``, ``read_status``, ``read_crash_report``) that returns the typed struct, or
+None when the file is missing or does not decode. Readers are lenient about missing and
+unknown fields, so a newer or older Glassbox's files still read.
+
+Who uses it: the engine writes (through ``engine/utils/run_dir.py``, which turns the
+topology plan into the manifest, and ``tracing.setup``, which writes status files);
+``glassbox ps``, ``engine-top`` and the engine's own deadline messages and root-cause
+reports read. So this module imports no ``engine`` module and no torch (a test checks it in a
+fresh interpreter): engine-top must work where the engine cannot even be imported.
+
+Role names (``EngineCore_DP0``) are opaque strings here: this module never builds or parses
+one. The engine's topology plan does (``engine/distributed/topology.py``) and writes the
+structured fields (kind, ranks, title) into the manifest's entries. A file name is a role
+name plus a suffix; a process title is ``TITLE_PREFIX`` plus a role name.
+
+The base directory is ``$GLASSBOX_RUN_DIR_BASE`` (read here, in ``run_dir_base`` only; the
+engine declares the variable in ``engine/envs.py``), else ``$XDG_RUNTIME_DIR``, else
+``/dev/shm``, else the temp dir. A memory-backed filesystem matters: the workers'
+shared-memory queues are files in the run directory, and on a disk-backed one the kernel
+would write their pages back to disk. Paths stay short: an ipc socket path is limited to
+107 characters.
+
+vLLM has no run directory (its ipc sockets are loose files in the temp dir, found by
+nobody); this contract is ours.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+from typing import TypeVar
+
+import msgspec
+
+ENV_RUN_DIR_BASE = "GLASSBOX_RUN_DIR_BASE"
+RUN_DIR_PREFIX = "glassbox-"
+MANIFEST = "manifest.json"
+STATUS_SUFFIX = ".status.json"
+CRASH_SUFFIX = ".crash.json"
+TITLE_PREFIX = "glassbox::"
+
+# make_run_dir names a directory glassbox-<creator pid>-<random>.
+_RUN_DIR_NAME = re.compile(rf"^{re.escape(RUN_DIR_PREFIX)}(\d+)-")
+
+
+# --------------------------------------------------------------------------- the records
+
+
+class PlannedProcess(msgspec.Struct, omit_defaults=True):
+    """One process of the planned tree: an entry of ``Manifest.roles``.
+
+    Written by the engine from its topology plan; every field but ``role`` may be missing
+    in a manifest written by an older Glassbox (or by hand, in tests).
+
+    Attributes:
+        role: the role name (``Worker_DP0_PP1_TP0``), an opaque string here.
+        kind: ``frontend``, ``api_server``, ``engine_core``, ``worker`` or ``dp_coordinator``.
+        rank: an engine core's DP rank, or a worker's rank inside its engine
+            (``pp_rank * tensor_parallel_size + tp_rank``); else None.
+        dp_rank, pp_rank, tp_rank: an engine core's or worker's ranks (pp/tp: workers only).
+        api_index: an API server's index.
+        pid: the process id, when the manifest's writer knows it (its own process).
+        title: the process title (``glassbox::Worker_DP0_PP1_TP0``).
+        status_file: the status file's name in the run directory.
+        counted: whether the process counts toward ``Manifest.expected_process_count``
+            (False for an offline ``LLM``'s own process, the owner).
+    """
+
+    role: str
+    kind: str | None = None
+    rank: int | None = None
+    dp_rank: int | None = None
+    pp_rank: int | None = None
+    tp_rank: int | None = None
+    api_index: int | None = None
+    pid: int | None = None
+    title: str | None = None
+    status_file: str | None = None
+    counted: bool | None = None
+
+
+class Manifest(msgspec.Struct, omit_defaults=True):
+    """``manifest.json``: the planned process tree of one instance, written by its owner.
+
+    Attributes:
+        created_at: Unix time (s) the manifest was written.
+        run_dir: the run directory's path.
+        mode: ``serve`` (API servers own the engines), ``mp`` (an offline ``LLM`` owns engine
+            processes) or ``inproc`` (the engine runs inside the ``LLM``'s process).
+        frontend_pid: the process that owns the instance (the ``LLM``'s, or ``APIServer_0``).
+        roles: every planned process, in start-up order.
+        expected_process_count: how many of ``roles`` are counted (A + DP + DP·PP·TP, + 1
+            coordinator when DP > 1, under ``serve``).
+        api_server_count, data_parallel_size, world_size (PP × TP, workers per engine),
+        tensor_parallel_size, pipeline_parallel_size: the shape.
+        host, port: where a server listens (``serve`` only).
+    """
+
+    created_at: float | None = None
+    run_dir: str | None = None
+    mode: str | None = None
+    frontend_pid: int | None = None
+    roles: list[PlannedProcess] = msgspec.field(default_factory=list)
+    expected_process_count: int | None = None
+    api_server_count: int | None = None
+    data_parallel_size: int | None = None
+    world_size: int | None = None
+    tensor_parallel_size: int | None = None
+    pipeline_parallel_size: int | None = None
+    host: str | None = None
+    port: int | None = None
+
+
+class FinishedStage(msgspec.Struct):
+    """The last lifecycle stage a process left (``ProcessStatus.last_finished``).
+
+    Attributes:
+        name: the stage's span name (``worker.load_model``).
+        duration_ms: how long it ran, in milliseconds.
+        error: ``"<ExceptionType>: <message>"`` when it raised, else None.
+        finished_at: Unix time (s) it was left.
+    """
+
+    name: str
+    duration_ms: float | None = None
+    error: str | None = None
+    finished_at: float | None = None
+
+
+class ProcessStatus(msgspec.Struct):
+    """``<role>.status.json``: a process's current lifecycle stage, rewritten at each change.
+
+    Written by ``tracing.setup`` whenever a lifecycle stage is entered or left (step-level
+    stages are too frequent and never touch it), so it names the stage even of a frozen
+    process. Every field may be missing in a file written by hand or by an older version.
+
+    Attributes:
+        role: the writer's role name.
+        rank: its worker or DP rank, or None.
+        pid: its process id.
+        stage: the innermost open lifecycle stage, or None between stages.
+        stage_stack: the open lifecycle stages, outermost first.
+        entered_at: Unix time (s) ``stage`` was entered.
+        updated_at: Unix time (s) the file was written.
+        last_finished: the last lifecycle stage left, or None.
+    """
+
+    role: str | None = None
+    rank: int | None = None
+    pid: int | None = None
+    stage: str | None = None
+    stage_stack: list[str] = msgspec.field(default_factory=list)
+    entered_at: float | None = None
+    updated_at: float | None = None
+    last_finished: FinishedStage | None = None
+
+
+class CrashReport(msgspec.Struct):
+    """``<role>.crash.json``: why a process died, written by the process as it dies.
+
+    Attributes:
+        role: the dying process's role name.
+        rank: its worker or DP rank, or None.
+        pid: its process id.
+        stage: the stage it was in (None: none, or unknown).
+        exception: ``"<ExceptionType>: <message>"``.
+        traceback: the formatted traceback.
+        time: Unix time (s) it was written.
+    """
+
+    role: str
+    rank: int | None = None
+    pid: int | None = None
+    stage: str | None = None
+    exception: str | None = None
+    traceback: str | None = None
+    time: float | None = None
+
+
+Record = TypeVar("Record", Manifest, ProcessStatus, CrashReport)
+
+
+class RecordError(ValueError):
+    """A run-directory file exists but is not valid JSON of its kind.
+
+    Attributes:
+        path: the file.
+        reason: what is wrong with it (msgspec's message: ``Expected `int`, got `str` -
+            at `$.pid```).
+    """
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path, self.reason = path, reason
+        super().__init__(f"{path}: {reason}")
+
+
+# --------------------------------------------------------------------------- paths
+
+
+def manifest_path(run_dir: str | os.PathLike[str]) -> Path:
+    return Path(run_dir) / MANIFEST
+
+
+def status_path(run_dir: str | os.PathLike[str], role: str) -> Path:
+    """Where process ``role`` (a role name) records its current stage."""
+    return Path(run_dir) / f"{role}{STATUS_SUFFIX}"
+
+
+def crash_path(run_dir: str | os.PathLike[str], role: str) -> Path:
+    """Where process ``role`` (a role name) writes its crash report."""
+    return Path(run_dir) / f"{role}{CRASH_SUFFIX}"
+
+
+def status_paths(run_dir: str | os.PathLike[str]) -> dict[str, Path]:
+    """Every status file in ``run_dir``, by role name, sorted (empty when the directory is gone)."""
+    run_dir = Path(run_dir)
+    try:
+        names = sorted(p.name for p in run_dir.iterdir())
+    except OSError:
+        return {}
+    return {n[: -len(STATUS_SUFFIX)]: run_dir / n for n in names if n.endswith(STATUS_SUFFIX)}
+
+
+def role_from_title(title: str | None) -> str | None:
+    """The role name in a ``glassbox::<role>`` process title (anything after a space is
+    ignored), or None for any other title."""
+    if not title or not title.startswith(TITLE_PREFIX):
+        return None
+    rest = title[len(TITLE_PREFIX) :].split()
+    return rest[0] if rest else None
+
+
+# --------------------------------------------------------------------------- writer and readers
+
+
+def write_record(path: str | os.PathLike[str], record: msgspec.Struct, *, indent: int = 2) -> None:
+    """Atomically (temp file + ``os.replace``) write ``record`` to ``path`` as JSON.
+
+    ``indent``: spaces per level (0: one compact line, for files rewritten often). The temp
+    file is named per process and thread, so concurrent writers never share one.
+
+    Raises:
+        OSError: the file cannot be written (e.g. the run directory is gone); no temp file
+            is left behind.
+    """
+    data = msgspec.json.encode(record)
+    if indent:
+        data = msgspec.json.format(data, indent=indent)
+    path = os.fspath(path)
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+_decoders: dict[type, msgspec.json.Decoder] = {}
+
+
+def load_record(path: str | os.PathLike[str], kind: type[Record]) -> Record:
+    """Read ``path`` as a ``kind`` (``Manifest``, ``ProcessStatus`` or ``CrashReport``).
+
+    Raises:
+        OSError: the file cannot be read (``FileNotFoundError`` when it is missing).
+        RecordError: it is not valid JSON of that kind.
+    """
+    decoder = _decoders.get(kind)
+    if decoder is None:
+        decoder = _decoders[kind] = msgspec.json.Decoder(kind)
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return decoder.decode(data)
+    except msgspec.DecodeError as e:  # ValidationError is a DecodeError
+        raise RecordError(os.fspath(path), str(e)) from None
+
+
+def _read(path: str | os.PathLike[str], kind: type[Record]) -> Record | None:
+    try:
+        return load_record(path, kind)
+    except (OSError, RecordError):
+        return None
+
+
+def load_manifest(run_dir: str | os.PathLike[str]) -> Manifest:
+    """The manifest of ``run_dir``.
+
+    Raises:
+        FileNotFoundError: no manifest yet (the instance is starting, or died first).
+        OSError: it cannot be read.
+        RecordError: it does not decode.
+    """
+    return load_record(manifest_path(run_dir), Manifest)
+
+
+def read_manifest(run_dir: str | os.PathLike[str]) -> Manifest | None:
+    """The manifest of ``run_dir``, or None when it is missing or unreadable."""
+    return _read(manifest_path(run_dir), Manifest)
+
+
+def read_status(path: str | os.PathLike[str]) -> ProcessStatus | None:
+    """The status file at ``path`` (see ``status_path``), or None when missing or unreadable."""
+    return _read(path, ProcessStatus)
+
+
+def read_crash_report(run_dir: str | os.PathLike[str], role: str) -> CrashReport | None:
+    """The crash report of process ``role``, or None when it wrote none (or it is unreadable)."""
+    return _read(crash_path(run_dir, role), CrashReport)
+
+
+def write_manifest(run_dir: str | os.PathLike[str], manifest: Manifest) -> None:
+    """Atomically (re)write ``run_dir``'s manifest. Raises ``OSError`` as ``write_record``."""
+    write_record(manifest_path(run_dir), manifest)
+
+
+def write_status(path: str | os.PathLike[str], status: ProcessStatus) -> None:
+    """Atomically rewrite a status file (one compact line). Raises ``OSError`` as ``write_record``."""
+    write_record(path, status, indent=0)
+
+
+def write_crash_report(run_dir: str | os.PathLike[str], report: CrashReport) -> None:
+    """Atomically write ``report`` as its role's crash report. Raises ``OSError`` as ``write_record``."""
+    write_record(crash_path(run_dir, report.role), report)
+
+
+# --------------------------------------------------------------------------- run directories
+
+
+def run_dir_base(base: str | os.PathLike[str] | None = None) -> Path:
+    """Where run directories live: ``base`` when given, else ``$GLASSBOX_RUN_DIR_BASE``, else
+    ``$XDG_RUNTIME_DIR``, else ``/dev/shm`` (when writable), else the temp dir.
+
+    The one place that reads ``GLASSBOX_RUN_DIR_BASE`` without the engine: the engine passes
+    its validated value (``engine/envs.py``) as ``base``; ``glassbox ps`` and engine-top
+    let it be read here. Empty values count as unset.
+    """
+    chosen = os.fspath(base) if base else None
+    chosen = chosen or os.environ.get(ENV_RUN_DIR_BASE) or os.environ.get("XDG_RUNTIME_DIR")
+    if not chosen and os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        chosen = "/dev/shm"
+    return Path(chosen or tempfile.gettempdir())
+
+
+def make_run_dir(base: str | os.PathLike[str]) -> Path:
+    """Make a fresh run directory (mode 0700) under ``base`` and return its path.
+
+    First sweeps away run directories that nothing owns any more (``sweep_stale_run_dirs``),
+    so a tree that was killed all at once leaves no litter.
+
+    Raises:
+        OSError: ``base`` cannot be created or written.
+    """
+    base = Path(base)
+    base.mkdir(parents=True, exist_ok=True)
+    sweep_stale_run_dirs(base)
+    return Path(tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-", dir=base))
+
+
+def list_run_dirs(base: str | os.PathLike[str] | None = None) -> list[Path]:
+    """Every run directory under ``base`` (default: ``run_dir_base()``), sorted by name.
+
+    Only directories named as ``make_run_dir`` names them are listed; a stale one (its
+    creator gone) is listed too — telling live from stale is the caller's job.
+    """
+    base = run_dir_base() if base is None else Path(base)
+    try:
+        entries = list(base.iterdir())
+    except OSError:  # no base yet: nothing ever ran here
+        return []
+    return sorted(p for p in entries if _RUN_DIR_NAME.match(p.name) and p.is_dir())
+
+
+def creator_pid(run_dir: str | os.PathLike[str]) -> int | None:
+    """The pid of the process that created ``run_dir`` (from its name), or None."""
+    m = _RUN_DIR_NAME.match(Path(run_dir).name)
+    return int(m.group(1)) if m else None
+
+
+def pid_alive(pid: int | None) -> bool:
+    """Whether a process ``pid`` exists (someone else's live process counts)."""
+    if not pid or pid < 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def sweep_stale_run_dirs(base: str | os.PathLike[str]) -> list[Path]:
+    """Remove run directories whose creator and every process with a status file are dead.
+
+    A tree normally cleans up after itself (the last survivor removes the directory); this
+    catches the rest — e.g. a whole process group SIGKILLed at once. A directory with any
+    live pid is left alone. Returns the removed paths.
+    """
+    removed = []
+    for run_dir in list_run_dirs(base):
+        pids = [creator_pid(run_dir)]
+        for path in status_paths(run_dir).values():
+            status = read_status(path)
+            if status is not None:
+                pids.append(status.pid)
+        if any(pid_alive(pid) for pid in pids):
+            continue
+        remove_run_dir(run_dir)
+        removed.append(run_dir)
+    return removed
+
+
+def remove_run_dir(run_dir: str | os.PathLike[str]) -> None:
+    """Remove ``run_dir`` and everything in it (no error when it is already gone)."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
+__all__ = [
+    "CRASH_SUFFIX",
+    "ENV_RUN_DIR_BASE",
+    "MANIFEST",
+    "RUN_DIR_PREFIX",
+    "STATUS_SUFFIX",
+    "TITLE_PREFIX",
+    "CrashReport",
+    "FinishedStage",
+    "Manifest",
+    "PlannedProcess",
+    "ProcessStatus",
+    "RecordError",
+    "crash_path",
+    "creator_pid",
+    "list_run_dirs",
+    "load_manifest",
+    "load_record",
+    "make_run_dir",
+    "manifest_path",
+    "pid_alive",
+    "read_crash_report",
+    "read_manifest",
+    "read_status",
+    "remove_run_dir",
+    "role_from_title",
+    "run_dir_base",
+    "status_path",
+    "status_paths",
+    "sweep_stale_run_dirs",
+    "write_crash_report",
+    "write_manifest",
+    "write_record",
+    "write_status",
+]
