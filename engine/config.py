@@ -616,7 +616,14 @@ class ObservabilityConfig:
             or isinstance(self.step_delay_ms, bool)
             or not 0 <= self.step_delay_ms <= 60_000
         ):
-            raise ConfigError("--step-delay-ms", self.step_delay_ms, "must be a number of milliseconds in 0..60000")
+            raise ConfigError(
+                "--step-delay-ms", self.step_delay_ms, "must be a number of milliseconds in 0..60000"
+            )
+        if self.telemetry_record is not None:
+            parent = os.path.dirname(os.path.abspath(self.telemetry_record))
+            if os.path.isdir(self.telemetry_record) or not os.access(parent, os.W_OK):
+                raise ConfigError("--telemetry-record", self.telemetry_record,
+                                  "must be a file path in a writable directory")  # fmt: skip
         if self.max_log_len is not None and (
             not isinstance(self.max_log_len, int)
             or isinstance(self.max_log_len, bool)

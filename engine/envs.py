@@ -149,6 +149,14 @@ ENV_VARS: dict[str, EnvVar] = {
             "remainder to the stages before the last.",
         ),
         EnvVar(
+            "GLASSBOX_TELEMETRY",
+            _bool,
+            True,
+            "1: every process publishes live telemetry (stages, waits, heartbeats, gauges, steps) "
+            "on a ZMQ socket in its run directory, for engine-top; 0: off (no socket, no thread, "
+            "no stage hook). Read by tracing/telemetry/publisher.py.",
+        ),
+        EnvVar(
             "GLASSBOX_DP_DUMMY_STEP_INTERVAL_S",
             _non_negative_float,
             0.02,

@@ -12,11 +12,13 @@ answers in seconds whatever the model writes.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -50,10 +52,12 @@ PYTHON = [block for lang, block in BLOCKS if lang == "python"]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = start_server(tmp_path_factory.mktemp("readme"))
+def server():
+    base = Path(tempfile.mkdtemp(prefix="gbr", dir="/tmp"))  # short: ipc paths ≤ 107 chars
+    srv = start_server(base)
     yield srv
     srv.kill_group()
+    shutil.rmtree(base, ignore_errors=True)
 
 
 def _localize(text: str, server) -> str:
@@ -87,14 +91,20 @@ def test_bash_example_runs(argv, server, tmp_path):
     if argv[0] == "curl" and shutil.which("curl") is None:
         pytest.skip("curl is not installed")
     argv = [_localize(a, server) for a in argv]
+    env = None
+    if argv[0] == ".venv/bin/engine-top":  # attach to the test's server, found in its run-dir base
+        argv = [sys.executable, "-m", "tui", *argv[1:]]
+        env = {**os.environ, "GLASSBOX_RUN_DIR_BASE": str(server.run_dir.parent)}
     if argv[0] == ".venv/bin/glassbox":
         argv = CLI + argv[1:]
         if argv[3:5] == ["bench", "serve"] and "--base-url" not in argv:
             argv += ["--base-url", server.base_url]  # its default is the README's port 8000
     argv = [a.replace("/tmp/spans.jsonl", str(tmp_path / "spans.jsonl")) for a in argv]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=180, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert proc.stdout.strip(), "every example prints something"
+    if argv[1:3] == ["-m", "tui"]:
+        assert "EngineCore_DP0" in proc.stdout and "running" in proc.stdout, proc.stdout
     if argv[0] == "curl":
         assert '"choices"' in proc.stdout
 

@@ -112,6 +112,7 @@ class Manifest(msgspec.Struct, omit_defaults=True):
         api_server_count, data_parallel_size, world_size (PP × TP, workers per engine),
         tensor_parallel_size, pipeline_parallel_size: the shape.
         host, port: where a server listens (``serve`` only).
+        model: the served model name.
     """
 
     created_at: float | None = None
@@ -127,6 +128,7 @@ class Manifest(msgspec.Struct, omit_defaults=True):
     pipeline_parallel_size: int | None = None
     host: str | None = None
     port: int | None = None
+    model: str | None = None
 
 
 class FinishedStage(msgspec.Struct):

@@ -114,6 +114,18 @@ class DPCoordinator:
             logger.debug("wave %d started by engine %d", message.wave, message.engine_index)
             self._send_wave(DPWave(wave=message.wave, running=True, exclude_engine=message.engine_index))
 
+    def telemetry_gauges(self) -> dict[str, float]:
+        """Live telemetry: the wave state and each engine's latest counts."""
+        from tracing.telemetry import events
+
+        gauges = {
+            events.GAUGE_DP_WAVE: self.current_wave,
+            events.GAUGE_DP_RUNNING: float(self.engines_running),
+        }
+        for k, (waiting, running) in enumerate(self.counts):
+            gauges[f"dp.engine{k}.waiting"], gauges[f"dp.engine{k}.running"] = waiting, running
+        return gauges
+
     def _send_wave(self, wave: DPWave) -> None:
         if self.wave_socket is not None:
             self.wave_socket.send(encode(wave))
@@ -158,13 +170,17 @@ class DPCoordinator:
     def run_coordinator(payload_bytes: bytes, *, run_dir: Path, role: str) -> None:
         """Process target: the payload is an encoded ``CoordinatorSpawnPayload``."""
         from tracing import setup_tracing
+        from tracing.telemetry.publisher import start_telemetry
 
         payload = decode_as(CoordinatorSpawnPayload, payload_bytes)
         setup_tracing(role, status_file=str(run_dirs.status_file(run_dir, role)))
+        publisher = start_telemetry(run_dir, role)
         processes.install_sigterm_exit()
         coordinator = None
         try:
             coordinator = DPCoordinator(payload)
+            if publisher is not None:
+                publisher.add_gauge_provider(coordinator.telemetry_gauges)
             logger.debug("coordinating %d engines (pid %d)", payload.data_parallel_size, os.getpid())
             coordinator.run()
         except SystemExit:

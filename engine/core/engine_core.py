@@ -27,6 +27,9 @@ from engine.sched.output import SchedulerOutput
 from engine.sched.request import Request, RequestStatus
 from engine.sched.scheduler import Scheduler
 from tracing import catalogue, stage
+from tracing.telemetry import events
+from tracing.telemetry.events import RequestProgress
+from tracing.telemetry.publisher import get_publisher
 
 logger = init_logger(__name__)
 
@@ -181,13 +184,71 @@ class EngineCore:
             "num_preempted": len(scheduler_output.preempted_req_ids),
             "kv_usage": kv_usage,
         }
-        self._after_step()
+        self._after_step(scheduler_output, outputs)
         if self.step_delay_s:
             time.sleep(self.step_delay_s)  # --step-delay-ms: slow motion for a class
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
 
-    def _after_step(self) -> None:
-        """Called after each step with ``last_step`` filled (the process hands it to telemetry)."""
+    def _after_step(self, scheduler_output: SchedulerOutput, outputs: dict[int, EngineCoreOutputs]) -> None:
+        """Live telemetry, when this process publishes it: the step's record and its
+        requests' changes (scheduled, preempted, finished)."""
+        publisher = get_publisher()
+        if publisher is None:
+            return
+        rank = self.config.parallel_config.data_parallel_rank
+        publisher.mark_step()
+        publisher.publish_step(engine_index=rank, **self.last_step)
+        for new in scheduler_output.scheduled_new_reqs:
+            publisher.publish_request_event(
+                new.req_id, "scheduled", engine_index=rank, num_prompt_tokens=len(new.prompt_token_ids),
+                num_computed_tokens=new.num_computed_tokens, num_blocks=len(new.block_ids[0]) if new.block_ids else 0,
+            )  # fmt: skip
+        for req_id in scheduler_output.preempted_req_ids:
+            publisher.publish_request_event(req_id, "preempted", engine_index=rank, reason="KV cache full")
+        for client_outputs in outputs.values():
+            for out in client_outputs.outputs:
+                if out.finish_reason is not None:
+                    publisher.publish_request_event(out.request_id, "finished", engine_index=rank,
+                                                    reason=str(out.finish_reason))  # fmt: skip
+
+    def telemetry_requests(self) -> list[RequestProgress]:
+        """The requests this engine holds now, with their progress, for live telemetry's
+        snapshots (read from the heartbeat thread: copies of the queues, counters only)."""
+        scheduler, rank = self.scheduler, self.config.parallel_config.data_parallel_rank
+        block_ids = scheduler.kv_cache_manager.req_to_blocks
+        return [
+            RequestProgress(
+                request_id=r.request_id,
+                state=state,
+                engine_index=rank,
+                num_prompt_tokens=r.num_prompt_tokens,
+                num_computed_tokens=r.num_computed_tokens,
+                num_output_tokens=r.num_output_tokens,
+                num_blocks=len(block_ids.get(r.request_id, ())),
+                arrived_at=r.arrival_time,
+            )  # fmt: skip
+            for state, queue in (("running", list(scheduler.running)), ("waiting", list(scheduler.waiting)))
+            for r in queue
+        ]
+
+    def telemetry_gauges(self) -> dict[str, float]:
+        """Scheduler and KV-cache gauges for live telemetry (read from the heartbeat thread:
+        lengths and counters only, nothing that changes state)."""
+        scheduler = self.scheduler
+        pool = scheduler.kv_cache_manager.block_pool
+        total = pool.num_gpu_blocks - 1  # the null block holds nothing
+        free = pool.get_num_free_blocks()
+        queries = scheduler.prefix_cache_queries
+        return {
+            events.GAUGE_WAITING: len(scheduler.waiting),
+            events.GAUGE_RUNNING: len(scheduler.running),
+            events.GAUGE_PREEMPTED: scheduler.num_preemptions,
+            events.GAUGE_KV_TOTAL: total,
+            events.GAUGE_KV_FREE: free,
+            events.GAUGE_KV_USED: total - free,
+            events.GAUGE_KV_CACHED: len(pool.cached_block_hash_to_block),
+            events.GAUGE_PREFIX_HIT_RATE: scheduler.prefix_cache_hits / queries if queries else 0.0,
+        }
 
     def _classify_batch(self, so: SchedulerOutput) -> dict[str, Any]:
         """Split a step's requests into decodes (one token, past the prompt) and prefills

@@ -69,6 +69,8 @@ from engine.utils import run_dir as run_dirs
 from engine.utils.wire import ProtocolError
 from tracing import current_stage, setup_tracing
 from tracing.propagation import attached_trace_context
+from tracing.telemetry import events
+from tracing.telemetry.publisher import get_publisher, start_telemetry
 
 logger = init_logger(__name__)
 
@@ -239,6 +241,7 @@ class EngineCoreProc(EngineCore):
         setup_tracing(role, rank=payload.data_parallel_rank, trace_file=obs.trace_file,
                       otlp_endpoint=obs.otlp_traces_endpoint,
                       status_file=str(run_dirs.status_file(run_dir, role)))  # fmt: skip
+        publisher = start_telemetry(run_dir, role)
         processes.install_sigterm_exit()
         parent_pid = os.getppid()
         engine: EngineCoreProc | None = None
@@ -247,6 +250,10 @@ class EngineCoreProc(EngineCore):
                 engine = EngineCoreProc(config, payload.input_addresses, payload.output_addresses,
                                         payload.data_parallel_rank, run_dir, payload.coordinator_address,
                                         payload.coordinator_wave_address)  # fmt: skip
+            if publisher is not None:
+                publisher.add_gauge_provider(engine._telemetry_gauges)
+                publisher.add_gauge_provider(engine.model_executor.telemetry_gauges)
+                publisher.set_requests_provider(engine.telemetry_requests)
             engine.run_busy_loop()
         except SystemExit:
             processes.ignore_sigterm()
@@ -302,14 +309,41 @@ class EngineCoreProc(EngineCore):
                 self._dummy_step()
             self._report_load()
 
+    # ------------------------------------------------------------------ live telemetry
+
+    def _telemetry_gauges(self) -> dict[str, float]:
+        """The engine core's gauges: the scheduler's and KV cache's (``EngineCore``), its two
+        queues and its DP wave (read from the heartbeat thread: lengths and counters only)."""
+        return {
+            **self.telemetry_gauges(),
+            events.GAUGE_INPUT_QUEUE: self.input_queue.qsize(),
+            events.GAUGE_OUTPUT_QUEUE: self.output_queue.qsize(),
+            events.GAUGE_DP_WAVE: self.current_wave,
+            events.GAUGE_DP_RUNNING: float(self.engines_running),
+            events.GAUGE_DUMMY_STEPS: self.num_dummy_steps,
+        }
+
     def _dummy_step(self) -> None:
         """One dummy batch (the wave runs, this engine has no request), then a short pause
         that any input ends (``GLASSBOX_DP_DUMMY_STEP_INTERVAL_S``)."""
         from tracing import catalogue, stage
 
         self.num_dummy_steps += 1
+        started_at, t0 = time.time(), time.perf_counter()
         with stage(catalogue.ENGINE_CORE_DUMMY_STEP, **{catalogue.ATTR_DP_WAVE: self.current_wave}):
             self.execute_dummy_batch()
+        publisher = get_publisher()
+        if publisher is not None:
+            ms = (time.perf_counter() - t0) * 1e3
+            publisher.mark_step()
+            publisher.publish_step(
+                engine_index=self.data_parallel_rank, step_id=self.step_counter, started_at=started_at,
+                duration_ms=ms, schedule_ms=0.0, execute_ms=ms, update_ms=0.0, num_decode_reqs=0,
+                num_decode_tokens=0, num_prefill_reqs=0, num_prefill_tokens=0, num_chunked_prefills=0,
+                tokens_scheduled=0, token_budget=self.config.scheduler_config.max_num_batched_tokens,
+                num_running=0, num_waiting=0, num_preempted=0, kv_usage=self.scheduler.kv_cache_manager.usage,
+                dummy=True,
+            )  # fmt: skip
         if self.dummy_step_interval_s > 0:
             try:
                 item = self.input_queue.get(timeout=self.dummy_step_interval_s)

@@ -24,7 +24,7 @@ from typing import Any
 from engine import envs
 from engine.distributed import topology
 from engine.engine_args import EngineArgs, drop_vllm_compat_kwargs
-from engine.frontend.core_client import EngineCoreClient
+from engine.frontend.core_client import EngineCoreClient, InprocClient
 from engine.frontend.input_processor import InputProcessor
 from engine.frontend.output_processor import OutputProcessor, ParentRequest
 from engine.frontend.outputs import PromptType, RequestOutput
@@ -33,6 +33,8 @@ from engine.logger import init_logger
 from engine.sampling_params import SamplingParams
 from engine.utils import run_dir as run_dirs
 from tracing import catalogue, get_handle, setup_tracing, stage
+from tracing.telemetry.collector import Recorder
+from tracing.telemetry.publisher import start_telemetry, stop_telemetry
 
 logger = init_logger(__name__)
 
@@ -76,12 +78,18 @@ class LLM:
             in_memory=previous is not None and previous.in_memory is not None,
             status_file=str(run_dirs.status_file(self.run_dir, self.topology.owner)),
         )
+        # Live telemetry of this process (the owner): engine-top sees llm.init as it runs.
+        self.telemetry = start_telemetry(self.run_dir, self.topology.owner.name)
+        self.recorder: Recorder | None = None
         try:
             with stage(
                 catalogue.LLM_INIT, **{catalogue.ATTR_MODEL_NAME: self.config.model_config.served_model_name}
             ):
                 multiprocess = envs.GLASSBOX_ENABLE_MULTIPROCESSING
-                run_dirs.write_manifest(self.run_dir, **run_dirs.plan_tree(self.topology))
+                run_dirs.write_manifest(self.run_dir, model=self.config.model_config.served_model_name,
+                                        **run_dirs.plan_tree(self.topology))  # fmt: skip
+                if obs.telemetry_record:
+                    self.recorder = Recorder().start(self.run_dir, obs.telemetry_record)
                 self.tokenizer = get_tokenizer(self.config.model_config.tokenizer)
                 if self.config.model_config.chat_template is not None:  # --chat-template / chat_template=
                     self.tokenizer.chat_template = self.config.model_config.chat_template
@@ -89,11 +97,18 @@ class LLM:
                 self.output_processor = OutputProcessor(self.tokenizer, log_stats=False)
                 self.engine_core = EngineCoreClient.make_client(self.config, self.run_dir, multiprocess)
         except BaseException:
+            _stop_telemetry(self.recorder)
             run_dirs.remove_run_dir(self.run_dir)
             raise
+        if self.telemetry is not None and isinstance(self.engine_core, InprocClient):
+            # The engine core runs here: its scheduler and KV-cache gauges too.
+            self.telemetry.add_gauge_provider(self.engine_core.engine_core.telemetry_gauges)
+            self.telemetry.set_requests_provider(self.engine_core.engine_core.telemetry_requests)
         # Stops the tree and removes the run directory at shutdown(), when the LLM is
         # garbage-collected, or at interpreter exit — whichever comes first.
-        self._finalizer = weakref.finalize(self, _shutdown_engine, self.engine_core, self.run_dir)
+        self._finalizer = weakref.finalize(
+            self, _shutdown_engine, self.engine_core, self.run_dir, self.recorder
+        )
         self.request_counter = itertools.count()
         # Logs, once, the sampling defaults taken from the model's generation_config.json.
         self.config.model_config.get_diff_sampling_param()
@@ -263,11 +278,20 @@ class LLM:
         return [finished[rid] for rid in request_ids]
 
 
-def _shutdown_engine(engine_core: EngineCoreClient, run_dir) -> None:
+def _shutdown_engine(engine_core: EngineCoreClient, run_dir, recorder: Recorder | None = None) -> None:
     try:
         engine_core.shutdown()
     finally:
+        _stop_telemetry(recorder)
         run_dirs.remove_run_dir(run_dir)
+
+
+def _stop_telemetry(recorder: Recorder | None) -> None:
+    """Stop the recording (after the tree stopped: its last events are in the file) and this
+    process's publisher (its socket is in the run directory)."""
+    if recorder is not None:
+        recorder.stop()
+    stop_telemetry()
 
 
 def _prompt_text(prompt: PromptType) -> str | None:

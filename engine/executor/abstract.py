@@ -93,6 +93,10 @@ class Executor(ABC):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.collective_rpc("execute_model", args=(scheduler_output,))[0]
 
+    def telemetry_gauges(self) -> dict[str, float]:
+        """Live-telemetry gauges of the executor itself (the broadcast queue, with workers)."""
+        return {}
+
     def execute_dummy_batch(self) -> None:
         """A dummy forward on every worker (data parallelism: an engine with nothing to do
         steps while its wave runs; vLLM: ``execute_dummy_batch``)."""

@@ -40,6 +40,8 @@ from engine.utils.processes import ChildProcess, EngineDeadError
 from engine.utils.wire import ProtocolError
 from tracing import catalogue, current_stage, read_status_file, setup_tracing, stage
 from tracing.propagation import attached_trace_context, inject_trace_headers
+from tracing.telemetry import events
+from tracing.telemetry.publisher import get_publisher, start_telemetry
 
 logger = init_logger(__name__)
 
@@ -268,6 +270,9 @@ class MultiprocExecutor(Executor):
             proc = self.workers[rank]
             root = processes.format_root_cause(Path(self.run_dir), proc.role, proc.pid, code, rank=rank)
             logger.error("%s (pid %d) died: %s", proc.role, proc.pid, processes.describe_exit(code))
+            publisher = get_publisher()
+            if publisher is not None:  # only a parent knows how its child ended: tell engine-top
+                publisher.note_child_exit(proc.role, processes.describe_exit(code))
             self.failure = EngineDeadError(root)
             if self.failure_callback is not None:
                 self.failure_callback(self.failure)
@@ -294,6 +299,15 @@ class MultiprocExecutor(Executor):
     def check_health(self) -> None:
         for rank in range(self.world_size):
             self._check_worker(rank)
+
+    def telemetry_gauges(self) -> dict[str, float]:
+        """The broadcast queue's positions: chunks written, and read by each worker (rank)."""
+        mq = getattr(self, "rpc_broadcast_mq", None)
+        if mq is None:
+            return {}
+        written, read = mq.positions()
+        return {events.GAUGE_MQ_WRITTEN: written,
+                **{f"{events.GAUGE_MQ_READER_PREFIX}{rank}": n for rank, n in enumerate(read)}}  # fmt: skip
 
     def shutdown(self) -> None:
         """Stop every worker (lifeline closed, SIGTERM, then SIGKILL) and remove the queues."""
@@ -327,6 +341,7 @@ class WorkerProc:
         obs = config.observability_config
         setup_tracing(role, rank=rank, trace_file=obs.trace_file, otlp_endpoint=obs.otlp_traces_endpoint,
                       status_file=str(run_dirs.status_file(run_dir, role)))  # fmt: skip
+        publisher = start_telemetry(run_dir, role)
         processes.install_sigterm_exit()
         rpc = MessageQueue.open_reader(payload.rpc_handle, rank)
         response = MessageQueue.open_writer(payload.response_handle)
@@ -336,6 +351,10 @@ class WorkerProc:
             ready = WorkerReady(role=role, rank=rank, pid=os.getpid(), device=str(config.device_config.device),
                                 dtype=str(config.model_config.dtype))  # fmt: skip
             response.enqueue(messages.encode(ready))
+            if publisher is not None:  # the Worker itself is built later, by init_worker
+                publisher.add_gauge_provider(
+                    lambda: wrapper.worker.telemetry_gauges() if wrapper.worker else {}
+                )
             while True:
                 try:
                     message = rpc.dequeue(timeout=1.0)

@@ -454,6 +454,15 @@ class MessageQueue:
             if start >= msg_len:
                 return
 
+    def positions(self) -> tuple[int, list[int]]:
+        """``(chunks written, [chunks read by reader i])`` since the queue was created: the
+        writer's lead over the slowest reader is the queue's lag (live telemetry reads this
+        from another thread; a torn read is off by one at most)."""
+        words, n = self._words, self._layout.n_readers
+        written = max(words[base + _M_WRITTEN] for base in self._slot_base)
+        read = [max(words[base + _M_READ + r] for base in self._slot_base) for r in range(n)]
+        return written, read
+
     def _lagging_readers(self, base: int) -> list[int]:
         """Ranks of the readers that have not read the chunk in the slot at ``base`` yet."""
         old = self._words[base + _M_WRITTEN]

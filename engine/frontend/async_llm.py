@@ -35,6 +35,8 @@ from engine.frontend.tokenizer import get_tokenizer
 from engine.logger import init_logger
 from engine.sampling_params import SamplingParams
 from engine.utils.processes import EngineDeadError
+from tracing.telemetry import events
+from tracing.telemetry.publisher import get_publisher
 
 logger = init_logger(__name__)
 
@@ -72,6 +74,8 @@ class AsyncLLM:
             config, run_dir, client_index=client_index, num_clients=num_clients, engines=engines
         )
         self.queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        # Requests sent to the engine that have no output yet (live telemetry).
+        self.first_output_pending: set[str] = set()
         self.output_handler: asyncio.Task | None = None
         self.dead_error: EngineDeadError | None = None
         # Called once with the error when the engine dies (the server decides what to do).
@@ -132,6 +136,12 @@ class AsyncLLM:
         if self.log_requests:
             self._log_request(request_id, text, requests[0][0].prompt_token_ids, sampling_params)
         finished = False
+        stop_reason = "not finished"
+        publisher = get_publisher()
+        if publisher is not None:
+            publisher.publish_request_event(request_id, "arrived",
+                                            num_prompt_tokens=len(requests[0][0].prompt_token_ids))  # fmt: skip
+        self.first_output_pending.add(request_id)
         try:
             for req, parent, index in requests:
                 self.output_processor.add_request(req, text, parent, index)
@@ -140,12 +150,24 @@ class AsyncLLM:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if request_id in self.first_output_pending:
+                    self.first_output_pending.discard(request_id)
+                    if publisher is not None:
+                        publisher.publish_request_event(request_id, "first_token")
                 finished = item.finished
                 yield item
                 if finished:
                     return
+        except BaseException as e:
+            stop_reason = (
+                "client disconnected" if isinstance(e, (GeneratorExit, asyncio.CancelledError)) else repr(e)
+            )
+            raise
         finally:
             self.queues.pop(request_id, None)
+            self.first_output_pending.discard(request_id)
+            if not finished and publisher is not None:
+                publisher.publish_request_event(request_id, "aborted", reason=stop_reason)
             if not finished:
                 # Shielded: a cancelled HTTP handler must still get its abort through.
                 await asyncio.shield(self.abort(request_id))
@@ -231,6 +253,13 @@ class AsyncLLM:
     async def get_kv_cache_info(self) -> dict[str, int]:
         self._ensure_output_handler()
         return await self.engine_core.call_utility_async("get_kv_cache_info")
+
+    def telemetry_gauges(self) -> dict[str, float]:
+        """This API server's queue gauges for live telemetry (called from the heartbeat thread)."""
+        return {
+            events.GAUGE_API_WAITING_FOR_ENGINE: len(self.first_output_pending),
+            events.GAUGE_API_PENDING_OUTPUTS: sum(q.qsize() for q in list(self.queues.values())),
+        }
 
     async def check_health(self) -> None:
         """Raises ``EngineDeadError`` when the engine is dead."""

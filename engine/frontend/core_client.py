@@ -73,6 +73,7 @@ from engine.utils import processes
 from engine.utils import run_dir as run_dirs
 from engine.utils.processes import EngineDeadError
 from engine.utils.wire import ProtocolError
+from tracing.telemetry.publisher import get_publisher
 
 logger = init_logger(__name__)
 
@@ -525,6 +526,10 @@ class MPClient(EngineCoreClient):
         if self.dead is None:
             proc = proc or self.engine_proc
             root_cause = dead.root_cause if dead is not None else None
+            publisher = get_publisher()
+            if publisher is not None and proc is not None and proc.poll() is not None:
+                # Only a parent knows how its child ended: tell engine-top.
+                publisher.note_child_exit(proc.role, processes.describe_exit(proc.poll()))
             if root_cause is None and proc is not None:
                 root_cause = processes.format_root_cause(self.run_dir, proc.role, proc.pid, proc.poll())
             self.dead = EngineDeadError(root_cause or "the engine core died")

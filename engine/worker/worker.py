@@ -43,6 +43,8 @@ from engine.outputs import ModelRunnerOutput
 from engine.sched.output import SchedulerOutput
 from engine.worker.model_runner import ModelRunner
 from tracing import catalogue, stage
+from tracing.telemetry import events
+from tracing.telemetry.publisher import get_publisher
 
 logger = init_logger(__name__)
 
@@ -78,6 +80,8 @@ class Worker:
         self.dtype: torch.dtype | None = None
         self.model_runner: ModelRunner | None = None
         self._execute_model_s = 0.0  # total time in execute_model (get_comm_stats)
+        self._num_steps = 0  # execute_model calls (live telemetry)
+        self._last_forward_ms = 0.0
 
     def _attrs(self, **extra: Any) -> dict[str, Any]:
         return {catalogue.ATTR_RANK: self.rank, **extra}
@@ -233,8 +237,21 @@ class Worker:
             assert pp is not None
             pp.send_tensor_dict(output.tensors)  # on to the next stage; nothing for the engine core
             output = None
-        self._execute_model_s += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self._execute_model_s += elapsed
+        self._num_steps += 1
+        self._last_forward_ms = elapsed * 1e3
+        publisher = get_publisher()
+        if publisher is not None:
+            publisher.mark_step()
         return output if self.is_driver_worker else None
+
+    def telemetry_gauges(self) -> dict[str, float]:
+        """Live-telemetry gauges: execute_model calls so far and the last one's time (ms)."""
+        return {
+            events.GAUGE_WORKER_STEP: self._num_steps,
+            events.GAUGE_WORKER_FORWARD_MS: self._last_forward_ms,
+        }
 
     def execute_dummy_batch(self) -> None:
         """A one-token dummy forward (and sampler run) into the null block: what an engine

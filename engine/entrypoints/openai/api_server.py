@@ -122,6 +122,7 @@ def run_server(config: EngineConfig, args: ServerArgs, sock: socket.socket | Non
     processes.set_process_title(role.name)
     set_process_role(role.name)
     engine = None
+    recorder = None
     run_dir: Path | None = None
     loop = _new_event_loop()
     asyncio.set_event_loop(loop)
@@ -131,7 +132,8 @@ def run_server(config: EngineConfig, args: ServerArgs, sock: socket.socket | Non
         host, port = sock.getsockname()[:2]
         run_dir = run_dirs.create_run_dir()
         manifest = run_dirs.plan_tree(plan)
-        run_dirs.write_manifest(run_dir, host=host, port=port, **manifest)
+        served_name = args.served_model_name or config.model_config.served_model_name
+        run_dirs.write_manifest(run_dir, host=host, port=port, model=served_name, **manifest)
         logger.info("Bound http://%s:%d (run directory %s)", host, port, run_dir)
 
         from tracing import setup_tracing
@@ -139,6 +141,12 @@ def run_server(config: EngineConfig, args: ServerArgs, sock: socket.socket | Non
         obs = config.observability_config
         setup_tracing(role.name, trace_file=obs.trace_file, otlp_endpoint=obs.otlp_traces_endpoint,
                       status_file=str(run_dirs.status_file(run_dir, role)))  # fmt: skip
+        from tracing.telemetry.collector import Recorder
+        from tracing.telemetry.publisher import start_telemetry
+
+        start_telemetry(run_dir, role.name)
+        if obs.telemetry_record:
+            recorder = Recorder().start(run_dir, obs.telemetry_record)
 
         from engine.frontend.async_llm import AsyncLLM
 
@@ -160,6 +168,8 @@ def run_server(config: EngineConfig, args: ServerArgs, sock: socket.socket | Non
         signal.signal(signal.SIGINT, _ignore_signal)
         if engine is not None:
             engine.shutdown()
+        if recorder is not None:
+            recorder.stop()  # after the tree stopped: its last events are in the file
         if sock is not None:
             sock.close()
         loop.close()
@@ -233,6 +243,15 @@ async def _serve(
         server.should_exit = True
 
     engine.on_engine_dead.append(on_engine_dead)
+    from tracing.telemetry import events
+    from tracing.telemetry.publisher import get_publisher
+
+    publisher = get_publisher()
+    if publisher is not None:
+        in_flight = app.state.http_in_flight
+        publisher.add_gauge_provider(
+            lambda: {events.GAUGE_API_IN_FLIGHT: in_flight.value, **engine.telemetry_gauges()}
+        )
     watchdog = asyncio.create_task(_watch_engine(engine))
     if launcher:
         # While serving, uvicorn's own handlers turn SIGINT/SIGTERM into a graceful stop;
@@ -368,6 +387,9 @@ def run_api_server_worker(payload_bytes: bytes, *, run_dir: Path, role: str) -> 
     obs = config.observability_config
     setup_tracing(role, trace_file=obs.trace_file, otlp_endpoint=obs.otlp_traces_endpoint,
                   status_file=str(run_dirs.status_file(run_dir, role)))  # fmt: skip
+    from tracing.telemetry.publisher import start_telemetry
+
+    start_telemetry(run_dir, role)
     processes.install_sigterm_exit()  # during start-up; serving installs its own handler
     sock = socket.socket(fileno=payload.listen_fd)
     port = sock.getsockname()[1]

@@ -133,6 +133,9 @@ def build_app(
     )
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    # Outermost: counts every HTTP request until its response is sent (live telemetry).
+    state.http_in_flight = InFlightCounter.Count()
+    app.add_middleware(InFlightCounter, count=state.http_in_flight)
     return app
 
 
@@ -390,6 +393,31 @@ class APIKeyMiddleware:
                     await response(scope, receive, send)
                     return
         await self.app(scope, receive, send)
+
+
+# ---------------------------------------------------------------------------- in flight
+
+
+class InFlightCounter:
+    """Counts HTTP requests from arrival until their response is sent (streams included):
+    the API server's ``api.http_in_flight`` gauge. Pure ASGI."""
+
+    class Count:
+        value = 0
+
+    def __init__(self, app: ASGIApp, count: Count) -> None:
+        self.app = app
+        self.count = count
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        self.count.value += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.count.value -= 1
 
 
 # ---------------------------------------------------------------------------- metrics

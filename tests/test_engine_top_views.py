@@ -1,0 +1,735 @@
+"""engine-top's views, read the way a person reads the screen.
+
+Every test builds a ``LiveState`` by hand — a ``-tp 2 -dp 2`` server with 2 API servers
+(2 + 2 + 4 + 1 coordinator = 9 processes) in a realistic moment — renders it through
+``tui.views`` into a recording Rich console, and asserts on the plain text: each process
+with its stage and the time in it, the token-budget bar of a step split into decode and
+prefill, an alert with its hint, a dead worker with its signal, a stale heartbeat. The CLI
+tests run ``engine-top`` in a subprocess against an empty run-directory base.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections import deque
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from tracing.telemetry.events import (
+    GAUGE_API_WAITING_FOR_ENGINE,
+    GAUGE_INPUT_QUEUE,
+    GAUGE_MQ_WRITTEN,
+    GAUGE_OUTPUT_QUEUE,
+    GAUGE_RUNNING,
+    GAUGE_WAITING,
+    OpenStageInfo,
+    StepRecord,
+)
+from tracing.telemetry.state import Alert, LiveState, ProcessLive, RequestLive, WaitInfo
+from tui import views
+from tui.app import App, parse_keys
+
+NOW = 1_700_000_000.0
+RUN_DIR = "/run/user/1000/glassbox-4242-abcd"
+
+
+def _stage(name: str, ago: float, level: str = "lifecycle", thread: str = "MainThread") -> OpenStageInfo:
+    return OpenStageInfo(name=name, level=level, thread=thread, entered_at=NOW - ago)
+
+
+def _proc(role: str, kind: str, pid: int, stages=(), **kw) -> ProcessLive:
+    defaults = dict(
+        state="running",
+        link="live",
+        heartbeat_at=NOW - 0.4,
+        cpu_percent=12.0,
+        rss_bytes=512 << 20,
+        num_threads=9,
+    )
+    defaults.update(kw)
+    return ProcessLive(role=role, kind=kind, pid=pid, stages=list(stages), **defaults)
+
+
+def step(engine: int, step_id: int, decode: int, prefill: int, budget: int = 512, **kw) -> StepRecord:
+    fields = dict(
+        role=f"EngineCore_DP{engine}",
+        pid=2000 + engine,
+        seq=step_id,
+        t=NOW - 0.1,
+        engine_index=engine,
+        step_id=step_id,
+        started_at=NOW - 0.2 + step_id * 0.001,
+        duration_ms=14.2,
+        schedule_ms=0.6,
+        execute_ms=13.1,
+        update_ms=0.5,
+        num_decode_reqs=decode,
+        num_decode_tokens=decode,
+        num_prefill_reqs=1 if prefill else 0,
+        num_prefill_tokens=prefill,
+        num_chunked_prefills=0,
+        tokens_scheduled=decode + prefill,
+        token_budget=budget,
+        num_running=decode + (1 if prefill else 0),
+        num_waiting=3,
+        num_preempted=0,
+        kv_usage=0.42,
+    )
+    fields.update(kw)
+    return StepRecord(**fields)
+
+
+def make_state() -> LiveState:
+    """A -tp 2 -dp 2 server, 2 API servers, under load: one worker killed, one frozen,
+    engine DP1 stuck in its busy loop while its heartbeat goes on."""
+    p = {}
+    for i in range(2):
+        p[f"APIServer_{i}"] = _proc(
+            f"APIServer_{i}", "api_server", 1000 + i, [],  # serving: no stage open between requests
+            gauges={GAUGE_API_WAITING_FOR_ENGINE: 3.0 + i},
+        )  # fmt: skip
+    p["EngineCore_DP0"] = _proc(
+        "EngineCore_DP0", "engine_core", 2000,
+        [_stage("engine_core.step", 0.012, level="step")],
+        last_step_at=NOW - 0.02, cpu_percent=98.0, rss_bytes=3 << 30, num_threads=14,
+        gauges={GAUGE_INPUT_QUEUE: 2, GAUGE_WAITING: 3, GAUGE_RUNNING: 8, GAUGE_OUTPUT_QUEUE: 1,
+                GAUGE_MQ_WRITTEN: 1520, "mq.read.0": 1520, "mq.read.1": 1517},
+    )  # fmt: skip
+    p["EngineCore_DP1"] = _proc(
+        "EngineCore_DP1", "engine_core", 2001,
+        [_stage("engine_core.step", 41.6, level="step"), _stage("executor.execute_model", 41.5, level="step")],
+        last_step_at=NOW - 41.5, cpu_percent=0.0,
+        waits=[WaitInfo(what="Worker_DP1_PP0_TP1 execute_model reply", started_at=NOW - 41.0, timeout_s=300.0)],
+    )  # fmt: skip
+    p["Worker_DP0_PP0_TP0"] = _proc(
+        "Worker_DP0_PP0_TP0", "worker", 3000, [],
+        last_step_at=NOW - 0.01, cpu_percent=100.0, rss_bytes=6 << 30,
+    )  # fmt: skip
+    p["Worker_DP0_PP0_TP1"] = _proc(
+        "Worker_DP0_PP0_TP1", "worker", 3001, state="dead", link="lost", heartbeat_at=NOW - 12.0,
+        exit_description="killed by SIGKILL (exit status -9)",
+    )  # fmt: skip
+    p["Worker_DP1_PP0_TP0"] = _proc(
+        "Worker_DP1_PP0_TP0", "worker", 3002, [_stage("worker.load_model", 0)],  # replaced below
+        last_step_at=NOW - 41.6,
+    )  # fmt: skip
+    p["Worker_DP1_PP0_TP0"].stages = []  # idle: finished its step, waits for the next broadcast
+    p["Worker_DP1_PP0_TP1"] = _proc(
+        "Worker_DP1_PP0_TP1", "worker", 3003, [],
+        state="stale", link="stale", heartbeat_at=NOW - 38.0, last_step_at=NOW - 80.0,
+    )  # fmt: skip
+    p["DPCoordinator"] = _proc("DPCoordinator", "dp_coordinator", 1500)
+
+    steps = {
+        0: deque(
+            [
+                step(0, 4410, decode=6, prefill=0),
+                step(0, 4411, decode=128, prefill=384),
+                step(0, 4412, decode=0, prefill=0, dummy=True),
+            ]
+        ),  # fmt: skip
+        1: deque([step(1, 917, decode=30, prefill=100, num_preempted=2, kv_usage=0.93)]),
+    }
+    requests = {
+        "cmpl-a1": RequestLive("cmpl-a1", "scheduled", 0, 200, 180, 12, 13, NOW - 5.0, NOW - 0.1),
+        "cmpl-b2": RequestLive(
+            "cmpl-b2", "preempted", 1, 900, 0, 40, 0, NOW - 42.0, NOW - 41.0, "no free KV blocks"
+        ),
+        "cmpl-c3": RequestLive("cmpl-c3", "arrived", 0, 64, -1, -1, -1, NOW - 0.3, NOW - 0.3),
+    }
+    queues = {
+        f"EngineCore_DP0 {GAUGE_INPUT_QUEUE}": deque([0, 1, 3, 5, 2, 2]),
+        f"EngineCore_DP0 {GAUGE_WAITING}": deque([0, 0, 1, 4, 3]),
+        f"APIServer_0 {GAUGE_API_WAITING_FOR_ENGINE}": deque([1, 2, 3]),
+    }
+    alerts = [
+        Alert(
+            "error",
+            "Worker_DP0_PP0_TP1",
+            "died: killed by SIGKILL (exit status -9)",
+            "the kernel's OOM killer, or someone ran kill -9; dmesg names the OOM killer",
+        ),  # fmt: skip
+        Alert(
+            "warning",
+            "EngineCore_DP1",
+            "stage executor.execute_model open for 41.5s (usually < 0.1s)",
+            "a worker does not answer the broadcast: look at the worker with the oldest heartbeat",
+        ),  # fmt: skip
+    ]
+    return LiveState(
+        run_dir=RUN_DIR, source="live", status="attached", mode="serve", model="Qwen/Qwen3-0.6B",
+        tensor_parallel_size=2, pipeline_parallel_size=1, data_parallel_size=2, api_server_count=2,
+        expected_count=9, found_count=8, started_at=NOW - 97.0, now=NOW, processes=p, queues=queues,
+        steps=steps, requests=requests, alerts=alerts, events_received=12345, events_dropped=7,
+    )  # fmt: skip
+
+
+def render(renderable, width: int = 160) -> str:
+    console = Console(record=True, width=width, color_system=None, force_terminal=False)
+    console.print(renderable)
+    return console.export_text()
+
+
+def line_of(text: str, needle: str) -> str:
+    """The first line that starts with ``needle`` (after a tree branch), else that holds it."""
+    rows = text.splitlines()
+    lines = [ln for ln in rows if ln.lstrip(" └").startswith(needle)] or [ln for ln in rows if needle in ln]
+    assert lines, f"{needle!r} not on screen:\n{text}"
+    return lines[0]
+
+
+# ------------------------------------------------------------------------------ processes
+
+
+def make_starting_state() -> LiveState:
+    """The same -tp 2 -dp 2 server 20 s into start-up: every process in a lifecycle stage."""
+    state = make_state()
+    stages = {
+        "APIServer_0": ("api_server.attach", 14.0),
+        "APIServer_1": ("api_server.attach", 13.2),
+        "EngineCore_DP0": ("engine_core.initialize_kv_cache", 2.5),
+        "EngineCore_DP1": ("executor.init", 18.0),
+        "Worker_DP0_PP0_TP0": ("worker.initialize_kv_cache", 2.4),
+        "Worker_DP0_PP0_TP1": ("worker.initialize_kv_cache", 2.3),
+        "Worker_DP1_PP0_TP0": ("worker.load_model", 16.0),
+        "Worker_DP1_PP0_TP1": ("worker.load_model", 75.0),
+    }
+    for role, proc in state.processes.items():
+        proc.state, proc.link, proc.heartbeat_at, proc.last_step_at = "starting", "live", NOW - 0.3, None
+        proc.exit_description, proc.waits = None, []
+        name, ago = stages.get(role, (None, 0.0))
+        proc.stages = [_stage(name, ago)] if name else []
+    state.steps, state.requests, state.alerts, state.found_count = {}, {}, [], 9
+    return state
+
+
+def test_every_process_shows_with_its_stage_and_time_in_it():
+    state = make_starting_state()
+    text = render(views.render_processes(state))
+    expect = {
+        "APIServer_0": "api_server.attach 14s",
+        "APIServer_1": "api_server.attach 13s",
+        "EngineCore_DP0": "engine_core.initialize_kv_cache 2.5s",
+        "EngineCore_DP1": "executor.init 18s",
+        "Worker_DP0_PP0_TP0": "worker.initialize_kv_cache 2.4s",
+        "Worker_DP0_PP0_TP1": "worker.initialize_kv_cache 2.3s",
+        "Worker_DP1_PP0_TP0": "worker.load_model 16s",
+        "Worker_DP1_PP0_TP1": "worker.load_model 1m15s",
+    }
+    for role, stage in expect.items():
+        row = line_of(text, role)
+        assert stage in row and "starting" in row, row
+        assert str(state.processes[role].pid) in row
+    assert "idle" not in line_of(text, "DPCoordinator") and "starting" in line_of(text, "DPCoordinator")
+    assert "9/9 found" in render(views.render_header(state, views.ViewOptions()))
+
+
+def test_serving_processes_show_step_stages_waits_and_idle():
+    state = make_state()
+    text = render(views.render_processes(state))
+    assert "engine_core.step 0.0s" in line_of(text, "EngineCore_DP0")
+    assert "executor.execute_model 42s" in line_of(text, "EngineCore_DP1")
+    # a bounded wait is named on the line under its process, with how long of its deadline
+    rows = text.splitlines()
+    engine1 = rows.index(line_of(text, "EngineCore_DP1"))
+    assert "⏳ waiting for Worker_DP1_PP0_TP1 execute_model reply: 41s of 5m00s" in rows[engine1 + 1]
+    # between requests an API server has no stage open
+    assert "idle" in line_of(text, "APIServer_0") and "idle" in line_of(text, "Worker_DP1_PP0_TP0")
+    # CPU, RSS and threads of a live process
+    row = line_of(text, "EngineCore_DP0")
+    assert "98" in row and "3.0G" in row and "14" in row
+
+
+def test_tree_puts_workers_under_their_engine_core():
+    text = render(views.render_processes(make_state()))
+    order = [
+        "APIServer_0", "APIServer_1", "EngineCore_DP0", "Worker_DP0_PP0_TP0", "Worker_DP0_PP0_TP1",
+        "EngineCore_DP1", "Worker_DP1_PP0_TP0", "Worker_DP1_PP0_TP1", "DPCoordinator",
+    ]  # fmt: skip
+    starts = [ln.lstrip(" └").split()[0] for ln in text.splitlines()[2:] if ln.lstrip(" └")[:1].isalpha()]
+    positions = [starts.index(role) for role in order]
+    assert positions == sorted(positions)
+    assert "└ Worker_DP0_PP0_TP0" in text  # indented under its engine
+    assert "└ EngineCore" not in text
+
+
+def test_dead_process_shows_its_signal():
+    row = line_of(render(views.render_processes(make_state())), "Worker_DP0_PP0_TP1")
+    assert "dead" in row
+    assert "killed by SIGKILL (exit status -9)" in row
+
+
+def test_stale_heartbeat_is_marked_and_greyed():
+    state = make_state()
+    row = line_of(render(views.render_processes(state)), "Worker_DP1_PP0_TP1")
+    assert "stale ⚠" in row
+    assert "38s!" in row  # heartbeat age, flagged
+    # greyed: the row's style in the rendered table
+    console = Console(record=True, width=160, force_terminal=True, color_system="truecolor")
+    console.print(views.render_processes(state))
+    html = console.export_html(inline_styles=True)
+    stale_row = next(ln for ln in html.splitlines() if "└ Worker_DP1_PP0_TP1" in ln)
+    fresh_row = next(ln for ln in html.splitlines() if "└ Worker_DP0_PP0_TP0" in ln)
+    assert "#808080" in stale_row and "#808080" not in fresh_row  # grey50
+
+
+def test_stale_is_derived_from_heartbeat_age_too():
+    state = make_state()
+    state.processes["APIServer_1"].heartbeat_at = NOW - 9.0  # the collector has not flagged it yet
+    assert "stale ⚠" in line_of(render(views.render_processes(state)), "APIServer_1")
+
+
+def test_fresh_heartbeat_with_growing_step_age_is_visible():
+    # EngineCore_DP1's heartbeat thread answers (0.4s) but its loop's last step is 41s old
+    row = line_of(render(views.render_processes(make_state())), "EngineCore_DP1")
+    assert "0.4s" in row and "42s" in row
+
+
+# ------------------------------------------------------------------------------ steps
+
+
+def test_budget_bar_splits_decode_and_prefill_in_proportion():
+    bar = views.budget_bar(step(0, 1, decode=128, prefill=256, budget=512), width=32).plain
+    assert len(bar) == 32
+    assert bar == "█" * 8 + "▒" * 16 + "·" * 8  # 128/512·32 = 8 decode, 256/512·32 = 16 prefill
+    full = views.budget_bar(step(0, 2, decode=0, prefill=512), width=20).plain
+    assert full == "▒" * 20
+    tiny = views.budget_bar(step(0, 3, decode=1, prefill=0, budget=8192), width=20).plain
+    assert tiny == "█" + "·" * 19  # any token gets at least one cell
+    assert "dummy" in views.budget_bar(step(0, 4, 0, 0, dummy=True), width=20).plain
+
+
+def test_steps_table_shows_budget_kv_preemptions_and_time_split():
+    state = make_state()
+    text = render(views.render_steps(state, engine=0, bar_width=24))
+    row = line_of(text, "4411")
+    assert "█" * 6 + "▒" * 18 in row  # 128 decode + 384 prefill of 512 = 6 + 18 cells of 24
+    assert "128+384/512" in row
+    assert "42%" in row
+    assert "14.2" in row and "0.6/13.1/0.5" in row
+    dummy = line_of(text, "4412")
+    assert "dummy" in dummy
+    # newest first
+    assert text.index("4412") < text.index("4411") < text.index("4410")
+    one = render(views.render_steps(state, engine=1, bar_width=24))
+    row = line_of(one, "917")
+    assert "93%" in row and " 2 " in row  # KV usage, 2 preemptions
+    assert "4411" not in one  # only engine DP1
+
+
+def test_steps_of_all_engines_carry_the_engine_column():
+    text = render(views.render_steps(make_state(), engine=None))
+    assert "DP" in text.splitlines()[0]
+    assert "917" in text and "4411" in text
+
+
+# ------------------------------------------------------------------------------ queues, requests, alerts
+
+
+def test_queues_show_depth_sparkline_and_broadcast_lag():
+    text = render(views.render_queues(make_state()))
+    row = line_of(text, "input_queue")
+    assert " 2 " in row
+    assert views.sparkline([0, 1, 3, 5, 2, 2]) in row
+    assert views.sparkline([0, 1, 3, 5, 2, 2]) == " ▂▅█▃▃"
+    lag = line_of(text, "broadcast queue lag")
+    assert " 3 " in lag  # written 1520 − slowest reader 1517
+    assert "→ engine core" in text
+
+
+def test_requests_panel_filters_by_engine_and_sorts():
+    state = make_state()
+    text = render(views.render_requests(state, engine=None, sort="age"))
+    assert text.index("cmpl-b2") < text.index("cmpl-a1") < text.index("cmpl-c3")  # oldest first
+    row = line_of(text, "cmpl-a1")
+    assert "180/212" in row and "13" in row and "5.0s" in row  # computed/total, blocks, age
+    assert "no free KV blocks" in line_of(text, "cmpl-b2")
+    only0 = render(views.render_requests(state, engine=0, sort="id"))
+    assert "cmpl-b2" not in only0
+    assert only0.index("cmpl-a1") < only0.index("cmpl-c3")
+
+
+def test_stuck_stage_alert_with_its_hint():
+    text = render(views.render_alerts(make_state()), width=200)
+    assert "EngineCore_DP1: stage executor.execute_model open for 41.5s" in text
+    assert "hint: a worker does not answer the broadcast" in text
+    assert text.index("ERROR") < text.index("WARN")  # errors first
+
+
+# ------------------------------------------------------------------------------ header and screens
+
+
+def test_header_expected_vs_found_and_links():
+    state = make_state()
+    text = render(views.render_header(state, views.ViewOptions()))
+    assert "8/9 found (1 missing)" in text
+    assert "TP=2 PP=1 DP=2" in text and "API servers=2" in text
+    assert "Qwen/Qwen3-0.6B" in text
+    assert "uptime 1m37s" in text
+    assert "7 live" in text and "1 stale" in text
+    assert "LIVE" in text and "dropped 7" in text
+    paused = render(views.render_header(state, views.ViewOptions(paused=True)))
+    assert "PAUSED" in paused
+    state.source = "replay"
+    assert "REPLAY" in render(views.render_header(state, views.ViewOptions()))
+
+
+def test_once_screen_has_every_panel():
+    text = render(views.render_once(make_state()), width=140)
+    for title in ("processes", "queues", "scheduler steps", "requests in flight", "alerts (2)"):
+        assert title in text
+    assert "█ decode" in text and "▒ prefill" in text
+
+
+def test_full_screen_layout_renders_every_size_and_mode():
+    state = make_state()
+    for width, height in ((80, 24), (120, 40), (200, 60)):
+        console = Console(record=True, width=width, height=height, color_system=None)
+        for opts in (views.ViewOptions(), views.ViewOptions(expanded="steps", engine=1),
+                     views.ViewOptions(show_help=True), views.ViewOptions(notice="instance gone")):  # fmt: skip
+            console.print(views.render_screen(state, opts, width, height))
+    text = console.export_text()
+    assert "engine-top keys" in text and "instance gone" in text
+
+
+def test_empty_state_renders_without_error():
+    text = render(views.render_once(LiveState(now=NOW)))
+    assert "no process seen yet" in text and "no alerts" in text
+
+
+# ------------------------------------------------------------------------------ keys
+
+
+def test_parse_keys():
+    assert parse_keys(b"q") == ["q"]
+    assert parse_keys(b"\t3 s") == ["tab", "3", " ", "s"]
+    assert parse_keys(b"\x1b") == ["esc"]
+    assert parse_keys(b"\x1b[A+") == ["up", "+"]
+
+
+def test_keys_change_the_view():
+    app = App(open_live=lambda p: None)
+    app.state = make_state()
+    app.handle_key("tab")
+    assert app.opts.engine == 0
+    app.handle_key("tab")
+    app.handle_key("tab")
+    assert app.opts.engine is None  # all → DP0 → DP1 → all
+    app.handle_key("1")
+    assert app.opts.engine == 1
+    app.handle_key("s")
+    assert app.opts.request_sort == "state"
+    app.handle_key("e")
+    assert app.opts.expanded == "processes"
+    app.handle_key("esc")
+    assert app.opts.expanded is None
+    app.handle_key(" ")
+    assert app.opts.paused
+    app.handle_key("+")
+    assert app.opts.refresh_s == 0.25
+    app.handle_key("-")
+    app.handle_key("-")
+    assert app.opts.refresh_s == 1.0
+    app.handle_key("q")
+    assert app.quit
+
+
+def test_paused_app_keeps_the_frozen_state():
+    class Fake:
+        def __init__(self):
+            self.n = 0
+
+        def snapshot(self):
+            self.n += 1
+            return LiveState(now=NOW + self.n)
+
+        def close(self):
+            pass
+
+    app = App(replay=None)
+    app.collector, app.attached, app._next_scan = Fake(), None, float("inf")
+    app.poll()
+    first = app.state
+    app.handle_key(" ")
+    app.poll()
+    assert app.state is first
+    app.handle_key(" ")
+    app.poll()
+    assert app.state is not first
+
+
+class FakeCollector:
+    def __init__(self, state: LiveState):
+        self.state, self.stopped = state, False
+
+    def snapshot(self) -> LiveState:
+        return self.state
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+def test_picker_lists_instances_and_a_digit_attaches():
+    picking = LiveState(status="choose", candidates=["/tmp/glassbox-1-a", "/tmp/glassbox-2-b"], now=NOW)
+    opened: list = []
+
+    def open_live(run_dir, base):
+        opened.append(run_dir)
+        return FakeCollector(picking if run_dir is None else make_state())
+
+    app = App(open_live=open_live)
+    app.poll()
+    text = render(app.render(120, 40))
+    assert "several Glassbox instances run" in text and "/tmp/glassbox-2-b" in text
+    first = app.collector
+    app.handle_key("2")
+    assert opened == [None, Path("/tmp/glassbox-2-b")] and first.stopped
+    app.poll()
+    assert "EngineCore_DP0" in render(app.render(160, 50), width=160)
+
+
+def test_waiting_and_gone_screens():
+    app = App(
+        open_live=lambda run_dir, base: FakeCollector(LiveState(status="searching", message="no running X"))
+    )
+    app.poll()
+    assert "no running X" in render(app.render(100, 30))
+    gone = make_state()
+    gone.status, gone.message = "gone", "the instance in /x is gone (its owner exited)"
+    app = App(open_live=lambda run_dir, base: FakeCollector(gone))
+    app.poll()
+    text = render(app.render(120, 50), width=120)
+    assert "is gone (its owner exited) — last state shown" in text and "Worker_DP0_PP0_TP1" in text
+
+
+def test_a_collector_that_cannot_open_is_retried_not_fatal():
+    def broken(run_dir, base):
+        raise RuntimeError("zmq said no")
+
+    app = App(open_live=broken)
+    app.poll()
+    assert app.collector is None and "zmq said no" in render(app.render(100, 30))
+
+
+# ------------------------------------------------------------------------------ CLI
+
+
+def _cli(*args: str, tmp_path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, GLASSBOX_RUN_DIR_BASE=str(tmp_path), COLUMNS="120")
+    return subprocess.run([sys.executable, "-m", "tui.cli", *args], capture_output=True, text=True,
+                          timeout=30, env=env)  # fmt: skip
+
+
+def test_once_without_instance_exits_1_with_one_line(tmp_path):
+    out = _cli("--once", tmp_path=tmp_path)
+    assert out.returncode == 1
+    assert out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no running Glassbox instance found" in lines[0]
+    missing = _cli("--once", "--run-dir", str(tmp_path / "nope"), tmp_path=tmp_path)
+    assert missing.returncode == 1 and len(missing.stderr.strip().splitlines()) == 1
+
+
+def test_help_lists_every_flag(tmp_path):
+    out = _cli("--help", tmp_path=tmp_path)
+    assert out.returncode == 0
+    for flag in ("--run-dir", "--once", "--json", "--replay", "--speed", "--refresh"):
+        assert flag in out.stdout
+
+
+@pytest.mark.parametrize("args", [["--speed", "2"], ["--refresh", "0"], ["--replay", "x", "--speed", "-1"]])
+def test_bad_flags_exit_2(tmp_path, args):
+    out = _cli(*args, tmp_path=tmp_path)
+    assert out.returncode == 2 and "engine-top: error:" in out.stderr
+
+
+def test_json_shape():
+    pytest.importorskip("tracing.telemetry.collector", reason="LiveState.to_json comes with the collector")
+    data = make_state().to_json()
+    assert data["expected_count"] == 9 and data["found_count"] == 8
+    assert set(data["processes"]) >= {"EngineCore_DP0", "Worker_DP0_PP0_TP1"}
+
+
+# ------------------------------------------------------------------------------ against the real collector
+
+
+@pytest.fixture
+def instance():
+    """A short run-directory base with one instance: a manifest planning an engine core (this
+    process) and one worker that never starts, and a telemetry publisher for the engine core."""
+    import tempfile
+    import time as _time
+
+    from tracing import run_dir as rd
+
+    telemetry = pytest.importorskip("tracing.telemetry.publisher")
+    base = Path(tempfile.mkdtemp(prefix="gbtop-", dir="/tmp"))  # ipc paths ≤ 107 characters
+    run_dir = rd.make_run_dir(base)
+    roles = [
+        rd.PlannedProcess(role="EngineCore_DP0", kind="engine_core", rank=0, dp_rank=0, pid=os.getpid()),
+        rd.PlannedProcess(role="Worker_DP0_PP0_TP0", kind="worker", rank=0, dp_rank=0, pp_rank=0, tp_rank=0),
+    ]
+    rd.write_manifest(run_dir, rd.Manifest(
+        created_at=_time.time(), run_dir=str(run_dir), mode="serve", frontend_pid=os.getpid(), roles=roles,
+        expected_process_count=2, data_parallel_size=1, tensor_parallel_size=1, world_size=1,
+    ))  # fmt: skip
+    pub = telemetry.TelemetryPublisher(run_dir, "EngineCore_DP0", interval_s=0.2, hook=True)
+    try:
+        yield base, run_dir, pub
+    finally:
+        pub.close()
+        rd.remove_run_dir(base)
+
+
+def _step_fields(i: int) -> dict:
+    s = step(0, i, decode=16, prefill=48, budget=64)
+    return {f: getattr(s, f) for f in s.__struct_fields__ if f not in ("role", "pid", "seq", "t")}
+
+
+def test_once_and_json_against_a_live_publisher(instance):
+    import json
+    import threading
+    import time as _time
+
+    from tracing import catalogue
+    from tracing.stage import stage
+
+    base, run_dir, pub = instance
+    done = threading.Event()
+
+    def keep_stepping() -> None:  # a subscriber that joins late still sees step 7
+        while not done.is_set():
+            pub.publish_step(**_step_fields(7))
+            done.wait(0.05)
+
+    stepper = threading.Thread(target=keep_stepping, daemon=True)
+    with stage(catalogue.ENGINE_CORE_INITIALIZE_KV_CACHE, rank=0):
+        stepper.start()
+        try:
+            _time.sleep(0.3)
+            once = _cli("--once", tmp_path=base)
+            js = _cli("--json", tmp_path=base)
+        finally:
+            done.set()
+            stepper.join(5)
+    assert once.returncode == 0, once.stderr
+    row = line_of(once.stdout, "EngineCore_DP0")
+    assert catalogue.ENGINE_CORE_INITIALIZE_KV_CACHE in row and "starting" in row  # a start-up stage
+    assert "planned" in line_of(once.stdout, "Worker_DP0_PP0_TP0")  # never started
+    assert "1/2 found (1 missing)" in once.stdout
+    bar = line_of(once.stdout, "    7 ")
+    d, p = bar.count("█"), bar.count("▒")
+    assert "·" not in bar and d + p >= 10 and round(4 * d / (d + p)) == 1  # 16 decode + 48 prefill = 64
+    assert js.returncode == 0, js.stderr
+    data = json.loads(js.stdout)
+    assert data["processes"]["EngineCore_DP0"]["stage"] == catalogue.ENGINE_CORE_INITIALIZE_KV_CACHE
+    assert data["expected_count"] == 2 and data["status"] == "attached"
+    assert data["steps"]["0"][-1]["step_id"] == 7
+
+
+def test_replay_once_prints_the_end_of_a_recording(instance):
+    import time as _time
+
+    from tracing.telemetry.collector import Recorder
+
+    base, run_dir, pub = instance
+    path = base / "rec.bin"
+    rec = Recorder()
+    rec.start(run_dir, path)
+    try:
+        deadline = _time.monotonic() + 5
+        while rec.frames_written < 3 and _time.monotonic() < deadline:  # subscribed: heartbeats arrive
+            _time.sleep(0.05)
+        for i in range(3):
+            pub.publish_step(**_step_fields(i))
+        pub.publish_request_event("cmpl-r1", "scheduled", engine_index=0, num_prompt_tokens=48, num_blocks=3)
+        _time.sleep(0.4)
+    finally:
+        rec.stop()
+    out = _cli("--once", "--replay", str(path), tmp_path=base)
+    assert out.returncode == 0, out.stderr
+    assert "REPLAY" in out.stdout and "cmpl-r1" in out.stdout
+    assert line_of(out.stdout, "    2 ")  # the last step recorded
+
+
+def _pty_engine_top(args: list[str], base: Path):
+    import pty
+
+    master, slave = pty.openpty()
+    env = dict(os.environ, GLASSBOX_RUN_DIR_BASE=str(base), TERM="xterm-256color", COLUMNS="120", LINES="40")
+
+    def controlling_terminal() -> None:  # after setsid: the pty becomes its terminal, as in a shell
+        import fcntl
+        import termios
+
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    proc = subprocess.Popen([sys.executable, "-m", "tui.cli", *args], stdin=slave, stdout=slave, stderr=slave,
+                            env=env, start_new_session=True, preexec_fn=controlling_terminal)  # fmt: skip
+    os.close(slave)
+    return proc, master
+
+
+def _read_until(master: int, needle: bytes, timeout_s: float = 10.0) -> bytes:
+    import select
+    import time as _time
+
+    out = b""
+    deadline = _time.monotonic() + timeout_s
+    while needle not in out and _time.monotonic() < deadline:
+        ready, _, _ = select.select([master], [], [], 0.1)
+        if ready:
+            try:
+                out += os.read(master, 65536)
+            except OSError:
+                break
+    return out
+
+
+@pytest.mark.parametrize("how", ["q", "ctrl-c", "SIGTERM"])
+def test_live_screen_quits_and_restores_the_terminal(instance, how):
+    import signal
+    import termios
+
+    base, run_dir, pub = instance
+    proc, master = _pty_engine_top(["--refresh", "0.2"], base)
+    try:
+        before = termios.tcgetattr(master)
+        screen = _read_until(master, b"EngineCore_DP0")
+        assert b"EngineCore_DP0" in screen, screen[-2000:]
+        assert b"\x1b[?1049h" in screen  # the alternate screen
+        if how == "q":
+            os.write(master, b"q")
+        elif how == "ctrl-c":
+            os.write(master, b"\x03")  # the terminal turns it into SIGINT
+        else:
+            proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=10)
+        rest = _read_until(master, b"\x1b[?1049l", timeout_s=2)
+        assert rc == (128 + signal.SIGTERM if how == "SIGTERM" else 0)
+        assert b"\x1b[?1049l" in screen + rest  # left the alternate screen
+        assert termios.tcgetattr(master)[3] == before[3]  # echo and canonical mode as they were
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+
+
+def test_live_screen_waits_when_no_instance(tmp_path):
+    proc, master = _pty_engine_top(["--refresh", "0.2"], tmp_path)
+    try:
+        screen = _read_until(master, b"no running Glassbox instance")
+        assert b"no running Glassbox instance" in screen
+        assert proc.poll() is None  # still there, retrying
+        os.write(master, b"q")
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)

@@ -1,0 +1,312 @@
+"""Live telemetry: every event a Glassbox process publishes, typed, in one place.
+
+Each process of the tree publishes on its own ZMQ PUB socket in the run directory
+(``telemetry_address``: ``ipc://<run dir>/<role>.tel``); ``engine-top``, ``glassbox ps`` and
+``--telemetry-record FILE`` subscribe. A span reaches a trace backend only when it ends; these
+events say what is happening *now* — the stage a process is in, the wait it is blocked on,
+its queue depths, each scheduler step — so a stuck stage is visible while it is stuck.
+
+Wire format: one msgpack frame per event, a tagged union (``Event``; the tag is the event
+kind), decoded with ``decode_event``. Every event carries ``role`` (an opaque role name, as
+in the run-directory contract), ``pid``, ``seq`` (per publisher, from 0, +1 per event
+*offered*: a gap is dropped events, also counted in ``Dropped``) and ``t`` (Unix time, s).
+A recording (``--telemetry-record``) is the same frames, each prefixed by its length
+(``encode_recorded``/``read_recording``).
+
+Who emits what (gauge names are the ``GAUGE_*`` constants below):
+
+============================  ===============================================================
+event                         emitted by
+============================  ===============================================================
+``StageEntered/StageLeft``    every process, from the stage hook (``tracing.stage``)
+``WaitStarted/WaitEnded``     every process, from the stage hook (``tracing.waits``)
+``Heartbeat``                 every process, at least once a second, from its own thread
+``Gauges``                    every process: its role's gauges, sampled by the heartbeat
+                              thread (and pushed at once by ``publish_gauges``)
+``StepRecord``                engine cores, one per scheduler step (sampled when too fast)
+``RequestEvent``              engine cores (scheduled, preempted, finished ...) and API
+                              servers (arrived, first token, aborted by the client)
+``Dropped``                   any publisher that dropped events since its last ``Dropped``
+``Snapshot``                  every process, once a second: its open stages and gauges, for
+                              late subscribers
+``RunInfo``                   the ``Recorder`` only, into a recording: manifest and liveness
+============================  ===============================================================
+
+This module imports no ``engine`` module and no torch: engine-top reads it without the engine.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, BinaryIO, Literal
+
+import msgspec
+
+# -------------------------------------------------------------------------- gauge names
+# API server
+GAUGE_API_IN_FLIGHT = "api.http_in_flight"  # HTTP requests being answered
+GAUGE_API_WAITING_FOR_ENGINE = "api.waiting_for_engine"  # sent to the engine, no output yet
+GAUGE_API_PENDING_OUTPUTS = "api.pending_output_chunks"  # outputs queued, not yet streamed
+# Engine core
+GAUGE_INPUT_QUEUE = "engine.input_queue"  # items in input_queue
+GAUGE_OUTPUT_QUEUE = "engine.output_queue"  # items in output_queue
+GAUGE_WAITING = "sched.waiting"
+GAUGE_RUNNING = "sched.running"
+GAUGE_PREEMPTED = "sched.preempted_total"  # preemptions since start
+GAUGE_KV_USED = "kv.blocks_used"
+GAUGE_KV_FREE = "kv.blocks_free"
+GAUGE_KV_CACHED = "kv.blocks_cached"  # free blocks that still hold a cached prefix
+GAUGE_KV_TOTAL = "kv.blocks_total"
+GAUGE_PREFIX_HIT_RATE = "kv.prefix_hit_rate"  # hits / queries since start, 0..1
+GAUGE_DP_WAVE = "dp.wave"
+GAUGE_DP_RUNNING = "dp.engines_running"  # 1 while this engine's DP wave runs
+GAUGE_DUMMY_STEPS = "dp.dummy_steps_total"
+# Executor (in the engine core): the shared-memory broadcast queue
+GAUGE_MQ_WRITTEN = "mq.written"  # messages written since start
+GAUGE_MQ_READER_PREFIX = "mq.read."  # + reader index: messages that reader has read
+# Worker
+GAUGE_WORKER_STEP = "worker.step_id"  # execute_model calls since start
+GAUGE_WORKER_FORWARD_MS = "worker.forward_ms"  # time in the last execute_model
+
+
+class _Event(msgspec.Struct, kw_only=True, array_like=True, tag_field="kind"):
+    role: str
+    pid: int
+    seq: int
+    t: float  # Unix time, s
+
+
+class StageEntered(_Event, tag="stage_enter"):
+    """A stage (a catalogue span name) was entered; ``level`` is lifecycle, step or request."""
+
+    name: str
+    level: str
+    thread: str
+    attrs: dict[str, Any] = {}
+
+
+class StageLeft(_Event, tag="stage_exit"):
+    """A stage was left after ``duration_ms``; ``error`` is ``"Type: message"`` or None.
+    ``thread``: the thread that left it ("" from an older publisher)."""
+
+    name: str
+    duration_ms: float
+    error: str | None = None
+    thread: str = ""
+
+
+class WaitStarted(_Event, tag="wait_start"):
+    """A bounded wait began (``tracing.waits``): ``what`` is waited for, at most ``timeout_s``."""
+
+    what: str
+    timeout_s: float
+
+
+class WaitEnded(_Event, tag="wait_end"):
+    """A bounded wait ended: ``outcome`` is ok, timeout, cancelled or error."""
+
+    what: str
+    outcome: str
+    waited_ms: float
+
+
+class OpenStageInfo(msgspec.Struct, kw_only=True, array_like=True):
+    """One stage open right now (as ``tracing.stage.OpenStage``)."""
+
+    name: str
+    level: str
+    thread: str
+    entered_at: float  # Unix time, s
+
+
+class OpenWaitInfo(msgspec.Struct, kw_only=True, array_like=True):
+    """One bounded wait in progress (``tracing.waits``): ``what``, since ``started_at`` (Unix
+    time, s), at most ``timeout_s``, in thread ``thread``."""
+
+    what: str
+    started_at: float
+    timeout_s: float
+    thread: str = ""
+
+
+class Heartbeat(_Event, tag="heartbeat"):
+    """Sent at least once a second by a thread apart from the process's main loop.
+
+    A busy loop that stopped shows as an old ``last_step_at`` while heartbeats go on; a
+    frozen process (SIGSTOP, a GIL-holding hang) as heartbeats that stop.
+    ``cpu_percent``: of one core, since the last heartbeat. ``rss_bytes``, ``num_threads``:
+    now. ``stages``: every open stage, oldest first. ``last_step_at``: Unix time of the last
+    engine step (engine cores) or execute_model (workers), else None. ``interval_s``: the
+    period of these heartbeats. ``waits``: the bounded waits in progress, oldest first.
+    ``exited``: children this process reaped, role → how it ended ("killed by SIGKILL (exit
+    status -9)"), as its parent knows it (``TelemetryPublisher.note_child_exit``).
+    """
+
+    cpu_percent: float
+    rss_bytes: int
+    num_threads: int
+    stages: list[OpenStageInfo] = []
+    last_step_at: float | None = None
+    interval_s: float = 1.0
+    waits: list[OpenWaitInfo] = []
+    exited: dict[str, str] = {}
+
+
+class Gauges(_Event, tag="gauges"):
+    """Current values of this process's gauges (``GAUGE_*`` names; queue depths, counts)."""
+
+    values: dict[str, float]
+
+
+class StepRecord(_Event, tag="step"):
+    """One scheduler step of engine ``engine_index``.
+
+    Tokens: ``num_decode_tokens`` (one per decoding request) + ``num_prefill_tokens`` (prompt
+    tokens, of ``num_prefill_reqs`` requests, ``num_chunked_prefills`` of them a chunk that
+    leaves more for a later step) = ``tokens_scheduled`` ≤ ``token_budget``
+    (``max_num_batched_tokens``). ``kv_usage``: 0..1 after the step. Durations in ms:
+    ``schedule_ms + execute_ms + update_ms`` ≈ ``duration_ms``. ``dummy``: a DP dummy batch
+    (no request; every count 0).
+    """
+
+    engine_index: int
+    step_id: int
+    started_at: float  # Unix time, s
+    duration_ms: float
+    schedule_ms: float
+    execute_ms: float
+    update_ms: float
+    num_decode_reqs: int
+    num_decode_tokens: int
+    num_prefill_reqs: int
+    num_prefill_tokens: int
+    num_chunked_prefills: int
+    tokens_scheduled: int
+    token_budget: int
+    num_running: int
+    num_waiting: int
+    num_preempted: int
+    kv_usage: float
+    dummy: bool = False
+
+
+RequestEventKind = Literal["arrived", "scheduled", "first_token", "preempted", "finished", "aborted"]
+
+
+class RequestEvent(_Event, tag="request"):
+    """A request changed state. ``reason``: the finish reason (stop, length, abort) or why it
+    was aborted / preempted. Token counts and ``num_blocks`` (KV blocks held) as of now;
+    -1 when the emitter does not know (the API server knows no blocks)."""
+
+    request_id: str
+    event: RequestEventKind
+    engine_index: int = -1
+    reason: str | None = None
+    num_prompt_tokens: int = -1
+    num_computed_tokens: int = -1
+    num_output_tokens: int = -1
+    num_blocks: int = -1
+
+
+class Dropped(_Event, tag="dropped"):
+    """Events this publisher dropped since its previous ``Dropped`` (never a silent drop):
+    by event kind (``step``, ``request`` ...), sampled away or refused by a full socket.
+    ``refused``: the part of ``counts`` refused by a full socket (a subscriber reading too
+    slowly), by kind; the rest was sampled or rate-limited away on purpose."""
+
+    counts: dict[str, int]
+    refused: dict[str, int] = {}
+
+
+class RequestProgress(msgspec.Struct, kw_only=True, array_like=True):
+    """One request an engine holds right now (``state``: waiting or running), with its
+    progress: computed tokens of ``num_prompt_tokens + num_output_tokens``, KV blocks held,
+    ``arrived_at`` (Unix s)."""
+
+    request_id: str
+    state: str
+    engine_index: int
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    num_output_tokens: int
+    num_blocks: int
+    arrived_at: float
+
+
+class Snapshot(_Event, tag="snapshot"):
+    """Everything a late subscriber needs from this process, once a second. ``requests``:
+    the requests an engine core holds now (at most ``MAX_SNAPSHOT_REQUESTS``), so the
+    in-flight panel shows their progress between their state changes."""
+
+    stages: list[OpenStageInfo]
+    gauges: dict[str, float]
+    last_step: StepRecord | None = None
+    requests: list[RequestProgress] = []
+
+
+MAX_SNAPSHOT_REQUESTS = 256
+
+
+class RunInfo(_Event, tag="run_info"):
+    """Written into recordings by the ``Recorder`` (never published by a process): the
+    manifest (``tracing.run_dir.Manifest`` as JSON data) and each planned role's liveness as
+    psutil saw it (role → ``running``/``exited: pid 12 exited``...), so a replay shows the
+    planned tree, the expected count and the dead. Sent at the start and on each change."""
+
+    manifest: dict[str, Any] = {}
+    liveness: dict[str, str] = {}
+    found_count: int = 0
+
+
+Event = (
+    StageEntered
+    | StageLeft
+    | WaitStarted
+    | WaitEnded
+    | Heartbeat
+    | Gauges
+    | StepRecord
+    | RequestEvent
+    | Dropped
+    | Snapshot
+    | RunInfo
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Event)
+_LEN = struct.Struct("<I")
+
+
+def encode_event(event: Event) -> bytes:
+    return _encoder.encode(event)
+
+
+def decode_event(data: bytes | memoryview) -> Event:
+    """One frame → its event. Raises ``msgspec.DecodeError`` / ``ValidationError`` when it is not one."""
+    return _decoder.decode(data)
+
+
+def telemetry_address(run_dir: Path | str, role: str) -> str:
+    """The ``ipc://`` address process ``role`` publishes on (it binds; subscribers connect)."""
+    return f"ipc://{run_dir}/{role}.tel"
+
+
+def encode_recorded(frame: bytes) -> bytes:
+    """One frame as it goes into a recording file: a 4-byte little-endian length, then the frame."""
+    return _LEN.pack(len(frame)) + frame
+
+
+def read_recording(file: BinaryIO) -> Iterator[Event]:
+    """Every event of a recording, in order; a truncated last record (a recorder killed
+    mid-write) ends the iteration quietly, a corrupt one raises ``msgspec.DecodeError``."""
+    while True:
+        head = file.read(_LEN.size)
+        if len(head) < _LEN.size:
+            return
+        (n,) = _LEN.unpack(head)
+        frame = file.read(n)
+        if len(frame) < n:
+            return
+        yield decode_event(frame)

@@ -1,0 +1,880 @@
+"""engine-top's panels: pure functions from a ``LiveState`` to Rich renderables.
+
+No I/O and no clock here: every age is ``state.now`` minus a time the state holds, so a
+test (or a replay) renders the same screen from the same state. ``tui/app.py`` owns the
+live loop and the keys and passes what they chose in a ``ViewOptions``.
+
+Panels (``docs/engine-top.md`` explains how to read each one):
+
+- header     model, TP/PP/DP, expected vs found processes, uptime, links, source
+- processes  the tree: API servers, each engine core with its workers, the coordinator
+- queues     each queue's depth now, with a sparkline of its recent samples
+- steps      the scheduler's recent steps: the token budget as a decode/prefill bar
+- requests   requests in flight: state, engine, tokens, KV blocks, age
+- alerts     what a person should look at, with a hint of what it usually means
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rich import box
+from rich.console import Group, RenderableType
+from rich.layout import Layout
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from tracing.telemetry.events import (
+    GAUGE_API_IN_FLIGHT,
+    GAUGE_API_PENDING_OUTPUTS,
+    GAUGE_API_WAITING_FOR_ENGINE,
+    GAUGE_DP_RUNNING,
+    GAUGE_DP_WAVE,
+    GAUGE_DUMMY_STEPS,
+    GAUGE_INPUT_QUEUE,
+    GAUGE_KV_TOTAL,
+    GAUGE_KV_USED,
+    GAUGE_MQ_READER_PREFIX,
+    GAUGE_MQ_WRITTEN,
+    GAUGE_OUTPUT_QUEUE,
+    GAUGE_RUNNING,
+    GAUGE_WAITING,
+    StepRecord,
+)
+from tracing.telemetry.state import (
+    GAUGE_MQ_LAG,
+    HEARTBEAT_STALE_S,
+    IDLE_POLL_WAIT_S,
+    LiveState,
+    ProcessLive,
+    RequestLive,
+)
+
+# ------------------------------------------------------------------------------ options
+
+PANELS = ("processes", "queues", "steps", "requests", "alerts")
+REQUEST_SORTS = ("age", "state", "engine", "progress", "blocks", "id")
+
+# Characters of the budget bar: distinct shapes, so it reads without colour too.
+DECODE_CHAR, PREFILL_CHAR, UNUSED_CHAR = "█", "▒", "·"
+SPARK_CHARS = " ▁▂▃▄▅▆▇█"
+
+_KIND_ORDER = {"frontend": 0, "api_server": 1, "engine_core": 2, "worker": 3, "dp_coordinator": 4}
+_DP_IN_ROLE = re.compile(r"_DP(\d+)")
+_TRAILING_INT = re.compile(r"(\d+)$")
+
+
+@dataclass
+class ViewOptions:
+    """What the keys chose. ``engine``: the DP engine the steps and requests panels show
+    (None: all). ``expanded``: one panel of ``PANELS`` shown alone (None: all panels)."""
+
+    engine: int | None = None
+    request_sort: str = "age"
+    expanded: str | None = None
+    show_help: bool = False
+    paused: bool = False
+    refresh_s: float = 0.5
+    notice: str | None = None  # one line under the header (link lost, instance gone ...)
+
+
+# ------------------------------------------------------------------------------ formatting
+
+
+def fmt_age(seconds: float | None) -> str:
+    """``0.4s``, ``12s``, ``4m05s``, ``2h03m``; ``—`` for unknown."""
+    if seconds is None:
+        return "—"
+    seconds = max(0.0, seconds)
+    if seconds < 10:
+        return f"{seconds:.1f}s"
+    if seconds < 60:
+        return f"{seconds:.0f}s"
+    if seconds < 3600:
+        return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+    return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m"
+
+
+def fmt_bytes(n: int | None) -> str:
+    """``3.0G``, ``512M``, ``64K`` (powers of 1024, as htop); ``—`` for unknown."""
+    if n is None:
+        return "—"
+    for unit, size in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= size:
+            v = n / size
+            return f"{v:.1f}{unit}" if v < 10 else f"{v:.0f}{unit}"
+    return f"{n}B"
+
+
+def fmt_ms(ms: float) -> str:
+    return f"{ms:.0f}" if ms >= 100 else f"{ms:.1f}"
+
+
+def _known(n: int) -> str:
+    return "—" if n is None or n < 0 else str(n)
+
+
+def sparkline(values: Iterable[float], width: int = 24) -> str:
+    """The last ``width`` samples as block characters, scaled to the largest of them (0 = blank)."""
+    vals = list(values)[-width:]
+    if not vals:
+        return ""
+    top = max(max(vals), 1e-9)
+    steps = len(SPARK_CHARS) - 1
+    out = []
+    for v in vals:
+        i = 0 if v <= 0 else max(1, min(steps, round(v / top * steps)))
+        out.append(SPARK_CHARS[i])
+    return "".join(out)
+
+
+def _cells(tokens: int, budget: int, width: int) -> int:
+    if tokens <= 0:
+        return 0
+    return max(1, round(tokens * width / budget))
+
+
+def budget_bar(step: StepRecord, width: int = 24) -> Text:
+    """The step's token budget as ``width`` cells: decode tokens ``█``, prefill tokens ``▒``,
+    unused budget ``·``. Each kind that scheduled any token gets at least one cell."""
+    if step.dummy:
+        return Text("dummy".center(width, UNUSED_CHAR), style="dim italic")
+    decode, prefill = max(0, step.num_decode_tokens), max(0, step.num_prefill_tokens)
+    budget = max(step.token_budget, decode + prefill, 1)
+    d, p = _cells(decode, budget, width), _cells(prefill, budget, width)
+    while d + p > width:  # rounding up both can overflow by a cell: take it from the larger
+        if d >= p:
+            d -= 1
+        else:
+            p -= 1
+    bar = Text()
+    bar.append(DECODE_CHAR * d, style="green")
+    bar.append(PREFILL_CHAR * p, style="blue")
+    bar.append(UNUSED_CHAR * (width - d - p), style="grey42")
+    return bar
+
+
+def budget_legend() -> Text:
+    return Text.assemble(
+        (DECODE_CHAR, "green"),
+        " decode  ",
+        (PREFILL_CHAR, "blue"),
+        " prefill  ",
+        (UNUSED_CHAR, "grey42"),
+        " unused",
+    )
+
+
+# ------------------------------------------------------------------------------ the tree
+
+
+def dp_rank_of(proc: ProcessLive) -> int | None:
+    """The DP rank of an engine core or worker: an engine core's ``rank`` (the manifest's),
+    else read off the role name (``EngineCore_DP1``, ``Worker_DP1_PP0_TP0``; a worker's
+    ``rank`` is its rank inside its engine, not its DP rank)."""
+    if proc.kind == "engine_core" and proc.rank is not None:
+        return proc.rank
+    m = _DP_IN_ROLE.search(proc.role)
+    return int(m.group(1)) if m else None
+
+
+def _natural(role: str) -> tuple[Any, ...]:
+    return tuple(int(x) if x.isdigit() else x for x in re.split(r"(\d+)", role))
+
+
+def process_rows(state: LiveState) -> list[tuple[int, ProcessLive]]:
+    """The processes in tree order, each with its depth: the frontend, API servers, each
+    engine core followed by its workers (depth 1), the coordinator, then anything else."""
+    procs = sorted(state.processes.values(), key=lambda p: (_KIND_ORDER.get(p.kind, 9), _natural(p.role)))
+    workers: dict[int | None, list[ProcessLive]] = {}
+    for p in procs:
+        if p.kind == "worker":
+            workers.setdefault(dp_rank_of(p), []).append(p)
+    rows: list[tuple[int, ProcessLive]] = []
+    placed: set[int | None] = set()
+    for p in procs:
+        if p.kind == "worker":
+            continue
+        rows.append((0, p))
+        if p.kind == "engine_core":
+            rank = dp_rank_of(p)
+            placed.add(rank)
+            rows.extend((1, w) for w in workers.get(rank, []))
+    for rank, ws in workers.items():  # workers whose engine core is not (yet) known
+        if rank not in placed:
+            rows.extend((0, w) for w in ws)
+    return rows
+
+
+def _stage_text(state: LiveState, p: ProcessLive) -> Text:
+    if p.state == "dead":
+        t = Text(f"✗ {p.exit_description or 'exited'}", style="bold red")
+        if p.stage:
+            t.append(f" (in {p.stage})", style="red")
+        return t
+    if not p.stage:
+        return Text("idle" if p.state == "running" else "—", style="dim")
+    t = Text()
+    if p.stage:
+        t.append(p.stage)
+        if p.stage_entered_at is not None:
+            t.append(f" {fmt_age(state.now - p.stage_entered_at)}", style="cyan")
+    return t
+
+
+def _wait_text(state: LiveState, p: ProcessLive) -> Text | None:
+    """The innermost bounded wait, for a row of its own under the process."""
+    # Short waits are idle polls repeated by design (a worker between steps): not news.
+    waits = [w for w in p.waits if w.timeout_s >= IDLE_POLL_WAIT_S]
+    if not waits or p.state == "dead":
+        return None
+    w = waits[-1]
+    waited = fmt_age(state.now - w.started_at)
+    return Text(f"⏳ waiting for {w.what}: {waited} of {fmt_age(w.timeout_s)}", style="yellow")
+
+
+_STATE_STYLE = {
+    "planned": "dim",
+    "starting": "yellow",
+    "running": "green",
+    "stale": "bold yellow",
+    "dead": "bold red",
+}
+
+
+# psutil words worth showing beside our state (a SIGSTOPped process, a zombie, a D-state hang).
+_OS_STATES_SHOWN = ("stopped", "tracing-stop", "zombie", "disk-sleep")
+
+
+def _state_text(p: ProcessLive, state_name: str, stale: bool) -> Text:
+    t = Text(state_name + (" ⚠" if stale else ""), style=_STATE_STYLE.get(state_name, ""))
+    if p.os_state in _OS_STATES_SHOWN and p.state != "dead":
+        t.append(f" ({p.os_state})", style="bold yellow")
+    return t
+
+
+def _is_stale(state: LiveState, p: ProcessLive) -> bool:
+    if p.state == "stale":
+        return True
+    return (
+        p.state in ("starting", "running")
+        and p.heartbeat_at is not None
+        and state.now - p.heartbeat_at > HEARTBEAT_STALE_S
+    )
+
+
+def render_processes(
+    state: LiveState, max_rows: int | None = None, wrap: bool = False, compact: bool = False
+) -> RenderableType:
+    """The tree, one row per process (plus one under a process that is in a bounded wait).
+    ``wrap``: let a long stage or exit description wrap (``--once``) rather than be cut.
+    ``compact`` (a narrow terminal): no RSS and thread columns."""
+    table = Table(box=box.SIMPLE_HEAD, expand=True, pad_edge=False, show_edge=False)
+    table.add_column("role", no_wrap=True)
+    table.add_column("pid", justify="right", no_wrap=True)
+    table.add_column("state", no_wrap=True)
+    table.add_column("stage · time in it", ratio=1, overflow="fold" if wrap else "ellipsis", no_wrap=not wrap)
+    table.add_column("CPU%", justify="right", no_wrap=True)
+    if not compact:
+        table.add_column("RSS", justify="right", no_wrap=True)
+        table.add_column("thr", justify="right", no_wrap=True)
+    table.add_column("beat", justify="right", no_wrap=True)  # heartbeat age
+    table.add_column("step", justify="right", no_wrap=True)  # age of the last engine step / forward
+    rows = process_rows(state)
+    if not rows:
+        return Text("no process seen yet (no manifest, no telemetry)", style="dim")
+    shown = rows if max_rows is None or len(rows) <= max_rows else rows[: max(1, max_rows - 1)]
+    for depth, p in shown:
+        stale = _is_stale(state, p)
+        state_name = "stale" if stale else p.state
+        hb_age = None if p.heartbeat_at is None or p.state == "dead" else state.now - p.heartbeat_at
+        hb = Text(fmt_age(hb_age))
+        if stale:
+            hb.append("!", style="bold yellow")
+            hb.stylize("bold yellow")
+        step_age = Text(fmt_age(None if p.last_step_at is None else state.now - p.last_step_at))
+        role = Text(("  └ " if depth else "") + p.role, style="bold" if p.kind == "engine_core" else "")
+        row_style = "grey50" if stale or p.state in ("planned", "dead") else ""
+        cells: list[Any] = [
+            role,
+            str(p.pid) if p.pid else "—",
+            _state_text(p, state_name, stale),
+            _stage_text(state, p),
+            "—" if p.cpu_percent is None or p.state == "dead" else f"{p.cpu_percent:.0f}",
+        ]
+        if not compact:
+            cells.append("—" if p.state == "dead" else fmt_bytes(p.rss_bytes))
+            cells.append("—" if p.num_threads is None or p.state == "dead" else str(p.num_threads))
+        table.add_row(*cells, hb, step_age, style=row_style)
+        wait = _wait_text(state, p)
+        if wait is not None:
+            table.add_row("", "", "", wait)
+    if len(shown) < len(rows):
+        hidden: dict[str, int] = {}
+        for _, p in rows[len(shown) :]:
+            name = "stale" if _is_stale(state, p) else p.state
+            hidden[name] = hidden.get(name, 0) + 1
+        what = ", ".join(f"{n} {name}" for name, n in sorted(hidden.items()))
+        bad = any(k in hidden for k in ("dead", "stale"))
+        table.add_row(
+            Text(f"… {len(rows) - len(shown)} more: {what} (e: expand)", style="bold red" if bad else "dim")
+        )
+    return table
+
+
+# ------------------------------------------------------------------------------ queues
+
+# (gauge, label) in the order a request flows: into the API server, to the engine core,
+# through the scheduler, back out.
+_API_QUEUES = (
+    (GAUGE_API_IN_FLIGHT, "HTTP in flight"),
+    (GAUGE_API_WAITING_FOR_ENGINE, "→ engine core"),
+    (GAUGE_API_PENDING_OUTPUTS, "outputs to stream"),
+)
+_ENGINE_QUEUES = (
+    (GAUGE_INPUT_QUEUE, "input_queue"),
+    (GAUGE_WAITING, "scheduler waiting"),
+    (GAUGE_RUNNING, "scheduler running"),
+    (GAUGE_OUTPUT_QUEUE, "output_queue"),
+)
+_MQ_LAG = "mq lag"
+# Gauges that are not queues: shown as their own rows (KV, DP wave) or not in this panel.
+_NOT_QUEUES = ("kv.", "dp.", "worker.", "sched.preempted")
+
+
+def _series_key(role: str, gauge: str) -> str:
+    return f"{role} {gauge}"
+
+
+def mq_lag(gauges: dict[str, float]) -> float | None:
+    """Broadcast-queue lag: messages written minus the slowest reader's position (None
+    when this process publishes no broadcast-queue gauges)."""
+    if GAUGE_MQ_LAG in gauges:  # derived by the collector
+        return gauges[GAUGE_MQ_LAG]
+    written = gauges.get(GAUGE_MQ_WRITTEN)
+    readers = [v for k, v in gauges.items() if k.startswith(GAUGE_MQ_READER_PREFIX)]
+    if written is None or not readers:
+        return None
+    return max(0.0, written - min(readers))
+
+
+def _mq_lag_series(state: LiveState, role: str) -> list[float]:
+    derived = state.queues.get(_series_key(role, GAUGE_MQ_LAG))
+    if derived:
+        return list(derived)
+    written = list(state.queues.get(_series_key(role, GAUGE_MQ_WRITTEN), ()))
+    readers = [list(v) for k, v in state.queues.items() if k.startswith(f"{role} {GAUGE_MQ_READER_PREFIX}")]
+    if not written or not readers:
+        return []
+    n = min(len(written), *(len(r) for r in readers))  # align on the most recent sample
+    return [max(0.0, written[-n + i] - min(r[-n + i] for r in readers)) for i in range(n)]
+
+
+def queue_rows(state: LiveState) -> list[tuple[str, str, float | None, list[float]]]:
+    """(process, queue label, depth now, recent samples), in flow order; series of
+    ``state.queues`` that no known gauge names come last, under their own name."""
+    rows: list[tuple[str, str, float | None, list[float]]] = []
+    used: set[str] = set()
+    for _, p in process_rows(state):
+        if p.kind == "api_server":
+            wanted = _API_QUEUES
+        elif p.kind == "engine_core":
+            wanted = _ENGINE_QUEUES
+        else:
+            wanted = ()
+        for gauge, label in wanted:
+            key = _series_key(p.role, gauge)
+            series = list(state.queues.get(key, ()))
+            used.add(key)
+            now = p.gauges.get(gauge, series[-1] if series else None)
+            if now is None and not series:
+                continue
+            rows.append((p.role, label, now, series))
+        lag_series = _mq_lag_series(state, p.role)
+        lag = mq_lag(p.gauges)
+        if lag is None and lag_series:
+            lag = lag_series[-1]
+        if lag is not None:
+            rows.append((p.role, "broadcast queue lag", lag, lag_series))
+        used.update(k for k in state.queues if k.startswith(f"{p.role} mq."))
+        if p.kind == "engine_core" and GAUGE_KV_USED in p.gauges:
+            total = p.gauges.get(GAUGE_KV_TOTAL)
+            label = f"KV blocks used (of {int(total)})" if total else "KV blocks used"
+            series = list(state.queues.get(_series_key(p.role, GAUGE_KV_USED), ()))
+            rows.append((p.role, label, p.gauges[GAUGE_KV_USED], series))
+        if p.kind == "engine_core" and state.data_parallel_size > 1 and GAUGE_DP_WAVE in p.gauges:
+            running = "running" if p.gauges.get(GAUGE_DP_RUNNING) else "over"
+            label = f"DP wave {int(p.gauges[GAUGE_DP_WAVE])} ({running}), dummy steps"
+            series = list(state.queues.get(_series_key(p.role, GAUGE_DUMMY_STEPS), ()))
+            rows.append((p.role, label, p.gauges.get(GAUGE_DUMMY_STEPS), series))
+    for key, series in state.queues.items():
+        if key in used:
+            continue
+        role, _, gauge = key.partition(" ")
+        if gauge.startswith(_NOT_QUEUES) or role == "DPCoordinator":
+            continue
+        rows.append((role, gauge or key, series[-1] if series else None, list(series)))
+    return rows
+
+
+def render_queues(state: LiveState, max_rows: int | None = None, spark_width: int = 24) -> RenderableType:
+    rows = queue_rows(state)
+    if not rows:
+        return Text("no queue gauges yet", style="dim")
+    table = Table(box=box.SIMPLE_HEAD, expand=True, pad_edge=False, show_edge=False)
+    table.add_column("process", no_wrap=True, style="dim", overflow="ellipsis", max_width=18)
+    table.add_column("queue", no_wrap=True, overflow="ellipsis")
+    table.add_column("now", justify="right", no_wrap=True)
+    table.add_column("recent", no_wrap=True, style="cyan")
+    shown = rows if max_rows is None or len(rows) <= max_rows else rows[: max(1, max_rows - 1)]
+    last_role = None
+    for role, label, now, series in shown:
+        depth = "—" if now is None else f"{now:.0f}"
+        style = "bold" if now else ""
+        table.add_row(
+            role if role != last_role else "", label, Text(depth, style=style), sparkline(series, spark_width)
+        )
+        last_role = role
+    if len(shown) < len(rows):
+        table.add_row("", Text(f"… {len(rows) - len(shown)} more (e: expand)", style="dim"))
+    return table
+
+
+# ------------------------------------------------------------------------------ steps
+
+
+def engines_of(state: LiveState) -> list[int]:
+    """Every DP engine index seen: in the steps, or as an engine-core process."""
+    found = set(state.steps)
+    for p in state.processes.values():
+        if p.kind == "engine_core":
+            rank = dp_rank_of(p)
+            if rank is not None:
+                found.add(rank)
+    return sorted(found)
+
+
+def recent_steps(state: LiveState, engine: int | None, n: int) -> list[StepRecord]:
+    """The ``n`` latest steps of ``engine`` (all engines when None), newest first."""
+    if engine is None:
+        steps = [s for recs in state.steps.values() for s in recs]
+        steps.sort(key=lambda s: (s.started_at, s.engine_index), reverse=True)
+        return steps[:n]
+    recs = list(state.steps.get(engine, ()))
+    return recs[::-1][:n]
+
+
+def render_steps(
+    state: LiveState, engine: int | None, max_rows: int = 12, bar_width: int = 24, compact: bool = False
+) -> RenderableType:
+    """Newest step first. ``compact`` (a narrow panel) leaves out requests, the time split and
+    the queue lengths after the step."""
+    steps = recent_steps(state, engine, max_rows)
+    if not steps:
+        which = "any engine" if engine is None else f"engine DP{engine}"
+        return Text(f"no scheduler step from {which} yet", style="dim")
+    table = Table(box=box.SIMPLE_HEAD, expand=True, pad_edge=False, show_edge=False)
+    if engine is None:
+        table.add_column("DP", justify="right", no_wrap=True)
+    table.add_column("step", justify="right", no_wrap=True)
+    table.add_column("token budget", no_wrap=True)
+    table.add_column("dec+pre/budget", justify="right", no_wrap=True)
+    if not compact:
+        table.add_column("reqs d/p", justify="right", no_wrap=True)
+    table.add_column("KV", justify="right", no_wrap=True)
+    table.add_column("preempt", justify="right", no_wrap=True)
+    table.add_column("ms", justify="right", no_wrap=True)
+    if not compact:
+        table.add_column("sched/exec/upd", justify="right", no_wrap=True)
+        table.add_column("run/wait", justify="right", no_wrap=True)
+    for s in steps:
+        tokens = f"{s.num_decode_tokens}+{s.num_prefill_tokens}/{s.token_budget}"
+        reqs = f"{s.num_decode_reqs}/{s.num_prefill_reqs}"
+        if s.num_chunked_prefills:
+            reqs += f" ({s.num_chunked_prefills}c)"
+        kv = Text(f"{s.kv_usage * 100:.0f}%", style="red" if s.kv_usage >= 0.9 else "")
+        pre = Text(str(s.num_preempted), style="bold red" if s.num_preempted else "dim")
+        cells: list[Any] = [str(s.engine_index)] if engine is None else []
+        cells += [str(s.step_id), budget_bar(s, bar_width), "dummy" if s.dummy else tokens]
+        cells += [] if compact else [reqs]
+        cells += [kv, pre, fmt_ms(s.duration_ms)]
+        if not compact:
+            cells += [
+                f"{fmt_ms(s.schedule_ms)}/{fmt_ms(s.execute_ms)}/{fmt_ms(s.update_ms)}",
+                f"{s.num_running}/{s.num_waiting}",
+            ]
+        table.add_row(*cells, style="dim" if s.dummy else "")
+    return table
+
+
+# ------------------------------------------------------------------------------ requests
+
+
+def _total_tokens(r: RequestLive) -> int:
+    if r.num_prompt_tokens < 0:
+        return -1
+    return r.num_prompt_tokens + max(0, r.num_output_tokens)
+
+
+def _sort_key(sort: str, now: float):
+    def age(r: RequestLive) -> float:
+        return now - (r.arrived_at if r.arrived_at is not None else now)
+
+    keys = {
+        "age": lambda r: -age(r),  # oldest first
+        "state": lambda r: (r.state, -age(r)),
+        "engine": lambda r: (r.engine_index, -age(r)),
+        "progress": lambda r: (
+            r.num_computed_tokens / _total_tokens(r)
+            if _total_tokens(r) > 0 and r.num_computed_tokens >= 0
+            else -1.0
+        ),
+        "blocks": lambda r: -r.num_blocks,
+        "id": lambda r: _natural(r.request_id),
+    }
+    return keys.get(sort, keys["age"])
+
+
+def visible_requests(state: LiveState, engine: int | None, sort: str) -> list[RequestLive]:
+    reqs = [r for r in state.requests.values() if engine is None or r.engine_index == engine]
+    return sorted(reqs, key=_sort_key(sort, state.now))
+
+
+def render_requests(
+    state: LiveState, engine: int | None, sort: str, max_rows: int | None = None, compact: bool = False
+) -> RenderableType:
+    """Requests of ``engine`` (all when None) sorted by ``sort`` (``REQUEST_SORTS``).
+    ``compact`` (a narrow panel): no output-token column and no reasons."""
+    reqs = visible_requests(state, engine, sort)
+    if not reqs:
+        which = "" if engine is None else f" on engine DP{engine}"
+        return Text(f"no request in flight{which}", style="dim")
+    table = Table(box=box.SIMPLE_HEAD, expand=True, pad_edge=False, show_edge=False)
+    table.add_column("request", no_wrap=True, overflow="ellipsis", min_width=8, max_width=28)
+    table.add_column("state", no_wrap=True, overflow="ellipsis")
+    table.add_column("DP", justify="right", no_wrap=True)
+    table.add_column("computed/total", justify="right", no_wrap=True)
+    if not compact:
+        table.add_column("out", justify="right", no_wrap=True)
+    table.add_column("blocks", justify="right", no_wrap=True)
+    table.add_column("age", justify="right", no_wrap=True)
+    shown = reqs if max_rows is None or len(reqs) <= max_rows else reqs[: max(1, max_rows - 1)]
+    for r in shown:
+        done = r.state in ("finished", "aborted")
+        state_style = {
+            "preempted": "bold yellow",
+            "aborted": "red",
+            "first_token": "green",
+            "scheduled": "green",
+        }
+        state_text = Text(r.state, style=state_style.get(r.state, ""))
+        if r.reason and not compact and r.state in ("preempted", "aborted", "finished"):
+            state_text.append(f" ({r.reason})", style="dim")
+        age = None if r.arrived_at is None else state.now - r.arrived_at
+        cells = [r.request_id, state_text, _known(r.engine_index)]
+        cells.append(f"{_known(r.num_computed_tokens)}/{_known(_total_tokens(r))}")
+        cells += [] if compact else [_known(r.num_output_tokens)]
+        table.add_row(*cells, _known(r.num_blocks), fmt_age(age), style="dim" if done else "")
+    if len(shown) < len(reqs):
+        table.add_row(Text(f"… {len(reqs) - len(shown)} more", style="dim"))
+    return table
+
+
+# ------------------------------------------------------------------------------ alerts
+
+
+def render_alerts(state: LiveState, max_rows: int | None = None) -> RenderableType:
+    if not state.alerts:
+        return Text("✓ no alerts", style="green")
+    order = {"error": 0, "warning": 1}
+    alerts = sorted(state.alerts, key=lambda a: order.get(a.severity, 2))
+    shown = alerts if max_rows is None or len(alerts) <= max_rows else alerts[: max(1, max_rows - 1)]
+    lines: list[RenderableType] = []
+    for a in shown:
+        style = "bold red" if a.severity == "error" else "bold yellow"
+        line = Text.assemble(("✗ ERROR " if a.severity == "error" else "⚠ WARN  ", style))
+        if a.role:
+            line.append(f"{a.role}: ", style="bold")
+        line.append(a.message)
+        lines.append(line)
+        if a.hint:
+            lines.append(Text(f"    hint: {a.hint}", style="italic"))
+    if len(shown) < len(alerts):
+        lines.append(Text(f"… {len(alerts) - len(shown)} more (e: expand)", style="dim"))
+    return Group(*lines)
+
+
+# ------------------------------------------------------------------------------ header
+
+
+def _links_summary(state: LiveState) -> Text:
+    counts: dict[str, int] = {}
+    for p in state.processes.values():
+        if p.state in ("planned", "dead"):
+            continue
+        counts[p.link] = counts.get(p.link, 0) + 1
+    if not counts:
+        return Text("no link yet", style="yellow")
+    styles = {"live": "green", "connecting": "yellow", "stale": "bold yellow", "lost": "bold red"}
+    t = Text()
+    for link in ("live", "connecting", "stale", "lost"):
+        if link in counts:
+            if t:
+                t.append(" · ")
+            t.append(f"{counts[link]} {link}", style=styles[link])
+    return t
+
+
+def render_header(state: LiveState, opts: ViewOptions) -> RenderableType:
+    grid = Table.grid(expand=True, padding=(0, 2))
+    grid.add_column(ratio=1, no_wrap=True, overflow="ellipsis")
+    grid.add_column(justify="right", no_wrap=True)
+    title = Text("engine-top", style="bold magenta")
+    title.append(f"  {state.model or 'model ?'}", style="bold")
+    shape = (
+        f"  TP={state.tensor_parallel_size} PP={state.pipeline_parallel_size} DP={state.data_parallel_size}"
+    )
+    if state.api_server_count:
+        shape += f"  API servers={state.api_server_count}"
+    title.append(shape)
+    right = Text()
+    if opts.paused:
+        right.append(" PAUSED (still collecting) ", style="bold black on yellow")
+        right.append(" ")
+    src_style = "bold cyan" if state.source == "replay" else "bold green"
+    right.append(state.source.upper(), style=src_style)
+    right.append(f"  refresh {opts.refresh_s:g}s", style="dim")
+    grid.add_row(title, right)
+
+    count = Text("processes ")
+    expected = state.expected_count
+    if expected is None:
+        count.append(f"{state.found_count} found / ? expected", style="yellow")
+    else:
+        ok = state.found_count == expected
+        count.append(f"{state.found_count}/{expected} found", style="bold green" if ok else "bold red")
+        if not ok:
+            diff = expected - state.found_count
+            count.append(f" ({diff} missing)" if diff > 0 else f" ({-diff} unplanned)", style="red")
+    count.append("   uptime ")
+    count.append(fmt_age(None if state.started_at is None else state.now - state.started_at))
+    count.append("   links ")
+    count.append_text(_links_summary(state))
+    events = Text(f"events {state.events_received}", style="dim")
+    if state.events_dropped:
+        events.append(f" (dropped {state.events_dropped})", style="yellow")
+    grid.add_row(count, events)
+
+    focus = "all engines" if opts.engine is None else f"engine DP{opts.engine}"
+    where = state.mode or "?"
+    if state.host and state.port:
+        where += f" on {state.host}:{state.port}"
+    where += f" · run dir {state.run_dir or '—'}"
+    grid.add_row(Text(where, style="dim"), Text(f"showing {focus} · sort {opts.request_sort}", style="dim"))
+    for line in _header_lines(state, opts):
+        grid.add_row(line, "")
+    return grid
+
+
+def _header_lines(state: LiveState, opts: ViewOptions) -> list[Text]:
+    """Lines under the header: the instance gone, a replay's progress, the app's notice."""
+    lines = []
+    if state.status == "gone":
+        lines.append(
+            Text(f"✗ {state.message or 'the instance is gone'} — last state shown", style="bold red")
+        )
+    elif state.status in ("replaying", "replay_done") and state.message:
+        lines.append(Text(state.message, style="cyan"))
+    if opts.notice:
+        lines.append(Text(opts.notice, style="bold red"))
+    return lines
+
+
+# ------------------------------------------------------------------------------ help
+
+
+KEYS: Sequence[tuple[str, str]] = (
+    ("q, Ctrl-C", "quit (exit status 0)"),
+    ("?", "show / hide this help"),
+    ("space", "pause the display (collection goes on; the header says PAUSED)"),
+    ("Tab", "next DP engine for the steps and requests panels (… → all → DP0 → DP1 …)"),
+    ("0-9", "show DP engine 0-9 in the steps and requests panels"),
+    ("a", "show all DP engines again"),
+    ("s", "cycle the requests panel's sort: " + " → ".join(REQUEST_SORTS)),
+    ("e", "expand the next panel to the whole screen: " + " → ".join(PANELS) + " → all panels"),
+    ("Esc", "back to all panels (and close this help)"),
+    ("+ / -", "refresh faster / slower (0.1 s to 10 s)"),
+)
+
+
+def render_help() -> RenderableType:
+    table = Table(box=box.SIMPLE, show_header=False, pad_edge=False)
+    table.add_column(style="bold cyan", no_wrap=True)
+    table.add_column()
+    for key, what in KEYS:
+        table.add_row(key, what)
+    legend = Text.assemble("token budget bar: ", budget_legend())
+    note = Text(
+        "A stale heartbeat (⚠, greyed) means the process stopped answering; a fresh heartbeat with a "
+        "growing 'last step' means it is alive but its busy loop stopped (see docs/engine-top.md).",
+        style="dim",
+    )
+    return Panel(Group(table, legend, note), title="engine-top keys", border_style="cyan")
+
+
+def footer(opts: ViewOptions) -> Text:
+    t = Text(style="dim")
+    for key, what in (("q", "quit"), ("?", "help"), ("space", "pause"), ("Tab/0-9", "engine"),
+                      ("s", "sort"), ("e", "expand"), ("+/-", "refresh")):  # fmt: skip
+        t.append(f" {key}", style="bold")
+        t.append(f" {what} ")
+    return t
+
+
+# ------------------------------------------------------------------------------ screens
+
+
+def _panel(body: RenderableType, title: str, subtitle: str | None = None) -> Panel:
+    return Panel(body, title=f"[bold]{title}[/]", title_align="left", subtitle=subtitle,
+                 subtitle_align="right", box=box.ROUNDED, padding=(0, 1))  # fmt: skip
+
+
+def _engine_label(opts: ViewOptions) -> str:
+    return "all engines" if opts.engine is None else f"DP{opts.engine}"
+
+
+# Width of the steps table without its bar (cells, with padding and the panel's border):
+# all columns, and the compact set (no requests, no time split, no run/wait).
+_STEPS_FIXED, _STEPS_FIXED_COMPACT = 97, 58
+
+
+def panel(
+    name: str,
+    state: LiveState,
+    opts: ViewOptions,
+    rows: int | None = None,
+    width: int = 120,
+    wrap: bool = False,
+) -> Panel:
+    """One named panel (``PANELS``), about ``width`` cells wide, with ``rows`` table rows at
+    most (None: all). ``wrap``: long cells wrap instead of being cut (``--once``)."""
+    if name == "processes":
+        return _panel(render_processes(state, rows, wrap, compact=width < 100), "processes")
+    if name == "queues":
+        spark = max(6, min(24, width - 46))
+        return _panel(render_queues(state, rows, spark), "queues", "depth now · recent samples")
+    if name == "steps":
+        compact = width - _STEPS_FIXED < 12
+        bar_width = max(10, min(40, width - (_STEPS_FIXED_COMPACT if compact else _STEPS_FIXED)))
+        return _panel(
+            render_steps(state, opts.engine, rows or 12, bar_width, compact),
+            f"scheduler steps · {_engine_label(opts)}",
+            budget_legend().markup,
+        )
+    if name == "requests":
+        return _panel(
+            render_requests(state, opts.engine, opts.request_sort, rows, compact=width < 90),
+            f"requests in flight · {_engine_label(opts)}",
+            f"sort: {opts.request_sort}",
+        )
+    if name == "alerts":
+        n = len(state.alerts)
+        return _panel(render_alerts(state, rows), f"alerts ({n})" if n else "alerts")
+    raise ValueError(f"no panel {name!r}")
+
+
+def render_once(state: LiveState, opts: ViewOptions | None = None, width: int = 120) -> RenderableType:
+    """Every panel stacked, full length (the 8 latest steps): what ``engine-top --once`` prints."""
+    opts = opts or ViewOptions()
+    parts: list[RenderableType] = [_panel(render_header(state, opts), "glassbox")]
+    parts += [
+        panel(name, state, opts, rows=8 if name == "steps" else None, width=width, wrap=True)
+        for name in PANELS
+    ]
+    return Group(*parts)
+
+
+def render_screen(state: LiveState, opts: ViewOptions, width: int = 120, height: int = 40) -> RenderableType:
+    """The full-screen view of the live loop, laid out for a ``width`` × ``height`` terminal.
+
+    Wide (≥ 160 cells): processes; steps beside queues; requests beside alerts. Narrower:
+    processes; steps across the width; queues beside requests; alerts as a strip. ``e``
+    shows one panel alone, ``?`` the help, in the body.
+    """
+    layout = Layout()
+    header = _panel(render_header(state, opts), "glassbox")
+    header_h = 5 + len(_header_lines(state, opts))
+    layout.split_column(Layout(header, name="header", size=header_h), Layout(name="body"),
+                        Layout(footer(opts), name="footer", size=1))  # fmt: skip
+    body = layout["body"]
+    body_h = max(3, height - header_h - 1)
+    if opts.show_help:
+        body.update(render_help())
+        return layout
+    if opts.expanded:
+        body.update(panel(opts.expanded, state, opts, rows=max(1, body_h - 4), width=width))
+        return layout
+    n_alerts = len(state.alerts)
+    proc_rows = len(state.processes) + sum(
+        1 for p in state.processes.values() if p.waits and p.state != "dead"
+    )
+    proc_h = min(proc_rows + 4, max(6, body_h * 2 // 5))
+    procs = Layout(panel("processes", state, opts, rows=proc_h - 4, width=width), size=proc_h)
+    if width >= 160:
+        rest = body_h - proc_h
+        mid_h = max(6, rest * 3 // 5)
+        low_h = max(4, rest - mid_h)
+        mid, low = Layout(name="mid", size=mid_h), Layout(name="low", size=low_h)
+        body.split_column(procs, mid, low)
+        mid.split_row(
+            Layout(panel("steps", state, opts, rows=mid_h - 4, width=width * 2 // 3), ratio=2),
+            Layout(panel("queues", state, opts, rows=mid_h - 4, width=width // 3), ratio=1),
+        )
+        low.split_row(
+            Layout(panel("requests", state, opts, rows=low_h - 4, width=width * 3 // 5), ratio=3),
+            Layout(
+                panel("alerts", state, opts, rows=max(1, (low_h - 2) // 2), width=width * 2 // 5), ratio=2
+            ),
+        )
+        return layout
+    alerts_h = 3 if not n_alerts else min(2 * n_alerts, 6) + 2
+    rest = body_h - proc_h - alerts_h
+    mid_h = max(5, rest // 2)
+    low_h = max(4, rest - mid_h)
+    low = Layout(name="low", size=low_h)
+    body.split_column(
+        procs,
+        Layout(panel("steps", state, opts, rows=mid_h - 4, width=width), size=mid_h),
+        low,
+        Layout(panel("alerts", state, opts, rows=max(1, (alerts_h - 2) // 2), width=width), size=alerts_h),
+    )
+    low.split_row(
+        Layout(panel("queues", state, opts, rows=low_h - 4, width=width // 2), ratio=1),
+        Layout(panel("requests", state, opts, rows=low_h - 4, width=width // 2), ratio=1),
+    )
+    return layout
+
+
+def render_waiting(message: str, detail: str | None = None) -> RenderableType:
+    """The screen while there is nothing to attach to (no instance yet, or it is gone)."""
+    body = Text(message, style="bold yellow")
+    if detail:
+        body.append("\n" + detail, style="dim")
+    return Panel(body, title="[bold magenta]engine-top[/]", border_style="yellow", padding=(1, 2))
+
+
+def render_picker(instances: Sequence[tuple[str, str]]) -> RenderableType:
+    """The list to pick an instance from: (run dir, description) pairs, numbered from 1."""
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("#", justify="right", style="bold cyan")
+    table.add_column("run directory")
+    table.add_column("instance")
+    for i, (path, what) in enumerate(instances, 1):
+        table.add_row(str(i), path, what)
+    hint = Text("press 1-9 to attach, q to quit (or pass --run-dir DIR)", style="dim")
+    return Panel(Group(Text("several Glassbox instances run; pick one:", style="bold"), table, hint),
+                 title="[bold magenta]engine-top[/]", border_style="cyan")  # fmt: skip
