@@ -9,6 +9,7 @@ worker, under settings that force chunked prefill, prefix-cache hits and preempt
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 from tiny_models import build_tiny_checkpoint, hf_greedy
@@ -146,3 +147,14 @@ def test_default_model_generates_text(default_model_dir):
     assert chat[0].finished and "Hello!" in chat[0].prompt
     assert [c.index for c in n2.outputs] == [0, 1]
     assert all(len(c.token_ids) == 8 for c in n2.outputs)
+
+
+def test_step_delay_slows_every_engine_step_for_a_class(tiny_dir):
+    """``--step-delay-ms`` (slow motion): each step sleeps that long after it ran."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    with LLM(str(tiny_dir("llama")), max_model_len=64, step_delay_ms=60) as llm:
+        start = time.perf_counter()
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        steps = llm.engine_core.engine_core.step_counter
+    assert steps >= 6 and elapsed >= steps * 0.06

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 
 from engine.config import CacheConfig, SchedulerConfig
-from engine.core.messages import EngineCoreOutput, EngineCoreOutputs
+from engine.core.messages import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs
 from engine.kv_cache.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 from engine.kv_cache.kv_cache_utils import get_request_block_hasher
 from engine.outputs import LogprobsLists, ModelRunnerOutput
@@ -328,6 +328,24 @@ def test_fcfs_preempts_the_last_running_request_and_admits_nothing_that_step():
     assert b.num_preemptions == 1
 
     run_to_completion(scheduler)
+    assert_all_blocks_free(scheduler)
+
+
+def test_outputs_carry_the_engine_events_queued_scheduled_preempted_in_order():
+    """What the frontend turns into time in queue, prefill and decode time (vLLM's events)."""
+    scheduler = create_scheduler(num_blocks=5)  # 4 usable blocks of 8 tokens
+    scheduler.add_request(create_request("a", 16, max_tokens=3))
+    scheduler.add_request(create_request("b", 16, max_tokens=4))
+    events: dict[str, list] = {"a": [], "b": []}
+    while scheduler.has_requests():
+        _, by_id, _ = step(scheduler)
+        for request_id, output in by_id.items():
+            events[request_id].extend(output.events or ())
+    kinds = {r: [e.type for e in evs] for r, evs in events.items()}
+    Q, S, P = EngineCoreEventType.QUEUED, EngineCoreEventType.SCHEDULED, EngineCoreEventType.PREEMPTED
+    assert kinds["a"] == [Q, S]
+    assert kinds["b"] == [Q, S, P, S]  # preempted when a needed a third block, then resumed
+    assert all(x.timestamp <= y.timestamp for evs in events.values() for x, y in zip(evs, evs[1:]))
     assert_all_blocks_free(scheduler)
 
 

@@ -362,6 +362,10 @@ def test_api_server_count_below_one_names_the_flag(capsys):
         (["--chat-template", "/no/such.jinja"], "--chat-template"),
         (["--generation-config", "/no/such/dir"], "--generation-config"),
         (["--max-log-len", "-1"], "--max-log-len"),
+        (["--step-delay-ms", "-5"], "--step-delay-ms"),
+        (["--step-delay-ms", "nan"], "--step-delay-ms"),
+        (["--telemetry-record", "/no/such/dir/rec.bin"], "--telemetry-record"),
+        (["--telemetry-record", "/tmp"], "--telemetry-record"),
     ],
 )
 def test_unsupported_values_name_the_flag(argv, flag):

@@ -88,8 +88,28 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, array_like=True, omit_defa
     trace_headers: dict[str, str] | None = None
 
 
+class EngineCoreEventType(enum.IntEnum):
+    """What happened to a request inside the engine core (vLLM's ``EngineCoreEventType``)."""
+
+    QUEUED = 1  # added to the scheduler's waiting queue
+    SCHEDULED = 2  # scheduled for the first time, or again after a preemption
+    PREEMPTED = 3  # its KV blocks freed; back to waiting
+
+
+class EngineCoreEvent(msgspec.Struct, array_like=True, gc=False):
+    """One ``EngineCoreEventType`` with its time (``time.time()``, s): the frontend turns
+    these into time in queue, prefill and decode time (metrics and the request's trace)."""
+
+    type: EngineCoreEventType
+    timestamp: float
+
+
 class EngineCoreOutput(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True, gc=False):
-    """New tokens (and maybe a finish) for one request, from one engine step."""
+    """New tokens (and maybe a finish) for one request, from one engine step.
+
+    ``events``: what happened to the request in the engine since its previous output
+    (queued, scheduled, preempted, with times), or None.
+    """
 
     request_id: str
     new_token_ids: list[int]
@@ -98,6 +118,7 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, array_like=True, omit_defau
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    events: list[EngineCoreEvent] | None = None
 
     @property
     def finished(self) -> bool:

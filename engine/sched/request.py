@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 # A wire enum: it lives with the client ↔ engine-core messages; re-exported here.
-from engine.core.messages import FinishReason
+from engine.core.messages import EngineCoreEvent, EngineCoreEventType, FinishReason
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -98,11 +98,24 @@ class Request:
         # Prefix-cache hit in tokens, set when the request is first scheduled (-1 before).
         self.num_cached_tokens = -1
         self.num_preemptions = 0
+        # Engine events not yet sent with an output (queued, scheduled, preempted).
+        self.events: list[EngineCoreEvent] = []
 
         self.block_hashes: list[BlockHash] = []
         self._block_hasher = block_hasher
         if block_hasher is not None:
             self.block_hashes.extend(block_hasher(self))
+
+    def record_event(self, event_type: EngineCoreEventType, timestamp: float | None = None) -> None:
+        """Note an engine event (sent to the frontend with the request's next output)."""
+        self.events.append(EngineCoreEvent(event_type, time.time() if timestamp is None else timestamp))
+
+    def take_events(self) -> list[EngineCoreEvent] | None:
+        """The events since the last call (None when there are none)."""
+        if not self.events:
+            return None
+        events, self.events = self.events, []
+        return events
 
     @property
     def num_tokens(self) -> int:

@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from engine.config import CacheConfig, SchedulerConfig
-from engine.core.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from engine.core.messages import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from engine.kv_cache.kv_cache_interface import KVCacheConfig
 from engine.kv_cache.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from engine.outputs import LogprobsLists, ModelRunnerOutput
@@ -134,6 +134,7 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
         self.waiting.add_request(request)
         self.requests[request.request_id] = request
+        request.record_event(EngineCoreEventType.QUEUED)
 
     def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
         """End requests from outside the scheduler (abort, or a stop string matched).
@@ -278,6 +279,7 @@ class Scheduler:
                 num_scheduled_tokens[request.request_id] = num_new_tokens
                 token_budget -= num_new_tokens
                 request.status = RequestStatus.RUNNING
+                request.record_event(EngineCoreEventType.SCHEDULED)
                 request.num_computed_tokens = num_computed_tokens
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_computed_tokens
@@ -307,6 +309,7 @@ class Scheduler:
         """Preempt by recompute: drop its KV, reset its progress, queue it at the front."""
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
+        request.record_event(EngineCoreEventType.PREEMPTED)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -419,6 +422,7 @@ class Scheduler:
                         finish_reason=request.get_finished_reason(),
                         stop_reason=request.stop_reason,
                         num_cached_tokens=max(request.num_cached_tokens, 0),
+                        events=request.take_events(),
                     )
                 )
 
