@@ -3,10 +3,10 @@
 Two offline engines on the "small" random Llama of ``offline_throughput.py`` (float32) run
 side by side in this process — one started with ``GLASSBOX_TELEMETRY=0``, one with it on
 and ``engine-top`` attached to it (in a pseudo-terminal, at its default refresh) — and take
-turns generating the same workload (random token ids, greedy, EOS ignored): off, on, off,
-on, ... Each run's output tok/s is recorded; the medians and their ratio are printed, with
-engine-top's CPU use (% of one core, psutil) over the runs with telemetry on and the load
-average. Targets (issue 9): throughput on / off ≥ 98 %, engine-top ≤ 10 % of one core.
+turns generating the same workload (random token ids, greedy, EOS ignored): off, on, on,
+off, ... (who goes first alternates). Each run's output tok/s is recorded; the medians and
+their ratio are printed, with engine-top's CPU use (% of one core, psutil) over the runs
+with telemetry on and the load average. Targets (issue 9): throughput on / off ≥ 98 %, engine-top ≤ 10 % of one core.
 
     .venv/bin/python benchmarks/telemetry_overhead.py [--repeats 5] [--num-prompts 16]
 """
@@ -28,8 +28,8 @@ import psutil
 
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
-from offline_throughput import build_small_model, make_workload  # noqa: E402
-from parallel_common import load_average  # noqa: E402
+from offline_throughput import build_small_model  # noqa: E402
+from parallel_common import add_workload_args, load_average, workload  # noqa: E402
 
 
 def start_engine_top(run_dir: Path) -> tuple[subprocess.Popen, int]:
@@ -60,19 +60,15 @@ def drain_forever(fd: int) -> threading.Thread:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--num-prompts", type=int, default=16)
-    ap.add_argument("--input-len", type=int, nargs=2, default=(32, 256))
-    ap.add_argument("--output-len", type=int, nargs=2, default=(32, 128))
+    add_workload_args(ap)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
     from engine import LLM, SamplingParams
 
-    prompts, outs = make_workload(args.num_prompts, args.seed, tuple(args.input_len), tuple(args.output_len))
+    prompts, outs, max_len = workload(args)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False) for n in outs]
     inputs = [{"prompt_token_ids": p} for p in prompts]
-    max_len = max(len(p) for p in prompts) + max(outs) + 16
     os.environ["OMP_NUM_THREADS"] = "1"  # each worker one thread: two engines on two cores
     with tempfile.TemporaryDirectory() as tmp:
         path = build_small_model(Path(tmp) / "small")
@@ -89,7 +85,8 @@ def main() -> None:
             for llm in (off, on):  # warm-up
                 llm.generate(inputs[:2], params[:2], use_tqdm=False)
             for i in range(args.repeats):
-                for name, llm in (("off", off), ("on", on)):
+                order = (("off", off), ("on", on))
+                for name, llm in order if i % 2 == 0 else order[::-1]:  # alternate who goes first
                     cpu0 = sum(top_ps.cpu_times()[:2])
                     t0 = time.perf_counter()
                     results = llm.generate(inputs, params, use_tqdm=False)

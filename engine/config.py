@@ -609,6 +609,21 @@ class ObservabilityConfig:
     max_log_len: int | None = None
     telemetry_record: str | None = None
     step_delay_ms: float = 0.0
+    collect_detailed_traces: str | None = None
+
+    DETAILED_TRACE_LEVELS = ("model", "worker", "all")
+
+    @property
+    def collect_model_forward_time(self) -> bool:
+        """``model`` (or worker/all): the workers' forward and sampling spans (vLLM's property)."""
+        return self.collect_detailed_traces is not None
+
+    @property
+    def collect_worker_traces(self) -> bool:
+        """``worker`` or ``all``: each worker's ``worker.execute_model`` span per step."""
+        return bool(self.collect_detailed_traces) and bool(
+            {"worker", "all"} & set(self.collect_detailed_traces.split(","))
+        )
 
     def __post_init__(self) -> None:
         if (
@@ -619,6 +634,12 @@ class ObservabilityConfig:
             raise ConfigError(
                 "--step-delay-ms", self.step_delay_ms, "must be a number of milliseconds in 0..60000"
             )
+        if self.collect_detailed_traces is not None:
+            levels = [x.strip() for x in str(self.collect_detailed_traces).split(",")]
+            if not levels or any(x not in self.DETAILED_TRACE_LEVELS for x in levels):
+                raise ConfigError("--collect-detailed-traces", self.collect_detailed_traces,
+                                  f"must be one or more of {', '.join(self.DETAILED_TRACE_LEVELS)}, comma-separated")  # fmt: skip
+            self.collect_detailed_traces = ",".join(levels)
         if self.telemetry_record is not None:
             parent = os.path.dirname(os.path.abspath(self.telemetry_record))
             if os.path.isdir(self.telemetry_record) or not os.access(parent, os.W_OK):
@@ -630,6 +651,22 @@ class ObservabilityConfig:
             or self.max_log_len < 0
         ):
             raise ConfigError("--max-log-len", self.max_log_len, "must be an integer >= 0")
+        self._check_otlp()
+
+    def _check_otlp(self) -> None:
+        """OTLP settings (the flag, ``OTEL_EXPORTER_OTLP_*``, ``OTEL_TRACES_SAMPLER``) are
+        checked here, in the first process, so a bad one is one line and exit 2 instead of a
+        warning in every process (``tracing.setup.resolve_otlp``; docs/otlp.md)."""
+        if self.otlp_traces_endpoint is not None and not isinstance(self.otlp_traces_endpoint, str):
+            raise ConfigError("--otlp-traces-endpoint", self.otlp_traces_endpoint, "must be a URL")
+        from tracing.setup import OtlpSettingError, check_traces_sampler, resolve_otlp
+
+        try:
+            target = resolve_otlp(self.otlp_traces_endpoint)
+            if target is not None or self.trace_file:
+                check_traces_sampler()
+        except OtlpSettingError as e:
+            raise ConfigError(e.setting, e.value, e.allowed) from None
 
 
 @dataclass

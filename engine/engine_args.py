@@ -60,7 +60,11 @@ class VllmFlag:
 # (--trust-remote-code is accepted too, as an EngineArgs field, so LLM(trust_remote_code=True) works.)
 IGNORED_VLLM_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag(("--download-dir",), True, "models are local directories; nothing is ever downloaded"),
-    VllmFlag(("--disable-log-stats",), False, "no periodic stats lines are logged; GET /metrics has them"),
+    VllmFlag(
+        ("--disable-log-stats",),
+        False,
+        "the periodic stats line is tuned by GLASSBOX_LOG_STATS_INTERVAL; GET /metrics is always on",
+    ),
     VllmFlag(("--disable-custom-all-reduce",), False, "one worker: there is no all-reduce"),
 )
 
@@ -248,6 +252,7 @@ class EngineArgs:
     max_log_len: int | None = None
     telemetry_record: str | None = None
     step_delay_ms: float = 0.0
+    collect_detailed_traces: str | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, serving: bool = False) -> argparse.ArgumentParser:
@@ -433,12 +438,21 @@ class EngineArgs:
         g.add_argument(
             "--otlp-traces-endpoint",
             default=None,
-            help="Send spans over OTLP to this collector (e.g. Jaeger).",
+            help="Send spans over OTLP to this collector (e.g. Jaeger at http://127.0.0.1:4318/v1/traces); "
+            "also OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT. Protocol: OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL, "
+            "else http/protobuf for a /v1/traces path or port 4318, else grpc (see docs/otlp.md).",
         )
         g.add_argument(
             "--trace-file",
             default=None,
             help="Write every finished span as a JSON line to this file (or GLASSBOX_TRACE_FILE).",
+        )
+        g.add_argument(
+            "--collect-detailed-traces",
+            default=None,
+            metavar="LEVELS",
+            help="Also trace inside the workers each step: model (forward and sampling spans), worker "
+            "(and worker.execute_model with its broadcast-queue wait), all; comma-separated (vLLM's flag).",
         )
         g.add_argument(
             "--telemetry-record",
@@ -565,6 +579,7 @@ class EngineArgs:
                 enable_log_requests=self.enable_log_requests,
                 max_log_len=self.max_log_len,
                 telemetry_record=self.telemetry_record,
+                collect_detailed_traces=self.collect_detailed_traces,
                 step_delay_ms=self.step_delay_ms,
             ),
         )

@@ -179,6 +179,14 @@ ENV_VARS: dict[str, EnvVar] = {
             "exits non-zero, as vLLM does (vLLM: VLLM_KEEP_ALIVE_ON_ENGINE_DEATH).",
         ),
         EnvVar(
+            "GLASSBOX_LOG_STATS_INTERVAL",
+            _positive_float,
+            10.0,
+            "Seconds between two periodic stats log lines (per engine: prompt and generation "
+            "throughput, running, waiting, KV cache usage, prefix cache hit rate; DEBUG when idle) "
+            "of each API server and of the offline LLM (vLLM: VLLM_LOG_STATS_INTERVAL).",
+        ),
+        EnvVar(
             "GLASSBOX_DEFAULT_WAIT_TIMEOUT_S",
             _positive_float,
             300.0,

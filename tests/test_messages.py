@@ -231,8 +231,15 @@ def test_malformed_engine_core_messages_are_refused():
             _decode_input([request_type, b""])
     with pytest.raises(ProtocolError, match="1 frames"):
         _decode_input([EngineCoreRequestType.ADD.value])
-    request_type, ids = _decode_input([EngineCoreRequestType.ABORT.value, msgspec.msgpack.encode(["a", "b"])])
-    assert (request_type, ids) == (EngineCoreRequestType.ABORT, ["a", "b"])
+    abort = core_msgs.encode(core_msgs.AbortRequests(request_ids=["a", "b"], trace_headers=TRACE))
+    request_type, message = _decode_input([EngineCoreRequestType.ABORT.value, abort])
+    assert (request_type, message.request_ids, message.trace_headers) == (
+        EngineCoreRequestType.ABORT,
+        ["a", "b"],
+        TRACE,
+    )
+    with pytest.raises(ProtocolError, match="malformed message"):  # the old bare list of ids
+        _decode_input([EngineCoreRequestType.ABORT.value, msgspec.msgpack.encode(["a", "b"])])
     # A request stamped with another client's index than the socket it came in on: its
     # outputs would go to the wrong API server.
     request = EngineCoreRequest(request_id="r", prompt_token_ids=[1], sampling_params=SamplingParams(),

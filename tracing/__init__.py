@@ -41,11 +41,13 @@ from tracing.stage import (  # noqa: E402
     Stage,
     add_stage_hook,
     current_stage,
+    is_recording,
     open_stages,
     record_span,
     remove_stage_hook,
     stage,
     staged,
+    start_span,
 )
 from tracing.waits import WaitCancelled, WaitTimeout, bounded_get, wait_for  # noqa: E402
 
@@ -63,6 +65,8 @@ __all__ = [
     "stage",
     "staged",
     "record_span",
+    "start_span",
+    "is_recording",
     "current_stage",
     "open_stages",
     "add_stage_hook",

@@ -84,8 +84,10 @@ def _span(name: str, level: str, doc: str, attributes: tuple[str, ...] = ()) -> 
 ATTR_ROLE = _attr("glassbox.role", "str", "Process role, e.g. EngineCore_DP0 or Worker_DP0_PP0_TP1.")
 ATTR_RANK = _attr("glassbox.rank", "int", "Rank of the worker (or DP rank of the engine core) in its group.")
 ATTR_PID = _attr("glassbox.pid", "int", "Operating-system process id.")
-ATTR_STAGE = _attr(
-    "glassbox.stage", "str", "Name of the stage a record refers to (status file, live events)."
+ATTR_THREAD_NAME = _attr(
+    "thread.name",
+    "str",
+    "The thread a stage ran on (OpenTelemetry's key): MainThread, EngineCoreOutputThread ...",
 )
 
 ATTR_STEP_ID = _attr("glassbox.step.id", "int", "Engine step counter, from 0 at engine start.")
@@ -121,6 +123,20 @@ ATTR_KV_AVAILABLE_BYTES = _attr(
 )
 
 ATTR_MODEL_NAME = _attr("glassbox.model.name", "str", "Served model name (the model path unless renamed).")
+ATTR_QUEUE_WAIT_MS = _attr(
+    "glassbox.queue.wait_ms",
+    "float",
+    "Milliseconds an item waited in a queue (input_queue, output_queue, the broadcast queue).",
+)
+ATTR_MESSAGE_TYPE = _attr(
+    "glassbox.message.type",
+    "str",
+    "Type of a message on a process boundary (ADD, ABORT, UTILITY, outputs ...).",
+)
+ATTR_NUM_CHUNKS = _attr(
+    "glassbox.request.num_chunks", "int", "Steps a request's prefill was spread over (chunks)."
+)
+ATTR_NUM_STEPS = _attr("glassbox.request.num_steps", "int", "Engine steps a request's decode phase took.")
 ATTR_MODEL_DTYPE = _attr("glassbox.model.dtype", "str", "Resolved dtype of weights and activations.")
 ATTR_DEVICE = _attr("glassbox.device", "str", "Resolved torch device, e.g. cpu or cuda:0.")
 
@@ -148,6 +164,29 @@ ATTR_GEN_AI_REQUEST_TEMPERATURE = _attr(
 ATTR_GEN_AI_REQUEST_TOP_P = _attr("gen_ai.request.top_p", "float", "top_p of the sampling params.")
 ATTR_GEN_AI_REQUEST_N = _attr("gen_ai.request.n", "int", "Number of sequences asked for (n).")
 ATTR_GEN_AI_RESPONSE_MODEL = _attr("gen_ai.response.model", "str", "Model name reported in the response.")
+ATTR_GEN_AI_REQUEST_MODEL = _attr("gen_ai.request.model", "str", "Model name the request asked for.")
+ATTR_GEN_AI_USAGE_INPUT_TOKENS = _attr(
+    "gen_ai.usage.input_tokens",
+    "int",
+    "Tokens in the prompt (OpenTelemetry GenAI spelling; = usage.prompt_tokens).",
+)
+ATTR_GEN_AI_USAGE_OUTPUT_TOKENS = _attr(
+    "gen_ai.usage.output_tokens",
+    "int",
+    "Tokens generated (OpenTelemetry GenAI spelling; = usage.completion_tokens).",
+)
+ATTR_GEN_AI_RESPONSE_FINISH_REASONS = _attr(
+    "gen_ai.response.finish_reasons", "str[]", "Why the request finished: stop, length or abort (one entry)."
+)
+ATTR_GEN_AI_LATENCY_TIME_IN_MODEL_PREFILL = _attr(
+    "gen_ai.latency.time_in_model_prefill", "float", "Seconds from first scheduled to the first token."
+)
+ATTR_GEN_AI_LATENCY_TIME_IN_MODEL_DECODE = _attr(
+    "gen_ai.latency.time_in_model_decode", "float", "Seconds from the first token to the last."
+)
+ATTR_GEN_AI_LATENCY_TIME_IN_MODEL_INFERENCE = _attr(
+    "gen_ai.latency.time_in_model_inference", "float", "Seconds from first scheduled to the last token."
+)
 
 _WORKER = (ATTR_RANK,)
 _STEP_BATCH = (
@@ -176,7 +215,7 @@ PROCESS_SPAWN = _span(
     "process.spawn",
     LIFECYCLE,
     "Start one child process (engine core or worker): a fresh interpreter titled glassbox::<role>.",
-    (ATTR_ROLE, ATTR_PID, ATTR_RANK),
+    (ATTR_ROLE, ATTR_PID),
 )
 ENGINE_CORE_HANDSHAKE = _span(
     "engine_core.handshake",
@@ -295,6 +334,38 @@ SCHEDULER_UPDATE_FROM_OUTPUT = _span(
     (ATTR_STEP_ID, ATTR_STEP_NUM_RUNNING, ATTR_STEP_NUM_WAITING, ATTR_KV_USAGE),
 )
 
+# Step spans in the other threads and processes (vLLM has none of these).
+ENGINE_CORE_OUTPUT_SEND = _span(
+    "engine_core.output_send",
+    STEP,
+    "The output thread: one step's outputs for one client taken off output_queue (wait as an "
+    "attribute), encoded and pushed to that client's socket. Child of the step that made them.",
+    (ATTR_QUEUE_WAIT_MS,),
+)
+EXECUTOR_BROADCAST = _span(
+    "executor.broadcast",
+    STEP,
+    "The engine core writes one RPC (e.g. execute_model) into the shared-memory broadcast queue.",
+)
+WORKER_EXECUTE_MODEL = _span(
+    "worker.execute_model",
+    STEP,
+    "A worker runs one step (--collect-detailed-traces worker|all): the RPC waited in the broadcast "
+    "queue (attribute), then forward and sampling; child of the engine core's executor.execute_model.",
+    (ATTR_RANK, ATTR_QUEUE_WAIT_MS),
+)
+MODEL_RUNNER_FORWARD = _span(
+    "model_runner.forward",
+    STEP,
+    "The model's forward pass for one step (--collect-detailed-traces model|worker|all).",
+    (ATTR_STEP_NUM_SCHEDULED_TOKENS,),
+)
+MODEL_RUNNER_SAMPLE = _span(
+    "model_runner.sample",
+    STEP,
+    "Logits to next tokens for one step: the sampler (--collect-detailed-traces model|worker|all).",
+)
+
 # ---------------------------------------------------------------------------------------
 # Request spans.
 # ---------------------------------------------------------------------------------------
@@ -305,17 +376,76 @@ LLM_REQUEST = _span(
     "One finished request, from arrival to its last token (vLLM's span name).",
     (
         ATTR_GEN_AI_REQUEST_ID,
+        ATTR_GEN_AI_REQUEST_MODEL,
         ATTR_GEN_AI_RESPONSE_MODEL,
         ATTR_GEN_AI_USAGE_PROMPT_TOKENS,
         ATTR_GEN_AI_USAGE_COMPLETION_TOKENS,
+        ATTR_GEN_AI_USAGE_INPUT_TOKENS,
+        ATTR_GEN_AI_USAGE_OUTPUT_TOKENS,
+        ATTR_GEN_AI_RESPONSE_FINISH_REASONS,
         ATTR_GEN_AI_LATENCY_TIME_IN_QUEUE,
         ATTR_GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN,
         ATTR_GEN_AI_LATENCY_E2E,
+        ATTR_GEN_AI_LATENCY_TIME_IN_MODEL_PREFILL,
+        ATTR_GEN_AI_LATENCY_TIME_IN_MODEL_DECODE,
+        ATTR_GEN_AI_LATENCY_TIME_IN_MODEL_INFERENCE,
         ATTR_GEN_AI_REQUEST_MAX_TOKENS,
         ATTR_GEN_AI_REQUEST_TEMPERATURE,
         ATTR_GEN_AI_REQUEST_TOP_P,
         ATTR_GEN_AI_REQUEST_N,
     ),
+)
+
+DP_COORDINATOR_WAVE = _span(
+    "dp_coordinator.wave",
+    REQUEST,
+    "A data-parallel request wave, from the request that started it (its trace) to the moment "
+    "every engine was back at zero waiting and running.",
+    (ATTR_DP_WAVE,),
+)
+API_SERVER_REQUEST = _span(
+    "api_server.request",
+    REQUEST,
+    "One HTTP request in the API server, from its arrival to its last streamed byte: the root of a "
+    "request's trace (or a child of the caller's traceparent). Everything below joins it.",
+    (ATTR_GEN_AI_REQUEST_ID,),
+)
+API_SERVER_PROCESS_INPUTS = _span(
+    "api_server.process_inputs",
+    REQUEST,
+    "Tokenize the prompt (chat template first for chat) and validate it against max_model_len.",
+    (ATTR_GEN_AI_REQUEST_ID,),
+)
+ENGINE_CORE_INPUT = _span(
+    "engine_core.input",
+    REQUEST,
+    "The engine core's input thread receives and decodes one request from its client's socket.",
+    (ATTR_GEN_AI_REQUEST_ID, ATTR_MESSAGE_TYPE),
+)
+ENGINE_CORE_INPUT_QUEUE = _span(
+    "engine_core.input_queue",
+    REQUEST,
+    "The request waited in input_queue until the busy loop took it.",
+    (ATTR_GEN_AI_REQUEST_ID, ATTR_QUEUE_WAIT_MS),
+)
+SCHEDULER_WAITING = _span(
+    "scheduler.waiting",
+    REQUEST,
+    "The request waited in the scheduler's WAITING queue until first scheduled (vLLM: time in queue).",
+    (ATTR_GEN_AI_REQUEST_ID,),
+)
+REQUEST_PREFILL = _span(
+    "request.prefill",
+    REQUEST,
+    "From first scheduled to the first token: the prompt's prefill, in one or more chunks (links: "
+    "the engine_core.step spans that computed it).",
+    (ATTR_GEN_AI_REQUEST_ID, ATTR_NUM_CHUNKS),
+)
+REQUEST_DECODE = _span(
+    "request.decode",
+    REQUEST,
+    "From the first token to the last: the decode phase (links: its first and last engine_core.step).",
+    (ATTR_GEN_AI_REQUEST_ID, ATTR_NUM_STEPS),
 )
 
 # Keyword spellings accepted by ``stage(...)``: ``rank=0`` means ``glassbox.rank``.

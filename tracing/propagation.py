@@ -19,10 +19,10 @@ TRACE_HEADERS = ("traceparent", "tracestate")
 _propagator = TraceContextTextMapPropagator()
 
 
-def inject_trace_headers() -> dict[str, str]:
-    """The current span context as W3C headers ({} when no span is open)."""
+def inject_trace_headers(context: otel_context.Context | None = None) -> dict[str, str]:
+    """The current span context (or ``context``'s) as W3C headers ({} when no span is open)."""
     carrier: dict[str, str] = {}
-    _propagator.inject(carrier)
+    _propagator.inject(carrier, context=context)
     return carrier
 
 

@@ -34,7 +34,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -171,7 +171,12 @@ class Stage:
     def __enter__(self) -> Stage:
         handle = setup._handle
         if handle is not None and handle.recording:
-            self.span = handle.tracer.start_span(self.name, attributes=self.attributes)
+            # The thread is on the span too (OpenTelemetry's thread.name): a trace shows one
+            # lane per process and thread (``glassbox trace``).
+            self.span = handle.tracer.start_span(
+                self.name,
+                attributes={**self.attributes, catalogue.ATTR_THREAD_NAME: threading.current_thread().name},
+            )
             self._token = otel_context.attach(trace.set_span_in_context(self.span))
         self._record = OpenStage(self.name, self.level, threading.current_thread().name, time.time())
         self._stack = _thread_stack()
@@ -198,6 +203,12 @@ class Stage:
         elif self._record in stack:  # left out of order (generators): drop just this one
             stack.remove(self._record)
         error = f"{exc_type.__name__}: {exc}" if exc_type is not None else None
+        if exc_type is SystemExit and getattr(exc, "code", None) in (0, None):
+            # A clean stop (SIGTERM → SystemExit(0)) that arrived inside a stage: the stage was
+            # cut short, not failed.
+            error, exc = None, None
+            if self.span is not None:
+                self.span.add_event("stopped by shutdown")
         span = self.span
         if span is not None:
             if exc is not None:
@@ -251,6 +262,45 @@ def staged(name: str, /, **attributes: Any) -> Callable[[F], F]:
     return wrap
 
 
+def is_recording() -> bool:
+    """Whether this process's spans go anywhere (an exporter is set up): callers skip the
+    work of building request-level spans when they would not be recorded."""
+    handle = setup._handle
+    return handle is not None and handle.recording
+
+
+def start_span(
+    name: str,
+    *,
+    attributes: Mapping[str, Any] | None = None,
+    parent: otel_context.Context | None = None,
+    kind: SpanKind = SpanKind.INTERNAL,
+    start_ns: int | None = None,
+) -> trace.Span:
+    """Open a span that outlives any one ``with`` block (e.g. an HTTP request served across
+    an async stream): not on the stage stack, not seen by stage hooks; end it with
+    ``span.end()``. A non-recording span when tracing records nothing.
+
+    Raises:
+        KeyError: ``name`` or an attribute key is not in the catalogue.
+    """
+    handle, attrs = _recording_handle(name, attributes)
+    if handle is None:
+        return trace.INVALID_SPAN
+    return handle.tracer.start_span(name, context=parent, kind=kind, attributes=attrs, start_time=start_ns)
+
+
+def _recording_handle(
+    name: str, attributes: Mapping[str, Any] | None
+) -> tuple[setup.TracingHandle | None, dict[str, Any]]:
+    """Check ``name`` and the attribute keys against the catalogue; the handle (None when
+    nothing is recorded) and the attributes under their full keys, None values dropped."""
+    catalogue.span_def(name)
+    attrs = {catalogue.attr_key(k): v for k, v in (attributes or {}).items() if v is not None}
+    handle = setup._handle
+    return (handle if handle is not None and handle.recording else None), attrs
+
+
 def record_span(
     name: str,
     *,
@@ -259,6 +309,7 @@ def record_span(
     attributes: Mapping[str, Any] | None = None,
     parent: otel_context.Context | None = None,
     kind: SpanKind = SpanKind.INTERNAL,
+    links: Sequence[trace.SpanContext] = (),
 ) -> None:
     """Record a span whose timing is known after the fact (e.g. ``llm_request`` at finish).
 
@@ -270,14 +321,17 @@ def record_span(
         parent: context to parent the span under (e.g. one extracted from ``traceparent``);
             the current context when None.
         kind: span kind (vLLM records ``llm_request`` as SERVER).
+        links: span contexts this span relates to without being their child (a request's
+            prefill links the engine steps that computed it).
 
     Raises:
         KeyError: ``name`` or an attribute key is not in the catalogue.
     """
-    catalogue.span_def(name)
-    attrs = {catalogue.attr_key(k): v for k, v in (attributes or {}).items() if v is not None}
-    handle = setup._handle
-    if handle is None or not handle.recording:
+    handle, attrs = _recording_handle(name, attributes)
+    if handle is None:
         return
-    span = handle.tracer.start_span(name, context=parent, kind=kind, attributes=attrs, start_time=start_ns)
+    span_links = [trace.Link(c) for c in links if c is not None and c.is_valid]
+    span = handle.tracer.start_span(
+        name, context=parent, kind=kind, attributes=attrs, start_time=start_ns, links=span_links
+    )
     span.end(end_time=end_ns)

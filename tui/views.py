@@ -675,6 +675,30 @@ def render_header(state: LiveState, opts: ViewOptions) -> RenderableType:
         where += f" on {state.host}:{state.port}"
     where += f" · run dir {state.run_dir or '—'}"
     grid.add_row(Text(where, style="dim"), Text(f"showing {focus} · sort {opts.request_sort}", style="dim"))
+    # Span exporters' health, summed over the processes' last heartbeats: a tracer that
+    # sends nothing is red here ("otlp 12 dropped, last error 3s ago: ...").
+    totals: dict[str, list] = {}  # name → [exported, dropped, queued, last_error_at, last_error]
+    for proc in state.processes.values():
+        for ex in proc.exporters:
+            t = totals.setdefault(ex.name, [0, 0, 0, None, None])
+            t[0], t[1], t[2] = t[0] + ex.exported, t[1] + ex.dropped, t[2] + ex.queued
+            if ex.last_error_at is not None and (t[3] is None or ex.last_error_at > t[3]):
+                t[3], t[4] = ex.last_error_at, ex.last_error
+    if totals:
+        traces = Text("traces ")
+        for i, (name, (sent, dropped, queued, error_at, error)) in enumerate(sorted(totals.items())):
+            if i:
+                traces.append(" · ", style="dim")
+            bad = bool(dropped) or (error_at is not None and sent == 0)
+            text = f"{name} {sent} {'sent' if name == 'otlp' else 'written'}, {dropped} dropped"
+            if queued:
+                text += f", {queued} queued"
+            if error_at is not None:
+                text += f", last error {fmt_age(state.now - error_at)} ago"
+                if error:
+                    text += f": {error}"
+            traces.append(text, style="bold red" if bad else ("yellow" if error_at is not None else "green"))
+        grid.add_row(traces, "")
     for line in _header_lines(state, opts):
         grid.add_row(line, "")
     return grid

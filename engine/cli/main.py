@@ -9,6 +9,8 @@ Subcommands (more arrive with the process tree and the API server):
   role, pid, stage, uptime and memory, and the found/expected process count.
 - ``glassbox bench serve`` — load-test a running OpenAI-compatible server and report
   throughput, TTFT, TPOT and ITL (vLLM: ``vllm bench serve``).
+- ``glassbox trace FILE`` — read a ``--trace-file`` span file: list its traces, or draw a
+  start-up or a request as a waterfall in the terminal.
 
 Flags are ``vllm serve``'s engine flags. The config is validated before anything heavy is
 imported; a bad value prints one line naming the flag and exits with status 2.
@@ -30,7 +32,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def _make_parser() -> argparse.ArgumentParser:
-    from engine.cli import bench, generate, ps, serve
+    from engine.cli import bench, generate, ps, serve, trace
 
     parser = ArgumentParser(
         prog="glassbox",
@@ -42,6 +44,7 @@ def _make_parser() -> argparse.ArgumentParser:
     generate.add_subparser(sub)
     ps.add_subparser(sub)
     bench.add_subparser(sub)
+    trace.add_subparser(sub)
     return parser
 
 

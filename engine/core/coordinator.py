@@ -62,6 +62,7 @@ class DPCoordinator:
         # The wave state: the current wave's number, and whether it runs (every engine steps).
         self.current_wave = 0
         self.engines_running = False
+        self.wave_started: tuple[int, dict[str, str] | None] = (0, None)
         self.seq = 0
         self.dirty = False
         self.published_at = float("-inf")
@@ -99,6 +100,7 @@ class DPCoordinator:
             self.engines_running = False
             self.current_wave += 1
             self.dirty = True
+            self._record_wave(self.current_wave - 1)
             logger.debug("wave %d complete", self.current_wave - 1)
             self._send_wave(DPWave(wave=self.current_wave, running=False))
 
@@ -111,8 +113,20 @@ class DPCoordinator:
             self.current_wave = message.wave
             self.engines_running = True
             self.dirty = True
+            self.wave_started = (time.time_ns(), message.trace_headers)
             logger.debug("wave %d started by engine %d", message.wave, message.engine_index)
             self._send_wave(DPWave(wave=message.wave, running=True, exclude_engine=message.engine_index))
+
+    def _record_wave(self, wave: int) -> None:
+        """``dp_coordinator.wave``: the wave that just completed, in the trace of the request
+        that started it."""
+        started_ns, headers = self.wave_started
+        if headers:
+            from tracing import catalogue, record_span
+            from tracing.propagation import extract_trace_context
+
+            record_span(catalogue.DP_COORDINATOR_WAVE, start_ns=started_ns, parent=extract_trace_context(headers),
+                        attributes={catalogue.ATTR_DP_WAVE: wave})  # fmt: skip
 
     def telemetry_gauges(self) -> dict[str, float]:
         """Live telemetry: the wave state and each engine's latest counts."""
@@ -173,7 +187,8 @@ class DPCoordinator:
         from tracing.telemetry.publisher import start_telemetry
 
         payload = decode_as(CoordinatorSpawnPayload, payload_bytes)
-        setup_tracing(role, status_file=str(run_dirs.status_file(run_dir, role)))
+        setup_tracing(role, trace_file=payload.trace_file, otlp_endpoint=payload.otlp_traces_endpoint,
+                      status_file=str(run_dirs.status_file(run_dir, role)))  # fmt: skip
         publisher = start_telemetry(run_dir, role)
         processes.install_sigterm_exit()
         coordinator = None

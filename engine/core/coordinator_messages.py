@@ -47,10 +47,12 @@ class EngineLoad(msgspec.Struct, kw_only=True, array_like=True, tag="load"):
 
 class StartWave(msgspec.Struct, kw_only=True, array_like=True, tag="start_wave"):
     """Engine ``engine_index`` got a request while its engines were idle: start wave ``wave``
-    (vLLM: ``EngineCoreOutputs(start_wave=...)`` to the coordinator)."""
+    (vLLM: ``EngineCoreOutputs(start_wave=...)`` to the coordinator). ``trace_headers``: the
+    span of the request that started it (W3C): the wave's span joins that request's trace."""
 
     engine_index: int
     wave: int
+    trace_headers: dict[str, str] | None = None
 
 
 # What an engine core sends the coordinator.
@@ -88,6 +90,9 @@ class CoordinatorSpawnPayload(msgspec.Struct, kw_only=True):
     data_parallel_size: int
     publish_interval_s: float = PUBLISH_INTERVAL_S
     wave_address: str | None = None
+    # Where its spans go, as every other process's (--trace-file, --otlp-traces-endpoint).
+    trace_file: str | None = None
+    otlp_traces_endpoint: str | None = None
 
 
 def coordinator_addresses(run_dir: Path | str) -> tuple[str, str]:

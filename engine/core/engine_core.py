@@ -18,6 +18,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.core.messages import EngineCoreOutputs, EngineCoreRequest
+from engine.core.request_tracing import RequestPhaseTracer
 from engine.executor.abstract import Executor
 from engine.kv_cache.kv_cache_interface import KVCacheConfig
 from engine.kv_cache.kv_cache_planning import get_kv_cache_configs
@@ -53,7 +54,7 @@ class EngineCore:
         log_stats: bool = True,
         run_dir: str | None = None,
     ):
-        with stage(catalogue.ENGINE_CORE_INIT):
+        with stage(catalogue.ENGINE_CORE_INIT, rank=config.parallel_config.data_parallel_rank):
             self.config = config
             self.log_stats = log_stats
             executor_class = executor_class or Executor.get_class(config)
@@ -77,6 +78,10 @@ class EngineCore:
                 else None
             )
             self.step_counter = 0
+            # Request phases as spans of each request's own trace (when it came with one).
+            self.request_tracer = RequestPhaseTracer()
+            # The latest engine_core.step span's context (None unless spans are recorded).
+            self.last_step_context = None
             # The last step's figures (``step()`` fills it; see ``_after_step``).
             self.last_step: dict[str, Any] | None = None
             self.step_delay_s = config.observability_config.step_delay_ms / 1e3
@@ -123,10 +128,12 @@ class EngineCore:
                 block_hasher=self.block_hasher,
             )
         )
+        self.request_tracer.add(request.request_id, request.trace_headers)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Stop these requests now and free their KV blocks (unknown ids are ignored)."""
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        self.request_tracer.drop(request_ids)
 
     def step(self) -> tuple[dict[int, EngineCoreOutputs], bool]:
         """One engine step.
@@ -141,32 +148,48 @@ class EngineCore:
         started_at = time.time()
         t0 = time.perf_counter()
         with stage(catalogue.ENGINE_CORE_STEP, **{catalogue.ATTR_STEP_ID: self.step_counter}) as st:
-            with stage(catalogue.SCHEDULER_SCHEDULE) as sched_span:
+            step_id = {catalogue.ATTR_STEP_ID: self.step_counter}
+            with stage(catalogue.SCHEDULER_SCHEDULE, **step_id) as sched_span:
                 scheduler_output = self.scheduler.schedule()
-                batch = self._classify_batch(scheduler_output)
+                batch, prefill_ids = self._classify_batch(scheduler_output)
                 num_running, num_waiting = self.scheduler.get_request_counts()
-                sched_span.set(
-                    catalogue.ATTR_STEP_NUM_SCHEDULED_TOKENS, scheduler_output.total_num_scheduled_tokens
-                )
-                sched_span.set(
-                    catalogue.ATTR_STEP_TOKEN_BUDGET, self.config.scheduler_config.max_num_batched_tokens
-                )
-                sched_span.set(catalogue.ATTR_STEP_NUM_NEW_REQS, len(scheduler_output.scheduled_new_reqs))
-                sched_span.set(
-                    catalogue.ATTR_STEP_NUM_CACHED_REQS, scheduler_output.scheduled_cached_reqs.num_reqs
-                )
-                sched_span.set(catalogue.ATTR_STEP_NUM_PREEMPTED, len(scheduler_output.preempted_req_ids))
-                sched_span.set(catalogue.ATTR_STEP_NUM_RUNNING, num_running)
-                sched_span.set(catalogue.ATTR_STEP_NUM_WAITING, num_waiting)
+                if sched_span.span is not None:  # the batch's figures, on this span and the step's
+                    for span in (sched_span, st):
+                        span.set(catalogue.ATTR_STEP_NUM_SCHEDULED_TOKENS,
+                                 scheduler_output.total_num_scheduled_tokens)  # fmt: skip
+                        span.set(
+                            catalogue.ATTR_STEP_TOKEN_BUDGET,
+                            self.config.scheduler_config.max_num_batched_tokens,
+                        )
+                        span.set(catalogue.ATTR_STEP_NUM_NEW_REQS, len(scheduler_output.scheduled_new_reqs))
+                        span.set(
+                            catalogue.ATTR_STEP_NUM_CACHED_REQS,
+                            scheduler_output.scheduled_cached_reqs.num_reqs,
+                        )
+                        span.set(catalogue.ATTR_STEP_NUM_PREEMPTED, len(scheduler_output.preempted_req_ids))
+                        span.set(catalogue.ATTR_STEP_NUM_RUNNING, num_running)
+                        span.set(catalogue.ATTR_STEP_NUM_WAITING, num_waiting)
             t1 = time.perf_counter()
-            with stage(catalogue.EXECUTOR_EXECUTE_MODEL):
+            with stage(catalogue.EXECUTOR_EXECUTE_MODEL, **step_id):
                 model_output = self.model_executor.execute_model(scheduler_output)
             t2 = time.perf_counter()
-            with stage(catalogue.SCHEDULER_UPDATE_FROM_OUTPUT):
+            with stage(catalogue.SCHEDULER_UPDATE_FROM_OUTPUT, **step_id) as update_span:
                 outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+                if update_span.span is not None:
+                    after_running, after_waiting = self.scheduler.get_request_counts()
+                    update_span.set(catalogue.ATTR_STEP_NUM_RUNNING, after_running)
+                    update_span.set(catalogue.ATTR_STEP_NUM_WAITING, after_waiting)
+                    update_span.set(catalogue.ATTR_KV_USAGE, self.scheduler.kv_cache_manager.usage)
             t3 = time.perf_counter()
             kv_usage = self.scheduler.kv_cache_manager.usage
             st.set(catalogue.ATTR_KV_USAGE, kv_usage)
+            step_context = st.span.get_span_context() if st.span is not None else None
+            self.last_step_context = step_context
+            if self.request_tracer._phases:
+                produced = [o for eco in outputs.values() for o in eco.outputs]
+                self.request_tracer.step(scheduler_output, prefill_ids, step_context,
+                                         [o.request_id for o in produced if o.new_token_ids],
+                                         [o.request_id for o in produced if o.finished])  # fmt: skip
         num_running, num_waiting = self.scheduler.get_request_counts()
         # What engine-top's step panel shows (a StepRecord without its header).
         self.last_step = {
@@ -250,11 +273,12 @@ class EngineCore:
             events.GAUGE_PREFIX_HIT_RATE: scheduler.prefix_cache_hits / queries if queries else 0.0,
         }
 
-    def _classify_batch(self, so: SchedulerOutput) -> dict[str, Any]:
+    def _classify_batch(self, so: SchedulerOutput) -> tuple[dict[str, Any], set[str]]:
         """Split a step's requests into decodes (one token, past the prompt) and prefills
         (prompt tokens, or recomputation after preemption); a prefill that leaves tokens for
-        a later step is a chunk."""
+        a later step is a chunk. Returns the counts and the prefilling request ids."""
         decode_reqs = decode_tokens = prefill_reqs = prefill_tokens = chunked = 0
+        prefill_ids: set[str] = set()
         requests = self.scheduler.requests
         for req_id, n in so.num_scheduled_tokens.items():
             request = requests.get(req_id)
@@ -267,6 +291,7 @@ class EngineCore:
             else:
                 prefill_reqs += 1
                 prefill_tokens += n
+                prefill_ids.add(req_id)
                 if computed + n < request.num_tokens:
                     chunked += 1
         return {
@@ -275,7 +300,7 @@ class EngineCore:
             "num_prefill_reqs": prefill_reqs,
             "num_prefill_tokens": prefill_tokens,
             "num_chunked_prefills": chunked,
-        }
+        }, prefill_ids
 
     # Utility calls (the frontend reaches these through ``call_utility``).
 

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import zmq
+from opentelemetry import trace
 
 from engine import envs
 from engine.config import ConfigError, EngineConfig
@@ -51,6 +52,7 @@ from engine.core.messages import (
     TAG_HANDSHAKE,
     TAG_OUTPUTS,
     TAG_UTILITY,
+    AbortRequests,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
@@ -67,8 +69,8 @@ from engine.logger import init_logger
 from engine.utils import processes
 from engine.utils import run_dir as run_dirs
 from engine.utils.wire import ProtocolError
-from tracing import current_stage, setup_tracing
-from tracing.propagation import attached_trace_context
+from tracing import catalogue, current_stage, is_recording, record_span, setup_tracing
+from tracing.propagation import attached_trace_context, extract_trace_context
 from tracing.telemetry import events
 from tracing.telemetry.publisher import get_publisher, start_telemetry
 
@@ -164,12 +166,17 @@ class EngineCoreProc(EngineCore):
         self.data_parallel_rank = data_parallel_rank
         self.role = ProcessRole.engine_core(data_parallel_rank).name
         self.input_queue: queue.Queue[tuple[EngineCoreRequestType, Any]] = queue.Queue()
+        # Request id → when the input thread put it on input_queue (traced requests only).
+        self._input_queued_ns: dict[str, int] = {}
         if not output_addresses or len(input_addresses) != len(output_addresses):
             raise ProtocolError(f"the engine core's spawn payload names {len(input_addresses)} client input "
                                 f"and {len(output_addresses)} output address(es); one of each per client "
                                 "(at least one) is due")  # fmt: skip
-        # (client_index, EngineCoreOutputs | UtilityReply); None stops the output thread.
-        self.output_queue: queue.Queue[tuple[int, EngineCoreOutputs | UtilityReply] | None] = queue.Queue()
+        # (client_index, EngineCoreOutputs | UtilityReply, the step's span context or None,
+        # when it was queued in ns); None stops the output thread.
+        self.output_queue: queue.Queue[tuple[int, EngineCoreOutputs | UtilityReply, Any, int] | None] = (
+            queue.Queue()
+        )
         self.output_router = OutputRouter(len(output_addresses), data_parallel_rank)
         self.ctx = zmq.Context()
         self.output_sockets: list[zmq.Socket] = []
@@ -304,7 +311,9 @@ class EngineCoreProc(EngineCore):
                 outputs, _ = self.step()
                 going_idle = not self.scheduler.has_requests()
                 for client_index, client_outputs in self.output_router.route(outputs, going_idle):
-                    self.output_queue.put((client_index, client_outputs))
+                    self.output_queue.put(
+                        (client_index, client_outputs, self.last_step_context, time.time_ns())
+                    )
             elif self.engines_running:
                 self._dummy_step()
             self._report_load()
@@ -375,15 +384,17 @@ class EngineCoreProc(EngineCore):
                 return
             self._coordinator_backlog.pop(0)
 
-    def _maybe_start_wave(self) -> None:
+    def _maybe_start_wave(self, trace_headers: dict[str, str] | None = None) -> None:
         """A request arrived (or remains) while this engine's wave is over: start the next one
-        (vLLM 0.33: an idle engine that gets a request starts the wave itself)."""
+        (vLLM 0.33: an idle engine that gets a request starts the wave itself). ``trace_headers``:
+        that request's span, so the wave shows in its trace."""
         if self.coordinator_socket is None or self.engines_running:
             return
         self.engines_running = True
-        self._coordinator_backlog.append(
-            encode_coordinator(StartWave(engine_index=self.data_parallel_rank, wave=self.current_wave))
+        start = StartWave(
+            engine_index=self.data_parallel_rank, wave=self.current_wave, trace_headers=trace_headers
         )
+        self._coordinator_backlog.append(encode_coordinator(start))
         self._flush_coordinator_backlog()
 
     def _on_wave(self, wave: DPWave) -> None:
@@ -426,12 +437,20 @@ class EngineCoreProc(EngineCore):
     def _handle_input(self, request_type: EngineCoreRequestType, payload: Any) -> None:
         if request_type == EngineCoreRequestType.ADD:
             self._check_client_index(payload.client_index, f"request {payload.request_id!r}")
+            queued_ns = self._input_queued_ns.pop(payload.request_id, None)
+            if queued_ns is not None:
+                now = time.time_ns()
+                record_span(catalogue.ENGINE_CORE_INPUT_QUEUE, start_ns=queued_ns, end_ns=now,
+                            parent=extract_trace_context(payload.trace_headers),
+                            attributes={catalogue.ATTR_GEN_AI_REQUEST_ID: payload.request_id,
+                                        catalogue.ATTR_QUEUE_WAIT_MS: (now - queued_ns) / 1e6})  # fmt: skip
             self.add_request(payload)
-            self._maybe_start_wave()
+            self._maybe_start_wave(payload.trace_headers)
         elif request_type == EngineCoreRequestType.START_DP_WAVE:
             self._on_wave(payload)
         elif request_type == EngineCoreRequestType.ABORT:
-            self.abort_requests(payload)
+            with attached_trace_context(payload.trace_headers):
+                self.abort_requests(payload.request_ids)
         elif request_type in (EngineCoreRequestType.EXECUTOR_FAILED, EngineCoreRequestType.PROTOCOL_ERROR):
             raise payload
         elif request_type == EngineCoreRequestType.UTILITY:
@@ -442,7 +461,7 @@ class EngineCoreProc(EngineCore):
                     reply = UtilityReply.success(call.call_id, getattr(self, call.method)(*call.call_args()))
             except Exception as e:  # a failed utility call is the caller's error, not ours
                 reply = UtilityReply.failure(call.call_id, e)
-            self.output_queue.put((call.client_index, reply))
+            self.output_queue.put((call.client_index, reply, None, time.time_ns()))
         else:
             logger.warning("ignoring request type %s", request_type)
 
@@ -488,7 +507,11 @@ class EngineCoreProc(EngineCore):
                             wave = decode_coordinator(DPWave, frames[-1])
                             self.input_queue.put((EngineCoreRequestType.START_DP_WAVE, wave))
                             continue
-                        self.input_queue.put(_decode_input(frames, client_of[socket]))
+                        received_ns = time.time_ns()
+                        item = _decode_input(frames, client_of[socket])
+                        if item[0] == EngineCoreRequestType.ADD and item[1].trace_headers and is_recording():
+                            self._trace_input(item[1], received_ns)
+                        self.input_queue.put(item)
                     except ProtocolError as e:
                         # A frontend that breaks the protocol is a bug: stop with a clear error.
                         self.input_queue.put((EngineCoreRequestType.PROTOCOL_ERROR, e))
@@ -506,9 +529,24 @@ class EngineCoreProc(EngineCore):
             item = self.output_queue.get()
             if item is None:
                 return
-            client_index, message = item
+            client_index, message, step_context, queued_ns = item
+            taken_ns = time.time_ns()
             tag = TAG_OUTPUTS if isinstance(message, EngineCoreOutputs) else TAG_UTILITY
             self.output_sockets[client_index].send_multipart([tag, _encode(message)], copy=False)
+            if step_context is not None:  # part of the step's trace: waited, encoded, sent
+                record_span(catalogue.ENGINE_CORE_OUTPUT_SEND, start_ns=taken_ns,
+                            parent=trace.set_span_in_context(trace.NonRecordingSpan(step_context)),
+                            attributes={catalogue.ATTR_QUEUE_WAIT_MS: (taken_ns - queued_ns) / 1e6})  # fmt: skip
+
+    def _trace_input(self, request: EngineCoreRequest, received_ns: int) -> None:
+        """``engine_core.input`` (receive + decode) in the request's trace; remember when it
+        went on ``input_queue`` for ``engine_core.input_queue``."""
+        now = time.time_ns()
+        record_span(catalogue.ENGINE_CORE_INPUT, start_ns=received_ns, end_ns=now,
+                    parent=extract_trace_context(request.trace_headers),
+                    attributes={catalogue.ATTR_GEN_AI_REQUEST_ID: request.request_id,
+                                catalogue.ATTR_MESSAGE_TYPE: EngineCoreRequestType.ADD.name})  # fmt: skip
+        self._input_queued_ns[request.request_id] = now
 
     def _send_handshake(self, handshake: EngineHandshake) -> None:
         """HELLO / READY to client 0, the one that launched this engine and waits for them."""
@@ -531,7 +569,7 @@ class EngineCoreProc(EngineCore):
 # What each request type's body decodes as (the internal types never arrive on the socket).
 _INPUT_TYPES: dict[EngineCoreRequestType, Any] = {
     EngineCoreRequestType.ADD: EngineCoreRequest,
-    EngineCoreRequestType.ABORT: list[str],
+    EngineCoreRequestType.ABORT: AbortRequests,
     EngineCoreRequestType.UTILITY: UtilityRequest,
 }
 

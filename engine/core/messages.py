@@ -12,7 +12,7 @@ This module is the whole client ↔ engine-core protocol::
     client 0 ──spawn (stdin pipe)─▶ engine core   EngineCoreSpawnPayload
     client 0 ◀──PUSH/PULL───────── engine core    TAG_HANDSHAKE EngineHandshake HELLO, then READY
     client i ◀──DEALER/ROUTER───── engine core    EngineHandshake CONNECTED (its input socket to i is up)
-    client i ──ROUTER/DEALER──────▶ engine core   ADD EngineCoreRequest | ABORT [ids] | UTILITY UtilityRequest
+    client i ──ROUTER/DEALER──────▶ engine core   ADD EngineCoreRequest | ABORT AbortRequests | UTILITY UtilityRequest
     client i ◀──PUSH/PULL───────── engine core    TAG_OUTPUTS EngineCoreOutputs | TAG_UTILITY UtilityReply
     client i ◀──PUSH/PULL───────── engine core    ENGINE_CORE_DEAD EngineDead (last words)
 
@@ -174,6 +174,14 @@ class EngineHandshake(msgspec.Struct, kw_only=True, array_like=True):
     device: str = ""
     dtype: str = ""
     max_model_len: int = 0
+
+
+class AbortRequests(msgspec.Struct, kw_only=True, array_like=True):
+    """ABORT: stop these requests and free their KV blocks. ``trace_headers``: the caller's
+    span (W3C), e.g. the API server's for a client that went away."""
+
+    request_ids: list[str]
+    trace_headers: dict[str, str] | None = None
 
 
 class UtilityRequest(msgspec.Struct, kw_only=True, array_like=True):

@@ -96,6 +96,7 @@ class LLM:
                 self.input_processor = InputProcessor(self.config.model_config, self.tokenizer)
                 self.output_processor = OutputProcessor(self.tokenizer, log_stats=False)
                 self.engine_core = EngineCoreClient.make_client(self.config, self.run_dir, multiprocess)
+                self._init_stats_log()
         except BaseException:
             _stop_telemetry(self.recorder)
             run_dirs.remove_run_dir(self.run_dir)
@@ -240,6 +241,22 @@ class LLM:
                 self.engine_core.add_request(req)
         return [request_id for request_id, _ in prepared]
 
+    def _init_stats_log(self) -> None:
+        """The periodic stats log line (vLLM: ``LLMEngine.do_log_stats_with_interval``), fed by
+        the output processor; the llm_request span gets the model name."""
+        from engine.metrics.loggers import LoggingStatLogger
+
+        self.stat_logger = LoggingStatLogger(getattr(self.engine_core, "stats_table", None))
+        self.output_processor.stats_sink = self.stat_logger.record
+        self.output_processor.model_name = self.config.model_config.served_model_name
+        self._next_stats_log = time.monotonic() + envs.GLASSBOX_LOG_STATS_INTERVAL
+
+    def _log_stats_with_interval(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_stats_log:
+            self._next_stats_log = now + envs.GLASSBOX_LOG_STATS_INTERVAL
+            self.stat_logger.log()
+
     def _run_engine(
         self, request_ids: list[str], use_tqdm: bool | Callable[[int, int], None]
     ) -> list[RequestOutput]:
@@ -250,7 +267,10 @@ class LLM:
         try:
             while self.output_processor.has_unfinished_requests():
                 outputs = self.engine_core.get_output()
-                processed = self.output_processor.process_outputs(outputs.outputs)
+                processed = self.output_processor.process_outputs(
+                    outputs.outputs, outputs.timestamp, outputs.engine_index
+                )
+                self._log_stats_with_interval()
                 if processed.reqs_to_abort:
                     self.engine_core.abort_requests(processed.reqs_to_abort)
                 for out in processed.request_outputs:

@@ -24,6 +24,7 @@ takes. The per-step traffic is typed: ``execute_model``'s ``SchedulerOutput`` go
 from __future__ import annotations
 
 import pickle
+import time
 import traceback
 from typing import Any
 
@@ -64,7 +65,8 @@ class WorkerRPC(msgspec.Struct, kw_only=True, array_like=True):
     ``output_rank``: only that rank answers (None: every rank does).
     ``scheduler_output``: ``execute_model``'s argument, typed.
     ``args_pickle``: any other ``(args, kwargs)``, pickled (arbitrary Python objects).
-    ``trace_headers``: the caller's span at the time of the call (W3C).
+    ``trace_headers``: the caller's span at the time of the call (W3C). ``sent_at``: when it
+    was written to the broadcast queue (``time.time()``, s): the reader's wait is now − this.
     """
 
     method: str
@@ -72,6 +74,7 @@ class WorkerRPC(msgspec.Struct, kw_only=True, array_like=True):
     trace_headers: dict[str, str] | None = None
     scheduler_output: SchedulerOutput | None = None
     args_pickle: bytes = b""
+    sent_at: float = 0.0
 
     @classmethod
     def make(
@@ -89,11 +92,12 @@ class WorkerRPC(msgspec.Struct, kw_only=True, array_like=True):
             and isinstance(args[0], SchedulerOutput)
         ):
             return cls(method=method, output_rank=output_rank, trace_headers=trace_headers,
-                       scheduler_output=args[0])  # fmt: skip
+                       scheduler_output=args[0], sent_at=time.time())  # fmt: skip
         args_pickle = pickle.dumps((tuple(args), dict(kwargs or {})), protocol=5) if args or kwargs else b""
         return cls(
-            method=method, output_rank=output_rank, trace_headers=trace_headers, args_pickle=args_pickle
-        )
+            method=method, output_rank=output_rank, trace_headers=trace_headers, args_pickle=args_pickle,
+            sent_at=time.time(),
+        )  # fmt: skip
 
     def call_args(self) -> tuple[tuple, dict[str, Any]]:
         """The ``(args, kwargs)`` to call ``method`` with."""

@@ -153,7 +153,8 @@ class MultiprocExecutor(Executor):
         rpc = WorkerRPC.make(method, args, kwargs, unique_reply_rank, inject_trace_headers() or None)
         message = messages.encode(rpc)
         try:
-            self.rpc_broadcast_mq.enqueue(message, timeout=max(deadline - time.monotonic(), 0.001))
+            with stage(catalogue.EXECUTOR_BROADCAST):
+                self.rpc_broadcast_mq.enqueue(message, timeout=max(deadline - time.monotonic(), 0.001))
         except MessageQueueTimeout as e:
             self._raise_if_failed()
             raise TimeoutError(f"{method}: {e}") from None
@@ -345,6 +346,8 @@ class WorkerProc:
         processes.install_sigterm_exit()
         rpc = MessageQueue.open_reader(payload.rpc_handle, rank)
         response = MessageQueue.open_writer(payload.response_handle)
+        # --collect-detailed-traces worker|all: a worker.execute_model span per step.
+        worker_spans = config.observability_config.collect_worker_traces
         try:
             with attached_trace_context(payload.trace_headers):
                 wrapper = WorkerWrapperBase(config, rpc_rank=rank)
@@ -367,7 +370,13 @@ class WorkerProc:
                     # Each RPC runs under its caller's span (not the spawn-time one).
                     with attached_trace_context(rpc_msg.trace_headers):
                         args, kwargs = rpc_msg.call_args()
-                        value = wrapper.execute_method(rpc_msg.method, *args, **kwargs)
+                        if worker_spans and rpc_msg.method == "execute_model":
+                            waited_ms = max(time.time() - rpc_msg.sent_at, 0.0) * 1e3
+                            with stage(catalogue.WORKER_EXECUTE_MODEL, rank=rank,
+                                       **{catalogue.ATTR_QUEUE_WAIT_MS: waited_ms}):  # fmt: skip
+                                value = wrapper.execute_method(rpc_msg.method, *args, **kwargs)
+                        else:
+                            value = wrapper.execute_method(rpc_msg.method, *args, **kwargs)
                     reply = WorkerReply.success(rank, rpc_msg.method, value)
                 except Exception as e:
                     processes.write_crash_report(run_dir, role, e, current_stage(), rank)

@@ -214,7 +214,9 @@ class AsyncLLM:
         try:
             while True:
                 outputs = await self.engine_core.get_output_async()
-                processed = self.output_processor.process_outputs(outputs.outputs)
+                processed = self.output_processor.process_outputs(
+                    outputs.outputs, outputs.timestamp, outputs.engine_index
+                )
                 if processed.reqs_to_abort:
                     await self.engine_core.abort_requests_async(processed.reqs_to_abort)
                 for out in processed.request_outputs:

@@ -54,6 +54,7 @@ from engine.core.messages import (
     TAG_HANDSHAKE,
     TAG_OUTPUTS,
     TAG_UTILITY,
+    AbortRequests,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
@@ -326,6 +327,8 @@ class MPClient(EngineCoreClient):
                     publish_address=publish,
                     data_parallel_size=self.data_parallel_size,
                     wave_address=coordinator_waves,
+                    trace_file=self.config.observability_config.trace_file,
+                    otlp_traces_endpoint=self.config.observability_config.otlp_traces_endpoint,
                 )
                 self.coordinator_proc = processes.spawn_process(
                     self.coordinator_role.name,
@@ -642,7 +645,7 @@ class SyncMPClient(MPClient):
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids and self.dead is None:
             for engine, ids in self._engines_for_abort(request_ids).items():
-                self._send(EngineCoreRequestType.ABORT, self.encoder.encode(ids), engine)
+                self._send(EngineCoreRequestType.ABORT, self.encoder.encode(_abort(ids)), engine)
 
     def get_output(self) -> EngineCoreOutputs:
         while not self.pending:
@@ -715,7 +718,7 @@ class AsyncMPClient(MPClient):
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         if request_ids and self.dead is None:
             for engine, ids in self._engines_for_abort(request_ids).items():
-                await self._send_async(EngineCoreRequestType.ABORT, self.encoder.encode(ids), engine)
+                await self._send_async(EngineCoreRequestType.ABORT, self.encoder.encode(_abort(ids)), engine)
 
     async def get_output_async(self) -> EngineCoreOutputs:
         """The next outputs; only one task (the output handler) may call this."""
@@ -772,6 +775,13 @@ def _stop_all(children: list[processes.ChildProcess], timeout: float = 4.0) -> N
     deadline = time.monotonic() + timeout
     for child in children:
         child.stop(timeout=max(deadline - time.monotonic(), 0.1))
+
+
+def _abort(request_ids: list[str]) -> AbortRequests:
+    """An ABORT message carrying the caller's span (W3C)."""
+    from tracing.propagation import inject_trace_headers
+
+    return AbortRequests(request_ids=request_ids, trace_headers=inject_trace_headers() or None)
 
 
 def client_input_address(run_dir: Path, client_index: int) -> str:

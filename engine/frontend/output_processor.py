@@ -23,14 +23,22 @@ holding all children (CUMULATIVE), the children that moved (DELTA) or all of the
 end (FINAL_ONLY); vLLM emits one per child output and lets the per-request collector merge
 them.
 
+Stats (vLLM's ``IterationStats``): every request keeps a ``RequestStateStats``
+(``engine/metrics/stats.py``: queued and first-scheduled times from the engine core's events,
+first and last token times from the batches that carried tokens). Each ``process_outputs``
+call fills one ``IterationStats`` (tokens, time to first token, inter-token latencies,
+finished requests) and hands it to ``stats_sink(engine_index, iteration_stats)`` when one is
+set (the API server's ``StatLoggerManager``: Prometheus and the periodic log line). A
+finished request's figures also go on its ``llm_request`` span (``gen_ai.*`` attributes).
+
 Left out: per-request asyncio queues (the caller routes ``request_outputs`` by
-``request_id``), iteration stats for the stat loggers, LoRA, pooling, tracing spans.
+``request_id``), LoRA, pooling.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from engine.core.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
@@ -42,6 +50,7 @@ from engine.frontend.outputs import (
     RequestOutput,
     RequestStateStats,
 )
+from engine.metrics import stats as metrics_stats
 from engine.outputs import LogprobsLists
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -166,9 +175,9 @@ class RequestState:
         self.num_prompt_logprobs_sent = 0
         self.num_cached_tokens = 0
         self.stats = RequestStateStats(arrival_time=request.arrival_time) if log_stats else None
-        # For the llm_request span, recorded when the request finishes.
+        # Always kept (a few floats): the stat loggers and the llm_request span read it.
+        self.req_stats = metrics_stats.RequestStateStats(arrival_time=request.arrival_time)
         self.arrival_time = request.arrival_time
-        self.first_token_time: float | None = None
         self.num_output_tokens = 0
         self.sampling_params = params
         self.trace_headers = request.trace_headers
@@ -251,6 +260,20 @@ class OutputProcessor:
         self.log_stats = log_stats
         self.request_states: dict[str, RequestState] = {}
         self.parent_requests: dict[str, ParentRequest] = {}
+        # Called with (engine_index, IterationStats) after each process_outputs call.
+        self.stats_sink: Callable[[int, metrics_stats.IterationStats], None] | None = None
+        # The served model name, for the llm_request span (gen_ai.request/response.model).
+        self.model_name: str | None = None
+        # Where the next batch came from, when the caller cannot pass it to process_outputs
+        # (set by ``set_batch_origin``; used once).
+        self._batch_origin: tuple[int, float | None] | None = None
+        # Engine-core monotonic timestamps → wall clock (one system-wide monotonic clock).
+        self._mono_to_wall = time.time() - time.monotonic()
+
+    def set_batch_origin(self, engine_index: int, engine_core_timestamp: float | None) -> None:
+        """The engine (DP rank) and the engine-core timestamp of the batch that the next
+        ``process_outputs`` call gets, for a caller that passes only the output list."""
+        self._batch_origin = (engine_index, engine_core_timestamp)
 
     def get_num_unfinished_requests(self) -> int:
         """Unfinished engine requests (each child of an ``n`` > 1 request counts)."""
@@ -304,13 +327,16 @@ class OutputProcessor:
         self,
         engine_core_outputs: list[EngineCoreOutput],
         engine_core_timestamp: float | None = None,
+        engine_index: int | None = None,
     ) -> OutputProcessorOutput:
         """Detokenize one step's outputs, match stop strings, build ``RequestOutput``s.
 
         Args:
             engine_core_outputs: ``EngineCoreOutputs.outputs`` of one step (or a chunk of it).
             engine_core_timestamp: ``EngineCoreOutputs.timestamp`` (engine-core monotonic
-                seconds), used for ``metrics`` only.
+                seconds), used for ``metrics`` and the stats only.
+            engine_index: ``EngineCoreOutputs.engine_index`` (the DP rank that sent them),
+                the ``engine`` label of the stats; else what ``set_batch_origin`` said, else 0.
 
         Outputs for ids no longer tracked (aborted, or stopped by a stop string while the
         engine was already computing the next step) are ignored.
@@ -319,6 +345,16 @@ class OutputProcessor:
         reqs_to_abort: list[str] = []
         # Parents touched this call, in first-touch order; each gets one output at the end.
         parents: dict[str, tuple[ParentRequest, RequestState]] = {}
+        origin, self._batch_origin = self._batch_origin, None
+        if origin is not None:
+            if engine_index is None:
+                engine_index = origin[0]
+            if engine_core_timestamp is None:
+                engine_core_timestamp = origin[1]
+        now = time.time()
+        iteration = metrics_stats.IterationStats(now)
+        # When this batch's tokens were made: the engine core's stamp (wall clock) if known.
+        token_ts = now if engine_core_timestamp is None else engine_core_timestamp + self._mono_to_wall
 
         for output in engine_core_outputs:
             state = self.request_states.get(output.request_id)
@@ -328,8 +364,12 @@ class OutputProcessor:
             finish_reason = output.finish_reason
             stop_reason = output.stop_reason
             state.num_cached_tokens = output.num_cached_tokens
-            if new_token_ids and state.first_token_time is None:
-                state.first_token_time = time.time()
+            if output.events:
+                iteration.update_from_events(output.events, state.req_stats)
+            if new_token_ids:
+                iteration.update_from_tokens(
+                    len(new_token_ids), len(state.prompt_token_ids), state.req_stats, token_ts
+                )
             state.num_output_tokens += len(new_token_ids)
             if state.stats is not None:
                 _update_stats(state.stats, len(new_token_ids), engine_core_timestamp)
@@ -352,8 +392,13 @@ class OutputProcessor:
             if finished:
                 del self.request_states[output.request_id]
                 if state.stats is not None:
-                    state.stats.finished_time = time.time()
-                _record_request_span(state)
+                    state.stats.finished_time = now
+                done = metrics_stats.finished_request_stats(
+                    state.req_stats, str(finish_reason), len(state.prompt_token_ids),
+                    state.sampling_params.max_tokens, now,
+                )  # fmt: skip
+                iteration.finished_requests.append(done)
+                _record_request_span(state, done, self.model_name, now)
             if not finished and (not new_token_ids or state.output_kind == RequestOutputKind.FINAL_ONLY):
                 continue
             completion = state.make_completion_output(new_token_ids, finish_reason, stop_reason)
@@ -380,6 +425,8 @@ class OutputProcessor:
                 request_outputs.append(parent_output)
             if parent.finished:
                 self.parent_requests.pop(parent.request_id, None)
+        if self.stats_sink is not None:
+            self.stats_sink(engine_index or 0, iteration)
         return OutputProcessorOutput(request_outputs=request_outputs, reqs_to_abort=reqs_to_abort)
 
     # ------------------------------------------------------------------ logprobs
@@ -434,32 +481,50 @@ def _update_stats(stats: RequestStateStats, num_new_tokens: int, engine_core_tim
     stats.num_generation_tokens += num_new_tokens
 
 
-def _record_request_span(state: RequestState) -> None:
-    """vLLM's ``llm_request`` span: arrival → last token, child of the caller's trace context.
+def _record_request_span(
+    state: RequestState, done: metrics_stats.FinishedRequestStats, model_name: str | None, now: float
+) -> None:
+    """vLLM's ``llm_request`` span: arrival → finish, child of the caller's trace context.
 
-    A no-op when tracing records nothing (no exporter set up).
+    Carries the GenAI semantic-convention attributes and vLLM's latency attributes (seconds).
+    A no-op, before any attribute is built, when tracing records nothing.
     """
+    from tracing import setup
+
+    handle = setup.get_handle()
+    if handle is None or not handle.recording:
+        return
     from opentelemetry.trace import SpanKind
 
     from tracing import catalogue, record_span
     from tracing.propagation import extract_trace_context
 
-    now = time.time()
     params = state.sampling_params
+    req = state.req_stats
+    num_prompt = len(state.prompt_token_ids)
     attributes = {
         catalogue.ATTR_GEN_AI_REQUEST_ID: state.request_id,
-        catalogue.ATTR_GEN_AI_USAGE_PROMPT_TOKENS: len(state.prompt_token_ids),
+        catalogue.ATTR_GEN_AI_REQUEST_MODEL: model_name,
+        catalogue.ATTR_GEN_AI_RESPONSE_MODEL: model_name,
+        catalogue.ATTR_GEN_AI_USAGE_PROMPT_TOKENS: num_prompt,
         catalogue.ATTR_GEN_AI_USAGE_COMPLETION_TOKENS: state.num_output_tokens,
-        catalogue.ATTR_GEN_AI_LATENCY_E2E: now - state.arrival_time,
+        catalogue.ATTR_GEN_AI_USAGE_INPUT_TOKENS: num_prompt,
+        catalogue.ATTR_GEN_AI_USAGE_OUTPUT_TOKENS: state.num_output_tokens,
+        catalogue.ATTR_GEN_AI_RESPONSE_FINISH_REASONS: [done.finish_reason],
+        catalogue.ATTR_GEN_AI_LATENCY_E2E: done.e2e_latency,
         catalogue.ATTR_GEN_AI_REQUEST_MAX_TOKENS: params.max_tokens,
         catalogue.ATTR_GEN_AI_REQUEST_TEMPERATURE: params.temperature,
         catalogue.ATTR_GEN_AI_REQUEST_TOP_P: params.top_p,
         catalogue.ATTR_GEN_AI_REQUEST_N: params.n,
     }
-    if state.first_token_time is not None:
-        attributes[catalogue.ATTR_GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN] = (
-            state.first_token_time - state.arrival_time
-        )
+    if req.scheduled_ts:
+        attributes[catalogue.ATTR_GEN_AI_LATENCY_TIME_IN_QUEUE] = done.queued_time
+    if req.num_generation_tokens:
+        attributes[catalogue.ATTR_GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN] = req.first_token_latency
+        if req.scheduled_ts:
+            attributes[catalogue.ATTR_GEN_AI_LATENCY_TIME_IN_MODEL_PREFILL] = done.prefill_time
+            attributes[catalogue.ATTR_GEN_AI_LATENCY_TIME_IN_MODEL_INFERENCE] = done.inference_time
+        attributes[catalogue.ATTR_GEN_AI_LATENCY_TIME_IN_MODEL_DECODE] = done.decode_time
     record_span(
         catalogue.LLM_REQUEST,
         start_ns=int(state.arrival_time * 1e9),

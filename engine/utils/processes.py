@@ -166,6 +166,13 @@ def spawn_process(
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, child_env.get("PYTHONPATH", "")) if p)
     child_env.update(env or {})
     from tracing import catalogue, stage
+    from tracing.propagation import inject_trace_headers
+
+    # The spawning span also in the environment (TRACEPARENT / TRACESTATE, as OpenTelemetry's
+    # environment-variable carriers name them), for anything in the child that reads it; our
+    # own code takes it from the spawn payload.
+    for name, value in inject_trace_headers().items():
+        child_env[name.upper()] = value
 
     with stage(catalogue.PROCESS_SPAWN, **{catalogue.ATTR_ROLE: role}) as st:
         popen = subprocess.Popen(

@@ -26,6 +26,7 @@ async scheduling, speculative decoding, multimodal inputs, pooling.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 
@@ -42,6 +43,7 @@ from engine.model.utils import IntermediateTensors
 from engine.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput
 from engine.sampling_params import SamplingParams
 from engine.sched.output import SchedulerOutput
+from tracing import catalogue, stage
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +135,8 @@ class ModelRunner:
         self.vocab_size = config.model_config.vocab_size
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
+        # --collect-detailed-traces: forward and sampling spans in each step's trace.
+        self.collect_model_spans = config.observability_config.collect_model_forward_time
         self.model: torch.nn.Module | None = None
         self.model_memory_usage = 0  # bytes of weights and buffers
         self.kv_caches: list[KVCache] = []
@@ -264,14 +268,36 @@ class ModelRunner:
         if scheduler_output.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
         batch = self._prepare_inputs(scheduler_output)
-        hidden = self._forward(
-            batch.input_ids, batch.positions, batch.attn_metadata, self.kv_caches, intermediate_tensors
-        )
+        with self._detail(catalogue.MODEL_RUNNER_FORWARD, scheduler_output.total_num_scheduled_tokens):
+            hidden = self._forward(
+                batch.input_ids, batch.positions, batch.attn_metadata, self.kv_caches, intermediate_tensors
+            )
         if not self.is_last_stage:
             return hidden  # IntermediateTensors, for the next stage
 
         sampled_lists: list[list[int]] = [[] for _ in batch.req_ids]
         logprobs: dict[str, LogprobsLists] = {}
+        with self._detail(catalogue.MODEL_RUNNER_SAMPLE):
+            self._sample(batch, hidden, sampled_lists, logprobs)
+        prompt_logprobs = self._prompt_logprobs(batch, hidden) if batch.prompt_logprob_spans else {}
+        return ModelRunnerOutput(
+            req_ids=batch.req_ids,
+            req_id_to_index={rid: i for i, rid in enumerate(batch.req_ids)},
+            sampled_token_ids=sampled_lists,
+            logprobs=logprobs,
+            prompt_logprobs_dict=prompt_logprobs,
+        )
+
+    def _detail(self, name: str, num_tokens: int | None = None):
+        """A step-level span when ``--collect-detailed-traces`` asks for the model's; else nothing."""
+        if not self.collect_model_spans:
+            return contextlib.nullcontext()
+        return stage(name, **({catalogue.ATTR_STEP_NUM_SCHEDULED_TOKENS: num_tokens} if num_tokens else {}))
+
+    def _sample(
+        self, batch, hidden, sampled_lists: list[list[int]], logprobs: dict[str, LogprobsLists]
+    ) -> None:
+        """Logits of the rows that sample, then the sampler; fills ``sampled_lists`` and ``logprobs``."""
         if batch.sample_rows:
             states = [self.requests[batch.req_ids[row]] for row in batch.sample_rows]
             logits = self.model.compute_logits(hidden[batch.logits_indices])  # (num_sample, vocab) float32
@@ -290,16 +316,7 @@ class ModelRunner:
                 state.output_token_ids.append(sampled[j])
                 sampled_lists[row] = [sampled[j]]
             if out.logprobs_tensors is not None:
-                logprobs = self._logprobs_lists(out.logprobs_tensors, states)
-
-        prompt_logprobs = self._prompt_logprobs(batch, hidden) if batch.prompt_logprob_spans else {}
-        return ModelRunnerOutput(
-            req_ids=batch.req_ids,
-            req_id_to_index={rid: i for i, rid in enumerate(batch.req_ids)},
-            sampled_token_ids=sampled_lists,
-            logprobs=logprobs,
-            prompt_logprobs_dict=prompt_logprobs,
-        )
+                logprobs.update(self._logprobs_lists(out.logprobs_tensors, states))
 
     def _update_states(self, so: SchedulerOutput) -> None:
         """Apply the scheduler's news to the request mirror (see ``engine/sched/output.py``)."""

@@ -131,6 +131,22 @@ class OpenWaitInfo(msgspec.Struct, kw_only=True, array_like=True):
     thread: str = ""
 
 
+class ExporterStatus(msgspec.Struct, kw_only=True, array_like=True):
+    """One span exporter's health, as ``tracing.setup.TracingHandle.health()`` gives it:
+    ``name`` (otlp, jsonl, in_memory), spans ``exported`` / ``dropped`` (all causes) /
+    ``queued`` (the batch queue now), ``failed_exports``, ``last_error`` and
+    ``last_error_at`` (Unix time, s), ``endpoint`` (URL or file)."""
+
+    name: str
+    exported: int = 0
+    dropped: int = 0
+    queued: int = 0
+    failed_exports: int = 0
+    last_error: str | None = None
+    last_error_at: float | None = None
+    endpoint: str | None = None
+
+
 class Heartbeat(_Event, tag="heartbeat"):
     """Sent at least once a second by a thread apart from the process's main loop.
 
@@ -142,6 +158,8 @@ class Heartbeat(_Event, tag="heartbeat"):
     period of these heartbeats. ``waits``: the bounded waits in progress, oldest first.
     ``exited``: children this process reaped, role → how it ended ("killed by SIGKILL (exit
     status -9)"), as its parent knows it (``TelemetryPublisher.note_child_exit``).
+    ``exporters``: this process's span exporters' health (``ExporterStatus``), empty with
+    tracing off.
     """
 
     cpu_percent: float
@@ -152,6 +170,7 @@ class Heartbeat(_Event, tag="heartbeat"):
     interval_s: float = 1.0
     waits: list[OpenWaitInfo] = []
     exited: dict[str, str] = {}
+    exporters: list[ExporterStatus] = []
 
 
 class Gauges(_Event, tag="gauges"):

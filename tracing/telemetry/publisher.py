@@ -64,6 +64,7 @@ from tracing.telemetry.events import (
     MAX_SNAPSHOT_REQUESTS,
     Dropped,
     Event,
+    ExporterStatus,
     Gauges,
     Heartbeat,
     OpenStageInfo,
@@ -96,6 +97,31 @@ CLOSE_LINGER_MS = 300  # at close, queued frames get this long to leave
 _TICK_S = 0.1  # the heartbeat thread's wake-up period (flushes coalesced gauge pushes)
 
 _ALWAYS_LEVELS = frozenset({catalogue.LIFECYCLE})
+
+
+def _exporter_statuses() -> list[ExporterStatus]:
+    """This process's span exporters' health for the heartbeat (empty with tracing off)."""
+    from tracing.setup import get_handle
+
+    handle = get_handle()
+    if handle is None:
+        return []
+    try:
+        return [
+            ExporterStatus(
+                name=h.name,
+                exported=h.exported,
+                dropped=h.dropped,
+                queued=h.queued,
+                failed_exports=h.failed_exports,
+                last_error=h.last_error,
+                last_error_at=h.last_error_at,
+                endpoint=h.endpoint,
+            )
+            for h in handle.health()
+        ]
+    except Exception:  # noqa: BLE001 - a heartbeat never fails for tracing's sake
+        return []
 
 
 def telemetry_enabled() -> bool:
@@ -474,6 +500,7 @@ class TelemetryPublisher:
                     "interval_s": self.interval_s,
                     "waits": waits,
                     "exited": dict(self._exited),
+                    "exporters": _exporter_statuses(),
                 },
             )
             if provided:

@@ -25,6 +25,7 @@ from tracing.telemetry.events import (
     GAUGE_MQ_WRITTEN,
     Dropped,
     Event,
+    ExporterStatus,
     Gauges,
     Heartbeat,
     OpenStageInfo,
@@ -118,12 +119,15 @@ class ProcessLive:
     last_error: str | None = None
     last_stage_left: str | None = None
     stage_left_at: float | None = None
+    # exporters: its span exporters' health, from its last heartbeat (``ExporterStatus``).
+    exporters: list[ExporterStatus] = field(default_factory=list)
 
     def copy(self) -> ProcessLive:
         return dataclasses.replace(
             self,
             stages=list(self.stages),
             waits=list(self.waits),
+            exporters=list(self.exporters),
             gauges=dict(self.gauges),
             dropped_by_kind=dict(self.dropped_by_kind),
         )
@@ -286,6 +290,7 @@ class LiveState:
         proc.heartbeat_interval_s = ev.interval_s
         proc.cpu_percent, proc.rss_bytes, proc.num_threads = ev.cpu_percent, ev.rss_bytes, ev.num_threads
         proc.stages = list(ev.stages)
+        proc.exporters = list(ev.exporters)
         proc.waits = [WaitInfo(what=w.what, started_at=w.started_at, timeout_s=w.timeout_s) for w in ev.waits]
         if ev.last_step_at is not None:
             proc.last_step_at = ev.last_step_at

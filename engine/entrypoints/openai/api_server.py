@@ -20,6 +20,13 @@ same engine cores with their own sockets (``run_api_server_worker``) and say rea
 serves as one of them. Any of them dying brings the tree down with one root cause, printed
 by APIServer_0; the others stop when APIServer_0 stops them (or dies: their lifeline).
 
+Metrics: with several API servers, APIServer_0 turns on prometheus_client's multiprocess mode
+(``PROMETHEUS_MULTIPROC_DIR`` = ``<run dir>/prometheus``, set in its own environment right after
+the run directory exists and before anything imports prometheus_client; the servers it spawns
+inherit it), so ``/metrics`` sums every server's request metrics whichever server answers
+(``engine/metrics/prometheus.py``). Every server logs the periodic stats line every
+``GLASSBOX_LOG_STATS_INTERVAL`` seconds.
+
 Shutdown: SIGINT/SIGTERM → uvicorn stops accepting and finishes → the engine tree is
 stopped → the run directory is removed → exit 0. If the engine dies, requests in flight end
 with an error, new ones get 503, the root cause is printed last, and the server exits 1 —
@@ -135,6 +142,9 @@ def run_server(config: EngineConfig, args: ServerArgs, sock: socket.socket | Non
         served_name = args.served_model_name or config.model_config.served_model_name
         run_dirs.write_manifest(run_dir, host=host, port=port, model=served_name, **manifest)
         logger.info("Bound http://%s:%d (run directory %s)", host, port, run_dir)
+        several_servers = len(plan.api_servers) > 1
+        if several_servers:
+            _setup_multiprocess_metrics(run_dir)
 
         from tracing import setup_tracing
 
@@ -153,7 +163,9 @@ def run_server(config: EngineConfig, args: ServerArgs, sock: socket.socket | Non
         engine = AsyncLLM(config, run_dir, client_index=0, num_clients=len(plan.api_servers))
         if len(plan.api_servers) > 1:
             _start_api_servers(engine, plan, config, args, sock, run_dir)
-        return loop.run_until_complete(_serve(engine, config, args, sock, port))
+        return loop.run_until_complete(
+            _serve(engine, config, args, sock, port, several_servers=several_servers)
+        )
     except KeyboardInterrupt:
         # Ctrl-C exits 130 as a shell expects (128 + SIGINT); SIGTERM is a clean stop: 0.
         terminated = startup_signal[:1] == [signal.SIGTERM]
@@ -177,6 +189,17 @@ def run_server(config: EngineConfig, args: ServerArgs, sock: socket.socket | Non
             run_dirs.remove_run_dir(Path(run_dir))
 
 
+def _setup_multiprocess_metrics(run_dir: Path) -> None:
+    """Prometheus multiprocess mode for this server and the API servers it spawns (inherited)."""
+    from engine.metrics.prometheus import setup_multiprocess_prometheus
+
+    if "prometheus_client.values" in sys.modules:  # too late: values would stay per process
+        logger.warning("prometheus_client was imported before multiprocess mode was set up; "
+                       "/metrics will show only the answering API server's request metrics")  # fmt: skip
+    path = setup_multiprocess_prometheus(run_dir)
+    logger.debug("Prometheus multiprocess mode: %s", path)
+
+
 def _new_event_loop() -> asyncio.AbstractEventLoop:
     try:
         import uvloop
@@ -195,6 +218,7 @@ async def _serve(
     *,
     launcher: bool = True,
     on_serving: Callable[[], None] | None = None,
+    several_servers: bool = False,
 ) -> int:
     """Serve ``engine``'s app on ``sock`` until told to stop; returns the exit code.
 
@@ -203,7 +227,8 @@ async def _serve(
     death to its clients (503) and keeps going until APIServer_0 stops it, so only one
     process prints the root cause; it stops on SIGTERM alone (a terminal's Ctrl-C reaches
     the whole process group, and APIServer_0 decides). ``on_serving``: called once uvicorn
-    accepts connections.
+    accepts connections. ``several_servers``: one of several API servers (metrics in
+    multiprocess mode; the stats line names this server).
     """
     import uvicorn
 
@@ -211,7 +236,7 @@ async def _serve(
 
     served_name = args.served_model_name or config.model_config.served_model_name
     app = build_app(engine, served_model_name=served_name, api_key=args.api_key,
-                    allowed_origins=args.allowed_origins)  # fmt: skip
+                    allowed_origins=args.allowed_origins, several_servers=several_servers)  # fmt: skip
     # uvicorn's own lines (start-up, access log) get the role prefix like ours: with
     # several API servers, each line says which one served.
     adopt_logger("uvicorn", args.uvicorn_log_level)
@@ -253,6 +278,10 @@ async def _serve(
             lambda: {events.GAUGE_API_IN_FLIGHT: in_flight.value, **engine.telemetry_gauges()}
         )
     watchdog = asyncio.create_task(_watch_engine(engine))
+    from engine.metrics.loggers import run_log_loop
+    from engine.metrics.prometheus import mark_process_dead
+
+    stats_log = asyncio.create_task(run_log_loop(app.state.stat_loggers, envs.GLASSBOX_LOG_STATS_INTERVAL))
     if launcher:
         # While serving, uvicorn's own handlers turn SIGINT/SIGTERM into a graceful stop;
         # when it returns it re-raises the signal it caught into the handlers it found.
@@ -272,6 +301,8 @@ async def _serve(
         await server.serve(sockets=[sock])
     finally:
         watchdog.cancel()
+        stats_log.cancel()
+        mark_process_dead()
         if announce is not None:
             announce.cancel()
     if dead and launcher:
@@ -413,7 +444,16 @@ def run_api_server_worker(payload_bytes: bytes, *, run_dir: Path, role: str) -> 
             engine = AsyncLLM(config, run_dir, client_index=payload.client_index,
                               num_clients=payload.num_clients, engines=payload.engines)  # fmt: skip
         loop.run_until_complete(
-            _serve(engine, config, payload.server_args, sock, port, launcher=False, on_serving=say_ready)
+            _serve(
+                engine,
+                config,
+                payload.server_args,
+                sock,
+                port,
+                launcher=False,
+                on_serving=say_ready,
+                several_servers=payload.num_clients > 1,
+            )
         )
     except SystemExit:
         logger.debug("stopped during start-up")

@@ -26,14 +26,16 @@ Starlette cancels it and ``ClosingStreamingResponse`` closes it, so ``AsyncLLM.g
 client's disconnect, and cancelled when the client leaves first (vLLM's
 ``with_cancellation``).
 
-Metrics: a per-app ``CollectorRegistry``; the scheduler gauges are rendered from the
-client's ``EngineStatsTable`` (the latest ``SchedulerStats`` of each engine, which arrive with
-the engine's outputs), one ``engine="<DP rank>"`` series per engine. A scrape asks the
-engine nothing.
+Metrics (``engine/metrics/``, ``docs/metrics.md``): ``build_app`` makes a
+``StatLoggerManager`` and hooks it to the engine's output processor, which hands it each batch's
+``IterationStats`` (token counters, TTFT, inter-token latency, per-request latency histograms,
+labelled with the engine that served the request). ``/metrics`` renders those (summed over
+every API server in multiprocess mode), the scheduler gauges from the client's
+``EngineStatsTable`` (one ``engine="<DP rank>"`` series per engine) and the span exporters'
+health. A scrape asks the engine nothing.
 
 Left out: ``/load``, ``/v1/responses``, embeddings/pooling/score/rerank, audio, LoRA and dev
-routes, ``X-Request-Id`` middleware, request-level Prometheus histograms and counters (TTFT,
-latencies, token counters), multi-process Prometheus.
+routes, ``X-Request-Id`` middleware.
 """
 
 from __future__ import annotations
@@ -50,9 +52,6 @@ import anyio
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
 from pydantic import BaseModel, ValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -60,7 +59,6 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine import __version__
-from engine.core.messages import SchedulerStats
 from engine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -74,8 +72,8 @@ from engine.entrypoints.openai.serving_engine import OpenAIError, bad_request_fr
 from engine.entrypoints.openai.serving_models import OpenAIServingModels
 from engine.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from engine.frontend.async_llm import AsyncLLM
-from engine.frontend.engine_stats import EngineStatsTable
-from engine.logger import init_logger
+from engine.logger import get_process_role, init_logger
+from engine.metrics.loggers import StatLoggerManager, attach
 from engine.utils.processes import EngineDeadError
 
 logger = init_logger(__name__)
@@ -94,6 +92,8 @@ def build_app(
     served_model_name: str,
     api_key: str | None = None,
     allowed_origins: list[str] | None = None,
+    several_servers: bool = False,
+    log_stats: bool = True,
 ) -> FastAPI:
     """The FastAPI app that serves ``engine`` under ``served_model_name``.
 
@@ -102,6 +102,9 @@ def build_app(
         served_model_name: the model id clients see in ``/v1/models`` and must send.
         api_key: when given, ``/v1/*`` requires ``Authorization: Bearer <api_key>``.
         allowed_origins: CORS origins; None means ``["*"]`` (vLLM's default).
+        several_servers: one of several API servers (``--api-server-count`` > 1): the stats
+            log line names this server and its share of the throughput.
+        log_stats: keep the periodic stats log line (``app.state.stat_loggers.log()``).
     """
     app = FastAPI(title="Glassbox OpenAI-compatible API", version=__version__)
     app.include_router(router)
@@ -111,9 +114,15 @@ def build_app(
     state.serving_completion = OpenAIServingCompletion(engine, served_model_name)
     state.serving_chat = OpenAIServingChat(engine, served_model_name)
     state.serving_tokenization = OpenAIServingTokenization(engine, served_model_name)
-    state.stats_collector = EngineStatsCollector(served_model_name, engine.stats_table)
-    state.metrics_registry = CollectorRegistry()
-    state.metrics_registry.register(state.stats_collector)
+    state.stat_loggers = StatLoggerManager(
+        served_model_name,
+        engine.stats_table,
+        engine.model_config.max_model_len,
+        role=get_process_role() or "APIServer_0",
+        several_servers=several_servers,
+        log_stats=log_stats,
+    )
+    attach(engine, state.stat_loggers, served_model_name)
 
     app.add_exception_handler(RequestValidationError, _validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, _http_error_handler)
@@ -206,10 +215,11 @@ async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Respon
 
 @router.get("/metrics")
 async def metrics(raw_request: Request) -> Response:
-    """Prometheus text, from the latest stats each engine sent with its outputs (no call to
-    the engine: a dead or busy engine shows its last figures)."""
-    state = raw_request.app.state
-    return Response(generate_latest(state.metrics_registry), media_type=CONTENT_TYPE_LATEST)
+    """Prometheus text: request metrics recorded as outputs arrived, and the latest stats each
+    engine sent with its outputs (no call to the engine: a dead or busy engine shows its last
+    figures)."""
+    body, content_type = raw_request.app.state.stat_loggers.render()
+    return Response(body, media_type=content_type)
 
 
 # ---------------------------------------------------------------------------- responses
@@ -418,53 +428,3 @@ class InFlightCounter:
             await self.app(scope, receive, send)
         finally:
             self.count.value -= 1
-
-
-# ---------------------------------------------------------------------------- metrics
-
-
-class EngineStatsCollector(Collector):
-    """vLLM's scheduler gauges and counters, one series per engine, from an ``EngineStatsTable``.
-
-    Labels as vLLM's: ``model_name`` (the served name) and ``engine`` (the DP rank).
-    ``vllm:kv_cache_usage_perc`` is a fraction (0..1), as in vLLM despite its name.
-    """
-
-    def __init__(self, model_name: str, stats_table: EngineStatsTable) -> None:
-        self.labels = ["model_name", "engine"]
-        self.model_name = model_name
-        self.stats_table = stats_table
-
-    def collect(self):
-        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
-        for engine_index, stats in self.stats_table.snapshot().items():
-            label_values = [self.model_name, str(engine_index)]
-            for kind, name, doc, value in _stats_samples(stats):
-                family = families.get(name)
-                if family is None:
-                    family = families[name] = kind(name, doc, labels=self.labels)
-                family.add_metric(label_values, value)
-        yield from families.values()
-
-
-def _stats_samples(stats: SchedulerStats):
-    """``(family type, name, help, value)`` for each of vLLM's scheduler metrics."""
-    G, C = GaugeMetricFamily, CounterMetricFamily
-    return (
-        (G, "vllm:num_requests_running", "Requests in the running batch.", stats.num_running_reqs),
-        (G, "vllm:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting_reqs),
-        (
-            G,
-            "vllm:kv_cache_usage_perc",
-            "Fraction of KV-cache blocks in use (1 = full).",
-            stats.kv_cache_usage,
-        ),
-        (
-            C,
-            "vllm:prefix_cache_queries",
-            "Prompt tokens looked up in the prefix cache.",
-            stats.prefix_cache_queries,
-        ),
-        (C, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
-        (C, "vllm:num_preemptions", "Requests preempted (their KV blocks freed).", stats.num_preemptions),
-    )

@@ -66,6 +66,7 @@ class OpenAIServingChat(OpenAIServing):
             OpenAIError: a bad request (400), an unknown model (404).
             EngineDeadError: the engine is dead (503).
         """
+        arrived_ns = time.time_ns()
         self.check_model(request.model)
         self.check_engine_alive()
         self.check_unsupported(request)
@@ -78,9 +79,11 @@ class OpenAIServingChat(OpenAIServing):
         if request.response_format and request.response_format.get("type", "text") != "text":
             raise OpenAIError("Only the text response_format is supported.", param="response_format")
         # Rendering and tokenizing off the event loop, so other requests stream on.
+        tokenize_ns = time.time_ns()
         _, prompt_ids = await asyncio.to_thread(
             self.render_chat, request.messages, request.add_generation_prompt
         )
+        tokenized_ns = time.time_ns()
         self.check_prompt(prompt_ids, "messages")
         max_tokens_field = request.max_tokens_field
         max_tokens = self.resolve_max_tokens(request.requested_max_tokens, len(prompt_ids), max_tokens_field)
@@ -91,19 +94,28 @@ class OpenAIServingChat(OpenAIServing):
             raise bad_request_from_value_error(e, "messages", renames) from None
 
         request_id = f"chatcmpl-{random_uuid()}"
+        rtrace = self.start_request_trace(request_id, headers, arrived_ns)
+        rtrace.record_inputs(tokenize_ns, tokenized_ns)
         generator = self.engine.generate({"prompt_token_ids": prompt_ids}, params, request_id,
-                                         trace_headers=self.trace_headers(headers or {}))  # fmt: skip
+                                         trace_headers=rtrace.engine_headers)  # fmt: skip
         outputs = merge_async_iterators(generator)
         if request.stream:
-            return self._stream(request, request_id, len(prompt_ids), outputs)
+            return rtrace.wrap_stream(self._stream(request, request_id, len(prompt_ids), outputs))
 
         final: RequestOutput | None = None
+        error: BaseException | None = None
         try:
             async with contextlib.aclosing(outputs):
                 async for _, output in outputs:
                     final = output
         except ValueError as e:
+            error = e
             raise bad_request_from_value_error(e, "messages") from None
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            rtrace.end(error)
         assert final is not None, "the engine ended a request without a final output"
         return self._full_response(request, request_id, final)
 

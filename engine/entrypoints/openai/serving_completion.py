@@ -70,13 +70,16 @@ class OpenAIServingCompletion(OpenAIServing):
             OpenAIError: a bad request (400), an unknown model (404).
             EngineDeadError: the engine is dead (503).
         """
+        arrived_ns = time.time_ns()
         self.check_model(request.model)
         self.check_engine_alive()
         self.check_unsupported(request)
         self.check_fields(request)
         self.check_logprobs(request.logprobs, "logprobs")
         # Tokenizing a long prompt takes a while: off the event loop, so other requests stream on.
+        tokenize_ns = time.time_ns()
         prompts = await asyncio.to_thread(self._render_prompts, request.prompt)
+        tokenized_ns = time.time_ns()
         params = []
         for _, prompt_token_ids in prompts:
             self.check_prompt(prompt_token_ids, "prompt")
@@ -87,23 +90,33 @@ class OpenAIServingCompletion(OpenAIServing):
                 raise bad_request_from_value_error(e, "prompt") from None
 
         request_id = f"cmpl-{random_uuid()}"
-        trace_headers = self.trace_headers(headers or {})
+        rtrace = self.start_request_trace(request_id, headers, arrived_ns)
+        rtrace.record_inputs(tokenize_ns, tokenized_ns)
         generators = [
             self.engine.generate(
-                {"prompt_token_ids": ids}, sp, f"{request_id}-{i}", trace_headers=trace_headers
+                {"prompt_token_ids": ids}, sp, f"{request_id}-{i}", trace_headers=rtrace.engine_headers
             )
             for i, ((_, ids), sp) in enumerate(zip(prompts, params))
         ]
         if request.stream:
-            return self._stream(request, request_id, prompts, merge_async_iterators(*generators))
+            return rtrace.wrap_stream(
+                self._stream(request, request_id, prompts, merge_async_iterators(*generators))
+            )
 
         finals: list[RequestOutput | None] = [None] * len(prompts)
+        error: BaseException | None = None
         try:
             async with contextlib.aclosing(merge_async_iterators(*generators)) as outputs:
                 async for i, output in outputs:
                     finals[i] = output
         except ValueError as e:
+            error = e
             raise bad_request_from_value_error(e, "prompt") from None
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            rtrace.end(error)
         return self._full_response(request, request_id, prompts, finals)
 
     def _render_prompts(

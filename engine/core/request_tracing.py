@@ -1,0 +1,114 @@
+"""A request's phases inside the engine core, as spans of the request's own trace.
+
+The API server's ``api_server.request`` span travels in ``EngineCoreRequest.trace_headers``;
+the engine core adds, as its children:
+
+- ``scheduler.waiting``: queued → first scheduled (vLLM's time in queue);
+- ``request.prefill``: first scheduled → first token, over ``glassbox.request.num_chunks``
+  steps, **linked** to the ``engine_core.step`` spans that computed it (a step belongs to
+  its own trace, shared by every request in the batch, so a request relates to it by a link,
+  not as a parent);
+- ``request.decode``: first token → last, over ``glassbox.request.num_steps`` steps, linked
+  to its first and last step.
+
+Kept cheap: nothing is tracked unless this process records spans and the request came with
+trace context; at most ``MAX_LINKS`` links per prefill. vLLM records one flat ``llm_request``
+span per request in the frontend; these phases are Glassbox's.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.sched.output import SchedulerOutput
+from tracing import catalogue, is_recording, record_span
+from tracing.propagation import extract_trace_context
+
+MAX_LINKS = 16
+
+
+@dataclass
+class _Phases:
+    context: Any
+    queued_ns: int
+    scheduled_ns: int | None = None
+    first_token_ns: int | None = None
+    num_chunks: int = 0
+    prefill_links: list[Any] = field(default_factory=list)
+    num_decode_steps: int = 0
+    decode_links: list[Any] = field(default_factory=list)
+
+
+class RequestPhaseTracer:
+    """Follows traced requests through the steps of one engine core.
+
+    Call ``add`` when a request arrives, ``step`` after each engine step with its
+    ``SchedulerOutput``, the step span's context and the requests that got their first token
+    or finished, and ``drop`` for an abort.
+    """
+
+    def __init__(self) -> None:
+        self._phases: dict[str, _Phases] = {}
+
+    def add(self, request_id: str, trace_headers: dict[str, str] | None) -> None:
+        if trace_headers and is_recording():
+            context = extract_trace_context(trace_headers)
+            if context is not None:
+                self._phases[request_id] = _Phases(context=context, queued_ns=time.time_ns())
+
+    def drop(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._phases.pop(request_id, None)
+
+    def step(
+        self,
+        scheduler_output: SchedulerOutput,
+        prefill_ids: set[str],
+        step_context: Any,
+        token_ids: list[str],
+        finished_ids: list[str],
+    ) -> None:
+        """One engine step: ``prefill_ids`` computed prompt tokens in it (the rest of the
+        scheduled requests decoded); ``token_ids`` got new tokens (the first one ends the
+        prefill); ``finished_ids`` finished."""
+        if not self._phases:
+            return
+        now = time.time_ns()
+        for request_id in scheduler_output.num_scheduled_tokens:
+            phases = self._phases.get(request_id)
+            if phases is None:
+                continue
+            if phases.scheduled_ns is None:
+                phases.scheduled_ns = now
+                record_span(catalogue.SCHEDULER_WAITING, start_ns=phases.queued_ns, end_ns=now,
+                            parent=phases.context,
+                            attributes={catalogue.ATTR_GEN_AI_REQUEST_ID: request_id})  # fmt: skip
+            if request_id in prefill_ids:
+                phases.num_chunks += 1
+                if len(phases.prefill_links) < MAX_LINKS:
+                    phases.prefill_links.append(step_context)
+            else:
+                phases.num_decode_steps += 1
+                if len(phases.decode_links) < 2:
+                    phases.decode_links.append(step_context)
+                else:
+                    phases.decode_links[1] = step_context  # keep the first and the latest
+        for request_id in token_ids:
+            phases = self._phases.get(request_id)
+            if phases is None or phases.first_token_ns is not None:
+                continue
+            phases.first_token_ns = now
+            record_span(catalogue.REQUEST_PREFILL, start_ns=phases.scheduled_ns or phases.queued_ns, end_ns=now,
+                        parent=phases.context, links=phases.prefill_links,
+                        attributes={catalogue.ATTR_GEN_AI_REQUEST_ID: request_id,
+                                    catalogue.ATTR_NUM_CHUNKS: phases.num_chunks})  # fmt: skip
+        for request_id in finished_ids:
+            phases = self._phases.pop(request_id, None)
+            if phases is None or phases.first_token_ns is None:
+                continue
+            record_span(catalogue.REQUEST_DECODE, start_ns=phases.first_token_ns, end_ns=now,
+                        parent=phases.context, links=phases.decode_links,
+                        attributes={catalogue.ATTR_GEN_AI_REQUEST_ID: request_id,
+                                    catalogue.ATTR_NUM_STEPS: phases.num_decode_steps})  # fmt: skip
