@@ -601,6 +601,8 @@ class ObservabilityConfig:
     ``telemetry_record``: write every process's live telemetry to this file (engine-top
     ``--replay`` plays it). ``step_delay_ms``: sleep this long after each engine step, so a
     class can watch the scheduler in slow motion (both Glassbox additions).
+    ``inject_fault``: the fault spec (``--inject-fault``, else ``GLASSBOX_FAULT``) the first
+    process puts in ``GLASSBOX_FAULT`` for every child (``tracing.faults``, ``docs/faults.md``).
     """
 
     otlp_traces_endpoint: str | None = None
@@ -610,6 +612,7 @@ class ObservabilityConfig:
     telemetry_record: str | None = None
     step_delay_ms: float = 0.0
     collect_detailed_traces: str | None = None
+    inject_fault: str | None = None
 
     DETAILED_TRACE_LEVELS = ("model", "worker", "all")
 
@@ -634,6 +637,14 @@ class ObservabilityConfig:
             raise ConfigError(
                 "--step-delay-ms", self.step_delay_ms, "must be a number of milliseconds in 0..60000"
             )
+        if self.inject_fault is not None:
+            from tracing.faults import parse_faults
+
+            try:
+                faults = parse_faults(self.inject_fault)
+            except ValueError as e:
+                raise ConfigError("--inject-fault", self.inject_fault, str(e)) from None
+            self.inject_fault = ",".join(str(f) for f in faults) or None
         if self.collect_detailed_traces is not None:
             levels = [x.strip() for x in str(self.collect_detailed_traces).split(",")]
             if not levels or any(x not in self.DETAILED_TRACE_LEVELS for x in levels):

@@ -253,6 +253,7 @@ class EngineArgs:
     telemetry_record: str | None = None
     step_delay_ms: float = 0.0
     collect_detailed_traces: str | None = None
+    inject_fault: str | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, serving: bool = False) -> argparse.ArgumentParser:
@@ -466,6 +467,14 @@ class EngineArgs:
             default=d.step_delay_ms,
             help="Sleep this many ms after each engine step: slow motion, to watch the scheduler in engine-top.",
         )
+        g.add_argument(
+            "--inject-fault",
+            default=None,
+            metavar="SPEC",
+            help="Fault injection, for teaching and tests: STAGE:KIND[@ROLE][#N], comma-separated, e.g. "
+            "worker.load_model:hang@Worker_DP0_PP0_TP1; KIND: hang, freeze, crash, exit:<code>, "
+            "kill:<signal>, slow:<seconds> (or GLASSBOX_FAULT; see docs/faults.md).",
+        )
         if serving:
             g.add_argument(
                 "--enable-log-requests",
@@ -581,5 +590,6 @@ class EngineArgs:
                 telemetry_record=self.telemetry_record,
                 collect_detailed_traces=self.collect_detailed_traces,
                 step_delay_ms=self.step_delay_ms,
+                inject_fault=self.inject_fault or ",".join(map(str, envs.GLASSBOX_FAULT or ())) or None,
             ),
         )

@@ -59,6 +59,13 @@ def _layer_partition(value: str) -> tuple[int, ...]:
     return tuple(int(p) for p in parts)
 
 
+def _faults(value: str) -> tuple[Any, ...]:
+    """A fault spec (``tracing.faults``): parsed here so a bad one fails in the first process."""
+    from tracing.faults import parse_faults
+
+    return tuple(parse_faults(value))
+
+
 @dataclass(frozen=True)
 class EnvVar:
     name: str
@@ -149,6 +156,14 @@ ENV_VARS: dict[str, EnvVar] = {
             "remainder to the stages before the last.",
         ),
         EnvVar(
+            "GLASSBOX_STOPPED_TIMEOUT_S",
+            _positive_float,
+            5.0,
+            "Seconds a child process may stay stopped by a signal (SIGSTOP, Ctrl-Z, a debugger) "
+            "before its parent reports it by name and stops the tree: a stopped process answers "
+            "nothing, and an idle tree would otherwise wait for it forever.",
+        ),
+        EnvVar(
             "GLASSBOX_TELEMETRY",
             _bool,
             True,
@@ -191,6 +206,17 @@ ENV_VARS: dict[str, EnvVar] = {
             _positive_float,
             300.0,
             "Deadline, in seconds, of a bounded wait that was given no deadline of its own.",
+        ),
+        EnvVar(
+            "GLASSBOX_FAULT",
+            _faults,
+            None,
+            "Fault injection, for teaching and tests (off by default; see docs/faults.md): "
+            "STAGE:KIND[@ROLE][#N], several comma-separated, e.g. "
+            "worker.load_model:hang@Worker_DP0_PP0_TP1. KIND: hang, freeze, crash, exit:<code>, "
+            "kill:<signal>, slow:<seconds>; #N strikes the N-th entry of the stage (#* every one). "
+            "Same as --inject-fault, which sets it for every child; each process it arms logs "
+            "one WARNING line.",
         ),
     ]
 }

@@ -32,12 +32,14 @@ def test_run_dir_base_order_is_what_the_readme_says(monkeypatch, tmp_path):
         "under `$GLASSBOX_RUN_DIR_BASE`, else `$XDG_RUNTIME_DIR`, else `/dev/shm`, else the temp dir"
         in readme
     )
-    explicit, xdg = tmp_path / "explicit", tmp_path / "xdg"
+    explicit, xdg = tmp_path / "explicit", Path("/tmp/gb-xdg")  # a short XDG_RUNTIME_DIR
     monkeypatch.setenv("GLASSBOX_RUN_DIR_BASE", str(explicit))
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(xdg))
     assert run_dir_base() == explicit
     monkeypatch.delenv("GLASSBOX_RUN_DIR_BASE")
     assert run_dir_base() == xdg
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/" + "x" * 60)  # too long for the sockets: skipped
+    assert run_dir_base() != Path("/run/user/" + "x" * 60)
     monkeypatch.delenv("XDG_RUNTIME_DIR")
     shm = Path("/dev/shm")
     shm_usable = shm.is_dir() and os.access(shm, os.W_OK)

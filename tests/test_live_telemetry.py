@@ -115,7 +115,8 @@ def test_engine_top_once_json_names_each_process_stage_during_start_up(short_bas
     """A worker SIGSTOPped in a start-up stage holds the tree in start-up: ``engine-top --once
     --json`` names the stage every process is in."""
     base = short_base
-    env = {**os.environ, "GLASSBOX_RUN_DIR_BASE": str(base)}
+    # The frozen worker is watched for no longer than this test: the tree must stay in start-up.
+    env = {**os.environ, "GLASSBOX_RUN_DIR_BASE": str(base), "GLASSBOX_STOPPED_TIMEOUT_S": "600"}
     proc = subprocess.Popen([sys.executable, "-m", "engine.cli.main", "serve", "--port", "0", "--max-model-len", "256"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
                             start_new_session=True)  # fmt: skip

@@ -12,9 +12,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -54,11 +56,12 @@ def _nodes(node: dict) -> list[str]:
 
 
 @pytest.fixture
-def base(tmp_path, monkeypatch) -> Path:
-    base = tmp_path / "run"
-    base.mkdir()
+def base(monkeypatch) -> Path:
+    # Short (not under pytest's tmp_path): the sockets inside must fit 107 characters.
+    base = Path(tempfile.mkdtemp(prefix="gbps", dir="/tmp"))
     monkeypatch.setenv("GLASSBOX_RUN_DIR_BASE", str(base))
-    return base
+    yield base
+    shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture
@@ -247,7 +250,10 @@ def test_stale_run_dir_hidden_unless_all(base, capsys):
 
 def test_no_instances_exits_zero_with_message(base, capsys):
     (base / "not-a-run-dir").mkdir()
-    assert _ps(capsys) == (0, "no running glassbox instances\n")
+    assert _ps(capsys) == (
+        0,
+        f"no running glassbox instances under {base} (set GLASSBOX_RUN_DIR_BASE to where the instance was started)\n",
+    )
     assert collect_instances(base, include_stale=True) == []
 
 
@@ -299,7 +305,11 @@ def test_ps_sees_a_live_llm(base, capsys, monkeypatch, multiprocess):
         else:
             # In-process, the LLM's process is the whole engine: counted, not an owner apart.
             assert "processes: found 1 of expected 1\n" in table and "(owner)" not in table
-    assert _ps(capsys) == (0, "no running glassbox instances\n")  # shutdown removed the run dir
+    code, out = _ps(capsys)
+    assert (code, out.startswith(f"no running glassbox instances under {base} ")) == (
+        0,
+        True,
+    )  # run dir removed
 
 
 def test_new_run_dir_sweeps_away_dead_ones_and_keeps_live_ones(tmp_path, monkeypatch):

@@ -97,6 +97,8 @@ def test_bash_example_runs(argv, server, tmp_path):
         env = {**os.environ, "GLASSBOX_RUN_DIR_BASE": str(server.run_dir.parent)}
     if argv[0] == ".venv/bin/glassbox":
         argv = CLI + argv[1:]
+        if argv[3:4] in (["ps"], ["doctor"]):  # look where the test's server runs
+            env = {**os.environ, "GLASSBOX_RUN_DIR_BASE": str(server.run_dir.parent)}
         if argv[3:5] == ["bench", "serve"] and "--base-url" not in argv:
             argv += ["--base-url", server.base_url]  # its default is the README's port 8000
     argv = [a.replace("/tmp/spans.jsonl", str(tmp_path / "spans.jsonl")) for a in argv]

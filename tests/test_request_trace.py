@@ -89,6 +89,11 @@ def test_a_request_is_one_trace_from_the_http_caller_through_the_engine_core(def
         assert (
             names["scheduler.waiting"]["end_ns"] <= prefill["end_ns"] <= names["request.decode"]["start_ns"]
         )
+        # The prefill starts when its first step began and covers the steps that computed it.
+        linked = [steps[link["span_id"]] for link in prefill["links"]]
+        assert names["scheduler.waiting"]["end_ns"] == prefill["start_ns"]
+        assert prefill["start_ns"] <= min(s["start_ns"] for s in linked) + 1_000_000
+        assert prefill["end_ns"] >= max(s["end_ns"] for s in linked) - 1_000_000
         assert root["start_ns"] <= names["engine_core.input"]["start_ns"]
         assert names["request.decode"]["end_ns"] <= root["end_ns"]
 

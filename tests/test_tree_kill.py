@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -117,14 +119,16 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.fixture
-def server(tmp_path, tiny_dir):
+def server(tiny_dir):
     model = tiny_dir("llama", num_heads=4, num_kv_heads=2)  # 4 heads, 2 KV heads: splits over TP 2
+    base = Path(tempfile.mkdtemp(prefix="gbk", dir="/tmp"))  # short: ipc paths ≤ 107 characters
     srv, stdout_path = _start_server(
-        tmp_path / "run", str(model), "--max-model-len", "128", "--kv-cache-memory-bytes", str(16 << 20),
+        base / "run", str(model), "--max-model-len", "128", "--kv-cache-memory-bytes", str(16 << 20),
         "--tensor-parallel-size", "2", "--data-parallel-size", "2", "--uvicorn-log-level", "warning",
     )  # fmt: skip
     yield srv, stdout_path
     srv.kill_group()
+    shutil.rmtree(base, ignore_errors=True)
 
 
 def test_sigkill_of_worker_dp1_tp1_takes_the_whole_tp2_dp2_tree_down(server):

@@ -56,6 +56,13 @@ MANIFEST = "manifest.json"
 STATUS_SUFFIX = ".status.json"
 CRASH_SUFFIX = ".crash.json"
 TITLE_PREFIX = "glassbox::"
+# Unix socket paths are limited to 107 bytes: base + "/glassbox-<pid>-<8>" (≤ 26) + a
+# socket name must fit. The engine's own sockets (≤ 17 with the slash) fit a base of up to
+# MAX_BASE_LEN (a longer $GLASSBOX_RUN_DIR_BASE is refused in the first process); the
+# telemetry sockets (<role>.tel, ≤ 24) a base of up to TELEMETRY_BASE_LEN — a longer
+# $XDG_RUNTIME_DIR is skipped for that reason.
+MAX_BASE_LEN = 64
+TELEMETRY_BASE_LEN = 57
 
 # make_run_dir names a directory glassbox-<creator pid>-<random>.
 _RUN_DIR_NAME = re.compile(rf"^{re.escape(RUN_DIR_PREFIX)}(\d+)-")
@@ -359,7 +366,10 @@ def run_dir_base(base: str | os.PathLike[str] | None = None) -> Path:
     let it be read here. Empty values count as unset.
     """
     chosen = os.fspath(base) if base else None
-    chosen = chosen or os.environ.get(ENV_RUN_DIR_BASE) or os.environ.get("XDG_RUNTIME_DIR")
+    chosen = chosen or os.environ.get(ENV_RUN_DIR_BASE)
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if not chosen and xdg and len(xdg) <= TELEMETRY_BASE_LEN:  # a longer one would not fit the sockets
+        chosen = xdg
     if not chosen and os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
         chosen = "/dev/shm"
     return Path(chosen or tempfile.gettempdir())
@@ -375,7 +385,9 @@ def make_run_dir(base: str | os.PathLike[str]) -> Path:
         OSError: ``base`` cannot be created or written.
     """
     base = Path(base)
-    base.mkdir(parents=True, exist_ok=True)
+    if not base.is_dir():
+        base.mkdir(parents=True, exist_ok=True)
+        os.chmod(base, 0o700)  # whatever the umask: run directories hold sockets and queues
     sweep_stale_run_dirs(base)
     return Path(tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-", dir=base))
 

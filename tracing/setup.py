@@ -511,6 +511,11 @@ def setup_tracing(
         if not _atexit_registered:
             atexit.register(shutdown_tracing)
             _atexit_registered = True
+        # GLASSBOX_FAULT (--inject-fault): arm this process's faults, or disarm earlier ones
+        # when it is unset (imported here: tracing.faults imports tracing.stage, which imports us).
+        from tracing.faults import install_faults
+
+        install_faults(role)
         return handle
 
 

@@ -7,6 +7,8 @@ Subcommands (more arrive with the process tree and the API server):
   completions (vLLM has no exact twin; it is ``LLM.generate`` from a shell).
 - ``glassbox ps`` — list running instances from their run directories: each process's
   role, pid, stage, uptime and memory, and the found/expected process count.
+- ``glassbox doctor`` — diagnose a running, hung or dead instance: stages, heartbeats,
+  crash reports, every process's stack, and a diagnosis with a hint; exit 0 when healthy.
 - ``glassbox bench serve`` — load-test a running OpenAI-compatible server and report
   throughput, TTFT, TPOT and ITL (vLLM: ``vllm bench serve``).
 - ``glassbox trace FILE`` — read a ``--trace-file`` span file: list its traces, or draw a
@@ -32,7 +34,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def _make_parser() -> argparse.ArgumentParser:
-    from engine.cli import bench, generate, ps, serve, trace
+    from engine.cli import bench, doctor, generate, ps, serve, trace
 
     parser = ArgumentParser(
         prog="glassbox",
@@ -43,6 +45,7 @@ def _make_parser() -> argparse.ArgumentParser:
     serve.add_subparser(sub)
     generate.add_subparser(sub)
     ps.add_subparser(sub)
+    doctor.add_subparser(sub)
     bench.add_subparser(sub)
     trace.add_subparser(sub)
     return parser
@@ -79,17 +82,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except Exception as e:
         from engine.config import ConfigError
-        from engine.utils.processes import EngineDeadError
+        from engine.utils.processes import EngineDeadError, EngineStartupTimeout
 
         if isinstance(e, ConfigError):
             # A bad setting found after validation (by the engine core or a worker during
             # start-up, e.g. a KV cache too small): one line naming the flag, exit 2.
             print(f"{subparser.prog}: error: {e}", file=sys.stderr)
             return 2
-        if not isinstance(e, EngineDeadError):
+        if not isinstance(e, (EngineDeadError, EngineStartupTimeout)):
             raise
         # The root cause (which process, which stage, which exception) is printed last.
-        print(f"{subparser.prog}: error: the engine died", file=sys.stderr)
+        what = str(e) if isinstance(e, EngineStartupTimeout) else "the engine died"
+        print(f"{subparser.prog}: error: {what}", file=sys.stderr)
         print(e.root_cause, file=sys.stderr)
         return 1
 

@@ -189,7 +189,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     # Piped output keeps Rich's plain text but must not be squeezed to 80 columns.
     console = Console(file=sys.stdout, highlight=False, width=None if sys.stdout.isatty() else 200)
     if not instances:
-        console.print("no running glassbox instances")
+        from engine.utils.run_dir import run_dir_base
+
+        # Say where: a server started with another GLASSBOX_RUN_DIR_BASE lives elsewhere.
+        console.print(f"no running glassbox instances under {run_dir_base()} (set GLASSBOX_RUN_DIR_BASE "
+                      "to where the instance was started)", soft_wrap=True)  # fmt: skip
     else:
         render_table(instances, console)
     if hidden:

@@ -121,6 +121,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             config = EngineArgs.from_cli_args(args).create_engine_config(usage_context="serve")
         except ConfigError as e:
             parser.error(str(e))
+    if args.inject_fault:  # --inject-fault: every process of the tree inherits it (docs/faults.md)
+        import os
+
+        os.environ["GLASSBOX_FAULT"] = config.observability_config.inject_fault
     # Bind before anything is spawned: a taken port fails here, in a second.
     try:
         sock = bind_socket(args.host, args.port)

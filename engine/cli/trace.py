@@ -180,8 +180,15 @@ class Trace:
         return self.root.parent_id
 
     def slowest(self) -> Span:
-        """The span with the most own time (ties: the earlier)."""
-        return max(self.spans, key=lambda s: (s.own_ns(), -s.start_ns))
+        """The span with the most own time (ties: the earlier). Spans that only frame the
+        whole trace from the API server's side (``api_server.request``, ``llm_request``:
+        their work happens in other processes' spans, not their children) are passed over
+        when anything else is there."""
+        from tracing import catalogue
+
+        framing = {catalogue.API_SERVER_REQUEST, catalogue.LLM_REQUEST}
+        candidates = [s for s in self.spans if s.name not in framing] or self.spans
+        return max(candidates, key=lambda s: (s.own_ns(), -s.start_ns))
 
 
 @dataclass

@@ -190,7 +190,7 @@ class DPCoordinator:
         setup_tracing(role, trace_file=payload.trace_file, otlp_endpoint=payload.otlp_traces_endpoint,
                       status_file=str(run_dirs.status_file(run_dir, role)))  # fmt: skip
         publisher = start_telemetry(run_dir, role)
-        processes.install_sigterm_exit()
+        processes.install_sigterm_exit(run_dir, role)
         coordinator = None
         try:
             coordinator = DPCoordinator(payload)
@@ -198,8 +198,10 @@ class DPCoordinator:
                 publisher.add_gauge_provider(coordinator.telemetry_gauges)
             logger.debug("coordinating %d engines (pid %d)", payload.data_parallel_size, os.getpid())
             coordinator.run()
-        except SystemExit:
+        except SystemExit as e:
             processes.ignore_sigterm()
+            if e.code:  # a SIGTERM from outside the tree: the exit status says so
+                raise
         except BaseException as e:  # noqa: BLE001 - reported once, then exit non-zero
             processes.ignore_sigterm()
             processes.write_crash_report(run_dir, role, e, None)

@@ -14,6 +14,7 @@ capacity, and only then builds the ``Scheduler`` over that many blocks.
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any
 
 from engine.config import EngineConfig
@@ -33,6 +34,9 @@ from tracing.telemetry.events import RequestProgress
 from tracing.telemetry.publisher import get_publisher
 
 logger = init_logger(__name__)
+
+# Step records the flight recorder keeps (a ring buffer; see ``EngineCore.flight_recorder``).
+FLIGHT_RECORDER_STEPS = 64
 
 
 class EngineCore:
@@ -80,6 +84,9 @@ class EngineCore:
             self.step_counter = 0
             # Request phases as spans of each request's own trace (when it came with one).
             self.request_tracer = RequestPhaseTracer()
+            # The flight recorder: the last FLIGHT_RECORDER_STEPS step records, written beside
+            # the crash report when the engine core dies.
+            self.flight_recorder: deque[dict[str, Any]] = deque(maxlen=FLIGHT_RECORDER_STEPS)
             # The latest engine_core.step span's context (None unless spans are recorded).
             self.last_step_context = None
             # The last step's figures (``step()`` fills it; see ``_after_step``).
@@ -189,7 +196,8 @@ class EngineCore:
                 produced = [o for eco in outputs.values() for o in eco.outputs]
                 self.request_tracer.step(scheduler_output, prefill_ids, step_context,
                                          [o.request_id for o in produced if o.new_token_ids],
-                                         [o.request_id for o in produced if o.finished])  # fmt: skip
+                                         [o.request_id for o in produced if o.finished],
+                                         int(started_at * 1e9))  # fmt: skip
         num_running, num_waiting = self.scheduler.get_request_counts()
         # What engine-top's step panel shows (a StepRecord without its header).
         self.last_step = {
@@ -207,6 +215,7 @@ class EngineCore:
             "num_preempted": len(scheduler_output.preempted_req_ids),
             "kv_usage": kv_usage,
         }
+        self.flight_recorder.append(self.last_step)
         self._after_step(scheduler_output, outputs)
         if self.step_delay_s:
             time.sleep(self.step_delay_s)  # --step-delay-ms: slow motion for a class

@@ -249,7 +249,7 @@ class EngineCoreProc(EngineCore):
                       otlp_endpoint=obs.otlp_traces_endpoint,
                       status_file=str(run_dirs.status_file(run_dir, role)))  # fmt: skip
         publisher = start_telemetry(run_dir, role)
-        processes.install_sigterm_exit()
+        processes.install_sigterm_exit(run_dir, role)
         parent_pid = os.getppid()
         engine: EngineCoreProc | None = None
         try:
@@ -262,11 +262,16 @@ class EngineCoreProc(EngineCore):
                 publisher.add_gauge_provider(engine.model_executor.telemetry_gauges)
                 publisher.set_requests_provider(engine.telemetry_requests)
             engine.run_busy_loop()
-        except SystemExit:
+        except SystemExit as e:
             processes.ignore_sigterm()
             logger.debug("engine core stopping")
+            if e.code:  # a SIGTERM from outside the tree: the exit status says so
+                raise
         except BaseException as e:  # noqa: BLE001 - every death is reported, once
             processes.ignore_sigterm()
+            if engine is not None and engine.flight_recorder:
+                # The last steps before the end, beside the crash report (glassbox doctor reads it).
+                processes.write_flight_record(run_dir, role, list(engine.flight_recorder))
             root = getattr(e, "root_cause", None)
             if root is None:
                 processes.write_crash_report(run_dir, role, e, current_stage(), payload.data_parallel_rank)

@@ -69,10 +69,12 @@ class RequestPhaseTracer:
         step_context: Any,
         token_ids: list[str],
         finished_ids: list[str],
+        step_started_ns: int,
     ) -> None:
         """One engine step: ``prefill_ids`` computed prompt tokens in it (the rest of the
         scheduled requests decoded); ``token_ids`` got new tokens (the first one ends the
-        prefill); ``finished_ids`` finished."""
+        prefill); ``finished_ids`` finished. ``step_started_ns``: when the step (its
+        scheduling) began — a request first scheduled in it stopped waiting then."""
         if not self._phases:
             return
         now = time.time_ns()
@@ -81,8 +83,8 @@ class RequestPhaseTracer:
             if phases is None:
                 continue
             if phases.scheduled_ns is None:
-                phases.scheduled_ns = now
-                record_span(catalogue.SCHEDULER_WAITING, start_ns=phases.queued_ns, end_ns=now,
+                phases.scheduled_ns = max(step_started_ns, phases.queued_ns)
+                record_span(catalogue.SCHEDULER_WAITING, start_ns=phases.queued_ns, end_ns=phases.scheduled_ns,
                             parent=phases.context,
                             attributes={catalogue.ATTR_GEN_AI_REQUEST_ID: request_id})  # fmt: skip
             if request_id in prefill_ids:

@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import itertools
+import os
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -33,6 +34,7 @@ from engine.logger import init_logger
 from engine.sampling_params import SamplingParams
 from engine.utils import run_dir as run_dirs
 from tracing import catalogue, get_handle, setup_tracing, stage
+from tracing.stacks import enable_stack_dumps
 from tracing.telemetry.collector import Recorder
 from tracing.telemetry.publisher import start_telemetry, stop_telemetry
 
@@ -67,8 +69,12 @@ class LLM:
         # Every process this LLM owns (itself first), named once, before anything starts.
         self.topology = topology.plan(self.config, multiprocess=envs.GLASSBOX_ENABLE_MULTIPROCESSING)
         self.run_dir = run_dirs.create_run_dir()
+        enable_stack_dumps(self.run_dir, self.topology.owner.name)  # SIGUSR1 → stacks (glassbox doctor)
         self._closed = False
         obs = self.config.observability_config
+        # inject_fault= (--inject-fault): in GLASSBOX_FAULT while this LLM starts its processes,
+        # so each inherits it (setup_tracing arms it here too); then as it was.
+        restore_fault_env = _set_fault_env(obs.inject_fault if engine_args.inject_fault else None)
         previous = get_handle()
         self.tracing = setup_tracing(
             self.topology.owner.name,
@@ -98,9 +104,11 @@ class LLM:
                 self.engine_core = EngineCoreClient.make_client(self.config, self.run_dir, multiprocess)
                 self._init_stats_log()
         except BaseException:
+            restore_fault_env()
             _stop_telemetry(self.recorder)
             run_dirs.remove_run_dir(self.run_dir)
             raise
+        restore_fault_env()
         if self.telemetry is not None and isinstance(self.engine_core, InprocClient):
             # The engine core runs here: its scheduler and KV-cache gauges too.
             self.telemetry.add_gauge_provider(self.engine_core.engine_core.telemetry_gauges)
@@ -304,6 +312,22 @@ def _shutdown_engine(engine_core: EngineCoreClient, run_dir, recorder: Recorder 
     finally:
         _stop_telemetry(recorder)
         run_dirs.remove_run_dir(run_dir)
+
+
+def _set_fault_env(spec: str | None) -> Callable[[], None]:
+    """Put ``spec`` in ``GLASSBOX_FAULT`` (when given); returns what puts the old value back."""
+    if not spec:
+        return lambda: None
+    before = os.environ.get("GLASSBOX_FAULT")
+    os.environ["GLASSBOX_FAULT"] = spec
+
+    def restore() -> None:
+        if before is None:
+            os.environ.pop("GLASSBOX_FAULT", None)
+        else:
+            os.environ["GLASSBOX_FAULT"] = before
+
+    return restore
 
 
 def _stop_telemetry(recorder: Recorder | None) -> None:

@@ -285,6 +285,7 @@ class MultiprocExecutor(Executor):
 
     def _monitor_workers(self) -> None:
         """Notice a dead worker while the engine is idle, within DEATH_CHECK_S."""
+        stopped = processes.StoppedWatch()
         while not self._shutting_down and self.failure is None:
             for rank in range(self.world_size):
                 if self.workers[rank].poll() is not None and not self._shutting_down:
@@ -292,6 +293,16 @@ class MultiprocExecutor(Executor):
                         self._fail(rank, self.workers[rank].poll())
                     except EngineDeadError:
                         return
+                seconds = stopped.stopped_for(self.workers[rank].pid)
+                if seconds is not None and not self._shutting_down and self.failure is None:
+                    # Stopped by a signal for too long: named, as a death would be.
+                    proc = self.workers[rank]
+                    self.failure = EngineDeadError(processes.format_root_cause(
+                        Path(self.run_dir), proc.role, proc.pid, None, rank=rank, state=stopped.describe(seconds)))  # fmt: skip
+                    logger.error("%s (pid %d) is %s", proc.role, proc.pid, stopped.describe(seconds))
+                    if self.failure_callback is not None:
+                        self.failure_callback(self.failure)
+                    return
             time.sleep(DEATH_CHECK_S)
 
     def register_failure_callback(self, callback: Callable[[EngineDeadError], None]) -> None:
@@ -343,7 +354,7 @@ class WorkerProc:
         setup_tracing(role, rank=rank, trace_file=obs.trace_file, otlp_endpoint=obs.otlp_traces_endpoint,
                       status_file=str(run_dirs.status_file(run_dir, role)))  # fmt: skip
         publisher = start_telemetry(run_dir, role)
-        processes.install_sigterm_exit()
+        processes.install_sigterm_exit(run_dir, role)
         rpc = MessageQueue.open_reader(payload.rpc_handle, rank)
         response = MessageQueue.open_writer(payload.response_handle)
         # --collect-detailed-traces worker|all: a worker.execute_model span per step.

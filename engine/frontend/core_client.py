@@ -250,6 +250,7 @@ class MPClient(EngineCoreClient):
         self.attached_engines: list[tuple[str, int]] = []
         self.coordinator_publish_address: str | None = None
         self._alive_checked_at = 0.0
+        self._stopped = processes.StoppedWatch()
         self._closed = False
         try:
             if engines is None:
@@ -382,7 +383,8 @@ class MPClient(EngineCoreClient):
                 awaited = f"READY from {', '.join(r.name for r in self.engine_roles)}"
                 wait_for(awaited, handshake_step, timeout_s=timeout, poll_interval_s=0)
             except WaitTimeout:
-                raise TimeoutError(self._startup_timeout_message(timeout, seen)) from None
+                message = self._startup_timeout_message(timeout, seen)
+                raise processes.EngineStartupTimeout(message, self._startup_root_cause(message)) from None
             ready = [seen[r.dp_rank]["READY"] for r in self.engine_roles]
             # Every engine sizes its own KV cache; report the smallest.
             self.num_gpu_blocks = min(hs.num_gpu_blocks for hs in ready)
@@ -409,6 +411,16 @@ class MPClient(EngineCoreClient):
             self._check_alive()
         names = [r.name for r, i in zip(self.engine_roles, self.engine_identities) if i in waiting]
         raise TimeoutError(f"the engine core(s) {', '.join(names)} never connected their input socket")
+
+    def _startup_root_cause(self, message: str) -> str:
+        """The root-cause block of a start-up deadline: the process holding start-up back (the
+        deepest one in a stage, else the first that never started), with its state."""
+        laggard = find_laggard(self.run_dir)
+        role, pid = laggard if laggard is not None else (self.engine_role.name, None)
+        state = _os_state(pid) if pid else None
+        if state == "stopped":
+            state = "stopped by a signal (SIGSTOP?)"
+        return processes.format_root_cause(self.run_dir, role, pid, None, note=message, state=state)
 
     def _startup_timeout_message(self, timeout: float, seen: dict[int, dict[str, EngineHandshake]]) -> str:
         late = describe_laggard(self.run_dir)
@@ -517,6 +529,9 @@ class MPClient(EngineCoreClient):
                 raise self.dead
         for proc in self._children():
             if proc.is_alive():
+                stopped = self._stopped.stopped_for(proc.pid)
+                if stopped is not None:
+                    self._mark_stopped(proc, stopped)
                 continue
             # Give a dying engine a moment to deliver its ENGINE_CORE_DEAD message.
             if self.output_socket.poll(200):
@@ -524,6 +539,14 @@ class MPClient(EngineCoreClient):
                 if tag == ENGINE_CORE_DEAD:
                     self._mark_dead(_dead_message(frames))
             self._mark_dead(None, proc)
+
+    def _mark_stopped(self, proc: processes.ChildProcess, seconds: float) -> None:
+        """A child stopped by a signal for too long: the tree is stuck on it; report it by name."""
+        root = processes.format_root_cause(self.run_dir, proc.role, proc.pid, None,
+                                           state=self._stopped.describe(seconds))  # fmt: skip
+        self._mark_dead(
+            EngineDead(root_cause=root, error_type="Stopped", message=root, during_startup=False), proc
+        )
 
     def _mark_dead(self, dead: EngineDead | None, proc: processes.ChildProcess | None = None) -> None:
         if self.dead is None:
@@ -809,6 +832,33 @@ def _dead_message(frames: list[bytes]) -> EngineDead | None:
     return decode_as(EngineDead, frames[0]) if frames else None
 
 
+def find_laggard(run_dir: Path) -> tuple[str, int | None] | None:
+    """(role, pid) of the process that holds start-up back: the deepest planned engine
+    process inside a stage, else the first without a status file (not started); None when
+    every one reports no stage."""
+    from tracing import run_dir as contract
+
+    roles = [r.name for r in run_dirs.planned_roles(run_dir) if r.in_engine]
+    statuses = {role: contract.read_status(run_dirs.status_file(run_dir, role)) for role in roles}
+    in_stage = [role for role in roles if statuses[role] is not None and statuses[role].stage]
+    if in_stage:
+        return in_stage[-1], statuses[in_stage[-1]].pid  # planned order: engine core, then its workers
+    for role in roles:
+        if statuses[role] is None:
+            return role, None
+    return None
+
+
+def _os_state(pid: int) -> str | None:
+    """psutil's word for ``pid`` ("stopped" for SIGSTOP, "sleeping", ...), None when gone."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status()
+    except psutil.Error:
+        return None
+
+
 def describe_laggard(run_dir: Path) -> str:
     """Name the process that holds start-up back, and the stage it is in (from status files).
 
@@ -825,9 +875,12 @@ def describe_laggard(run_dir: Path) -> str:
     if in_stage:
         role = in_stage[-1]  # planned order is engine core, then its workers
         status = statuses[role]
+        from tracing.hints import stage_hint
+
+        hint = stage_hint(status["stage"]).hint  # the words engine-top and glassbox doctor show
         return (
             f"{role} (pid {status.get('pid')}) has been in stage {status['stage']} for "
-            f"{now - status.get('entered_at', now):.1f} s."
+            f"{now - status.get('entered_at', now):.1f} s." + (f" Usually: {hint}." if hint else "")
         )
     for role in engine_roles:
         if statuses[role] is None:

@@ -46,6 +46,10 @@ def main() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
     processes.watch_lifeline(stdin_fd, on_parent_death)
+    # `glassbox doctor` asks for every thread's stack with SIGUSR1 (written to <role>.stacks).
+    from tracing.stacks import enable_stack_dumps
+
+    enable_stack_dumps(run_dir, role)
     try:
         module_name, qualname = spec.target.split(":")
         target = functools.reduce(getattr, qualname.split("."), importlib.import_module(module_name))

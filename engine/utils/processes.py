@@ -70,6 +70,16 @@ class EngineDeadError(RuntimeError):
         super().__init__("The engine died; see the root cause below.\n" + root_cause)
 
 
+class EngineStartupTimeout(TimeoutError):
+    """The engine did not become ready in time; ``root_cause`` is the block naming the process
+    that held start-up back (its role, pid, stage and state), printed last like any other
+    start-up failure. A ``TimeoutError``, so a caller waiting with a deadline can catch it."""
+
+    def __init__(self, message: str, root_cause: str) -> None:
+        super().__init__(message)
+        self.root_cause = root_cause
+
+
 def set_process_title(role: str) -> None:
     """``glassbox::<role>`` in ps/top (vLLM: ``set_process_title``).
 
@@ -222,6 +232,33 @@ def write_crash_report(
         pass
 
 
+def flight_file(run_dir: Path, role: str) -> Path:
+    """Where an engine core's flight recorder lands when it dies: ``<role>.flight.json``."""
+    return Path(run_dir) / f"{role}.flight.json"
+
+
+def write_flight_record(run_dir: Path, role: str, steps: list[dict[str, Any]]) -> None:
+    """The engine core's last step records (oldest first), written as it dies (best effort:
+    the run directory may be gone). Each is a ``StepRecord``'s fields (tokens, budget, KV
+    usage, phase times)."""
+    import json
+
+    try:
+        flight_file(run_dir, role).write_text(json.dumps({"role": role, "pid": os.getpid(), "steps": steps}))
+    except OSError:
+        pass
+
+
+def _last_flight_step(run_dir: Path, role: str) -> dict[str, Any] | None:
+    import json
+
+    try:
+        steps = json.loads(flight_file(run_dir, role).read_text()).get("steps") or []
+    except (OSError, ValueError, AttributeError):
+        return None
+    return steps[-1] if steps and isinstance(steps[-1], dict) else None
+
+
 def read_crash_report(run_dir: Path, role: str) -> dict[str, Any] | None:
     """The crash report of ``role`` as a dict (``tracing.run_dir.CrashReport``'s fields), or
     None when it wrote none or it is unreadable (``tracing.run_dir.read_crash_report`` gives
@@ -241,11 +278,19 @@ def describe_exit(returncode: int | None) -> str:
         except ValueError:
             name = f"signal {-returncode}"
         return f"killed by {name} (exit status {returncode})"
+    if returncode == EXIT_TERMINATED_FROM_OUTSIDE:
+        return f"terminated by SIGTERM from outside the tree (exit status {returncode})"
     return f"exited with code {returncode}"
 
 
 def format_root_cause(
-    run_dir: Path, role: str, pid: int | None, returncode: int | None, rank: int | None = None, note: str = ""
+    run_dir: Path,
+    role: str,
+    pid: int | None,
+    returncode: int | None,
+    rank: int | None = None,
+    note: str = "",
+    state: str | None = None,
 ) -> str:
     """One block naming the process that died first: role, rank, pid, stage, exit, exception.
 
@@ -276,24 +321,99 @@ def format_root_cause(
         f"process:   {role}" + (f" (rank {rank})" if rank is not None else ""),
         f"pid:       {pid if pid is not None else '?'}",
         f"stage:     {stage or 'unknown'}",
-        f"exit:      {describe_exit(returncode)}",
-        f"exception: {exception or 'none recorded (killed from outside, or died before reporting)'}",
+        f"exit:      {describe_exit(returncode)}" + (f" ({state})" if returncode is None and state else ""),
+        f"exception: {exception or ('none (it was still alive)' if returncode is None else 'none recorded (killed from outside, or died before reporting)')}",
     ]
     if note:
         lines.append(f"note:      {note}")
+    last = _last_flight_step(run_dir, role)
+    if last is not None:
+        lines.append(
+            f"last step: #{last.get('step_id')}: {last.get('num_decode_tokens')} decode + "
+            f"{last.get('num_prefill_tokens')} prefill tokens of {last.get('token_budget')}, "
+            f"{last.get('num_running')} running, {last.get('num_waiting')} waiting, KV {last.get('kv_usage', 0):.0%} "
+            f"({time.time() - last.get('started_at', time.time()):.1f} s before this report)"
+        )
     lines.append("=" * 69)
     return "\n".join(lines)
 
 
-def install_sigterm_exit() -> None:
-    """Turn the first SIGTERM into ``SystemExit(0)`` in the main thread; ignore later ones
-    (the lifeline watcher and the parent may both send one), so shutdown runs once."""
+class StoppedWatch:
+    """Notices children stopped by a signal (SIGSTOP, Ctrl-Z, a debugger) for too long.
+
+    A stopped process is alive but does nothing — not even its lifeline or heartbeat — so
+    without this an idle tree would wait on it forever. ``stopped_for(pid)`` returns how long
+    ``pid`` has been seen stopped once that is ``timeout_s`` or more
+    (``GLASSBOX_STOPPED_TIMEOUT_S``), else None; a process that runs again is forgotten.
+    """
+
+    def __init__(self, timeout_s: float | None = None) -> None:
+        if timeout_s is None:
+            from engine import envs
+
+            timeout_s = envs.GLASSBOX_STOPPED_TIMEOUT_S
+        self.timeout_s = timeout_s
+        self._since: dict[int, float] = {}
+
+    def stopped_for(self, pid: int) -> float | None:
+        import psutil
+
+        try:
+            stopped = psutil.Process(pid).status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+        except psutil.Error:
+            stopped = False
+        if not stopped:
+            self._since.pop(pid, None)
+            return None
+        since = self._since.setdefault(pid, time.monotonic())
+        waited = time.monotonic() - since
+        return waited if waited >= self.timeout_s else None
+
+    def describe(self, seconds: float) -> str:
+        return f"stopped by a signal (SIGSTOP?) for {seconds:.0f} s, over GLASSBOX_STOPPED_TIMEOUT_S={self.timeout_s:g}"
+
+
+class TerminatedFromOutside(Exception):
+    """What a child's crash report says when a SIGTERM it got was not its parent's."""
+
+
+# Exit status of a child stopped by a SIGTERM its parent did not send (128 + SIGTERM).
+EXIT_TERMINATED_FROM_OUTSIDE = 128 + signal.SIGTERM
+_lifeline_fd: int | None = None
+
+
+def install_sigterm_exit(run_dir: Path | None = None, role: str | None = None) -> None:
+    """Turn the first SIGTERM into ``SystemExit`` in the main thread; ignore later ones
+    (the lifeline watcher and the parent may both send one), so shutdown runs once.
+
+    A SIGTERM the parent asked for (it closes the lifeline first) is a clean stop:
+    ``SystemExit(0)``. One from outside the tree (``kill <pid>`` while the lifeline is still
+    open) is not: a crash report says so, and the exit status is
+    ``EXIT_TERMINATED_FROM_OUTSIDE`` (143), so the parent's root cause names the signal.
+    """
 
     def handler(signum: int, frame: Any) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise SystemExit(0)
+        if _lifeline_fd is None or _lifeline_closed(_lifeline_fd):
+            raise SystemExit(0)
+        if run_dir is not None and role is not None:
+            from engine.logger import get_process_role
+
+            error = TerminatedFromOutside("SIGTERM from outside the tree (its parent did not ask it to stop)")
+            write_crash_report(run_dir, role or get_process_role(), error, None)
+        raise SystemExit(EXIT_TERMINATED_FROM_OUTSIDE)
 
     signal.signal(signal.SIGTERM, handler)
+
+
+def _lifeline_closed(fd: int) -> bool:
+    """Whether the parent closed the lifeline pipe (EOF pending), without consuming anything."""
+    import select
+
+    try:
+        return bool(select.select([fd], [], [], 0)[0])
+    except (OSError, ValueError):
+        return True
 
 
 def ignore_sigterm() -> None:
@@ -309,6 +429,8 @@ def watch_lifeline(fd: int, on_parent_death: Callable[[], None]) -> threading.Th
     that would stall this process's own exit.
     """
 
+    global _lifeline_fd
+
     def run() -> None:
         try:
             while os.read(fd, 65536):
@@ -317,6 +439,7 @@ def watch_lifeline(fd: int, on_parent_death: Callable[[], None]) -> threading.Th
             pass
         on_parent_death()
 
+    _lifeline_fd = fd
     thread = threading.Thread(target=run, name="lifeline_watcher", daemon=True)
     thread.start()
     return thread

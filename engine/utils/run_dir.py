@@ -58,9 +58,19 @@ def create_run_dir() -> Path:
     ``sweep_stale_run_dirs``), so a tree that was killed all at once leaves no litter.
 
     Raises:
+        ConfigError: ``GLASSBOX_RUN_DIR_BASE`` is too long for the ipc socket paths inside it.
         OSError: the base directory cannot be created or written.
     """
-    return contract.make_run_dir(run_dir_base())
+    base = run_dir_base()
+    if len(str(base)) > contract.MAX_BASE_LEN:
+        from engine.config import ConfigError
+
+        raise ConfigError.from_message(
+            f"GLASSBOX_RUN_DIR_BASE={base} is {len(str(base))} characters; at most {contract.MAX_BASE_LEN} "
+            "fit (Unix socket paths inside it are limited to 107 bytes): choose a shorter directory",
+            flag="GLASSBOX_RUN_DIR_BASE",
+        )
+    return contract.make_run_dir(base)
 
 
 def status_file(run_dir: Path, role: str | ProcessRole) -> Path:

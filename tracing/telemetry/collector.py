@@ -12,7 +12,7 @@ choice) runs one background thread that
 - once a second merges psutil's view (``tracing.instances.collect_instance``: who is alive,
   pids, exited, crash reports), derives each process's ``state``/``link`` and the
   ``alerts`` (``compute_alerts``): a stage running far longer than usual, with a hint of
-  what that stage usually means (``STAGE_HINTS``); a wait near its deadline; a stale
+  what that stage usually means (``tracing.hints``); a wait near its deadline; a stale
   heartbeat (a frozen process); a busy loop that stopped stepping; a dead process with
   its exit; expected ≠ found process count; events refused by a full socket.
 
@@ -39,16 +39,16 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 import msgspec
 import zmq
 
-from tracing import catalogue
+from tracing import hints
 from tracing import instances as inst
 from tracing import run_dir as run_dirs
+from tracing.hints import StageHint
 from tracing.telemetry.events import (
     GAUGE_RUNNING,
     Event,
@@ -72,86 +72,15 @@ NO_STEP_ALERT_S = 10.0  # requests running but no engine step for this long: the
 # ---------------------------------------------------------------------- stage hints
 
 
-@dataclass(frozen=True)
-class StageHint:
-    """What a stage usually costs and what a long one usually means.
-
-    ``slow_after_s``: past this (s) a stage is "far longer than usual" (the floor; once a
-    stage has been seen leaving 3 times, 5 × its mean counts too, whichever is larger).
-    """
-
-    slow_after_s: float
-    hint: str
-
-
-STAGE_HINTS: dict[str, StageHint] = {
-    catalogue.CLI_VALIDATE_CONFIG: StageHint(
-        10, "building the EngineConfig: reading the model's config.json (a slow or network filesystem?)"
-    ),
-    catalogue.LLM_INIT: StageHint(
-        180, "the whole offline start-up: see which child process is still in a stage"
-    ),
-    catalogue.PROCESS_SPAWN: StageHint(
-        30, "a fresh interpreter importing the engine: torch's import is slow on a cold disk"
-    ),
-    catalogue.ENGINE_CORE_HANDSHAKE: StageHint(
-        180, "waiting for the engine core's READY: see which process is still in a stage"
-    ),
-    catalogue.API_SERVER_START_OTHERS: StageHint(
-        120, "waiting for the other API servers to serve: see which one is still in a stage"
-    ),
-    catalogue.API_SERVER_ATTACH: StageHint(
-        120, "waiting for CONNECTED from the engine cores APIServer_0 started: are they still starting?"
-    ),
-    catalogue.ENGINE_CORE_INIT: StageHint(
-        180, "executor, KV-cache sizing and scheduler: see the workers' stages for the slow part"
-    ),
-    catalogue.EXECUTOR_INIT: StageHint(
-        180, "starting the workers and loading the model on each: see which worker is behind"
-    ),
-    catalogue.WORKER_WRAPPER_INIT: StageHint(5, "nothing heavy happens here: a hang points at an import"),
-    catalogue.WORKER_INIT_WORKER: StageHint(30, "importing and building the worker class (torch's import)"),
-    catalogue.WORKER_INIT_DEVICE: StageHint(
-        60, "picking the device and joining the distributed group: a peer rank that never arrives blocks here"
-    ),
-    catalogue.WORKER_LOAD_MODEL: StageHint(120, "reading the weights; slow disk or a large model"),
-    catalogue.WORKER_DETERMINE_AVAILABLE_MEMORY: StageHint(
-        60, "the profile run at the largest batch: a large max_num_batched_tokens is slow on CPU"
-    ),
-    catalogue.ENGINE_CORE_INITIALIZE_KV_CACHE: StageHint(
-        60, "sizing the KV cache and telling every worker: a worker that does not answer blocks here"
-    ),
-    catalogue.WORKER_INITIALIZE_KV_CACHE: StageHint(
-        60, "allocating the KV-cache tensors: a very large num_blocks, or memory pressure (swap)"
-    ),
-    catalogue.WORKER_COMPILE_OR_WARM_UP_MODEL: StageHint(
-        120, "warm-up runs so the first request pays no one-time cost; compiling takes longest"
-    ),
-    catalogue.ENGINE_CORE_SHUTDOWN: StageHint(
-        30, "stopping the busy loop and the workers: a worker that does not exit blocks here"
-    ),
-    catalogue.ENGINE_CORE_STEP: StageHint(
-        10, "one engine step: a forward pass that does not return (a worker hung or dead?)"
-    ),
-    catalogue.SCHEDULER_SCHEDULE: StageHint(5, "the scheduler is pure Python: a very long queue or a bug"),
-    catalogue.EXECUTOR_EXECUTE_MODEL: StageHint(
-        10, "waiting for the workers' forward pass: see the workers' stages and the broadcast queue lag"
-    ),
-    catalogue.SCHEDULER_UPDATE_FROM_OUTPUT: StageHint(
-        5, "appending tokens and freeing requests: pure Python"
-    ),
-}
-DEFAULT_SLOW_AFTER_S = {catalogue.LIFECYCLE: 120.0, catalogue.STEP: 10.0, catalogue.REQUEST: 600.0}
+# One table for engine-top, glassbox doctor and the deadline messages: tracing/hints.py.
+STAGE_HINTS: dict[str, StageHint] = hints.HINTS
+DEFAULT_SLOW_AFTER_S = hints.DEFAULT_SLOW_AFTER_S
 
 
 def stage_hint(name: str) -> StageHint:
-    """The hint for stage ``name``: from ``STAGE_HINTS``, else its catalogue doc and a default by level."""
-    hint = STAGE_HINTS.get(name)
-    if hint is not None:
-        return hint
-    spec = catalogue.SPANS.get(name)
-    level = spec.level if spec is not None else catalogue.STEP
-    return StageHint(DEFAULT_SLOW_AFTER_S.get(level, 60.0), spec.doc if spec is not None else "")
+    """The hint for stage ``name`` (``tracing.hints.stage_hint``: the hint catalogue, else
+    its catalogue doc and a default by level)."""
+    return hints.stage_hint(name)
 
 
 # ---------------------------------------------------------------------- alerts

@@ -142,6 +142,9 @@ def run_server(config: EngineConfig, args: ServerArgs, sock: socket.socket | Non
         served_name = args.served_model_name or config.model_config.served_model_name
         run_dirs.write_manifest(run_dir, host=host, port=port, model=served_name, **manifest)
         logger.info("Bound http://%s:%d (run directory %s)", host, port, run_dir)
+        from tracing.stacks import enable_stack_dumps
+
+        enable_stack_dumps(run_dir, role.name)  # SIGUSR1: every thread's stack (glassbox doctor)
         several_servers = len(plan.api_servers) > 1
         if several_servers:
             _setup_multiprocess_metrics(run_dir)
@@ -171,7 +174,9 @@ def run_server(config: EngineConfig, args: ServerArgs, sock: socket.socket | Non
         terminated = startup_signal[:1] == [signal.SIGTERM]
         logger.info("%s during start-up; stopping", "SIGTERM" if terminated else "Interrupted")
         return EXIT_OK if terminated else EXIT_INTERRUPTED
-    except EngineDeadError as e:
+    except (EngineDeadError, processes.EngineStartupTimeout) as e:
+        if isinstance(e, processes.EngineStartupTimeout):
+            logger.error("%s", e)
         print(e.root_cause, file=sys.stderr, flush=True)
         return EXIT_ENGINE_DEAD
     finally:
@@ -290,9 +295,15 @@ async def _serve(
         signal.signal(signal.SIGTERM, _ignore_signal)
         signal.signal(signal.SIGINT, _ignore_signal)
     else:
-        asyncio.get_running_loop().add_signal_handler(
-            signal.SIGTERM, lambda: setattr(server, "should_exit", True)
-        )
+
+        def on_sigterm() -> None:
+            nonlocal exit_code
+            if processes._lifeline_fd is not None and not processes._lifeline_closed(processes._lifeline_fd):
+                # Not APIServer_0 stopping us (it closes the lifeline first): say so.
+                exit_code = processes.EXIT_TERMINATED_FROM_OUTSIDE
+            server.should_exit = True
+
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_sigterm)
     announce = asyncio.create_task(_when_serving(server, on_serving)) if on_serving is not None else None
     gc.collect()
     gc.freeze()
@@ -421,7 +432,7 @@ def run_api_server_worker(payload_bytes: bytes, *, run_dir: Path, role: str) -> 
     from tracing.telemetry.publisher import start_telemetry
 
     start_telemetry(run_dir, role)
-    processes.install_sigterm_exit()  # during start-up; serving installs its own handler
+    processes.install_sigterm_exit(run_dir, role)  # during start-up; serving installs its own handler
     sock = socket.socket(fileno=payload.listen_fd)
     port = sock.getsockname()[1]
     loop = _new_event_loop()
@@ -443,7 +454,7 @@ def run_api_server_worker(payload_bytes: bytes, *, run_dir: Path, role: str) -> 
         with attached_trace_context(payload.trace_headers), stage(catalogue.API_SERVER_ATTACH, role=role):
             engine = AsyncLLM(config, run_dir, client_index=payload.client_index,
                               num_clients=payload.num_clients, engines=payload.engines)  # fmt: skip
-        loop.run_until_complete(
+        code = loop.run_until_complete(
             _serve(
                 engine,
                 config,
@@ -455,8 +466,12 @@ def run_api_server_worker(payload_bytes: bytes, *, run_dir: Path, role: str) -> 
                 several_servers=payload.num_clients > 1,
             )
         )
-    except SystemExit:
+        if code:
+            raise SystemExit(code)
+    except SystemExit as e:
         logger.debug("stopped during start-up")
+        if e.code:  # a SIGTERM from outside the tree: the exit status says so
+            raise
     finally:
         processes.ignore_sigterm()
         if engine is not None:

@@ -1,0 +1,449 @@
+"""``glassbox doctor``: what is wrong with a running, hung or dead instance, in plain words.
+
+It attaches to the one running instance (or ``--run-dir DIR``: any run directory, also one
+left behind by an instance that died; with several running it lists them) and puts together
+everything the tree already writes down:
+
+- the tree against the expected count and each process's OS state (``tracing.instances``,
+  as ``glassbox ps``);
+- each process's live stage, time in it, heartbeat age and open waits, from ~2 s of live
+  telemetry (``tracing.telemetry.collector``); the status files when there is none;
+- crash reports (``<role>.crash.json``);
+- each live process's Python stack: SIGUSR1 makes it dump every thread through faulthandler
+  into ``<role>.stacks`` (``tracing.stacks``, registered at process start); a stopped process
+  cannot dump (doctor says so); ``py-spy dump`` is a second source when installed;
+- a **diagnosis**: the process that explains the state — a dead one, a stopped one, a frozen
+  one, else the deepest one stuck in a stage longest — with its stage, time, the hint for
+  that stage (``tracing.hints``, the words engine-top and the deadline messages use) and the
+  line its main thread waits at.
+
+Exit 0 when healthy (every planned process up, out of start-up, heartbeats fresh), 1 when
+not, 2 for a usage error or several instances to choose from. ``--json`` prints the same as
+data. Every wait is bounded and a half-written run directory is read as far as it goes.
+vLLM has no counterpart (its users read "Engine core initialization failed. See root cause
+above" and reach for py-spy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.cli.help_formatter import DefaultsHelpFormatter
+from engine.cli.ps import collect_instance
+from engine.utils import run_dir as run_dirs
+from tracing import hints
+from tracing import run_dir as contract
+from tracing import stacks as stack_dumps
+from tracing.instances import InstanceInfo
+
+DESCRIPTION = """Diagnose a Glassbox instance: its process tree against the plan, each
+process's state, stage and time in it, heartbeat age, crash reports and Python stacks
+(SIGUSR1 → faulthandler; py-spy when installed), then a diagnosis in plain words with what to
+check. Exit status 0 when healthy, 1 when not."""
+
+EXIT_HEALTHY, EXIT_SICK, EXIT_USAGE = 0, 1, 2
+STOPPED_STATES = ("stopped", "tracing-stop")
+# The deeper in the tree, the more likely the cause: a worker holds its engine core, which
+# holds the API server.
+_DEPTH = {
+    "worker": 3,
+    "engine_core": 2,
+    "dp_coordinator": 1,
+    "coordinator": 1,
+    "api_server": 1,
+    "frontend": 0,
+}
+_UNNAMED_THREAD = re.compile(r"^(Thread-\d+|Dummy-\d+|ThreadPoolExecutor-|asyncio_|pydevd)")
+
+
+@dataclass
+class ProcessReport:
+    """One process as doctor sees it (``--json``: ``processes``)."""
+
+    role: str
+    kind: str
+    pid: int | None
+    rank: int | None
+    os_state: str  # psutil's word, "exited" or "not started"
+    state: str  # running, starting, stopped, frozen, dead, not started
+    stage: str | None = None
+    time_in_stage_s: float | None = None
+    heartbeat_age_s: float | None = None
+    waits: list[str] = field(default_factory=list)
+    note: str | None = None
+    crash: dict[str, Any] | None = None
+    stack_error: str | None = None
+    threads: list[dict[str, Any]] = field(default_factory=list)
+    other_threads: int = 0
+    py_spy: str | None = None
+    depth: int = 0
+
+    @property
+    def main_top(self) -> str | None:
+        main = next((t for t in self.threads if t.get("main")), None)
+        return main["top"] if main else None
+
+
+@dataclass
+class Report:
+    run_dir: str
+    mode: str | None
+    expected: int | None
+    found: int
+    live_telemetry: bool
+    processes: list[ProcessReport]
+    alerts: list[dict[str, Any]]
+    problems: list[str]
+    healthy: bool = False
+    verdict: str = ""
+    diagnosis: str = ""
+    hint: str = ""
+    culprit: str | None = None
+
+
+# ------------------------------------------------------------------------ gathering
+
+
+def _live_state(run_dir: Path, inst: InstanceInfo, watch_s: float):
+    """~``watch_s`` of live telemetry (a ``LiveState``), or None when nothing publishes."""
+    from tracing.telemetry.collector import Collector
+
+    alive = {p.role for p in inst.processes if p.role and p.alive and p.state not in STOPPED_STATES}
+    if not alive:
+        return None
+    collector = Collector(run_dir).start()
+    try:
+
+        def every_alive_beat(state) -> bool:
+            return all(
+                (p := state.processes.get(role)) is not None and p.heartbeat_at is not None for role in alive
+            )
+
+        state = collector.wait_until(every_alive_beat, watch_s)
+    finally:
+        collector.stop()
+    if not any(p.heartbeat_at is not None for p in state.processes.values()):
+        return None
+    return state
+
+
+def _gather(run_dir: Path, watch_s: float, want_stacks: bool, stack_timeout_s: float) -> Report:
+    inst = collect_instance(run_dir)
+    live = None
+    if not inst.stale:
+        try:
+            live = _live_state(run_dir, inst, watch_s)
+        except Exception as e:  # telemetry is a bonus: never let it sink the diagnosis
+            inst.problems.append(f"live telemetry unavailable: {e}")
+    now = live.now if live is not None else time.time()
+    reports: list[ProcessReport] = []
+    for p in inst.processes:
+        if p.role is None:
+            continue
+        rep = ProcessReport(role=p.role, kind=p.kind, pid=p.pid, rank=p.rank, os_state=p.state,
+                            state="", note=p.note, depth=_DEPTH.get(p.kind, 0))  # fmt: skip
+        rep.stage, rep.time_in_stage_s = p.stage, p.time_in_stage_s if p.stage else None
+        lp = live.processes.get(p.role) if live is not None else None
+        if lp is not None and lp.heartbeat_at is not None:
+            rep.heartbeat_age_s = round(max(0.0, now - lp.heartbeat_at), 2)
+            if lp.stages:
+                rep.stage = lp.stage
+                rep.time_in_stage_s = max(0.0, now - (lp.stage_entered_at or now))
+            elif p.alive and p.state not in STOPPED_STATES:
+                rep.stage, rep.time_in_stage_s = None, None
+            rep.waits = [
+                f"{w.what} for {now - w.started_at:.1f} s (deadline {w.timeout_s:g} s)" for w in lp.waits
+            ]
+        if rep.time_in_stage_s is not None:
+            rep.time_in_stage_s = round(rep.time_in_stage_s, 2)
+        crash = contract.read_crash_report(run_dir, p.role)
+        if crash is not None:
+            rep.crash = {"stage": crash.stage, "exception": crash.exception, "pid": crash.pid,
+                         "traceback_tail": (crash.traceback or "").strip().splitlines()[-6:]}  # fmt: skip
+        if not p.alive:
+            rep.state = "not started" if p.state == "not started" else "dead"
+        elif p.state in STOPPED_STATES:
+            rep.state = "stopped"
+        elif lp is not None and lp.state == "stale":
+            rep.state = "frozen"
+        elif rep.stage and (lp is None or lp.state == "starting" or _is_lifecycle(rep.stage)):
+            rep.state = "starting"
+        else:
+            rep.state = "running"
+        reports.append(rep)
+    if want_stacks:
+        _collect_stacks(run_dir, reports, stack_timeout_s)
+    alerts = [asdict(a) for a in live.alerts] if live is not None else []
+    return Report(run_dir=str(run_dir), mode=inst.mode, expected=inst.expected_process_count,
+                  found=inst.found_process_count, live_telemetry=live is not None, processes=reports,
+                  alerts=alerts, problems=list(inst.problems))  # fmt: skip
+
+
+def _is_lifecycle(stage: str) -> bool:
+    from tracing import catalogue
+
+    spec = catalogue.SPANS.get(stage)
+    return spec is not None and spec.level == catalogue.LIFECYCLE and not stage.endswith(".shutdown")
+
+
+def _boilerplate(file: str, func: str) -> bool:
+    """Frames every thread has (the interpreter's start-up, threading's bootstrap)."""
+    return file.startswith("<frozen runpy>") or (
+        file.endswith("/threading.py") and func in ("_bootstrap", "_bootstrap_inner", "run")
+    )
+
+
+def _collect_stacks(run_dir: Path, reports: list[ProcessReport], timeout_s: float) -> None:
+    py_spy = shutil.which("py-spy")
+
+    def one(rep: ProcessReport) -> None:
+        if rep.pid is None or rep.state in ("dead", "not started"):
+            return
+        if rep.state == "stopped":
+            rep.stack_error = (
+                f"stopped: it cannot dump its stack until continued (kill -CONT {rep.pid}); "
+                f"py-spy dump --pid {rep.pid} reads it from outside"
+            )
+        else:
+            result = stack_dumps.request_dump(run_dir, rep.role, rep.pid, timeout_s=timeout_s)
+            rep.stack_error = result.error
+            for t in result.threads:
+                named = t.name is not None and not _UNNAMED_THREAD.match(t.name)
+                if t.main or named:
+                    rep.threads.append({"name": t.name or ("MainThread" if t.main else t.ident),
+                                        "ident": t.ident, "main": t.main, "top": t.top,
+                                        "frames": [f"{f}:{n} in {fn}" for f, n, fn in t.frames
+                                                   if not _boilerplate(f, fn)]})  # fmt: skip
+                else:
+                    rep.other_threads += 1
+        if py_spy:
+            try:
+                out = subprocess.run([py_spy, "dump", "--pid", str(rep.pid)], capture_output=True,
+                                     text=True, timeout=5.0)  # fmt: skip
+                rep.py_spy = (out.stdout or out.stderr).strip() or None
+            except (OSError, subprocess.SubprocessError) as e:
+                rep.py_spy = f"py-spy failed: {e}"
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        list(pool.map(one, reports))
+
+
+# ------------------------------------------------------------------------ diagnosis
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    return f"{seconds:.1f} s" if seconds < 60 else f"{seconds / 60:.1f} min"
+
+
+def _who(rep: ProcessReport) -> str:
+    return f"{rep.role} (pid {rep.pid})" if rep.pid else rep.role
+
+
+def diagnose(report: Report) -> None:
+    """Fill ``healthy``, ``verdict``, ``diagnosis``, ``hint`` and ``culprit``."""
+    procs = report.processes
+    counted = [p for p in procs if p.kind != "frontend" or report.mode == "inproc"]
+    deepest_first = sorted(procs, key=lambda p: (-p.depth, -(p.time_in_stage_s or 0.0)))
+
+    def where(rep: ProcessReport) -> str:
+        if rep.stage:
+            return f" in stage {rep.stage} for {_age(rep.time_in_stage_s)}"
+        return ""
+
+    def at(rep: ProcessReport) -> str:
+        return f"; its main thread waits at {rep.main_top}" if rep.main_top else ""
+
+    def stage_words(rep: ProcessReport) -> str:
+        return f" {rep.stage}: {hints.stage_hint(rep.stage).hint}." if rep.stage else ""
+
+    def settle(verdict: str, rep: ProcessReport | None, text: str, hint: str) -> None:
+        report.verdict, report.diagnosis, report.hint = verdict, text, hint
+        report.culprit = rep.role if rep is not None else None
+        report.healthy = verdict == "healthy"
+
+    dead = [p for p in deepest_first if p.state == "dead" and (p.kind != "frontend" or p.crash)]
+    dead.sort(key=lambda p: p.crash is None)  # one with a crash report explains itself
+    if dead:
+        rep = dead[0]
+        stage = rep.stage or (rep.crash or {}).get("stage")
+        how = rep.note or "exited"
+        crash = f"; crashed: {rep.crash['exception']}" if rep.crash and rep.crash.get("exception") else ""
+        in_stage = f" (last seen in stage {stage})" if stage else ""
+        others = f" ({len(dead) - 1} more dead)" if len(dead) > 1 else ""
+        settle("dead", rep, f"{_who(rep)} is dead: {how}{in_stage}{crash}{others}.", hints.DEAD)
+        return
+    stopped = [p for p in deepest_first if p.state == "stopped"]
+    if stopped:
+        rep = stopped[0]
+        text = (f"{_who(rep)} is stopped (SIGSTOP, Ctrl-Z or a debugger){where(rep)}; a stopped process "
+                f"cannot dump its stack while stopped.")  # fmt: skip
+        settle("stopped", rep, text, hints.STOPPED.replace("<pid>", str(rep.pid)) + "." + stage_words(rep))
+        return
+    frozen = [p for p in deepest_first if p.state == "frozen"]
+    if frozen:
+        rep = frozen[0]
+        text = f"{_who(rep)} is frozen: no heartbeat for {_age(rep.heartbeat_age_s)}{where(rep)}{at(rep)}."
+        settle("frozen", rep, text, hints.FROZEN.replace("<pid>", str(rep.pid)) + "." + stage_words(rep))
+        return
+    in_stage = [p for p in deepest_first if p.stage and p.state in ("starting", "running")]
+    if in_stage:
+        rep = in_stage[0]
+        h = hints.stage_hint(rep.stage)
+        slow = (rep.time_in_stage_s or 0.0) > h.slow_after_s
+        if slow or _is_lifecycle(rep.stage):
+            verdict = "stuck" if slow else "starting"
+            lead = "is stuck" if slow else "is still starting"
+            usual = f" (usually {h.typical}; alert after {h.slow_after_s:g} s)" if h.typical else ""
+            text = f"{_who(rep)} {lead}{where(rep)}{usual}{at(rep)}."
+            settle(verdict, rep, text, f"{rep.stage}: {h.hint}.")
+            return
+    missing = [p for p in counted if p.state == "not started"]
+    if missing:
+        rep = missing[0]
+        settle("starting", rep, f"{rep.role} has not started (no status file).", hints.NOT_STARTED + ".")
+        return
+    if report.expected is not None and report.found != report.expected:
+        settle("incomplete", None, f"{report.found} of {report.expected} expected processes found.",
+               "a planned process is missing or an extra one runs: see glassbox ps.")  # fmt: skip
+        return
+    n = len([p for p in procs if p.state == "running"])
+    source = "heartbeats fresh" if report.live_telemetry else "no live telemetry (status files only)"
+    settle("healthy", None, f"healthy: {n} processes running, none in a start-up stage, {source}.", "")
+
+
+# ------------------------------------------------------------------------ rendering
+
+
+def to_json(report: Report) -> dict[str, Any]:
+    data = asdict(report)
+    for entry, rep in zip(data["processes"], report.processes, strict=True):
+        entry["main_top"] = rep.main_top
+    return data
+
+
+def render_text(report: Report, out, max_frames: int = 6) -> None:
+    w = out.write
+    w(f"glassbox doctor: {report.run_dir}  mode={report.mode or '?'}\n")
+    w(f"processes: found {report.found} of expected {report.expected if report.expected is not None else '?'}"
+      f"  (live telemetry: {'yes' if report.live_telemetry else 'no, status files only'})\n")  # fmt: skip
+    for problem in report.problems:
+        w(f"  ! {problem}\n")
+    w("\n")
+    for p in report.processes:
+        indent = "  " * max(0, p.depth - 1) if p.kind != "frontend" else ""
+        stage = f"{p.stage} for {_age(p.time_in_stage_s)}" if p.stage else "idle"
+        beat = f"heartbeat {_age(p.heartbeat_age_s)} ago" if p.heartbeat_age_s is not None else "no heartbeat"
+        w(f"{indent}{p.role:<24} pid {p.pid or '-':<7} {p.state:<10} {stage:<44} {beat}\n")
+        if p.note and p.state in ("dead", "not started"):
+            w(f"{indent}    {p.note}\n")
+        for wait in p.waits:
+            w(f"{indent}    waiting for {wait}\n")
+        if p.crash:
+            w(f"{indent}    crash report: {p.crash.get('exception')} (stage {p.crash.get('stage')})\n")
+            for line in p.crash.get("traceback_tail") or []:
+                w(f"{indent}      {line}\n")
+    w("\nstacks (main thread and named threads; most recent call first):\n")
+    for p in report.processes:
+        if p.state in ("dead", "not started"):
+            continue
+        w(f"\n  {p.role} (pid {p.pid}):\n")
+        if p.stack_error:
+            w(f"    no stack: {p.stack_error}\n")
+        for t in p.threads:
+            w(f"    {t['name']}{' (main)' if t['main'] and t['name'] != 'MainThread' else ''}:\n")
+            for frame in t["frames"][:max_frames]:
+                w(f"      {frame}\n")
+            if len(t["frames"]) > max_frames:
+                w(f"      ... {len(t['frames']) - max_frames} more frames\n")
+        if p.other_threads:
+            w(f"    (+ {p.other_threads} other threads)\n")
+        if p.py_spy:
+            w("    py-spy:\n" + "".join(f"      {line}\n" for line in p.py_spy.splitlines()))
+    if report.alerts:
+        w("\nalerts (engine-top):\n")
+        for a in report.alerts:
+            w(f"  {a['severity']}: {a['message']}" + (f" — {a['hint']}" if a.get("hint") else "") + "\n")
+    w(f"\ndiagnosis: {report.diagnosis}\n")
+    if report.hint:
+        w(f"what to check: {report.hint}\n")
+
+
+# ------------------------------------------------------------------------ command
+
+
+def add_subparser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "doctor",
+        help="Diagnose a running, hung or dead instance (stages, heartbeats, stacks, a diagnosis).",
+        description=DESCRIPTION,
+        formatter_class=DefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--run-dir", metavar="DIR", help="Diagnose this run directory (also one left by a dead instance)."
+    )
+    p.add_argument("--json", action="store_true", help="Print the report as JSON.")
+    p.add_argument(
+        "--watch",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="Seconds to listen to live telemetry (at most; less when every process has beaten).",
+    )
+    p.add_argument("--no-stacks", action="store_true", help="Do not ask the processes for their stacks.")
+    p.set_defaults(func=run)  # fmt: skip
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.watch < 0 or args.watch > 60:
+        parser.error(f"--watch: {args.watch:g} is out of range (0 to 60 s)")
+    if args.run_dir:
+        run_dir = Path(args.run_dir)
+        if not run_dir.is_dir():
+            parser.error(f"--run-dir: {run_dir} is not a directory")
+    else:
+        from tracing.telemetry.collector import list_instances
+
+        base = run_dirs.run_dir_base()
+        running = list_instances(base)
+        if not running:
+            stale = [d for d in contract.list_run_dirs(base) if d not in running]
+            msg = f"no running Glassbox instance under {base}: nothing to diagnose"
+            if stale:
+                msg += (f"\n{len(stale)} run director{'y' if len(stale) == 1 else 'ies'} left by instances that "
+                        f"are gone (glassbox doctor --run-dir DIR diagnoses one):\n"
+                        + "\n".join(f"  {d}" for d in stale))  # fmt: skip
+            if args.json:
+                print(json.dumps({"run_dir": None, "healthy": True, "verdict": "none", "diagnosis": msg}))
+            else:
+                print(msg)
+            return EXIT_HEALTHY
+        if len(running) > 1:
+            msg = f"{len(running)} instances are running; pick one with --run-dir:\n" + "\n".join(
+                f"  {d}" for d in running
+            )
+            if args.json:
+                print(json.dumps({"run_dir": None, "healthy": False, "verdict": "choose",
+                                  "candidates": [str(d) for d in running]}))  # fmt: skip
+            else:
+                print(msg)
+            return EXIT_USAGE
+        run_dir = running[0]
+    report = _gather(run_dir, args.watch, not args.no_stacks, stack_timeout_s=1.0)
+    diagnose(report)
+    if args.json:
+        print(json.dumps(to_json(report), indent=2))
+    else:
+        render_text(report, sys.stdout)
+    return EXIT_HEALTHY if report.healthy else EXIT_SICK
