@@ -95,8 +95,8 @@ def test_a_process_dumps_every_thread_with_names_on_sigusr1(tmp_path):
         "from tracing.stacks import enable_stack_dumps\n"
         f"enable_stack_dumps({str(tmp_path)!r}, 'Sleeper')\n"
         "threading.Thread(target=time.sleep, args=(60,), name='EngineCoreOutputThread', daemon=True).start()\n"
-        "print('ready', flush=True)\n"
         "def wait_here():\n"
+        "    print('ready', flush=True)  # from inside: the dump cannot come before\n"
         "    time.sleep(60)\n"
         "wait_here()\n"
     )

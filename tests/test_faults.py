@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import select
 import shutil
 import signal
 import subprocess
@@ -258,19 +257,22 @@ def _struck(spec: str) -> subprocess.Popen:
 
 
 def _read_until(proc: subprocess.Popen, word: str, timeout: float = 30.0) -> list[str]:
+    """The child's lines up to ``word``; never blocks past ``timeout`` (a reader thread reads
+    the pipe, so a child stopped early cannot hang the test)."""
     lines: list[str] = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        # Never block past the deadline (a child stopped early prints nothing more).
-        if not select.select([proc.stdout], [], [], max(deadline - time.monotonic(), 0))[0]:
-            break
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line.strip())
-        if line.strip() == word:
-            return lines
-    raise AssertionError(f"never printed {word!r}: {lines}")
+    found = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line.strip())
+            if line.strip() == word:
+                found.set()
+                return
+
+    threading.Thread(target=read, daemon=True).start()
+    if not found.wait(timeout):
+        raise AssertionError(f"never printed {word!r}: {lines}")
+    return list(lines)
 
 
 @pytest.mark.parametrize(

@@ -38,7 +38,7 @@ from engine.utils import processes
 from engine.utils import run_dir as run_dirs
 from engine.utils.processes import ChildProcess, EngineDeadError
 from engine.utils.wire import ProtocolError
-from tracing import catalogue, current_stage, read_status_file, setup_tracing, stage
+from tracing import WaitTimeout, catalogue, current_stage, read_status_file, setup_tracing, stage, wait_for
 from tracing.propagation import attached_trace_context, inject_trace_headers
 from tracing.telemetry import events
 from tracing.telemetry.publisher import get_publisher, start_telemetry
@@ -199,20 +199,23 @@ class MultiprocExecutor(Executor):
         return self.world_size - self.config.parallel_config.tensor_parallel_size
 
     def _receive(self, rank: int, deadline: float, what: str) -> WorkerReady | WorkerReply:
-        """One message from worker ``rank``: bounded waits with a liveness check in between."""
+        """One message from worker ``rank`` (``tracing.wait_for``: slices of ``DEATH_CHECK_S``
+        with a liveness check in between, one deadline).
+
+        Raises:
+            TimeoutError: nothing came by ``deadline``; the message names the worker and its stage.
+            EngineDeadError: the worker (or a peer) died meanwhile.
+        """
         mq = self.response_mqs[rank]
-        while True:
+
+        def one_slice() -> tuple[WorkerReady | WorkerReply] | None:
             self._raise_if_failed()
             self._check_worker(rank)
             left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(
-                    f"{self.roles[rank]} did not answer {what} within its deadline; {self._describe_reader(rank)}"
-                )
             try:
-                return messages.decode_response(mq.dequeue(timeout=min(DEATH_CHECK_S, left)))
+                return (messages.decode_response(mq.dequeue(timeout=max(min(DEATH_CHECK_S, left), 0.001))),)
             except MessageQueueTimeout:
-                continue
+                return None
             except MessageQueueClosed:
                 # The worker closed its side: it is exiting. Blame it, with its exit status.
                 proc = self.workers[rank]
@@ -221,6 +224,15 @@ class MultiprocExecutor(Executor):
                 except Exception:
                     pass
                 self._fail(rank, proc.poll() if proc.poll() is not None else 0)
+
+        try:
+            (message,) = wait_for(f"{what} from {self.roles[rank]}", one_slice,
+                                  timeout_s=max(deadline - time.monotonic(), 0.0), poll_interval_s=0)  # fmt: skip
+        except WaitTimeout:
+            raise TimeoutError(
+                f"{self.roles[rank]} did not answer {what} within its deadline; {self._describe_reader(rank)}"
+            ) from None
+        return message
 
     # ------------------------------------------------------------------ liveness
 
@@ -252,14 +264,12 @@ class MultiprocExecutor(Executor):
         briefly for such a peer and, if there is one, fail with its root cause."""
         if self.world_size == 1:
             return
-        deadline = time.monotonic() + grace_s
-        while True:
-            peer = self._killed_peer(rank)
-            if peer is not None:
-                self._fail(peer, self.workers[peer].poll())
-            if time.monotonic() > deadline:
-                return
-            time.sleep(0.05)
+        try:
+            peer = wait_for(f"a killed peer of {self.roles[rank]}", lambda: self._killed_peer(rank),
+                            timeout_s=grace_s, poll_interval_s=0.05)  # fmt: skip
+        except WaitTimeout:
+            return  # no peer died: the worker's own error is the root cause
+        self._fail(peer, self.workers[peer].poll())
 
     def _fail(self, rank: int, code: int) -> None:
         if self.failure is None:

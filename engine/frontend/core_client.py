@@ -395,8 +395,17 @@ class MPClient(EngineCoreClient):
             self._await_engine_registration(deadline)
 
     def _await_engine_registration(self, deadline: float) -> None:
+        """Every engine's CONNECTED on this client's input socket (``tracing.wait_for``).
+
+        Raises:
+            TimeoutError: an engine core never connected by ``deadline`` (named).
+            EngineDeadError: an engine process died meanwhile.
+        """
+        from tracing import WaitTimeout, wait_for
+
         waiting = set(self.engine_identities)
-        while time.monotonic() < deadline:
+
+        def all_connected() -> bool:
             if self.input_socket.poll(POLL_MS):
                 frames = self.input_socket.recv_multipart()
                 hs = decode_as(EngineHandshake, frames[-1])
@@ -406,9 +415,16 @@ class MPClient(EngineCoreClient):
                         f"from one of {sorted(waiting)!r} was due"
                     )
                 waiting.discard(frames[0])
-                if not waiting:
-                    return
-            self._check_alive()
+            else:
+                self._check_alive()
+            return not waiting
+
+        try:
+            wait_for("CONNECTED from every engine core", all_connected,
+                     timeout_s=max(deadline - time.monotonic(), 0.0), poll_interval_s=0)  # fmt: skip
+            return
+        except WaitTimeout:
+            pass
         names = [r.name for r, i in zip(self.engine_roles, self.engine_identities) if i in waiting]
         raise TimeoutError(f"the engine core(s) {', '.join(names)} never connected their input socket")
 
@@ -686,14 +702,25 @@ class SyncMPClient(MPClient):
             future, body = self._utility_request(method, args)
             futures.append(future)
             self._send(EngineCoreRequestType.UTILITY, body, engine)
-        deadline = time.monotonic() + envs.GLASSBOX_EXECUTE_MODEL_TIMEOUT_S
-        # This thread is the only reader: receive (keeping outputs for get_output) until
-        # the replies resolve the futures.
-        while not all(f.done() for f in futures):
-            msg = self._recv(deadline)
-            if msg is None:
-                raise TimeoutError(f"utility call {method!r} got no answer in time")
-            self._dispatch(msg)
+        from tracing import WaitTimeout, wait_for
+
+        timeout = envs.GLASSBOX_EXECUTE_MODEL_TIMEOUT_S
+
+        def answered() -> bool:
+            # This thread is the only reader: receive (keeping outputs for get_output) until
+            # the replies resolve the futures; each receive is one bounded slice.
+            if not all(f.done() for f in futures):
+                self._dispatch(self._recv(time.monotonic()))
+            return all(f.done() for f in futures)
+
+        try:
+            wait_for(
+                f"the answers to utility call {method!r}", answered, timeout_s=timeout, poll_interval_s=0
+            )
+        except WaitTimeout:
+            raise TimeoutError(
+                f"utility call {method!r} got no answer within GLASSBOX_EXECUTE_MODEL_TIMEOUT_S={timeout:g} s"
+            ) from None
         return [f.result() for f in futures]
 
 

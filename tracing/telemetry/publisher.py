@@ -212,6 +212,7 @@ class TelemetryPublisher:
         self._windows: dict[str, _Window] = {}
         self._local = threading.local()
         self._waits: dict[tuple[int, str], OpenWaitInfo] = {}
+        self._waits_skipped: set[tuple[int, str]] = set()  # open waits whose start was not published
         self._request_window = _Window(DEFAULT_REQUEST_RATE)
         # gauges
         self._providers: list[Callable[[], Mapping[str, float]]] = []
@@ -419,10 +420,24 @@ class TelemetryPublisher:
                 self._waits[(thread.ident or 0, name)] = OpenWaitInfo(
                     what=name, started_at=now, timeout_s=timeout_s, thread=thread.name
                 )
+                # Waits repeated many times a second (a step's reply from a worker) are rate
+                # limited per name like step stages; the heartbeat lists every open one.
+                window = self._windows.get(name)
+                if window is None:
+                    window = self._windows[name] = _Window(self._stage_rate)
+                if not window.allow(time.monotonic()):
+                    self._waits_skipped.add((thread.ident or 0, name))
+                    self._skip("wait")
+                    return
                 with self._lock:
                     self._send_locked(WaitStarted, "wait", {"what": name, "timeout_s": timeout_s})
             elif event == "wait_end":
-                self._waits.pop((threading.get_ident(), name), None)
+                key = (threading.get_ident(), name)
+                self._waits.pop(key, None)
+                if key in self._waits_skipped:
+                    self._waits_skipped.discard(key)
+                    self._skip("wait")
+                    return
                 fields = {
                     "what": name,
                     "outcome": str(attrs.get("outcome", "")),
