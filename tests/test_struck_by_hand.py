@@ -135,3 +135,26 @@ def test_an_engine_core_that_dies_mid_serving_reports_its_last_step(tiny_dir):
     root = err.value.root_cause
     assert "process:   EngineCore_DP0" in root and "executor.execute_model" in root
     assert "last step: #4: 1 decode + 0 prefill tokens" in root, root
+
+
+def test_ctrl_c_at_any_moment_of_start_up_exits_130(base):
+    """A Ctrl-C that lands while a module imports (exec of generated dataclass code) used to
+    end the server by SIGINT (-2) after a clean stop: CPython flags a KeyboardInterrupt that
+    crosses exec() as unhandled. Struck at several moments after the port is bound."""
+    for delay in (0.0, 0.005, 0.01, 0.02, 0.03, 0.05, 0.08, 0.12):
+        env = {**os.environ, "GLASSBOX_RUN_DIR_BASE": str(base)}
+        proc = subprocess.Popen([sys.executable, "-m", "engine.cli.main", "serve", "--port", "0"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                                start_new_session=True)  # fmt: skip
+        try:
+            deadline = time.monotonic() + 60
+            while not list(base.glob("glassbox-*/manifest.json")):
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.002)
+            time.sleep(delay)
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(30) == 130, f"exit {proc.returncode} for a Ctrl-C {delay} s after the bind"
+            assert not list(base.glob("glassbox-*"))
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)

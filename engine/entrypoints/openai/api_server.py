@@ -76,6 +76,11 @@ EXIT_INTERRUPTED = 130  # Ctrl-C during start-up (128 + SIGINT)
 __all__ = ["ServerArgs", "bind_socket", "run_server", "run_api_server_worker", "PortInUseError"]
 
 
+class StartupInterrupted(BaseException):
+    """SIGINT / SIGTERM arrived during start-up (a ``BaseException``, like
+    ``KeyboardInterrupt``, so no ``except Exception`` on the way swallows it)."""
+
+
 class PortInUseError(OSError):
     """The listening address cannot be bound; ``flag`` is the flag to change (``--port`` when
     the port is taken, ``--host`` when the address is not this machine's or not valid)."""
@@ -118,7 +123,10 @@ def run_server(config: EngineConfig, args: ServerArgs, sock: socket.socket | Non
 
     def on_signal_during_startup(signum: int, frame: object) -> None:
         startup_signal.append(signum)
-        raise KeyboardInterrupt
+        # Not KeyboardInterrupt: one raised inside an exec() of generated code (a dataclass
+        # being built while a module imports) makes CPython exit by SIGINT (-2) at the end,
+        # whatever we return (it flags it as unhandled); our own exception does not.
+        raise StartupInterrupted(signum)
 
     signal.signal(signal.SIGTERM, on_signal_during_startup)
     signal.signal(signal.SIGINT, on_signal_during_startup)
@@ -169,7 +177,7 @@ def run_server(config: EngineConfig, args: ServerArgs, sock: socket.socket | Non
         return loop.run_until_complete(
             _serve(engine, config, args, sock, port, several_servers=several_servers)
         )
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, StartupInterrupted):
         # Ctrl-C exits 130 as a shell expects (128 + SIGINT); SIGTERM is a clean stop: 0.
         terminated = startup_signal[:1] == [signal.SIGTERM]
         logger.info("%s during start-up; stopping", "SIGTERM" if terminated else "Interrupted")
