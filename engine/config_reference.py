@@ -18,7 +18,8 @@ from engine.config import KV_CACHE_DTYPES, TOKENIZER_MODES
 from engine.engine_args import IGNORED_VLLM_FLAGS, REFUSED_VLLM_FLAGS
 
 # Flags of `glassbox serve` that vLLM does not have.
-GLASSBOX_ONLY_FLAGS = frozenset({"--trace-file"})
+GLASSBOX_ONLY_FLAGS = frozenset({"--trace-file", "--http-header-timeout", "--http-body-timeout",
+                                 "--api-key-scope", "--max-request-body-bytes"})  # fmt: skip
 # Flags vLLM users pass by habit that Glassbox accepts with no effect, and why.
 NO_EFFECT_FLAGS = {"--trust-remote-code": "no code from a model directory is ever run"}
 # Supported flags that take fewer values than vLLM's (the rest are refused with exit 2).

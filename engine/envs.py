@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tracing import waits
+
 
 def _bool(value: str) -> bool:
     v = value.strip().lower()
@@ -33,11 +35,7 @@ def _log_level(value: str) -> str:
     return level
 
 
-def _positive_float(value: str) -> float:
-    number = float(value)
-    if not number > 0:  # also refuses NaN
-        raise ValueError(f"expected a number of seconds > 0, got {value!r}")
-    return number
+_positive_float = waits.parse_seconds  # one parser of seconds, shared with tracing.waits
 
 
 def _non_negative_float(value: str) -> float:
@@ -164,6 +162,16 @@ ENV_VARS: dict[str, EnvVar] = {
             "nothing, and an idle tree would otherwise wait for it forever.",
         ),
         EnvVar(
+            "GLASSBOX_HEARTBEAT_TIMEOUT_S",
+            _non_negative_float,
+            30.0,
+            "Seconds a running child process may go without a heartbeat (its telemetry thread "
+            "touches its status file each second) before its parent reports it frozen by name "
+            "and stops the tree: a native call holding the GIL or a deadlock stops every Python "
+            "thread while the OS shows the process running. 0 turns the check off; so does "
+            "GLASSBOX_TELEMETRY=0 (no heartbeat to miss).",
+        ),
+        EnvVar(
             "GLASSBOX_TELEMETRY",
             _bool,
             True,
@@ -202,9 +210,16 @@ ENV_VARS: dict[str, EnvVar] = {
             "of each API server and of the offline LLM (vLLM: VLLM_LOG_STATS_INTERVAL).",
         ),
         EnvVar(
-            "GLASSBOX_DEFAULT_WAIT_TIMEOUT_S",
+            "GLASSBOX_HTTP_TIMEOUT_KEEP_ALIVE",
             _positive_float,
-            300.0,
+            5.0,
+            "Seconds an idle keep-alive HTTP connection stays open after its last response before "
+            "the API server closes it (vLLM: VLLM_HTTP_TIMEOUT_KEEP_ALIVE; docs/security.md).",
+        ),
+        EnvVar(
+            waits.DEFAULT_TIMEOUT_ENV,
+            _positive_float,
+            waits.DEFAULT_TIMEOUT_S,
             "Deadline, in seconds, of a bounded wait that was given no deadline of its own.",
         ),
         EnvVar(

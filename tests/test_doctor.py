@@ -164,6 +164,54 @@ def test_doctor_on_a_dead_instance_names_the_crashed_worker_and_exits_1(tmp_path
     assert "diagnosis: Worker_DP0_PP0_TP0" in text and "crash report: OSError" in text
 
 
+def test_doctor_names_an_injected_fault_and_shows_the_flight_recorder(tmp_path, capsys):
+    """A fault that struck is in the status file (``faults``); the dead engine core's last
+    steps in ``<role>.flight.json``: doctor says both, in its row, its diagnosis and a table."""
+    run_dir = _hand_made_run_dir(tmp_path)
+    now = time.time()
+    status_path = contract.status_path(run_dir, "Worker_DP0_PP0_TP0")
+    status = contract.read_status(status_path)
+    status.faults = [contract.StruckFault(spec="worker.load_model:crash@Worker_DP0_PP0_TP0",
+                                          stage="worker.load_model", kind="crash", struck_at=now - 19)]  # fmt: skip
+    contract.write_status(status_path, status)
+    steps = [{"step_id": i, "started_at": now - 25 + i, "duration_ms": 12.5, "num_decode_tokens": 3,
+              "num_prefill_tokens": 61, "token_budget": 64, "num_running": 3, "num_waiting": 1, "kv_usage": 0.25}
+             for i in range(1, 12)]  # fmt: skip
+    (run_dir / "EngineCore_DP0.flight.json").write_text(
+        json.dumps({"role": "EngineCore_DP0", "steps": steps})
+    )
+    assert main(["doctor", "--run-dir", str(run_dir), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert (
+        "An injected fault struck: worker.load_model:crash@Worker_DP0_PP0_TP0 in worker.load_model"
+        in (report["diagnosis"])
+    )
+    (core,) = [p for p in report["processes"] if p["role"] == "EngineCore_DP0"]
+    assert [s["step_id"] for s in core["flight"]] == list(range(4, 12))  # the last 8, oldest first
+    assert main(["doctor", "--run-dir", str(run_dir)]) == 1
+    text = capsys.readouterr().out
+    assert "injected fault struck: worker.load_model:crash@Worker_DP0_PP0_TP0 in worker.load_model" in text
+    assert "last steps of EngineCore_DP0 (flight recorder, oldest first):" in text
+    assert "#11: 3 decode + 61 prefill tokens of 64, 3 running, 1 waiting, KV 25%, 12.5 ms" in text
+
+
+def test_where_a_thread_waits_is_said_in_the_projects_own_code():
+    import sysconfig
+
+    from tracing.stacks import where_waits
+
+    lib = sysconfig.get_paths()["stdlib"]
+    root = ROOT
+    frames = [(f"{lib}/threading.py", 331, "wait"), (str(root / "tracing/faults.py"), 265, "_hang"),
+              (str(root / "tracing/stage.py"), 80, "emit"), (str(root / "engine/worker/worker.py"), 170,
+              "determine_available_memory"), (str(root / "engine/worker/worker.py"), 90, "run")]  # fmt: skip
+    assert where_waits(frames) == (
+        "tracing/faults.py:265 in _hang, inside engine/worker/worker.py:170 in determine_available_memory"
+    )
+    assert where_waits(frames[3:]) == "engine/worker/worker.py:170 in determine_available_memory"
+    assert where_waits(frames[:1]) is None  # only a library's frames
+
+
 def test_doctor_reads_a_half_written_run_dir_without_crashing(tmp_path, capsys):
     run_dir = tmp_path / "glassbox-1-x"
     run_dir.mkdir()

@@ -360,6 +360,32 @@ def test_stuck_stage_alert_with_its_hint():
     assert text.index("ERROR") < text.index("WARN")  # errors first
 
 
+def test_an_injected_fault_is_an_alert_at_once_with_the_stages_hint():
+    """From a heartbeat's ``faults`` (or the status file's): an error while the process is
+    still in the struck stage, a fading warning once it left, gone after FAULT_ALERT_S."""
+    from tracing.telemetry.collector import FAULT_ALERT_S, compute_alerts
+    from tracing.telemetry.events import StruckFaultInfo
+
+    spec = "worker.determine_available_memory:hang@Worker_DP0_PP0_TP0"
+    fault = StruckFaultInfo(
+        spec=spec, stage="worker.determine_available_memory", kind="hang", struck_at=NOW - 2
+    )
+    worker = _proc("Worker_DP0_PP0_TP0", "worker", 3001, [_stage("worker.determine_available_memory", 2.5)],
+                   state="starting", faults=[fault])  # fmt: skip
+    state = LiveState(now=NOW, processes={worker.role: worker})
+    (alert,) = [a for a in compute_alerts(state) if "injected" in a.message]
+    assert (alert.severity, alert.role) == ("error", "Worker_DP0_PP0_TP0")
+    assert alert.message == f"injected hang struck in worker.determine_available_memory 2.0 s ago ({spec})"
+    assert alert.hint.startswith("worker.determine_available_memory: the profile run")
+    state.alerts = compute_alerts(state)
+    text = render(views.render_alerts(state), width=200)
+    assert "ERROR Worker_DP0_PP0_TP0: injected hang struck in worker.determine_available_memory" in text
+    worker.stages = []  # a slow fault: the stage was left
+    assert [a.severity for a in compute_alerts(state) if "injected" in a.message] == ["warning"]
+    state.now = NOW + FAULT_ALERT_S + 5
+    assert not [a for a in compute_alerts(state) if "injected" in a.message]
+
+
 # ------------------------------------------------------------------------------ header and screens
 
 
@@ -621,7 +647,8 @@ def test_once_and_json_against_a_live_publisher(instance):
     assert catalogue.ENGINE_CORE_INITIALIZE_KV_CACHE in row and "starting" in row  # a start-up stage
     assert "planned" in line_of(once.stdout, "Worker_DP0_PP0_TP0")  # never started
     assert "1/2 found (1 missing)" in once.stdout
-    bar = line_of(once.stdout, "    7 ")
+    # step 7's bar (not a process row whose CPU% happens to read 7)
+    bar = next(ln for ln in once.stdout.splitlines() if "    7 " in ln and ("█" in ln or "▒" in ln))
     d, p = bar.count("█"), bar.count("▒")
     assert "·" not in bar and d + p >= 10 and round(4 * d / (d + p)) == 1  # 16 decode + 48 prefill = 64
     assert js.returncode == 0, js.stderr

@@ -114,14 +114,23 @@ def test_the_environment_variable_and_the_config_refuse_a_bad_spec(monkeypatch):
         (["serve", "--inject-fault", "worker.load_model:hung"], {}, "--inject-fault"),
         (["generate", "hi", "--inject-fault", "nope:crash"], {}, "--inject-fault"),
         (["serve"], {"GLASSBOX_FAULT": "engine_core.init:exit:x"}, "GLASSBOX_FAULT"),
+        # a role this tree does not have would never strike: refused, with the closest name
+        (["serve", "-tp", "2", "--inject-fault", "worker.load_model:hang@Worker_DP0_PP0_TP2"], {},
+         "--inject-fault: fault worker.load_model:hang@Worker_DP0_PP0_TP2: this tree has no process "
+         "Worker_DP0_PP0_TP2 (it has APIServer_0, EngineCore_DP0, Worker_DP0_PP0_TP0, Worker_DP0_PP0_TP1); "
+         "did you mean Worker_DP0_PP0_TP1?"),
+        (["generate", "hi"], {"GLASSBOX_FAULT": "engine_core.init:crash@EngineCore_DP1"},
+         "this tree has no process EngineCore_DP1 (it has LLM, EngineCore_DP0, Worker_DP0_PP0_TP0)"),
     ],
-)
-def test_cli_refuses_a_bad_fault_in_one_line_with_exit_2(argv, env, names):
+)  # fmt: skip
+def test_cli_refuses_a_bad_fault_in_one_line_with_exit_2(argv, env, names, tmp_path):
+    env = {**os.environ, "GLASSBOX_RUN_DIR_BASE": str(tmp_path), **env}
     proc = subprocess.run([sys.executable, "-m", "engine.cli.main", *argv], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60, env={**os.environ, **env})  # fmt: skip
+                          text=True, timeout=60, env=env)  # fmt: skip
     assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
+    lines = [ln for ln in proc.stderr.strip().splitlines() if "generation_config.json says" not in ln]
     assert len(lines) == 1 and names in lines[0], proc.stderr
+    assert not list(tmp_path.iterdir()), "nothing was started"
 
 
 # ------------------------------------------------------------------ in-process strikes

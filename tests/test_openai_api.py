@@ -100,7 +100,8 @@ def server(tmp_path_factory: pytest.TempPathFactory):
         "GLASSBOX_KEEP_ALIVE_ON_ENGINE_DEATH": "1",
     }
     cmd = [sys.executable, "-m", "engine.cli.main", "serve", "--port", "0", "--max-model-len", str(MAX_MODEL_LEN),
-           "--served-model-name", MODEL, "--api-key", API_KEY, "--uvicorn-log-level", "warning"]  # fmt: skip
+           "--served-model-name", MODEL, "--api-key", API_KEY, "--uvicorn-log-level", "warning",
+           "--allowed-origins", '["http://example.com"]']  # fmt: skip
     with open(log, "wb") as log_file:
         proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
                                 cwd=Path(__file__).resolve().parent.parent)  # fmt: skip
@@ -682,10 +683,15 @@ def test_a_body_that_is_not_labelled_json_is_a_400(server: Server) -> None:
 
 
 def test_cors_preflight_passes_without_a_key(server: Server) -> None:
+    """An allowed origin's preflight needs no key (browsers send none); another origin gets
+    no CORS header (the default allows none: tests/test_api_abuse.py)."""
     headers = {"Origin": "http://example.com", "Access-Control-Request-Method": "POST"}
     r = httpx.options(server.url + "/v1/completions", headers=headers, timeout=10)
     assert r.status_code == 200
-    assert r.headers["access-control-allow-origin"] == "*"
+    assert r.headers["access-control-allow-origin"] == "http://example.com"
+    other = {"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"}
+    r = httpx.options(server.url + "/v1/completions", headers=other, timeout=10)
+    assert "access-control-allow-origin" not in r.headers
 
 
 def test_a_prompt_too_long_is_a_400_with_vllms_wording(server: Server) -> None:

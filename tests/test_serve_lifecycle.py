@@ -117,6 +117,15 @@ def test_keep_alive_on_engine_death_answers_503(tmp_path):
         r = httpx.post(srv.base_url + "/v1/completions", json={"model": "x", "prompt": "hi"}, timeout=5)
         assert r.status_code in (503, 404)
         assert srv.proc.poll() is None, "the server stays up"
+        # Staying up, it prints the root cause at once (there is no "last"), once.
+        deadline = time.monotonic() + 10
+        while "Glassbox root cause" not in srv.log() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        log = srv.log()
+        assert log.count("Glassbox root cause") == 1 and "process:   Worker_DP0_PP0_TP0" in log, log[-3000:]
+        srv.proc.send_signal(signal.SIGTERM)
+        srv.proc.wait(20)
+        assert srv.log().count("Glassbox root cause") == 1, "printed again when it stopped"
     finally:
         srv.kill_group()
 

@@ -117,7 +117,7 @@ def test_status_file_is_the_contracts_typed_record(traced, caplog):
     assert tracing.read_status_file(traced.status_file) == {
         "role": "TestRole", "rank": 3, "pid": os.getpid(), "stage": None, "stage_stack": [],
         "entered_at": None, "updated_at": run_dirs.read_status(traced.status_file).updated_at,
-        "last_finished": tracing.read_status_file(traced.status_file)["last_finished"],
+        "last_finished": tracing.read_status_file(traced.status_file)["last_finished"], "faults": [],
     }  # fmt: skip
     assert tracing.read_status_file(Path(traced.status_file).parent / "none.status.json") is None
     # A field of the wrong type is a caller's bug: logged, the file left as it was, no raise.
@@ -362,6 +362,44 @@ def test_bounded_get_and_wait_events():
     ] * 2
     assert events[0][2] == {"timeout_s": 1}
     assert [a["outcome"] for e, _, a in events if e == "wait_end"] == ["ok", "timeout"]
+
+
+def test_wait_for_async_returns_results_times_out_naming_it_and_runs_its_check():
+    import asyncio
+
+    from tracing.waits import wait_for_async
+
+    events = []
+    remove = tracing.add_stage_hook(
+        lambda event, name, attrs: events.append((event, name, attrs.get("outcome")))
+    )
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        done = [loop.create_future(), loop.create_future()]
+        loop.call_later(0.05, done[0].set_result, "a")
+        loop.call_later(0.1, done[1].set_result, "b")
+        assert await wait_for_async("two answers", done, timeout_s=2, poll_interval_s=0.01) == ["a", "b"]
+        never = loop.create_future()
+        with pytest.raises(tracing.WaitTimeout, match="after 0.1 s waiting for an answer"):
+            await wait_for_async("an answer", [never], timeout_s=0.1, poll_interval_s=0.02)
+        assert never.cancelled()  # given up: a late answer goes nowhere
+        checks = []
+
+        def engines_alive() -> None:
+            checks.append(1)
+            if len(checks) == 3:
+                raise RuntimeError("engine died")
+
+        with pytest.raises(RuntimeError, match="engine died"):
+            await wait_for_async("an answer", [loop.create_future()], timeout_s=5, check=engines_alive,
+                                 poll_interval_s=0.01)  # fmt: skip
+
+    try:
+        asyncio.run(main())
+    finally:
+        remove()
+    assert [o for e, _, o in events if e == "wait_end"] == ["ok", "timeout", "error"]
 
 
 def test_default_timeout_comes_from_the_environment(monkeypatch):

@@ -16,6 +16,9 @@ A fault spec is ``STAGE:KIND[@ROLE][#N]``; several are separated by ``,``::
 - ``KIND``: ``hang`` (the stage never returns: its thread blocks for good, the process's
   other threads — heartbeat, lifeline — go on; SIGTERM still stops it), ``freeze`` (the
   whole process stops: SIGSTOP to itself, heartbeat included; SIGCONT resumes the stage),
+  ``gil`` (a native call that holds the GIL and never returns: every Python thread stops,
+  heartbeat included, while the OS shows the process running — what a C extension stuck
+  in a loop looks like; a signal still ends it),
   ``crash`` (raise ``InjectedFault`` inside the stage), ``exit:<code>`` (``os._exit(code)``,
   no clean-up, no crash report), ``kill:<signal>`` (send the signal, by name or number, to
   itself), ``slow:<seconds>`` (sleep, then go on).
@@ -48,16 +51,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from tracing import catalogue
-from tracing.stage import add_stage_hook
+from tracing.stage import add_stage_hook, forget_faults, record_fault
 
 logger = logging.getLogger(__name__)
 
 ENV = "GLASSBOX_FAULT"
 FLAG = "--inject-fault"
 
-KINDS = ("hang", "freeze", "crash", "exit", "kill", "slow")
+KINDS = ("hang", "freeze", "gil", "crash", "exit", "kill", "slow")
 _NEEDS_ARG = {"exit": "exit:<code>", "kill": "kill:<signal>", "slow": "slow:<seconds>"}
-GRAMMAR = "STAGE:KIND[@ROLE][#N], KIND one of hang, freeze, crash, exit:<code>, kill:<signal>, slow:<seconds>"
+GRAMMAR = (
+    "STAGE:KIND[@ROLE][#N], KIND one of hang, freeze, gil, crash, exit:<code>, kill:<signal>, slow:<seconds>"
+)
 
 _SPEC = re.compile(
     r"^(?P<stage>[^:@#]*):(?P<kind>[^:@#]*)(?::(?P<arg>[^@#]*))?(?:@(?P<role>[^@#]*))?(?:#(?P<n>[^@#]*))?$"
@@ -115,6 +120,8 @@ class Fault:
         return {
             "hang": "the stage never returns (this thread blocks; heartbeat goes on)",
             "freeze": "the whole process stops (SIGSTOP; SIGCONT resumes it)",
+            "gil": "a native call holds the GIL: every Python thread stops, heartbeat included, "
+            "while the OS shows the process running (a signal still ends it)",
             "crash": "the stage raises InjectedFault",
         }[self.kind]
 
@@ -243,8 +250,10 @@ def parse_faults(text: str) -> list[Fault]:
 
 # ------------------------------------------------------------------------------ striking
 
+_ANNOUNCE_S = 0.2  # s a freeze, kill or exit waits so live telemetry can say it struck
 _release = threading.Event()  # replaced by release_hangs(); a hang waits on the one it saw
 _installed: Callable[[], None] | None = None
+_armed: frozenset[str] = frozenset()  # stage names a fault of this process targets
 _install_lock = threading.Lock()
 
 
@@ -271,6 +280,11 @@ def strike(fault: Fault, role: str, entry: int) -> None:
         fault, role, os.getpid(), fault.stage, entry, fault.describe(),
     )  # fmt: skip
     kind = fault.kind
+    record_fault(str(fault), fault.stage, kind)
+    if kind in ("freeze", "gil", "kill", "exit"):
+        # The process is about to stop or end: give the telemetry socket's I/O thread a
+        # moment to send the heartbeat that carries the fault.
+        time.sleep(_ANNOUNCE_S)
     if kind == "slow":
         time.sleep(float(fault.arg))  # type: ignore[arg-type]
     elif kind == "crash":
@@ -279,12 +293,25 @@ def strike(fault: Fault, role: str, entry: int) -> None:
         _hang()
     elif kind == "freeze":
         os.kill(os.getpid(), signal.SIGSTOP)
+    elif kind == "gil":
+        _hold_the_gil()
     elif kind == "kill":
         _flush()
         os.kill(os.getpid(), int(fault.arg))  # type: ignore[arg-type]
     elif kind == "exit":
         _flush()
         os._exit(int(fault.arg))  # type: ignore[arg-type]
+
+
+def _hold_the_gil() -> None:
+    # ctypes.PyDLL keeps the GIL during the call (CDLL would release it): libc's sleep then
+    # stops every Python thread of the process. A signal interrupts the sleep, and its
+    # Python handler (SIGTERM → SystemExit) runs as the call returns.
+    import ctypes
+
+    libc = ctypes.PyDLL(None)
+    while True:
+        libc.sleep(3600)
 
 
 def _flush() -> None:
@@ -318,7 +345,7 @@ class _FaultHook:
                 strike(fault, self.role, entry)
 
 
-def install_faults(role: str, text: str | None = None) -> list[Fault]:
+def install_faults(role: str, text: str | None = None, *, quiet: bool = False) -> list[Fault]:
     """Arm the faults of ``text`` (default: ``$GLASSBOX_FAULT``) that apply to ``role``.
 
     Replaces what an earlier call armed in this process (so each ``setup_tracing`` starts
@@ -331,7 +358,7 @@ def install_faults(role: str, text: str | None = None) -> list[Fault]:
     Raises:
         ValueError: the spec does not parse (the first process has checked it already).
     """
-    global _installed
+    global _installed, _armed
     if text is None:
         text = os.environ.get(ENV, "")
     faults = parse_faults(text) if text else []
@@ -342,22 +369,45 @@ def install_faults(role: str, text: str | None = None) -> list[Fault]:
             _installed = None
         if mine:
             _installed = add_stage_hook(_FaultHook(role, mine))
-    if mine:
+        _armed = frozenset(f.stage for f in mine)
+    if mine and not quiet:
         logger.warning(
             "FAULT INJECTION ON in %s (pid %d): %s — this process will be struck on purpose (%s)",
             role, os.getpid(), "; ".join(f"{f} ({f.describe()})" for f in mine), ENV,
         )  # fmt: skip
-    elif faults:
+    elif faults and not quiet:
         logger.warning(
             "FAULT INJECTION ON (%s=%s): no fault targets %s (pid %d)", ENV, text, role, os.getpid()
         )
     return mine
 
 
+def arm_before_config(role: str, text: str | None) -> None:
+    """Arm ``text``'s faults for ``role`` before the configuration is validated, so a fault
+    can strike ``cli.validate_config`` too (the first process's first stage). Quiet, and a
+    spec that does not parse arms nothing: the validation that follows reports it."""
+    if text is None:
+        text = os.environ.get(ENV, "")
+    try:
+        install_faults(role, text, quiet=True)
+    except ValueError:
+        pass
+
+
+def armed_stages() -> frozenset[str]:
+    """The stage names a fault armed in this process targets. Stages entered only on demand
+    (a worker's per-step ``worker.execute_model``, ``worker.forward``, ``worker.sample``: with
+    ``--collect-detailed-traces``) are also entered when a fault targets them, so any stage
+    of the catalogue can be struck."""
+    return _armed
+
+
 def uninstall_faults() -> None:
-    """Disarm the faults armed in this process (tests)."""
-    global _installed
+    """Disarm the faults armed in this process, and forget those that struck (tests)."""
+    global _installed, _armed
+    forget_faults()
     with _install_lock:
+        _armed = frozenset()
         if _installed is not None:
             _installed()
             _installed = None

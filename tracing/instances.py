@@ -64,6 +64,7 @@ class ProcessInfo:
         stage_stack: open lifecycle stages, outermost first.
         time_in_stage_s: seconds in ``stage``; when idle, seconds since ``last_finished``.
         last_finished: name of the last lifecycle stage left.
+        faults: injected faults that struck it (status file), as ``"SPEC in STAGE"``.
         uptime_s, rss_mib, threads: from psutil (seconds, MiB, count); None when not alive.
         depth: nesting under the frontend among the rows shown (for indenting).
     """
@@ -82,6 +83,7 @@ class ProcessInfo:
     stage_stack: list[str] = field(default_factory=list)
     time_in_stage_s: float | None = None
     last_finished: str | None = None
+    faults: list[str] = field(default_factory=list)
     uptime_s: float | None = None
     rss_mib: float | None = None
     threads: int | None = None
@@ -313,6 +315,7 @@ def _fill_status(row: ProcessInfo, status: run_dirs.ProcessStatus | None, now: f
     row.stage_stack = list(status.stage_stack)
     last = status.last_finished
     row.last_finished = last.name if last is not None else None
+    row.faults = [f"{f.spec} in {f.stage}" for f in status.faults]
     since = status.entered_at if row.stage else (last.finished_at if last is not None else None)
     row.time_in_stage_s = max(0.0, now - since) if since else None
 

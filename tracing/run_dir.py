@@ -154,6 +154,24 @@ class FinishedStage(msgspec.Struct):
     finished_at: float | None = None
 
 
+class StruckFault(msgspec.Struct):
+    """An injected fault (``tracing.faults``) that struck this process.
+
+    Attributes:
+        spec: the fault as written (``worker.load_model:hang@Worker_DP0_PP0_TP0#1``).
+        stage: the stage it struck in.
+        kind: hang, freeze, crash, exit, kill or slow.
+        struck_at: Unix time (s) it struck.
+        thread: the thread it struck.
+    """
+
+    spec: str
+    stage: str
+    kind: str
+    struck_at: float
+    thread: str = ""
+
+
 class ProcessStatus(msgspec.Struct):
     """``<role>.status.json``: a process's current lifecycle stage, rewritten at each change.
 
@@ -170,6 +188,7 @@ class ProcessStatus(msgspec.Struct):
         entered_at: Unix time (s) ``stage`` was entered.
         updated_at: Unix time (s) the file was written.
         last_finished: the last lifecycle stage left, or None.
+        faults: injected faults that struck this process (``StruckFault``), oldest first.
     """
 
     role: str | None = None
@@ -180,6 +199,7 @@ class ProcessStatus(msgspec.Struct):
     entered_at: float | None = None
     updated_at: float | None = None
     last_finished: FinishedStage | None = None
+    faults: list[StruckFault] = msgspec.field(default_factory=list)
 
 
 class CrashReport(msgspec.Struct):
@@ -475,6 +495,7 @@ __all__ = [
     "read_crash_report",
     "read_manifest",
     "read_status",
+    "StruckFault",
     "remove_run_dir",
     "role_from_title",
     "run_dir_base",

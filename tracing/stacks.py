@@ -29,6 +29,7 @@ import json
 import os
 import re
 import signal
+import sysconfig
 import threading
 import time
 from dataclasses import dataclass, field
@@ -170,6 +171,46 @@ class DumpResult:
     threads: list[ThreadStack] = field(default_factory=list)
     raw: str = ""
     error: str | None = None
+
+
+_PROJECT = Path(__file__).resolve().parents[1]  # the checkout: engine/, tracing/, tui/
+_LIBRARY = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
+_HELPERS = ("tracing/faults.py", "tracing/waits.py", "tracing/stage.py")
+
+
+_PACKAGES = tuple(str(_PROJECT / name) + os.sep for name in ("engine", "tracing", "tui"))
+
+
+def _is_own(file: str) -> bool:
+    """Glassbox's code (also when installed into site-packages), or a script: not a library's."""
+    return file.startswith(_PACKAGES) or not (file.startswith(_LIBRARY) or file.startswith("<"))
+
+
+def short_path(file: str) -> str:
+    """A file of this checkout relative to it (``engine/worker/worker.py``); others as given."""
+    try:
+        return str(Path(file).resolve().relative_to(_PROJECT))
+    except (ValueError, OSError):
+        return file
+
+
+def where_waits(frames: list[tuple[str, int, str]]) -> str | None:
+    """Where a thread waits, in Glassbox's own code: the innermost frame outside the standard
+    library and installed packages (``engine/frontend/core_client.py:517 in _recv``); when
+    that is a helper (an injected fault, a bounded wait, the stage hook), also the engine
+    frame it serves (``..., inside engine/worker/worker.py:170 in determine_available_memory``).
+    ``frames``: ``ThreadStack.frames``, most recent call first. None when every frame is a
+    library's."""
+    own = [(short_path(f), n, fn) for f, n, fn in frames if _is_own(f)]
+    if not own:
+        return None
+    file, line, func = own[0]
+    text = f"{file}:{line} in {func}"
+    if file in _HELPERS:
+        caller = next(((f, n, fn) for f, n, fn in own if f not in _HELPERS), None)
+        if caller is not None:
+            text += f", inside {caller[0]}:{caller[1]} in {caller[2]}"
+    return text
 
 
 def request_dump(run_dir: str | os.PathLike[str], role: str, pid: int, timeout_s: float = 1.0) -> DumpResult:

@@ -48,8 +48,8 @@ logger = logging.getLogger(__name__)
 
 StageHook = Callable[[str, str, Mapping[str, Any]], None]
 """``hook(event, name, attrs)``. Events: ``enter`` and ``exit`` (stages), ``wait_start`` and
-``wait_end`` (``tracing.waits``). For ``exit``, ``attrs`` also holds ``duration_ms`` and
-``error`` (``"Type: message"`` or None); these two are hook fields, not span attributes."""
+``wait_end`` (``tracing.waits``), ``fault`` (``record_fault``: an injected fault strikes).
+For ``exit``, ``attrs`` also holds ``duration_ms`` and ``error`` (``"Type: message"`` or None); these two are hook fields, not span attributes."""
 
 _hooks: tuple[StageHook, ...] = ()  # replaced, never mutated: emitters iterate a snapshot
 _hooks_lock = threading.Lock()
@@ -96,6 +96,7 @@ _local = threading.local()
 _stacks: dict[int, list[OpenStage]] = {}
 _stacks_lock = threading.Lock()
 _last_finished: dict[str, Any] | None = None
+_faults: list[dict[str, Any]] = []  # injected faults that struck here (record_fault)
 
 
 def _thread_stack() -> list[OpenStage]:
@@ -135,8 +136,39 @@ def _write_status(handle: setup.TracingHandle) -> None:
             "stage_stack": [s.name for s in lifecycle],
             "entered_at": innermost.entered_at if innermost else None,
             "last_finished": _last_finished,
+            "faults": list(_faults),
         }
     )
+
+
+def forget_faults() -> None:
+    """Forget the faults ``record_fault`` recorded (``tracing.faults.uninstall_faults``)."""
+    _faults.clear()
+
+
+def record_fault(spec: str, name: str, kind: str) -> None:
+    """Say that injected fault ``spec`` (of ``kind``) strikes now, in stage ``name``.
+
+    Called by ``tracing.faults`` just before it acts, so the fault is visible before it
+    hangs, freezes or ends the process: the status file gains it (``ProcessStatus.faults``,
+    read by ``glassbox doctor`` and ``glassbox ps``) and the hooks get a ``fault`` event
+    (live telemetry sends it with the next heartbeat, at once). Never raises.
+    """
+    entry = {
+        "spec": spec,
+        "stage": name,
+        "kind": kind,
+        "struck_at": time.time(),
+        "thread": threading.current_thread().name,
+    }
+    _faults.append(entry)
+    handle = setup._handle
+    if handle is not None:
+        _write_status(handle)
+    try:
+        emit("fault", name, entry)
+    except Exception:  # noqa: BLE001 - a hook's failure must not change what the fault does
+        logger.debug("a stage hook failed on a fault event", exc_info=True)
 
 
 class Stage:

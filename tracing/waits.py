@@ -8,12 +8,15 @@ without a deadline; when the deadline passes, ``WaitTimeout`` says what was awai
 where "waiting for X" telemetry and fault injection attach.
 
 vLLM has no single helper: its waits are spread over ``zmq`` polls with timeouts and
-``VLLM_*_TIMEOUT`` variables. Left out: asyncio waits (use ``asyncio.wait_for`` there).
+``VLLM_*_TIMEOUT`` variables. On an event loop, ``wait_for_async`` is the same for asyncio
+futures.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import math
 import os
 import queue
 import threading
@@ -25,10 +28,10 @@ from tracing.stage import emit
 
 T = TypeVar("T")
 
-# tracing/ must not import engine/, so the one variable it needs is read here directly;
-# engine/envs.py declares it (GLASSBOX_DEFAULT_WAIT_TIMEOUT_S) with the same default.
-_DEFAULT_TIMEOUT_ENV = "GLASSBOX_DEFAULT_WAIT_TIMEOUT_S"
-_DEFAULT_TIMEOUT_S = 300.0
+# Declared here (tracing/ imports no engine module) and used by engine/envs.py's table, so
+# the name, default and parser of this variable exist once.
+DEFAULT_TIMEOUT_ENV = "GLASSBOX_DEFAULT_WAIT_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 300.0
 
 
 class WaitTimeout(TimeoutError):
@@ -52,8 +55,24 @@ def _seconds(t: float) -> str:
     return f"{t:.1f}" if t >= 1 else f"{t:.3g}"
 
 
+def parse_seconds(text: str) -> float:
+    """A positive number of seconds from ``text`` (the parser of every ``*_TIMEOUT_S``
+    variable, here and in ``engine/envs.py``).
+
+    Raises:
+        ValueError: not a number, or not > 0 (NaN included).
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0:
+        raise ValueError(f"expected a number of seconds > 0, got {text!r}")
+    return value
+
+
 def env_seconds(name: str, default: float) -> float:
-    """A positive number of seconds from environment variable ``name`` (``default`` if unset).
+    """``parse_seconds`` of environment variable ``name`` (``default`` if unset or empty).
 
     Raises:
         ValueError: the variable is set but is not a positive number; the message names it.
@@ -62,12 +81,9 @@ def env_seconds(name: str, default: float) -> float:
     if not raw:
         return default
     try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if value <= 0:
-        raise ValueError(f"{name}={raw!r} is not valid: expected a positive number of seconds")
-    return value
+        return parse_seconds(raw)
+    except ValueError as e:
+        raise ValueError(f"{name}={raw!r} is not valid: {e}") from None
 
 
 def default_timeout_s() -> float:
@@ -76,7 +92,7 @@ def default_timeout_s() -> float:
     Raises:
         ValueError: the variable is set but is not a positive number.
     """
-    return env_seconds(_DEFAULT_TIMEOUT_ENV, _DEFAULT_TIMEOUT_S)
+    return env_seconds(DEFAULT_TIMEOUT_ENV, DEFAULT_TIMEOUT_S)
 
 
 Condition = Callable[[], Any] | threading.Event | concurrent.futures.Future
@@ -199,4 +215,53 @@ def _run_wait(
                 outcome = "timeout"
                 raise WaitTimeout(what, timeout_s)
     finally:
+        emit("wait_end", what, {"outcome": outcome, "waited_ms": (time.monotonic() - start) * 1e3})
+
+
+async def wait_for_async(
+    what: str,
+    futures: list[asyncio.Future[Any]],
+    *,
+    timeout_s: float | None,
+    check: Callable[[], None] | None = None,
+    poll_interval_s: float = 0.1,
+) -> list[Any]:
+    """On an event loop: wait until every future of ``futures`` is done, at most ``timeout_s``.
+
+    ``check`` runs between slices of ``poll_interval_s`` (e.g. "are the engines alive?"; it
+    raises to end the wait). Sends the same ``wait_start`` / ``wait_end`` events as
+    ``wait_for``. Futures not done when the wait ends (timeout, ``check`` raised, the task
+    was cancelled) are cancelled.
+
+    Returns:
+        the futures' results, in order.
+
+    Raises:
+        WaitTimeout: the deadline passed first; the message names ``what``.
+        Exception: whatever ``check`` or a future raised.
+    """
+    if timeout_s is None:
+        timeout_s = default_timeout_s()
+    start = time.monotonic()
+    deadline = start + timeout_s
+    emit("wait_start", what, {"timeout_s": timeout_s})
+    outcome = "error"
+    try:
+        while True:
+            pending = [f for f in futures if not f.done()]
+            if not pending:
+                results = [f.result() for f in futures]
+                outcome = "ok"
+                return results
+            if check is not None:
+                check()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                outcome = "timeout"
+                raise WaitTimeout(what, timeout_s)
+            await asyncio.wait(pending, timeout=min(poll_interval_s, remaining))
+    finally:
+        for f in futures:
+            if not f.done():
+                f.cancel()  # given up: a late answer is dropped
         emit("wait_end", what, {"outcome": outcome, "waited_ms": (time.monotonic() - start) * 1e3})

@@ -40,6 +40,7 @@ from typing import Any
 
 from engine.cli.help_formatter import DefaultsHelpFormatter
 from engine.cli.ps import collect_instance
+from engine.utils import processes
 from engine.utils import run_dir as run_dirs
 from tracing import hints
 from tracing import run_dir as contract
@@ -87,11 +88,13 @@ class ProcessReport:
     other_threads: int = 0
     py_spy: str | None = None
     depth: int = 0
+    faults: list[str] = field(default_factory=list)
+    flight: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def main_top(self) -> str | None:
         main = next((t for t in self.threads if t.get("main")), None)
-        return main["top"] if main else None
+        return main.get("waits_at") or main["top"] if main else None
 
 
 @dataclass
@@ -109,6 +112,7 @@ class Report:
     diagnosis: str = ""
     hint: str = ""
     culprit: str | None = None
+    now: float = 0.0  # Unix time (s) the report describes
 
 
 # ------------------------------------------------------------------------ gathering
@@ -166,6 +170,12 @@ def _gather(run_dir: Path, watch_s: float, want_stacks: bool, stack_timeout_s: f
             ]
         if rep.time_in_stage_s is not None:
             rep.time_in_stage_s = round(rep.time_in_stage_s, 2)
+        rep.faults = list(p.faults)
+        if lp is not None:
+            rep.faults += [
+                f"{f.spec} in {f.stage}" for f in lp.faults if f"{f.spec} in {f.stage}" not in rep.faults
+            ]
+        rep.flight = _flight(run_dir, p, live)
         crash = contract.read_crash_report(run_dir, p.role)
         if crash is not None:
             rep.crash = {"stage": crash.stage, "exception": crash.exception, "pid": crash.pid,
@@ -186,7 +196,31 @@ def _gather(run_dir: Path, watch_s: float, want_stacks: bool, stack_timeout_s: f
     alerts = [asdict(a) for a in live.alerts] if live is not None else []
     return Report(run_dir=str(run_dir), mode=inst.mode, expected=inst.expected_process_count,
                   found=inst.found_process_count, live_telemetry=live is not None, processes=reports,
-                  alerts=alerts, problems=list(inst.problems))  # fmt: skip
+                  alerts=alerts, problems=list(inst.problems), now=now)  # fmt: skip
+
+
+FLIGHT_STEPS = 8  # the last steps doctor shows of each engine core
+
+
+def _flight(run_dir: Path, p, live) -> list[dict[str, Any]]:
+    """An engine core's last steps: from live telemetry (step records), else from the flight
+    recorder it wrote as it died (``<role>.flight.json``)."""
+    if p.kind != "engine_core":
+        return []
+    steps: list[dict[str, Any]] = []
+    if live is not None and p.rank is not None and live.steps.get(p.rank):
+        steps = [
+            {f: getattr(r, f) for f in r.__struct_fields__} for r in list(live.steps[p.rank])[-FLIGHT_STEPS:]
+        ]
+    else:
+        try:
+            data = json.loads(processes.flight_file(run_dir, p.role).read_text())
+            steps = [s for s in (data.get("steps") or []) if isinstance(s, dict)][-FLIGHT_STEPS:]
+        except (OSError, ValueError, AttributeError):
+            steps = []
+    keep = ("step_id", "started_at", "duration_ms", "num_decode_tokens", "num_prefill_tokens",
+            "token_budget", "num_running", "num_waiting", "kv_usage", "dummy")  # fmt: skip
+    return [{k: s[k] for k in keep if k in s} for s in steps]
 
 
 def _is_lifecycle(stage: str) -> bool:
@@ -222,7 +256,8 @@ def _collect_stacks(run_dir: Path, reports: list[ProcessReport], timeout_s: floa
                 if t.main or named:
                     rep.threads.append({"name": t.name or ("MainThread" if t.main else t.ident),
                                         "ident": t.ident, "main": t.main, "top": t.top,
-                                        "frames": [f"{f}:{n} in {fn}" for f, n, fn in t.frames
+                                        "waits_at": stack_dumps.where_waits(t.frames),
+                                        "frames": [f"{stack_dumps.short_path(f)}:{n} in {fn}" for f, n, fn in t.frames
                                                    if not _boilerplate(f, fn)]})  # fmt: skip
                 else:
                     rep.other_threads += 1
@@ -269,6 +304,10 @@ def diagnose(report: Report) -> None:
         return f" {rep.stage}: {hints.stage_hint(rep.stage).hint}." if rep.stage else ""
 
     def settle(verdict: str, rep: ProcessReport | None, text: str, hint: str) -> None:
+        struck = rep.faults if rep is not None and rep.faults else [f for p in procs for f in p.faults]
+        if struck and verdict != "healthy":
+            # Said plainly: this state was asked for (a lesson, a test), not found.
+            text += f" An injected fault struck: {'; '.join(struck)} (--inject-fault / GLASSBOX_FAULT)."
         report.verdict, report.diagnosis, report.hint = verdict, text, hint
         report.culprit = rep.role if rep is not None else None
         report.healthy = verdict == "healthy"
@@ -350,10 +389,17 @@ def render_text(report: Report, out, max_frames: int = 6) -> None:
             w(f"{indent}    {p.note}\n")
         for wait in p.waits:
             w(f"{indent}    waiting for {wait}\n")
+        for fault in p.faults:
+            w(f"{indent}    injected fault struck: {fault}\n")
         if p.crash:
             w(f"{indent}    crash report: {p.crash.get('exception')} (stage {p.crash.get('stage')})\n")
             for line in p.crash.get("traceback_tail") or []:
                 w(f"{indent}      {line}\n")
+    for p in report.processes:
+        if p.flight:
+            w(f"\nlast steps of {p.role} (flight recorder, oldest first):\n")
+            for st in p.flight:
+                w("  " + _step_line(st, report) + "\n")
     w("\nstacks (main thread and named threads; most recent call first):\n")
     for p in report.processes:
         if p.state in ("dead", "not started"):
@@ -378,6 +424,18 @@ def render_text(report: Report, out, max_frames: int = 6) -> None:
     w(f"\ndiagnosis: {report.diagnosis}\n")
     if report.hint:
         w(f"what to check: {report.hint}\n")
+
+
+def _step_line(st: dict[str, Any], report: Report) -> str:
+    if st.get("dummy"):
+        what = "dummy batch (DP wave)"
+    else:
+        what = (f"{st.get('num_decode_tokens', 0)} decode + {st.get('num_prefill_tokens', 0)} prefill tokens "
+                f"of {st.get('token_budget', '?')}")  # fmt: skip
+    ago = f", {_age(report.now - st['started_at'])} ago" if report.now and st.get("started_at") else ""
+    return (f"#{st.get('step_id')}: {what}, {st.get('num_running', 0)} running, "
+            f"{st.get('num_waiting', 0)} waiting, KV {float(st.get('kv_usage') or 0):.0%}, "
+            f"{float(st.get('duration_ms') or 0):.1f} ms{ago}")  # fmt: skip
 
 
 # ------------------------------------------------------------------------ command

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from engine.cli.help_formatter import DefaultsHelpFormatter
@@ -87,6 +88,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     flags = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p",
              "seed": "--sampling-seed", "max_tokens": "--max-tokens", "n": "--n", "stop": "--stop"}  # fmt: skip
     # Validate everything — engine flags and sampling flags — before starting the engine.
+    from engine.distributed.topology import ProcessRole
+    from tracing.faults import arm_before_config
+
+    # Until the start-up installs its own handlers, a SIGTERM is a clean stop (exit 0), not
+    # death by the signal: nothing has been started yet.
+    signal.signal(signal.SIGTERM, _clean_exit)
+    arm_before_config(ProcessRole.frontend().name, args.inject_fault)
     with stage(catalogue.CLI_VALIDATE_CONFIG):
         engine_args = EngineArgs.from_cli_args(args)
         try:
@@ -169,3 +177,7 @@ def _print_outputs(prompts: list[str], outputs, chat: bool = False) -> None:
             console.print(
                 f"[dim]({len(completion.token_ids)} tokens, finish_reason={completion.finish_reason})[/dim]"
             )
+
+
+def _clean_exit(signum: int, frame: object) -> None:
+    raise SystemExit(0)

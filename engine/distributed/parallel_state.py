@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from engine.logger import init_logger
+from tracing.waits import WaitTimeout, wait_for
 
 logger = init_logger(__name__)
 
@@ -248,15 +249,16 @@ def _rendezvous(
         ) from None
     store.set(_ARRIVED_KEY.format(rank), str(rank))
     keys = [_ARRIVED_KEY.format(r) for r in range(world_size)]
-    while not store.check(keys):
-        if time.monotonic() > deadline:
-            missing = [r for r in range(world_size) if not store.check([_ARRIVED_KEY.format(r)])]
-            raise RendezvousTimeout(
-                f"torch.distributed rendezvous at {init_method}: rank(s) {named(missing)} of {world_size} "
-                f"never arrived within {timeout_s:g} s ({hint}); this is rank {named([rank])}",
-                missing,
-            )
-        time.sleep(0.02)
+    try:
+        wait_for(f"every rank at the rendezvous {init_method}", lambda: store.check(keys),
+                 timeout_s=max(deadline - time.monotonic(), 0.001), poll_interval_s=0.02)  # fmt: skip
+    except WaitTimeout:
+        missing = [r for r in range(world_size) if not store.check([_ARRIVED_KEY.format(r)])]
+        raise RendezvousTimeout(
+            f"torch.distributed rendezvous at {init_method}: rank(s) {named(missing)} of {world_size} "
+            f"never arrived within {timeout_s:g} s ({hint}); this is rank {named([rank])}",
+            missing,
+        ) from None
     return store
 
 

@@ -30,6 +30,7 @@ Torch-free and cheap to import (enum, re, msgspec). vLLM spreads the same knowle
 
 from __future__ import annotations
 
+import difflib
 import enum
 import re
 from typing import Any
@@ -240,6 +241,25 @@ class TopologyPlan(msgspec.Struct, frozen=True):
     data_parallel_size: int
     api_server_count: int
     workers_in_processes: bool
+
+    def check_fault_targets(self, spec: str | None) -> None:
+        """Refuse a fault (``tracing.faults`` spec) whose ``@ROLE`` is no process of this plan
+        (a typo, or a rank the tree does not have): it would never strike, silently.
+
+        Raises:
+            ValueError: one line naming the fault, the role and this plan's processes (with
+                the closest name when there is one).
+        """
+        from tracing.faults import parse_faults
+
+        names = [r.name for r in self.roles]
+        for fault in parse_faults(spec or ""):
+            if fault.role is not None and fault.role not in names:
+                close = difflib.get_close_matches(fault.role, names, n=1)
+                hint = f"; did you mean {close[0]}?" if close else ""
+                raise ValueError(
+                    f"fault {fault}: this tree has no process {fault.role} (it has {', '.join(names)}){hint}"
+                )
 
     @property
     def world_size(self) -> int:

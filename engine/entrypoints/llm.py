@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from engine import envs
+from engine.config import ConfigError
 from engine.distributed import topology
 from engine.engine_args import EngineArgs, drop_vllm_compat_kwargs
 from engine.frontend.core_client import EngineCoreClient, InprocClient
@@ -68,6 +69,12 @@ class LLM:
         self.config = engine_args.create_engine_config(usage_context="llm")
         # Every process this LLM owns (itself first), named once, before anything starts.
         self.topology = topology.plan(self.config, multiprocess=envs.GLASSBOX_ENABLE_MULTIPROCESSING)
+        obs = self.config.observability_config
+        try:
+            self.topology.check_fault_targets(obs.inject_fault)
+        except ValueError as e:
+            flag = "--inject-fault" if engine_args.inject_fault else "GLASSBOX_FAULT"
+            raise ConfigError(flag, obs.inject_fault, str(e)) from None
         self.run_dir = run_dirs.create_run_dir()
         enable_stack_dumps(self.run_dir, self.topology.owner.name)  # SIGUSR1 → stacks (glassbox doctor)
         self._closed = False

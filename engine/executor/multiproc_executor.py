@@ -38,12 +38,24 @@ from engine.utils import processes
 from engine.utils import run_dir as run_dirs
 from engine.utils.processes import ChildProcess, EngineDeadError
 from engine.utils.wire import ProtocolError
-from tracing import WaitTimeout, catalogue, current_stage, read_status_file, setup_tracing, stage, wait_for
+from tracing import (
+    WaitTimeout,
+    catalogue,
+    current_stage,
+    faults,
+    read_status_file,
+    setup_tracing,
+    stacks,
+    stage,
+    wait_for,
+)
 from tracing.propagation import attached_trace_context, inject_trace_headers
 from tracing.telemetry import events
 from tracing.telemetry.publisher import get_publisher, start_telemetry
 
 logger = init_logger(__name__)
+
+HUNG_STACK_TIMEOUT_S = 2.0  # s to wait for a stack dump of a worker that missed its deadline
 
 # How often waits look up from the queue to check the workers are alive (seconds).
 DEATH_CHECK_S = 0.5
@@ -230,7 +242,8 @@ class MultiprocExecutor(Executor):
                                   timeout_s=max(deadline - time.monotonic(), 0.0), poll_interval_s=0)  # fmt: skip
         except WaitTimeout:
             raise TimeoutError(
-                f"{self.roles[rank]} did not answer {what} within its deadline; {self._describe_reader(rank)}"
+                f"{self.roles[rank]} (pid {self.workers[rank].pid}) did not answer {what} within its deadline; "
+                f"{self._describe_hung(rank)}"
             ) from None
         return message
 
@@ -242,7 +255,26 @@ class MultiprocExecutor(Executor):
         if status.get("stage"):
             return f"{role} is in stage {status['stage']} for {time.time() - status.get('entered_at', time.time()):.1f} s"
         last = (status.get("last_finished") or {}).get("name")
-        return f"{role} last finished stage {last}" if last else f"{role} reports no stage"
+        return (
+            f"{role} is past start-up (last lifecycle stage {last})" if last else f"{role} reports no stage"
+        )
+
+    def _describe_hung(self, rank: int) -> str:
+        """Why worker ``rank`` may not answer: its stage, an injected fault that struck it, and
+        the line its main thread waits at (a stack dump on SIGUSR1, ``tracing.stacks``)."""
+        role = self.roles[rank]
+        parts = [self._describe_reader(rank)]
+        status = read_status_file(run_dirs.status_file(Path(self.run_dir), role)) or {}
+        for fault in status.get("faults") or []:
+            parts.append(f"an injected fault struck it: {fault.get('spec')} in {fault.get('stage')}")
+        proc = self.workers[rank]
+        if proc.poll() is None:
+            dump = stacks.request_dump(self.run_dir, role, proc.pid, timeout_s=HUNG_STACK_TIMEOUT_S)
+            main = next((t for t in dump.threads if t.main), None)
+            where = stacks.where_waits(main.frames) if main is not None else None
+            if where:
+                parts.append(f"its main thread waits at {where} (all threads: {role}{stacks.STACKS_SUFFIX})")
+        return "; ".join(parts)
 
     def _check_worker(self, rank: int) -> None:
         proc = self.workers[rank]
@@ -251,17 +283,26 @@ class MultiprocExecutor(Executor):
             self._fail(rank, code)
 
     def _killed_peer(self, rank: int) -> int | None:
-        """A dead worker other than ``rank`` that wrote no crash report (killed from outside)."""
+        """A dead worker other than ``rank`` that failed first: it wrote no crash report
+        (killed from outside), or wrote one before ``rank`` did (``rank``'s error is then
+        the echo of the peer's, e.g. gloo's "Connection closed by peer")."""
+        run_dir = Path(self.run_dir)
+        mine = processes.read_crash_report(run_dir, self.roles[rank])
+        my_time = mine.get("time") if mine else None
         for r, proc in enumerate(self.workers):
-            dead = r != rank and proc.poll() is not None
-            if dead and processes.read_crash_report(Path(self.run_dir), proc.role) is None:
+            if r == rank or proc.poll() is None:
+                continue
+            report = processes.read_crash_report(run_dir, proc.role)
+            if report is None:
+                return r
+            if my_time is not None and report.get("time") is not None and report["time"] < my_time:
                 return r
         return None
 
     def _blame_dead_peer(self, rank: int, grace_s: float = 1.0) -> None:
-        """Tensor parallelism: when a worker dies, its peers' next collective fails and they
-        report an error (then exit). The root cause is the peer that died, not them: wait
-        briefly for such a peer and, if there is one, fail with its root cause."""
+        """Tensor parallelism: when a worker dies or fails, its peers' next collective fails
+        and they report an error (then exit). The root cause is the peer that failed first,
+        not them: wait briefly for such a peer and, if there is one, fail with its root cause."""
         if self.world_size == 1:
             return
         try:
@@ -303,13 +344,19 @@ class MultiprocExecutor(Executor):
                         self._fail(rank, self.workers[rank].poll())
                     except EngineDeadError:
                         return
-                seconds = stopped.stopped_for(self.workers[rank].pid)
-                if seconds is not None and not self._shutting_down and self.failure is None:
-                    # Stopped by a signal for too long: named, as a death would be.
-                    proc = self.workers[rank]
+                proc = self.workers[rank]
+                seconds = stopped.stopped_for(proc.pid)
+                state = stopped.describe(seconds) if seconds is not None else None
+                if state is None:
+                    seconds = stopped.frozen_for(
+                        proc.pid, run_dirs.status_file(Path(self.run_dir), proc.role)
+                    )
+                    state = stopped.describe_frozen(seconds) if seconds is not None else None
+                if state is not None and not self._shutting_down and self.failure is None:
+                    # Stopped by a signal, or frozen, for too long: named, as a death would be.
                     self.failure = EngineDeadError(processes.format_root_cause(
-                        Path(self.run_dir), proc.role, proc.pid, None, rank=rank, state=stopped.describe(seconds)))  # fmt: skip
-                    logger.error("%s (pid %d) is %s", proc.role, proc.pid, stopped.describe(seconds))
+                        Path(self.run_dir), proc.role, proc.pid, None, rank=rank, state=state))  # fmt: skip
+                    logger.error("%s (pid %d) is %s", proc.role, proc.pid, state)
                     if self.failure_callback is not None:
                         self.failure_callback(self.failure)
                     return
@@ -391,7 +438,9 @@ class WorkerProc:
                     # Each RPC runs under its caller's span (not the spawn-time one).
                     with attached_trace_context(rpc_msg.trace_headers):
                         args, kwargs = rpc_msg.call_args()
-                        if worker_spans and rpc_msg.method == "execute_model":
+                        if rpc_msg.method == "execute_model" and (
+                            worker_spans or catalogue.WORKER_EXECUTE_MODEL in faults.armed_stages()
+                        ):
                             waited_ms = max(time.time() - rpc_msg.sent_at, 0.0) * 1e3
                             with stage(catalogue.WORKER_EXECUTE_MODEL, rank=rank,
                                        **{catalogue.ATTR_QUEUE_WAIT_MS: waited_ms}):  # fmt: skip

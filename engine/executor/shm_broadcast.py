@@ -35,11 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tracing.stage import emit
-from tracing.waits import WaitCancelled, WaitTimeout, env_seconds
-
-MQ_TIMEOUT_ENV = "GLASSBOX_MQ_TIMEOUT_S"
-DEFAULT_MQ_TIMEOUT_S = 300.0
+from engine import envs
+from tracing.waits import WaitTimeout, wait_for
 
 _MAGIC = int.from_bytes(b"GBXMQv01", "little")
 _WORD = 8  # bytes per metadata word (native unsigned 64-bit)
@@ -77,7 +74,7 @@ def default_timeout_s() -> float:
     Raises:
         ValueError: the variable is set but is not a positive number.
     """
-    return env_seconds(MQ_TIMEOUT_ENV, DEFAULT_MQ_TIMEOUT_S)
+    return envs.GLASSBOX_MQ_TIMEOUT_S
 
 
 _fence_lock = threading.Lock()
@@ -601,30 +598,28 @@ class MessageQueue:
         """Sleep on this end's FIFO until ``ready()``; ``slice_s`` caps each sleep (s).
 
         ``what(describe)`` gives (text, names) of who is awaited, for the timeout message
-        and the ``wait_start`` / ``wait_end`` events of ``tracing.stage``.
+        and the wait's name (``tracing.wait_for``'s events).
         """
-        start = time.monotonic()
         awaited = what(False)[0]
-        emit("wait_start", awaited, {"timeout_s": timeout_s})
-        outcome = "error"
-        try:
-            while True:
-                _drain(self._wakeup_fd)  # before the check: a later poke stays in the FIFO
-                if ready():
-                    outcome = "ok"
-                    return
-                if cancel is not None and cancel.is_set():
-                    outcome = "cancelled"
-                    raise WaitCancelled(awaited)
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    outcome = "timeout"
-                    text, names = what(True)
-                    raise MessageQueueTimeout(text, timeout_s, names)
+
+        def ready_else_sleep() -> bool:
+            _drain(self._wakeup_fd)  # before the check: a later poke stays in the FIFO
+            if ready():
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining > 0:
                 sleep_s = remaining if slice_s is None else min(remaining, slice_s)
                 self._poller.poll(max(1, int(sleep_s * 1000 + 0.999)))  # ms, rounded up
-        finally:
-            emit("wait_end", awaited, {"outcome": outcome, "waited_ms": (time.monotonic() - start) * 1e3})
+            return False
+
+        try:
+            # tracing.waits: the deadline, the cancel event and the wait events; the sleeping
+            # is this queue's own (on its FIFO, woken by the other end's poke).
+            wait_for(awaited, ready_else_sleep, timeout_s=max(deadline - time.monotonic(), 0.0),
+                     poll_interval_s=0, cancel=cancel)  # fmt: skip
+        except WaitTimeout:
+            text, names = what(True)
+            raise MessageQueueTimeout(text, timeout_s, names) from None
 
 
 def _poke(fd: int) -> None:

@@ -17,6 +17,7 @@ streaming, which end with that error.
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 from collections.abc import AsyncGenerator
 from pathlib import Path
@@ -78,6 +79,8 @@ class AsyncLLM:
         self.first_output_pending: set[str] = set()
         self.output_handler: asyncio.Task | None = None
         self.dead_error: EngineDeadError | None = None
+        # Set by ``abort_all`` (the server shutting down): every later ``generate()`` raises it.
+        self.refuse_error: BaseException | None = None
         # Called once with the error when the engine dies (the server decides what to do).
         self.on_engine_dead: list[Any] = []
 
@@ -112,6 +115,8 @@ class AsyncLLM:
         """
         if self.dead_error is not None:
             raise self.dead_error
+        if self.refuse_error is not None:
+            raise copy.copy(self.refuse_error)
         self._ensure_output_handler()
         arrival = time.time()
         if sampling_params.n == 1:
@@ -201,6 +206,23 @@ class AsyncLLM:
                 await self.engine_core.abort_requests_async(child_ids)
             except EngineDeadError:
                 pass
+
+    def abort_all(self, error: BaseException) -> int:
+        """End every request in flight with ``error`` and refuse new ones with it.
+
+        Each open ``generate()`` raises (a copy of) ``error`` after the outputs it already
+        has, then aborts its request in the engine as any early end does (its KV blocks are
+        freed); every later ``generate()`` call raises it at once. The API server calls this
+        when its ``--shutdown-timeout`` has run out, with the error its clients should see
+        (vLLM: the requests still running when the drain times out are aborted).
+
+        Returns:
+            How many requests were in flight.
+        """
+        self.refuse_error = error
+        for queue in self.queues.values():
+            queue.put_nowait(copy.copy(error))
+        return len(self.queues)
 
     # ------------------------------------------------------------------ output handler
 

@@ -547,7 +547,10 @@ class MPClient(EngineCoreClient):
             if proc.is_alive():
                 stopped = self._stopped.stopped_for(proc.pid)
                 if stopped is not None:
-                    self._mark_stopped(proc, stopped)
+                    self._mark_stopped(proc, self._stopped.describe(stopped))
+                frozen = self._stopped.frozen_for(proc.pid, run_dirs.status_file(self.run_dir, proc.role))
+                if frozen is not None:
+                    self._mark_stopped(proc, self._stopped.describe_frozen(frozen))
                 continue
             # Give a dying engine a moment to deliver its ENGINE_CORE_DEAD message.
             if self.output_socket.poll(200):
@@ -556,10 +559,10 @@ class MPClient(EngineCoreClient):
                     self._mark_dead(_dead_message(frames))
             self._mark_dead(None, proc)
 
-    def _mark_stopped(self, proc: processes.ChildProcess, seconds: float) -> None:
-        """A child stopped by a signal for too long: the tree is stuck on it; report it by name."""
-        root = processes.format_root_cause(self.run_dir, proc.role, proc.pid, None,
-                                           state=self._stopped.describe(seconds))  # fmt: skip
+    def _mark_stopped(self, proc: processes.ChildProcess, state: str) -> None:
+        """A child stopped by a signal, or frozen, for too long: the tree is stuck on it;
+        report it by name (``state`` says which and for how long)."""
+        root = processes.format_root_cause(self.run_dir, proc.role, proc.pid, None, state=state)
         self._mark_dead(
             EngineDead(root_cause=root, error_type="Stopped", message=root, during_startup=False), proc
         )
@@ -786,22 +789,25 @@ class AsyncMPClient(MPClient):
             future, body = self._utility_request(method, args)
             futures.append(future)
             await self._send_async(EngineCoreRequestType.UTILITY, body, engine)
-        deadline = time.monotonic() + envs.GLASSBOX_EXECUTE_MODEL_TIMEOUT_S
-        waiters = [asyncio.wrap_future(f) for f in futures]
-        # The output handler resolves the futures; wait on them in bounded slices, checking
-        # between them that the engines are alive.
+        from tracing import WaitTimeout
+        from tracing.waits import wait_for_async
+
+        timeout = envs.GLASSBOX_EXECUTE_MODEL_TIMEOUT_S
+        # The output handler resolves the futures; the wait checks between slices that the
+        # engines are alive.
         try:
-            while not all(w.done() for w in waiters):
-                self._check_alive()
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"utility call {method!r} got no answer in time")
-                await asyncio.wait(set(waiters), timeout=min(POLL_MS / 1000, left))
-        finally:
-            for waiter in waiters:
-                if not waiter.done():
-                    waiter.cancel()  # given up: a late answer is dropped
-        return [w.result() for w in waiters][0]
+            answers = await wait_for_async(
+                f"the answers to utility call {method!r}",
+                [asyncio.wrap_future(f) for f in futures],
+                timeout_s=timeout,
+                check=self._check_alive,
+                poll_interval_s=POLL_MS / 1000,
+            )
+        except WaitTimeout:
+            raise TimeoutError(
+                f"utility call {method!r} got no answer within GLASSBOX_EXECUTE_MODEL_TIMEOUT_S={timeout:g} s"
+            ) from None
+        return answers[0]
 
     # The synchronous verbs are not used from the event loop.
     def add_request(self, request: EngineCoreRequest) -> None:

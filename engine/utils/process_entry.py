@@ -19,7 +19,32 @@ from pathlib import Path
 PARENT_DEATH_GRACE_S = 3.0
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def continue_on_parent_death() -> None:
+    """Ask the kernel to send this process SIGCONT when its parent dies (Linux ``prctl``).
+
+    A process stopped by a signal (SIGSTOP, Ctrl-Z, a debugger) runs no thread, so its
+    lifeline watcher cannot see the parent die and it would stay behind, stopped, with its
+    own children alive under it. SIGCONT wakes it; the watcher then sees end-of-file and the
+    process stops its children and exits. SIGCONT (not SIGKILL, the usual choice) because the
+    kernel sends it when the parent *thread* that spawned this process ends, which is not
+    always the parent's death: a SIGCONT to a running process does nothing. Elsewhere than
+    Linux this does nothing.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGCONT), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
 def main() -> None:
+    continue_on_parent_death()
     from engine.logger import init_logger, set_process_role
     from engine.utils import processes
 

@@ -12,8 +12,10 @@ Every child (engine core, worker) is started the same way, by ``spawn_process``:
   that pipe; end-of-file means the parent is gone — however it died, SIGKILL included,
   because the kernel closes a dead process's file descriptors. The child then stops its own
   children (each has its own lifeline to it) and exits within a few seconds. This is the
-  "no orphan ever keeps running" rule, without ``PR_SET_PDEATHSIG`` (which tracks the
-  parent *thread*, not process).
+  "no orphan ever keeps running" rule. A child stopped by a signal cannot read its lifeline,
+  so each child also asks the kernel for a SIGCONT when its parent dies
+  (``PR_SET_PDEATHSIG``; ``process_entry.continue_on_parent_death``): woken, it sees the
+  end-of-file like any other.
 - **a name**: the title ``glassbox::<role>`` (setproctitle) and the log prefix
   ``(<role> pid=N)``.
 - **a crash report**: an exception that escapes the child's target is written to
@@ -345,15 +347,22 @@ class StoppedWatch:
     without this an idle tree would wait on it forever. ``stopped_for(pid)`` returns how long
     ``pid`` has been seen stopped once that is ``timeout_s`` or more
     (``GLASSBOX_STOPPED_TIMEOUT_S``), else None; a process that runs again is forgotten.
+    ``frozen_for(pid, status_file)`` does the same for a process that runs but whose
+    heartbeat stopped (``GLASSBOX_HEARTBEAT_TIMEOUT_S``): a native call holding the GIL.
     """
 
-    def __init__(self, timeout_s: float | None = None) -> None:
-        if timeout_s is None:
-            from engine import envs
+    def __init__(self, timeout_s: float | None = None, heartbeat_timeout_s: float | None = None) -> None:
+        from engine import envs
 
+        if timeout_s is None:
             timeout_s = envs.GLASSBOX_STOPPED_TIMEOUT_S
+        if heartbeat_timeout_s is None:
+            heartbeat_timeout_s = envs.GLASSBOX_HEARTBEAT_TIMEOUT_S
         self.timeout_s = timeout_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
         self._since: dict[int, float] = {}
+        self._first_beat: dict[int, float] = {}  # pid → the first status-file mtime seen
+        self._beating: set[int] = set()  # pids seen to beat (their mtime moved)
 
     def stopped_for(self, pid: int) -> float | None:
         import psutil
@@ -369,8 +378,49 @@ class StoppedWatch:
         waited = time.monotonic() - since
         return waited if waited >= self.timeout_s else None
 
+    def frozen_for(self, pid: int, status_file: Path) -> float | None:
+        """Seconds since ``pid`` last beat, once over ``GLASSBOX_HEARTBEAT_TIMEOUT_S``, while
+        the OS shows it running; else None.
+
+        The heartbeat is ``status_file``'s mtime, touched each second by the child's telemetry
+        thread. A child is only judged once it has been seen to beat (its mtime moved), so a
+        tree with telemetry off, or a child not yet publishing, is never called frozen.
+        """
+        if self.heartbeat_timeout_s <= 0:
+            return None
+        try:
+            mtime = os.stat(status_file).st_mtime
+        except OSError:
+            return None
+        if pid not in self._beating:
+            first = self._first_beat.setdefault(pid, mtime)
+            if mtime == first:
+                return None
+            self._beating.add(pid)
+        age = time.time() - mtime
+        if age < self.heartbeat_timeout_s:
+            return None
+        import psutil
+
+        try:
+            if psutil.Process(pid).status() not in (
+                psutil.STATUS_RUNNING,
+                psutil.STATUS_SLEEPING,
+                psutil.STATUS_DISK_SLEEP,
+            ):
+                return None  # stopped (stopped_for says so), or exiting
+        except psutil.Error:
+            return None
+        return age
+
     def describe(self, seconds: float) -> str:
         return f"stopped by a signal (SIGSTOP?) for {seconds:.0f} s, over GLASSBOX_STOPPED_TIMEOUT_S={self.timeout_s:g}"
+
+    def describe_frozen(self, seconds: float) -> str:
+        return (
+            f"frozen: running but no heartbeat for {seconds:.0f} s, over GLASSBOX_HEARTBEAT_TIMEOUT_S="
+            f"{self.heartbeat_timeout_s:g} (a native call holding the GIL, or a deadlock; py-spy dump shows where)"
+        )
 
 
 class TerminatedFromOutside(Exception):

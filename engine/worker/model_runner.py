@@ -43,7 +43,7 @@ from engine.model.utils import IntermediateTensors
 from engine.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput
 from engine.sampling_params import SamplingParams
 from engine.sched.output import SchedulerOutput
-from tracing import catalogue, stage
+from tracing import catalogue, faults, stage
 
 logger = logging.getLogger(__name__)
 
@@ -289,8 +289,9 @@ class ModelRunner:
         )
 
     def _detail(self, name: str, num_tokens: int | None = None):
-        """A step-level span when ``--collect-detailed-traces`` asks for the model's; else nothing."""
-        if not self.collect_model_spans:
+        """A step-level span when ``--collect-detailed-traces`` asks for the model's (or an
+        injected fault targets it); else nothing."""
+        if not self.collect_model_spans and name not in faults.armed_stages():
             return contextlib.nullcontext()
         return stage(name, **({catalogue.ATTR_STEP_NUM_SCHEDULED_TOKENS: num_tokens} if num_tokens else {}))
 

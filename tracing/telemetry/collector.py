@@ -66,6 +66,7 @@ logger = logging.getLogger(__name__)
 TEL_SUFFIX = ".tel"
 REFRESH_S = 1.0  # manifest, sockets, psutil and alerts: at most once a second
 REFUSED_ALERT_S = 10.0  # a refused-events alert stays this long after the last refusal
+FAULT_ALERT_S = 30.0  # an injected fault whose stage was left stays a warning this long
 NO_STEP_ALERT_S = 10.0  # requests running but no engine step for this long: the loop stopped
 
 
@@ -116,6 +117,18 @@ def compute_alerts(
             continue
         if proc.state in ("planned", "starting"):
             starting = True
+        open_names = {st.name for st in proc.stages}
+        for fault in proc.faults:
+            # Said at once: the student asked for this fault, and the stage's hint is what the
+            # same symptom would mean had it not been injected. An error while the process is
+            # still in the struck stage (or dead, or frozen); a fading warning once it left.
+            age = max(0.0, now - fault.struck_at)
+            held = fault.stage in open_names or proc.state in ("dead", "stale")
+            if not held and age > FAULT_ALERT_S:
+                continue
+            msg = f"injected {fault.kind} struck in {fault.stage} {_age(age)} ago ({fault.spec})"
+            severity = "error" if held else "warning"
+            alerts.append(Alert(severity, role, msg, f"{fault.stage}: {hints(fault.stage).hint}"))
         if proc.state == "stale" and proc.heartbeat_at is not None:
             age = now - proc.heartbeat_at
             if proc.os_state == "stopped":
@@ -336,8 +349,12 @@ class Collector:
         """A consistent copy of the live state (safe to read while the thread goes on)."""
         with self._lock:
             state = self._state.copy()
+            refusals = dict(self._refusals)
         if state.source == "live" and state.status == "attached":
-            state.derive(time.time(), self.stale_after_s)  # states as of now; alerts as of the last refresh
+            # States and alerts as of now: a heartbeat that just said a fault struck (or a
+            # process froze) is an alert in this snapshot, not a refresh later.
+            state.derive(time.time(), self.stale_after_s)
+            state.alerts = compute_alerts(state, hints=self.hints, recent_refusals=refusals)
         return state
 
     def stop(self) -> None:

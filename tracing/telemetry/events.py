@@ -131,6 +131,18 @@ class OpenWaitInfo(msgspec.Struct, kw_only=True, array_like=True):
     thread: str = ""
 
 
+class StruckFaultInfo(msgspec.Struct, kw_only=True, array_like=True):
+    """An injected fault (``tracing.faults``) that struck the process: ``spec`` as written,
+    the ``stage`` it struck in, its ``kind`` (hang, freeze, ...), when (``struck_at``, Unix
+    time, s) and in which ``thread``."""
+
+    spec: str
+    stage: str
+    kind: str
+    struck_at: float
+    thread: str = ""
+
+
 class ExporterStatus(msgspec.Struct, kw_only=True, array_like=True):
     """One span exporter's health, as ``tracing.setup.TracingHandle.health()`` gives it:
     ``name`` (otlp, jsonl, in_memory), spans ``exported`` / ``dropped`` (all causes) /
@@ -159,7 +171,8 @@ class Heartbeat(_Event, tag="heartbeat"):
     ``exited``: children this process reaped, role → how it ended ("killed by SIGKILL (exit
     status -9)"), as its parent knows it (``TelemetryPublisher.note_child_exit``).
     ``exporters``: this process's span exporters' health (``ExporterStatus``), empty with
-    tracing off.
+    tracing off. ``faults``: injected faults that struck it (``StruckFaultInfo``), oldest
+    first; a heartbeat goes out the moment one strikes.
     """
 
     cpu_percent: float
@@ -171,6 +184,7 @@ class Heartbeat(_Event, tag="heartbeat"):
     waits: list[OpenWaitInfo] = []
     exited: dict[str, str] = {}
     exporters: list[ExporterStatus] = []
+    faults: list[StruckFaultInfo] = []
 
 
 class Gauges(_Event, tag="gauges"):

@@ -59,6 +59,7 @@ import psutil
 import zmq
 
 from tracing import catalogue
+from tracing import run_dir as run_dirs
 from tracing.stage import add_stage_hook, open_stages
 from tracing.telemetry.events import (
     MAX_SNAPSHOT_REQUESTS,
@@ -75,6 +76,7 @@ from tracing.telemetry.events import (
     StageEntered,
     StageLeft,
     StepRecord,
+    StruckFaultInfo,
     WaitEnded,
     WaitStarted,
     encode_event,
@@ -220,6 +222,7 @@ class TelemetryPublisher:
         self._gauges: dict[str, float] = {}
         self._pending_push: dict[str, float] = {}
         self._last_push = 0.0
+        self._faults: list[StruckFaultInfo] = []  # injected faults that struck (record_fault)
         self._exited: dict[str, str] = {}
         # heartbeat
         self._proc = psutil.Process()
@@ -431,6 +434,9 @@ class TelemetryPublisher:
                     return
                 with self._lock:
                     self._send_locked(WaitStarted, "wait", {"what": name, "timeout_s": timeout_s})
+            elif event == "fault":
+                self._faults.append(StruckFaultInfo(**attrs))
+                self.beat(snapshot=False)  # the process may be about to hang, stop or end
             elif event == "wait_end":
                 key = (threading.get_ident(), name)
                 self._waits.pop(key, None)
@@ -463,11 +469,21 @@ class TelemetryPublisher:
                 if now >= next_beat:
                     next_beat = now + self.interval_s
                     self.beat(snapshot=now >= next_snapshot)
+                    self._touch_status_file()
                     if now >= next_snapshot:
                         next_snapshot = now + SNAPSHOT_INTERVAL_S
             except Exception:  # the heartbeat must outlive any one bad tick
                 logger.exception("telemetry heartbeat failed")
             self._stop.wait(min(_TICK_S, self.interval_s))
+
+    def _touch_status_file(self) -> None:
+        """The heartbeat a parent can see without subscribing: the status file's mtime, set
+        each beat (``engine.utils.processes.StoppedWatch`` reports a child whose mtime stopped
+        while it runs: a native call holding the GIL stops this thread too)."""
+        try:
+            os.utime(run_dirs.status_path(self.run_dir, self.role))
+        except OSError:  # no status file (yet), or the run directory is being removed
+            pass
 
     def _collect_gauges(self) -> dict[str, float]:
         values: dict[str, float] = {}
@@ -516,6 +532,7 @@ class TelemetryPublisher:
                     "waits": waits,
                     "exited": dict(self._exited),
                     "exporters": _exporter_statuses(),
+                    "faults": list(self._faults),
                 },
             )
             if provided:

@@ -35,6 +35,7 @@ from tracing.telemetry.events import (
     StageEntered,
     StageLeft,
     StepRecord,
+    StruckFaultInfo,
     WaitEnded,
     WaitStarted,
 )
@@ -121,11 +122,14 @@ class ProcessLive:
     stage_left_at: float | None = None
     # exporters: its span exporters' health, from its last heartbeat (``ExporterStatus``).
     exporters: list[ExporterStatus] = field(default_factory=list)
+    # faults: injected faults that struck it (``StruckFaultInfo``), from its heartbeats.
+    faults: list[StruckFaultInfo] = field(default_factory=list)
 
     def copy(self) -> ProcessLive:
         return dataclasses.replace(
             self,
             stages=list(self.stages),
+            faults=list(self.faults),
             waits=list(self.waits),
             exporters=list(self.exporters),
             gauges=dict(self.gauges),
@@ -291,6 +295,7 @@ class LiveState:
         proc.cpu_percent, proc.rss_bytes, proc.num_threads = ev.cpu_percent, ev.rss_bytes, ev.num_threads
         proc.stages = list(ev.stages)
         proc.exporters = list(ev.exporters)
+        proc.faults = list(ev.faults)
         proc.waits = [WaitInfo(what=w.what, started_at=w.started_at, timeout_s=w.timeout_s) for w in ev.waits]
         if ev.last_step_at is not None:
             proc.last_step_at = ev.last_step_at
@@ -432,11 +437,18 @@ class LiveState:
 
     def apply_status(self, role: str, status: Any) -> None:
         """Take a process's status file (``tracing.run_dir.ProcessStatus``) as its open
-        lifecycle stages — for a process whose telemetry says nothing (frozen before anyone
+        lifecycle stages and struck faults — for a process whose telemetry says nothing (frozen before anyone
         subscribed, or telemetry off); live stage events replace it once they come."""
         proc = self._process(role)
         if proc.pid is None and status.pid:
             proc.pid = status.pid
+        if len(getattr(status, "faults", None) or []) > len(proc.faults):
+            proc.faults = [
+                StruckFaultInfo(
+                    spec=f.spec, stage=f.stage, kind=f.kind, struck_at=f.struck_at, thread=f.thread
+                )
+                for f in status.faults
+            ]
         stack = list(status.stage_stack or ([status.stage] if status.stage else []))
         if not stack:
             return

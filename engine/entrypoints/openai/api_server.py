@@ -27,10 +27,22 @@ inherit it), so ``/metrics`` sums every server's request metrics whichever serve
 (``engine/metrics/prometheus.py``). Every server logs the periodic stats line every
 ``GLASSBOX_LOG_STATS_INTERVAL`` seconds.
 
-Shutdown: SIGINT/SIGTERM → uvicorn stops accepting and finishes → the engine tree is
-stopped → the run directory is removed → exit 0. If the engine dies, requests in flight end
-with an error, new ones get 503, the root cause is printed last, and the server exits 1 —
-unless ``GLASSBOX_KEEP_ALIVE_ON_ENGINE_DEATH=1``.
+Shutdown (vLLM's ``--shutdown-timeout``): SIGINT/SIGTERM → the listening socket is closed
+(new connections are refused) and idle connections are closed → requests in flight may
+finish for up to ``--shutdown-timeout`` seconds (default 0, as vLLM) → those still running are
+ended through the engine client (``AsyncLLM.abort_all``): a stream gets an SSE error event
+(503) and ``data: [DONE]``, a plain request a 503 → the engine tree is stopped → the run
+directory is removed → exit 0. If the engine dies, requests in flight end with an error, new
+ones get 503, the root cause is printed last, and the server exits 1 — unless
+``GLASSBOX_KEEP_ALIVE_ON_ENGINE_DEATH=1``.
+
+Slow clients (``docs/security.md``): a connection must deliver a request's headers within
+``--http-header-timeout`` seconds (of connecting, or of the request's first byte on a
+keep-alive connection) and its body within ``--http-body-timeout`` seconds of the headers, or
+it gets 408 and is closed; an idle keep-alive connection is closed after
+``GLASSBOX_HTTP_TIMEOUT_KEEP_ALIVE`` seconds. At start the soft ``RLIMIT_NOFILE`` is raised to
+the hard limit (vLLM's ``set_ulimit``); connections beyond what it leaves room for are
+answered 503 and closed, with one rate-limited log line.
 
 This process never imports torch.
 """
@@ -40,11 +52,13 @@ from __future__ import annotations
 import asyncio
 import errno
 import gc
+import json
 import os
 import pickle
 import signal
 import socket
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -73,7 +87,16 @@ EXIT_ENGINE_DEAD = 1  # the engine died (the root cause is printed last)
 EXIT_INTERRUPTED = 130  # Ctrl-C during start-up (128 + SIGINT)
 
 
-__all__ = ["ServerArgs", "bind_socket", "run_server", "run_api_server_worker", "PortInUseError"]
+__all__ = ["ServerArgs", "bind_socket", "run_server", "run_api_server_worker", "PortInUseError", "set_ulimit"]
+
+# After --shutdown-timeout, how long the requests that were ended get to write their last
+# event before their tasks are cancelled, in seconds.
+SHUTDOWN_FINISH_S = 5.0
+# File descriptors kept free for the process itself (engine sockets, pipes, files) beyond
+# those open when serving starts; connections past the rest are refused with 503.
+FD_RESERVE = 64
+# At most one log line per this many seconds for each kind of refused or dropped connection.
+LOG_EVERY_S = 10.0
 
 
 class StartupInterrupted(BaseException):
@@ -110,6 +133,30 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def set_ulimit() -> tuple[int, int]:
+    """Raise this process's soft ``RLIMIT_NOFILE`` (open files) to its hard limit, so idle
+    connections cannot use up the default 1,024 (vLLM: ``set_ulimit``, called at API server
+    start; the engine processes started afterwards inherit it).
+
+    Returns:
+        ``(soft, hard)`` after the change (unchanged where it was refused, with a warning).
+    """
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 65536)
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return soft, hard
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError) as e:
+        logger.warning("Could not raise the open-files limit (RLIMIT_NOFILE) from %d to %d: %s; "
+                       "raise it with `ulimit -n`", soft, target, e)  # fmt: skip
+        return soft, hard
+    logger.debug("Raised the open-files limit (RLIMIT_NOFILE) from %d to %d", soft, target)
+    return target, hard
+
+
 def run_server(config: EngineConfig, args: ServerArgs, sock: socket.socket | None = None) -> int:
     """Run the API server until it is told to stop; returns the process exit code.
 
@@ -144,6 +191,7 @@ def run_server(config: EngineConfig, args: ServerArgs, sock: socket.socket | Non
     try:
         if sock is None:
             sock = bind_socket(args.host, args.port)
+        set_ulimit()
         host, port = sock.getsockname()[:2]
         run_dir = run_dirs.create_run_dir()
         manifest = run_dirs.plan_tree(plan)
@@ -249,18 +297,24 @@ async def _serve(
 
     served_name = args.served_model_name or config.model_config.served_model_name
     app = build_app(engine, served_model_name=served_name, api_key=args.api_key,
-                    allowed_origins=args.allowed_origins, several_servers=several_servers)  # fmt: skip
+                    allowed_origins=args.allowed_origins, several_servers=several_servers,
+                    api_key_scope=args.api_key_scope, allowed_methods=args.allowed_methods,
+                    allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
+                    max_request_body_bytes=args.max_request_body_bytes)  # fmt: skip
     # uvicorn's own lines (start-up, access log) get the role prefix like ours: with
     # several API servers, each line says which one served.
     adopt_logger("uvicorn", args.uvicorn_log_level)
-    server = (uvicorn.Server if launcher else _no_signal_server)(
+    server = _make_server(
         uvicorn.Config(
             app,
             log_config=None,
             log_level=args.uvicorn_log_level,
-            timeout_graceful_shutdown=2,
-            timeout_keep_alive=5,
-        )
+            http=_guarded_http_protocol(args.http_header_timeout, args.http_body_timeout),
+            timeout_keep_alive=envs.GLASSBOX_HTTP_TIMEOUT_KEEP_ALIVE,
+        ),
+        engine,
+        args.shutdown_timeout,
+        signals=launcher,
     )
     exit_code = EXIT_OK
     dead: list[EngineDeadError] = []
@@ -276,6 +330,8 @@ async def _serve(
             logger.error(
                 "The engine died; staying up (GLASSBOX_KEEP_ALIVE_ON_ENGINE_DEATH=1), /health answers 503"
             )
+            # Staying up, there is no "last" to wait for: the root cause now, once.
+            print(error.root_cause, file=sys.stderr, flush=True)
             return
         exit_code = EXIT_ENGINE_DEAD
         server.should_exit = True
@@ -324,24 +380,219 @@ async def _serve(
         mark_process_dead()
         if announce is not None:
             announce.cancel()
-    if dead and launcher:
+    if dead and launcher and not envs.GLASSBOX_KEEP_ALIVE_ON_ENGINE_DEATH:
         # The root cause comes last, after uvicorn's shutdown lines.
         print(dead[0].root_cause, file=sys.stderr, flush=True)
     return exit_code
 
 
-def _no_signal_server(config):
-    """A uvicorn server without its SIGINT/SIGTERM handlers (vLLM: ``NoSignalServer``): the
-    caller installs its own SIGTERM handler, and SIGINT stays ignored."""
+def _make_server(config, engine, shutdown_timeout: float, *, signals: bool):
+    """The uvicorn server, with Glassbox's shutdown (``--shutdown-timeout``).
+
+    ``signals``: install uvicorn's SIGINT/SIGTERM handlers (APIServer_0). Without them
+    (vLLM: ``NoSignalServer``) the caller installs its own SIGTERM handler, and SIGINT stays
+    ignored.
+
+    Shutdown, once ``should_exit`` is set: stop accepting (the listening socket is closed
+    here; with several API servers the others still accept until they are stopped), close
+    idle connections, let the requests in flight run for up to ``shutdown_timeout`` seconds
+    (skipped when the engine is dead, or on a second Ctrl-C), then end those still running
+    through ``engine.abort_all`` — streams write an error event and ``[DONE]`` — and give
+    them ``SHUTDOWN_FINISH_S`` to write it before their tasks are cancelled.
+    """
     import contextlib
 
     import uvicorn
 
-    class NoSignalServer(uvicorn.Server):
-        def capture_signals(self):
-            return contextlib.nullcontext()
+    from engine.entrypoints.openai.serving_engine import OpenAIError
 
-    return NoSignalServer(config)
+    class GlassboxServer(uvicorn.Server):
+        def capture_signals(self):
+            return super().capture_signals() if signals else contextlib.nullcontext()
+
+        async def _wait_for_tasks(self, timeout: float) -> None:
+            deadline = time.monotonic() + timeout
+            while self.server_state.tasks and not self.force_exit and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+
+        async def shutdown(self, sockets=None) -> None:
+            uv_logger = uvicorn.server.logger
+            uv_logger.info("Shutting down")
+            for server in self.servers:
+                server.close()  # new connections are refused from here on
+            for listening in sockets or []:
+                listening.close()
+            for connection in list(self.server_state.connections):
+                connection.shutdown()  # idle: closed now; busy: closed after its response
+            state = self.server_state
+            grace = 0.0 if engine.errored else float(shutdown_timeout)
+            if state.tasks and grace > 0:
+                logger.info("Shutting down: waiting up to %g s (--shutdown-timeout) for %d request(s) in flight",
+                            grace, len(state.tasks))  # fmt: skip
+                await self._wait_for_tasks(grace)
+            if state.tasks:
+                message = "The server is shutting down; the request was stopped before it finished."
+                ended = engine.abort_all(OpenAIError(message, 503))
+                logger.warning("Shutting down: ended %d request(s) still running after --shutdown-timeout %g s",
+                               ended, grace)  # fmt: skip
+                await self._wait_for_tasks(SHUTDOWN_FINISH_S)
+            if state.tasks:
+                logger.warning(
+                    "Shutting down: cancelling %d request task(s) that did not finish", len(state.tasks)
+                )
+                for task in list(state.tasks):
+                    task.cancel(msg="the server is shutting down")
+                await asyncio.wait(list(state.tasks), timeout=1.0)
+            for connection in list(state.connections):
+                transport = getattr(connection, "transport", None)
+                if transport is not None:
+                    transport.close()
+            if not self.force_exit:
+                await self.lifespan.shutdown()
+
+    return GlassboxServer(config)
+
+
+def _guarded_http_protocol(header_timeout: float, body_timeout: float):
+    """uvicorn's httptools protocol with deadlines for slow clients and a connection cap.
+
+    Per connection: the request's headers must be complete within ``header_timeout``
+    seconds (of the connection being made, or of the first byte of a later request on a
+    keep-alive connection), and its body within ``body_timeout`` seconds of the headers;
+    otherwise the client gets 408 (when it sent part of a request) and the connection is
+    closed. Connections beyond what the soft ``RLIMIT_NOFILE`` leaves room for (minus the
+    descriptors open now and ``FD_RESERVE``) get 503 and are closed. Each kind logs at most
+    one line per ``LOG_EVERY_S`` seconds, with how many since the last line. (uvicorn has
+    only a keep-alive timeout; vLLM adds none of these.)
+    """
+    import resource
+
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    try:
+        open_now = len(os.listdir("/proc/self/fd"))
+    except OSError:  # no /proc (macOS)
+        open_now = 64
+    max_connections = (1 << 30) if soft == resource.RLIM_INFINITY else max(soft - open_now - FD_RESERVE, 16)
+    refused = _RateLimitedLog(
+        "Refused %d connection(s): %d open, the open-files limit (RLIMIT_NOFILE %d) leaves room for %d; "
+        "raise it with `ulimit -n`",
+    )
+    header_late = _RateLimitedLog(
+        "Closed %d connection(s) that sent no complete request headers within --http-header-timeout %g s"
+    )
+    body_late = _RateLimitedLog(
+        "Closed %d connection(s) whose request body took over --http-body-timeout %g s"
+    )
+
+    class GuardedHttpToolsProtocol(HttpToolsProtocol):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self._deadline: asyncio.TimerHandle | None = None
+            self._partial = False  # bytes of a request arrived, its headers are not complete
+
+        def _arm(self, seconds: float, callback: Callable[[], None]) -> None:
+            self._disarm()
+            self._deadline = self.loop.call_later(seconds, callback)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            if len(self.connections) > max_connections:
+                refused.log(len(self.connections), soft, max_connections)
+                self._reply_and_close(503, "Too many open connections; try again later.")
+                return
+            self._arm(header_timeout, self._on_header_timeout)
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _responding(self) -> bool:
+            return self.cycle is not None and not self.cycle.response_complete
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._partial = True
+            # A later request on a keep-alive connection; one pipelined behind a response
+            # still being written gets its deadline once that response is complete.
+            if self._deadline is None and not self._responding():
+                self._arm(header_timeout, self._on_header_timeout)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self._partial and self._deadline is None and not self.transport.is_closing():
+                self._arm(header_timeout, self._on_header_timeout)
+
+        def on_headers_complete(self) -> None:
+            self._disarm()
+            self._partial = False
+            super().on_headers_complete()
+            if not self.pipeline:  # a queued pipelined request is read after the one before
+                self._arm(body_timeout, self._on_body_timeout)
+
+        def on_message_complete(self) -> None:
+            self._disarm()
+            super().on_message_complete()
+
+        def _on_header_timeout(self) -> None:
+            self._deadline = None
+            if self.transport.is_closing():
+                return
+            header_late.log(header_timeout)
+            if self._partial:
+                self._reply_and_close(408, "The request headers took too long to arrive.")
+            else:
+                self.transport.close()
+
+        def _on_body_timeout(self) -> None:
+            self._deadline = None
+            cycle = self.cycle
+            if self.transport.is_closing() or cycle is None or not cycle.more_body:
+                return
+            body_late.log(body_timeout)
+            # The app waiting for the body sees the client gone; its response is dropped.
+            started = cycle.response_started
+            cycle.disconnected = True
+            cycle.message_event.set()
+            if started:
+                self.transport.close()
+            else:
+                self._reply_and_close(408, "The request body took too long to arrive.")
+
+        def _reply_and_close(self, status: int, message: str) -> None:
+            reason = {408: "Request Timeout", 503: "Service Unavailable"}[status]
+            body = json.dumps({"error": {"message": message, "type": reason.replace(" ", ""), "param": None,
+                                         "code": status}}).encode()  # fmt: skip
+            head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+                    f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")  # fmt: skip
+            self.transport.write(head.encode() + body)
+            self.transport.close()
+
+    return GuardedHttpToolsProtocol
+
+
+class _RateLimitedLog:
+    """One WARNING line per ``LOG_EVERY_S`` seconds at most: ``fmt % (count, *args)``, where
+    count is how many events happened since the last line (the first one logs at once)."""
+
+    def __init__(self, fmt: str) -> None:
+        self.fmt = fmt
+        self.count = 0
+        self.last = -float("inf")
+
+    def log(self, *args: object) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if now - self.last >= LOG_EVERY_S:
+            logger.warning(self.fmt, self.count, *args)
+            self.count = 0
+            self.last = now
 
 
 async def _when_serving(server, on_serving: Callable[[], None]) -> None:

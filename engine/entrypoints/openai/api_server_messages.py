@@ -43,6 +43,18 @@ class ServerArgs:
     allowed_origins: list[str] | None = None
     uvicorn_log_level: str = "info"
     api_server_count: int | None = None
+    # The front door (app.build_app, docs/security.md): --api-key-scope, CORS beyond
+    # --allowed-origins, --max-request-body-bytes (10 MiB: limits.DEFAULT_MAX_REQUEST_BODY_BYTES).
+    api_key_scope: str = "v1"
+    allowed_methods: list[str] | None = None
+    allowed_headers: list[str] | None = None
+    allow_credentials: bool = False
+    max_request_body_bytes: int = 10 * 1024 * 1024
+    # Slow clients and shutdown (docs/security.md): --http-header-timeout, --http-body-timeout
+    # (seconds), --shutdown-timeout (seconds; vLLM's flag).
+    http_header_timeout: float = 10.0
+    http_body_timeout: float = 30.0
+    shutdown_timeout: int = 0
 
 
 class APIServerSpawnPayload(msgspec.Struct, kw_only=True):

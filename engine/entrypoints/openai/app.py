@@ -13,12 +13,20 @@ Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completion
 Errors: every error body is OpenAI's ``{"error": {"message", "type", "param", "code"}}``.
 Invalid requests — malformed JSON and schema violations included — are 400 (FastAPI's
 default would be 422); an unknown model 404; a missing or wrong API key 401 (vLLM answers
-``{"error": "Unauthorized"}`` there; we keep one shape); a dead engine 503; anything
-unexpected 500, logged.
+``{"error": "Unauthorized"}`` there; we keep one shape); a body over
+``--max-request-body-bytes`` 413; a dead engine 503; anything unexpected 500, logged.
 
-Middleware, outermost first (vLLM's order): the API-key check on ``/v1/*`` (only with an
-``api_key``), then CORS. ``allowed_origins`` defaults to ``["*"]`` as vLLM's
-``--allowed-origins`` does; pass ``[]`` for no CORS headers at all.
+Bodies: every route that takes one parses it with ``limits.parse_json_body`` (one parser:
+JSON only, bounded depth, no ``NaN``; any body it cannot decode is a 400), large bodies in a
+worker thread; the OpenAPI document still lists each body's schema (``_request_body``).
+Tokenizing, the chat template, detokenizing and encoding full answers run in worker
+threads too, so one large request never stalls the streams of others.
+
+Middleware, outermost first: the in-flight counter, the API-key check (only with an
+``api_key``; ``/v1/*`` as vLLM, or every path but ``/health`` and ``/ping`` with
+``api_key_scope="all"``), CORS (only when ``allowed_origins`` is not empty — unlike vLLM,
+whose default ``["*"]`` lets a page from any origin use the server), then the body limit
+(``limits.RequestBodyLimit``).
 
 Client disconnects: a streamed response is an async generator; when the client goes away
 Starlette cancels it and ``ClosingStreamingResponse`` closes it, so ``AsyncLLM.generate``'s
@@ -42,33 +50,48 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import secrets
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from http import HTTPStatus
 from typing import Any
 
 import anyio
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from pydantic.json_schema import models_json_schema
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine import __version__
+from engine.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, RequestBodyLimit, parse_json_body
 from engine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
+    TokenizeResponse,
 )
 from engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from engine.entrypoints.openai.serving_engine import OpenAIError, bad_request_from_value_error, error_response
+from engine.entrypoints.openai.serving_engine import (
+    ENGINE_DEAD_MESSAGE,
+    OpenAIError,
+    bad_request_from_value_error,
+    error_response,
+    internal_error_message,
+)
 from engine.entrypoints.openai.serving_models import OpenAIServingModels
 from engine.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from engine.frontend.async_llm import AsyncLLM
@@ -78,8 +101,11 @@ from engine.utils.processes import EngineDeadError
 
 logger = init_logger(__name__)
 
-# Only these paths need the API key (vLLM guards everything under /v1).
+# With --api-key-scope v1 (the default, vLLM's) only paths under this prefix need the key.
 GUARDED_PREFIX = "/v1"
+# With --api-key-scope all every path needs the key but these (liveness probes).
+UNGUARDED_PATHS = frozenset({"/health", "/ping"})
+API_KEY_SCOPES = ("v1", "all")
 # Status for a request whose client left before the answer (nginx's "client closed request").
 CLIENT_CLOSED_REQUEST = 499
 
@@ -94,20 +120,40 @@ def build_app(
     allowed_origins: list[str] | None = None,
     several_servers: bool = False,
     log_stats: bool = True,
+    api_key_scope: str = "v1",
+    allowed_methods: list[str] | None = None,
+    allowed_headers: list[str] | None = None,
+    allow_credentials: bool = False,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
 ) -> FastAPI:
     """The FastAPI app that serves ``engine`` under ``served_model_name``.
 
     Args:
         engine: a started ``AsyncLLM``; the app never shuts it down.
         served_model_name: the model id clients see in ``/v1/models`` and must send.
-        api_key: when given, ``/v1/*`` requires ``Authorization: Bearer <api_key>``.
-        allowed_origins: CORS origins; None means ``["*"]`` (vLLM's default).
+        api_key: when given, the paths of ``api_key_scope`` require
+            ``Authorization: Bearer <api_key>``.
+        allowed_origins: CORS origins (``--allowed-origins``); None or ``[]``: none, so a
+            page from another origin cannot read any answer (vLLM's default is ``["*"]``).
         several_servers: one of several API servers (``--api-server-count`` > 1): the stats
             log line names this server and its share of the throughput.
         log_stats: keep the periodic stats log line (``app.state.stat_loggers.log()``).
+        api_key_scope: ``"v1"`` (vLLM's: only ``/v1/*``) or ``"all"`` (every path but
+            ``/health`` and ``/ping``) (``--api-key-scope``).
+        allowed_methods, allowed_headers, allow_credentials: the rest of the CORS policy
+            (vLLM's ``--allowed-methods``, ``--allowed-headers``, ``--allow-credentials``);
+            None means ``["*"]``; used only when some origin is allowed.
+        max_request_body_bytes: bodies larger than this get a 413 before they are read
+            whole (``--max-request-body-bytes``); 0 means no limit.
+
+    Raises:
+        ValueError: an ``api_key_scope`` that is not one of ``API_KEY_SCOPES``.
     """
+    if api_key_scope not in API_KEY_SCOPES:
+        raise ValueError(f"api_key_scope must be one of {API_KEY_SCOPES}, got {api_key_scope!r}")
     app = FastAPI(title="Glassbox OpenAI-compatible API", version=__version__)
     app.include_router(router)
+    app.openapi = partial(_openapi, app)
     state = app.state
     state.engine = engine
     state.serving_models = OpenAIServingModels(engine, served_model_name)
@@ -132,16 +178,19 @@ def build_app(
     app.add_exception_handler(Exception, _unexpected_error_handler)
 
     # Starlette wraps each middleware added around the ones before: the key check, added
-    # last, runs first (as in vLLM).
-    app.add_middleware(
-        CORSMiddleware,
-        allow_origins=["*"] if allowed_origins is None else list(allowed_origins),
-        allow_credentials=False,
-        allow_methods=["*"],
-        allow_headers=["*"],
-    )
+    # last, runs first (as in vLLM), so no body is read for a client without the key; the
+    # body limit runs inside CORS, so a page that may read answers can read its 413.
+    app.add_middleware(RequestBodyLimit, max_bytes=max_request_body_bytes)
+    if allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(allowed_origins),
+            allow_credentials=allow_credentials,
+            allow_methods=["*"] if allowed_methods is None else list(allowed_methods),
+            allow_headers=["*"] if allowed_headers is None else list(allowed_headers),
+        )
     if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, scope=api_key_scope)
     # Outermost: counts every HTTP request until its response is sent (live telemetry).
     state.http_in_flight = InFlightCounter.Count()
     app.add_middleware(InFlightCounter, count=state.http_in_flight)
@@ -151,7 +200,42 @@ def build_app(
 # ---------------------------------------------------------------------------- routes
 
 
-@router.api_route("/health", methods=["GET", "HEAD"])
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's OpenAPI document, plus the schemas of the request bodies the routes parse
+    themselves (``_request_body``)."""
+    if app.openapi_schema is None:
+        schema = FastAPI.openapi(app)
+        _, defs = models_json_schema(
+            [(model, "validation") for model in _BODY_MODELS], ref_template=_SCHEMA_REFS + "{model}"
+        )
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for name, definition in defs.get("$defs", {}).items():
+            components.setdefault(name, definition)
+    return app.openapi_schema
+
+
+_SCHEMA_REFS = "#/components/schemas/"
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 503)
+}
+_SSE = {"text/event-stream": {"schema": {"type": "string"}}}
+
+
+def _request_body(*models: type[BaseModel]) -> dict[str, Any]:
+    """``openapi_extra`` declaring a JSON request body of one of ``models`` (the routes
+    parse bodies themselves, so FastAPI would not list them)."""
+    refs = [{"$ref": f"{_SCHEMA_REFS}{m.__name__}"} for m in models]
+    schema = refs[0] if len(refs) == 1 else {"anyOf": refs}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+# The request models named by ``_request_body``: added to the OpenAPI document's components.
+_BODY_MODELS = (CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequest, TokenizeChatRequest,
+                DetokenizeRequest)  # fmt: skip
+
+
+@router.get("/health", operation_id="health")
+@router.head("/health", operation_id="health_head")
 async def health(raw_request: Request) -> Response:
     """200 (empty) while the engine is alive, 503 once it is dead."""
     try:
@@ -161,23 +245,25 @@ async def health(raw_request: Request) -> Response:
     return Response(status_code=200)
 
 
-@router.api_route("/ping", methods=["GET", "POST"])
+@router.get("/ping", operation_id="ping")
+@router.post("/ping", operation_id="ping_post")
 async def ping(raw_request: Request) -> Response:
     """Same as ``/health`` (SageMaker's name for it)."""
     return await health(raw_request)
 
 
-@router.get("/version")
+@router.get("/version", operation_id="version")
 async def show_version() -> JSONResponse:
     return JSONResponse({"version": __version__})
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", operation_id="list_models", response_model=ModelList, responses=_ERRORS)
 async def show_available_models(raw_request: Request) -> Response:
     return _json(raw_request.app.state.serving_models.show_available_models())
 
 
-@router.get("/v1/models/{model_id:path}")
+@router.get("/v1/models/{model_id:path}", operation_id="retrieve_model", response_model=ModelCard,
+            responses=_ERRORS)  # fmt: skip
 async def retrieve_model(model_id: str, raw_request: Request) -> Response:
     """One model card (``client.models.retrieve``); 404 for any other name."""
     models = raw_request.app.state.serving_models.show_available_models()
@@ -187,33 +273,48 @@ async def retrieve_model(model_id: str, raw_request: Request) -> Response:
     raise OpenAIError(f"The model `{model_id}` does not exist.", HTTPStatus.NOT_FOUND, param="model")
 
 
-@router.post("/v1/completions")
-async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+@router.post("/v1/completions", operation_id="create_completion", openapi_extra=_request_body(CompletionRequest),
+             responses={200: {"model": CompletionResponse, "content": _SSE}, **_ERRORS})  # fmt: skip
+async def create_completion(raw_request: Request) -> Response:
+    request = await parse_json_body(raw_request, partial(_validate, CompletionRequest))
     handler: OpenAIServingCompletion = raw_request.app.state.serving_completion
     return await _respond(raw_request, handler.create_completion(request, dict(raw_request.headers)))
 
 
-@router.post("/v1/chat/completions")
-async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
+@router.post("/v1/chat/completions", operation_id="create_chat_completion",
+             openapi_extra=_request_body(ChatCompletionRequest),
+             responses={200: {"model": ChatCompletionResponse, "content": _SSE}, **_ERRORS})  # fmt: skip
+async def create_chat_completion(raw_request: Request) -> Response:
+    request = await parse_json_body(raw_request, partial(_validate, ChatCompletionRequest))
     handler: OpenAIServingChat = raw_request.app.state.serving_chat
     return await _respond(raw_request, handler.create_chat_completion(request, dict(raw_request.headers)))
 
 
-@router.post("/tokenize")
-async def tokenize(raw_request: Request) -> Response:
-    """``{"prompt": str}`` or ``{"messages": [...]}`` → ``{"count", "max_model_len", "tokens"}``."""
-    body = await _json_body(raw_request)
+def _tokenize_request(body: Any) -> TokenizeCompletionRequest | TokenizeChatRequest:
     chat = isinstance(body, dict) and "messages" in body
-    request = _validate(TokenizeChatRequest if chat else TokenizeCompletionRequest, body)
-    return _json(raw_request.app.state.serving_tokenization.create_tokenize(request))
+    return _validate(TokenizeChatRequest if chat else TokenizeCompletionRequest, body)
 
 
-@router.post("/detokenize")
-async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Response:
-    return _json(raw_request.app.state.serving_tokenization.create_detokenize(request))
+@router.post("/tokenize", operation_id="tokenize",
+             openapi_extra=_request_body(TokenizeCompletionRequest, TokenizeChatRequest),
+             responses={200: {"model": TokenizeResponse}, **_ERRORS})  # fmt: skip
+async def tokenize(raw_request: Request) -> Response:
+    """``{"prompt": str}`` or ``{"messages": [...]}`` → ``{"count", "max_model_len", "tokens"}``.
+
+    Parsing, the chat template, tokenizing and writing the answer run in a worker thread."""
+    request = await parse_json_body(raw_request, _tokenize_request)
+    return await _json_in_thread(raw_request.app.state.serving_tokenization.create_tokenize, request)
 
 
-@router.get("/metrics")
+@router.post("/detokenize", operation_id="detokenize", openapi_extra=_request_body(DetokenizeRequest),
+             responses={200: {"model": DetokenizeResponse}, **_ERRORS})  # fmt: skip
+async def detokenize(raw_request: Request) -> Response:
+    """``{"tokens": [...]}`` → ``{"prompt": str}``, in a worker thread."""
+    request = await parse_json_body(raw_request, partial(_validate, DetokenizeRequest))
+    return await _json_in_thread(raw_request.app.state.serving_tokenization.create_detokenize, request)
+
+
+@router.get("/metrics", operation_id="metrics", response_class=PlainTextResponse)
 async def metrics(raw_request: Request) -> Response:
     """Prometheus text: request metrics recorded as outputs arrived, and the latest stats each
     engine sent with its outputs (no call to the engine: a dead or busy engine shows its last
@@ -244,6 +345,15 @@ class ClosingStreamingResponse(StreamingResponse):
 
 def _json(model: BaseModel, status_code: int = 200) -> Response:
     return Response(model.model_dump_json(), status_code=status_code, media_type="application/json")
+
+
+async def _json_in_thread(work: Callable[[Any], BaseModel], request: Any) -> Response:
+    """``work(request)`` and its JSON encoding, both in a worker thread (off the event loop)."""
+
+    def run() -> str:
+        return work(request).model_dump_json()
+
+    return Response(await asyncio.to_thread(run), media_type="application/json")
 
 
 def _error(status_code: int, message: str, param: str | None = None) -> Response:
@@ -280,7 +390,8 @@ async def _respond(raw_request: Request, work: Awaitable[BaseModel | AsyncIterat
     except Exception as e:
         return await _unexpected_error_handler(raw_request, e)
     if isinstance(result, BaseModel):
-        return _json(result)
+        # A large answer (echo, logprobs, many choices) takes a while to encode: off the loop.
+        return Response(await asyncio.to_thread(result.model_dump_json), media_type="application/json")
     return ClosingStreamingResponse(result, media_type="text/event-stream")
 
 
@@ -290,26 +401,6 @@ async def _wait_for_disconnect(raw_request: Request) -> None:
         message = await raw_request.receive()
         if message["type"] == "http.disconnect":
             return
-
-
-async def _json_body(raw_request: Request) -> Any:
-    """The request body parsed as JSON; malformed JSON is a validation error (400)."""
-    raw = await raw_request.body()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        position = getattr(e, "pos", 0)
-        reason = getattr(e, "msg", str(e))
-        raise RequestValidationError(
-            [
-                {
-                    "type": "json_invalid",
-                    "loc": ("body", position),
-                    "msg": "JSON decode error",
-                    "ctx": {"error": reason},
-                }
-            ]
-        ) from None
 
 
 def _validate(model: type[BaseModel], body: Any) -> Any:
@@ -333,20 +424,13 @@ async def _validation_error_handler(request: Request, exc: RequestValidationErro
         path = loc[1:] if loc and loc[0] == "body" else loc
         if err.get("type") == "json_invalid":
             reason = (err.get("ctx") or {}).get("error", "")
-            messages.append(
-                f"Invalid JSON in the request body at position {path[0] if path else 0}: {reason}"
-            )
+            where = f" at position {path[0]}" if path else ""
+            messages.append(f"Invalid JSON in the request body{where}: {reason}")
             continue
         if param is None and path and isinstance(path[0], str):
             param = path[0]
         where = ".".join(str(p) for p in path) or "body"
         messages.append(f"{where}: {err.get('msg', 'invalid value')}")
-    content_type = request.headers.get("content-type", "")
-    if content_type and "json" not in content_type:
-        # FastAPI reads a body as JSON only when it is labelled so (vLLM refuses others).
-        messages.insert(
-            0, f"The body must be JSON sent as 'Content-Type: application/json' (got {content_type!r})"
-        )
     return _error(400, "; ".join(messages) or "Invalid request", param)
 
 
@@ -364,7 +448,7 @@ async def _openai_error_handler(request: Request, exc: OpenAIError) -> Response:
 
 async def _engine_dead_handler(request: Request, exc: EngineDeadError) -> Response:
     # The root-cause block (pids, stages, exceptions) goes to the server log, not to clients.
-    return _error(503, "The engine is dead; the server's log shows the root cause.")
+    return _error(503, ENGINE_DEAD_MESSAGE)
 
 
 async def _value_error_handler(request: Request, exc: ValueError) -> Response:
@@ -373,28 +457,37 @@ async def _value_error_handler(request: Request, exc: ValueError) -> Response:
 
 async def _unexpected_error_handler(request: Request, exc: Exception) -> Response:
     logger.error("unexpected error serving %s: %r", request.url.path, exc, exc_info=exc)
-    return _error(500, f"Internal server error: {type(exc).__name__}: {exc}")
+    return _error(500, internal_error_message(exc))
 
 
 # ---------------------------------------------------------------------------- API key
 
 
 class APIKeyMiddleware:
-    """Requires ``Authorization: Bearer <key>`` on ``/v1/*`` (vLLM's ``AuthenticationMiddleware``).
+    """Requires ``Authorization: Bearer <key>`` (vLLM's ``AuthenticationMiddleware``).
+
+    ``scope``: ``"v1"`` guards ``/v1/*`` only, as vLLM (``/tokenize``, ``/metrics``, ...
+    stay open); ``"all"`` guards every path but ``/health`` and ``/ping``. Preflight
+    ``OPTIONS`` requests always pass (browsers send them without credentials).
 
     Pure ASGI, so streamed responses pass through untouched. Only a SHA-256 digest of the
     key is kept, and digests are compared with ``secrets.compare_digest`` (constant time).
-    Preflight ``OPTIONS`` requests and other paths (``/health``, ``/metrics``, ...) pass.
     """
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, scope: str = "v1") -> None:
         self.app = app
         self.key_digest = hashlib.sha256(api_key.encode()).digest()
+        self.scope = scope
+
+    def guards(self, path: str) -> bool:
+        if self.scope == "all":
+            return path.rstrip("/") not in UNGUARDED_PATHS
+        return path.startswith(GUARDED_PREFIX)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] in ("http", "websocket") and scope.get("method") != "OPTIONS":
             path = scope["path"].removeprefix(scope.get("root_path", ""))
-            if path.startswith(GUARDED_PREFIX):
+            if self.guards(path):
                 header = Headers(scope=scope).get("authorization", "")
                 token = header[len("Bearer ") :] if header.startswith("Bearer ") else ""
                 digest = hashlib.sha256(token.encode()).digest()

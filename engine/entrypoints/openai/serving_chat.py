@@ -38,7 +38,9 @@ from engine.entrypoints.openai.serving_engine import (
     OpenAIError,
     OpenAIServing,
     bad_request_from_value_error,
+    engine_dead_event,
     error_response,
+    internal_error_message,
     merge_async_iterators,
     random_uuid,
     sse_event,
@@ -81,7 +83,7 @@ class OpenAIServingChat(OpenAIServing):
         # Rendering and tokenizing off the event loop, so other requests stream on.
         tokenize_ns = time.time_ns()
         _, prompt_ids = await asyncio.to_thread(
-            self.render_chat, request.messages, request.add_generation_prompt
+            self.render_chat, request.messages, request.add_generation_prompt, True
         )
         tokenized_ns = time.time_ns()
         self.check_prompt(prompt_ids, "messages")
@@ -196,10 +198,10 @@ class OpenAIServingChat(OpenAIServing):
         except OpenAIError as e:
             yield sse_event(error_response(e.status_code, e.message, e.param))
         except EngineDeadError as e:
-            yield sse_event(error_response(503, str(e)))
+            yield engine_dead_event(e, request_id)
         except Exception as e:
             logger.exception("chat stream %s failed", request_id)
-            yield sse_event(error_response(500, f"{type(e).__name__}: {e}"))
+            yield sse_event(error_response(500, internal_error_message(e)))
         yield SSE_DONE
 
     # ------------------------------------------------------------------ logprobs

@@ -40,7 +40,9 @@ from engine.entrypoints.openai.serving_engine import (
     OpenAIError,
     OpenAIServing,
     bad_request_from_value_error,
+    engine_dead_event,
     error_response,
+    internal_error_message,
     merge_async_iterators,
     random_uuid,
     sse_event,
@@ -76,6 +78,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_unsupported(request)
         self.check_fields(request)
         self.check_logprobs(request.logprobs, "logprobs")
+        self._check_prompts_fit(request.prompt)
         # Tokenizing a long prompt takes a while: off the event loop, so other requests stream on.
         tokenize_ns = time.time_ns()
         prompts = await asyncio.to_thread(self._render_prompts, request.prompt)
@@ -117,7 +120,18 @@ class OpenAIServingCompletion(OpenAIServing):
             raise
         finally:
             rtrace.end(error)
-        return self._full_response(request, request_id, prompts, finals)
+        # Echo and logprobs replay every token through a detokenizer: off the event loop.
+        return await asyncio.to_thread(self._full_response, request, request_id, prompts, finals)
+
+    def _check_prompts_fit(self, prompt: str | list[str] | list[int] | list[list[int]]) -> None:
+        """Refuse, before any tokenizing, a text or a list of ids that cannot fit the context."""
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]  # type: ignore[list-item]
+        for p in prompt:
+            if isinstance(p, str):
+                self.check_text_fits(p, "prompt")
+            elif isinstance(p, list) and len(p) >= self.max_model_len:
+                self.check_prompt(p, "prompt")
 
     def _render_prompts(
         self, prompt: str | list[str] | list[int] | list[list[int]]
@@ -288,10 +302,10 @@ class OpenAIServingCompletion(OpenAIServing):
         except OpenAIError as e:
             yield sse_event(error_response(e.status_code, e.message, e.param))
         except EngineDeadError as e:
-            yield sse_event(error_response(503, str(e)))
+            yield engine_dead_event(e, request_id)
         except Exception as e:
             logger.exception("completion stream %s failed", request_id)
-            yield sse_event(error_response(500, f"{type(e).__name__}: {e}"))
+            yield sse_event(error_response(500, internal_error_message(e)))
         yield SSE_DONE
 
     # ------------------------------------------------------------------ logprobs

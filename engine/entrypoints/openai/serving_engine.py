@@ -49,12 +49,16 @@ ERROR_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
     404: "NotFoundError",
+    413: "RequestTooLargeError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
 _SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
 # Request fields accepted and ignored: not checked (``OpenAIServing.check_fields``).
 UNCHECKED_FIELDS = frozenset({"user"})
+# What a client is told when the engine is dead, streaming or not (503); the root cause
+# (pids, stages, exceptions) goes to the server's log only.
+ENGINE_DEAD_MESSAGE = "The engine is dead; the server's log shows the root cause."
 
 
 class OpenAIError(Exception):
@@ -139,6 +143,57 @@ def sse_event(data: BaseModel) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+def engine_dead_event(error: BaseException, request_id: str) -> str:
+    """The SSE error event that ends a stream whose engine died: the short 503 message
+    (``ENGINE_DEAD_MESSAGE``), as a non-streaming client gets.
+
+    The root cause (process, pid, stage, exception) goes to the log instead: one line, once
+    per engine death however many streams it ends (the full block is printed once, last, by
+    the server when it stops).
+    """
+    if not getattr(error, "_logged_for_streams", False):
+        cause = getattr(error, "root_cause", None) or str(error)
+        summary = "; ".join(
+            " ".join(line.split()) for line in cause.splitlines() if line.strip() and line[0] != "="
+        )
+        logger.error("The engine died while streaming %s (and maybe others): %s", request_id, summary)
+        try:
+            error._logged_for_streams = True  # type: ignore[attr-defined]
+        except AttributeError:
+            pass
+    return sse_event(error_response(503, ENGINE_DEAD_MESSAGE))
+
+
+def internal_error_message(error: BaseException) -> str:
+    """What a client is told of an unexpected error (500): its type, not its text (which may
+    quote internals); the server logs the whole traceback."""
+    return f"Internal server error ({type(error).__name__}); the server's log has the details."
+
+
+def max_chars_per_token(tokenizer: Any) -> int | None:
+    """An upper bound on the characters of text one token can stand for, or None when the
+    tokenizer gives no such bound.
+
+    With one, a text longer than ``max_model_len * bound`` characters cannot fit the context,
+    whatever it says, and is refused before it is tokenized. Only byte-level BPE without a
+    normalizer is trusted: every character becomes at least one byte token, and a vocabulary
+    entry's length counts its bytes (≥ its characters). Tokenizers that may drop text (a
+    whitespace pre-tokenizer, a normalizer that strips accents, unknown words fused into one
+    ``<unk>``) give no bound.
+    """
+    try:
+        backend = tokenizer.backend_tokenizer
+        model = backend.model
+    except AttributeError:
+        return None
+    if backend.normalizer is not None or type(model).__name__ != "BPE":
+        return None
+    if type(backend.pre_tokenizer).__name__ != "ByteLevel":
+        return None
+    vocab = backend.get_vocab(with_added_tokens=True)
+    return max((len(token) for token in vocab), default=0) or None
+
+
 class OpenAIServing:
     """The base of the route handlers: the engine, the served name and shared checks.
 
@@ -159,6 +214,7 @@ class OpenAIServing:
         limit = engine.model_config.max_logprobs
         self.max_logprobs: int = self.vocab_size if limit == -1 else limit
         self.default_max_tokens: int | None = engine.model_config.get_diff_sampling_param().get("max_tokens")
+        self.max_chars_per_token = max_chars_per_token(self.tokenizer)
 
     # ------------------------------------------------------------------ checks
 
@@ -174,17 +230,12 @@ class OpenAIServing:
             raise self.engine.dead_error
 
     def check_prompt(self, prompt_token_ids: list[int], param: str) -> None:
-        """Refuse an empty prompt, out-of-vocabulary ids, and a prompt with no room left.
+        """Refuse an empty prompt, a prompt with no room left, and out-of-vocabulary ids.
 
         A generation needs ``len(prompt) < max_model_len``: at least one token of room.
         """
         if not prompt_token_ids:
             raise OpenAIError("The decoder prompt cannot be empty.", param=param)
-        for token_id in prompt_token_ids:
-            if not 0 <= token_id < self.vocab_size:
-                raise OpenAIError(
-                    f"Token id {token_id} is out of vocabulary (vocab_size={self.vocab_size}).", param=param
-                )
         if len(prompt_token_ids) >= self.max_model_len:
             raise OpenAIError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your "
@@ -192,6 +243,30 @@ class OpenAIServing:
                 f"Please reduce the length of the input {param}.",
                 param=param,
             )
+        for token_id in prompt_token_ids:
+            if not 0 <= token_id < self.vocab_size:
+                raise OpenAIError(
+                    f"Token id {token_id} is out of vocabulary (vocab_size={self.vocab_size}).", param=param
+                )
+
+    def check_text_fits(self, text: str, param: str) -> None:
+        """Refuse, before tokenizing it, a text too long to fit ``max_model_len`` whatever it
+        says (more than ``max_model_len * max_chars_per_token`` characters); a no-op when
+        the tokenizer gives no bound (``max_chars_per_token``).
+
+        Raises:
+            OpenAIError: (400, ``param``) with vLLM's "maximum context length" wording.
+        """
+        bound = self.max_chars_per_token
+        if bound is None or len(text) <= self.max_model_len * bound:
+            return
+        at_least = -(-len(text) // bound)
+        raise OpenAIError(
+            f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+            f"request has at least {at_least} input tokens ({len(text)} characters), which leaves no "
+            f"room for output. Please reduce the length of the input {param}.",
+            param=param,
+        )
 
     def resolve_max_tokens(self, requested: int | None, prompt_len: int, param: str = "max_tokens") -> int:
         """The output limit for one prompt of ``prompt_len`` tokens.
@@ -276,17 +351,20 @@ class OpenAIServing:
     # ------------------------------------------------------------------ prompts
 
     def render_chat(
-        self, messages: list[ChatMessageParam], add_generation_prompt: bool = True
+        self, messages: list[ChatMessageParam], add_generation_prompt: bool = True, check_length: bool = False
     ) -> tuple[str, list[int]]:
         """A conversation → (prompt text, prompt token ids), through the chat template.
 
         Content given as parts keeps the text parts, joined by newlines (vLLM's "string"
         content format). The rendered text already holds the template's special tokens, so
-        it is tokenized without adding more.
+        it is tokenized without adding more. ``check_length``: refuse a rendered text too
+        long to fit before tokenizing it (``check_text_fits``). CPU-heavy: callers run it in
+        a worker thread.
 
         Raises:
-            OpenAIError: text that is not valid Unicode, a part that is not text, or a
-                template that refuses the messages (``param`` is ``"messages"``).
+            OpenAIError: text that is not valid Unicode, a part that is not text, a
+                template that refuses the messages, or (``check_length``) a conversation
+                too long (``param`` is ``"messages"``).
         """
         check_unicode(messages, "messages")
         conversation: list[dict[str, Any]] = []
@@ -313,6 +391,8 @@ class OpenAIServing:
             )
         except ValueError as e:
             raise OpenAIError(str(e), param="messages") from None
+        if check_length:
+            self.check_text_fits(text, "messages")
         try:
             return text, encode(self.tokenizer, text, add_special_tokens=False)
         except ValueError as e:  # only text from the messages can make the rendered text invalid

@@ -1,0 +1,139 @@
+"""SIGTERM while streaming: ``--shutdown-timeout`` (vLLM's flag) — issue 12, item 7.
+
+New connections are refused at once; requests in flight may finish within the grace period;
+those still running then end with an SSE error event and ``data: [DONE]``; the server exits
+0 and no process of its tree is left. Each test starts its own server (it stops it) and
+kills its process group on teardown; the SIGTERM follows the first streamed chunk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+from proc_utils import wait_gone
+from server_utils import start_server
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+@pytest.fixture
+def base():
+    path = Path(tempfile.mkdtemp(prefix="gbx", dir="/tmp"))  # short: ipc paths <= 107 chars
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _session_members(sid: int) -> list[int]:
+    """Pids of live processes in session ``sid`` (the server has its own session)."""
+    pids = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if os.getsid(p.pid) == sid:
+                pids.append(p.pid)
+    return pids
+
+
+def _open_stream(server, max_tokens: int):
+    """A streamed completion read up to its first chunk: (client, response, line iterator)."""
+    client = httpx.Client(base_url=server.base_url, timeout=60)
+    model = client.get("/v1/models").json()["data"][0]["id"]
+    body = {"model": model, "prompt": "Return the", "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0, "stream": True}  # fmt: skip
+    response = client.send(client.build_request("POST", "/v1/completions", json=body), stream=True)
+    assert response.status_code == 200
+    lines = response.iter_lines()
+    for line in lines:
+        if line.startswith("data: "):
+            break
+    return client, response, lines
+
+
+def _events(lines) -> list[str]:
+    """The rest of the stream's ``data:`` payloads, in order."""
+    return [line[len("data: ") :] for line in lines if line.startswith("data: ")]
+
+
+def _wait_for_log(server, text: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in server.log():
+        assert time.monotonic() < deadline, server.log()[-3000:]
+        time.sleep(0.02)
+
+
+def test_streams_past_the_grace_period_end_with_an_error_event_and_done(base):
+    grace = 1
+    server = start_server(base, "--shutdown-timeout", str(grace))
+    try:
+        client, response, lines = _open_stream(server, max_tokens=1800)
+        signalled = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        _wait_for_log(server, "Shutting down")
+        with pytest.raises(httpx.ConnectError):  # new connections are refused at once
+            httpx.get(server.base_url + "/health", timeout=5)
+        events = []
+        error_at = None
+        for payload in _events(lines):
+            events.append(payload)
+            if error_at is None and '"error"' in payload:
+                error_at = time.monotonic()
+        response.close()
+        client.close()
+        assert events[-1] == "[DONE]", events[-3:]
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == 503 and "shutting down" in error["message"], error
+        assert not any('"finish_reason":"length"' in e.replace(" ", "") for e in events), "it was cut short"
+        assert error_at - signalled >= grace * 0.9, "requests in flight get the grace period"
+        assert server.proc.wait(grace + 15) == 0, server.log()[-3000:]
+        assert time.monotonic() - signalled < grace + 15
+        assert wait_gone(_session_members(server.proc.pid), timeout=10) == [], "no process is left"
+        assert not server.run_dir.exists()
+        assert "Traceback" not in server.log()
+    finally:
+        server.kill_group()
+
+
+def test_a_short_stream_finishes_within_a_generous_grace_period(base):
+    server = start_server(base, "--shutdown-timeout", "60")
+    try:
+        client, response, lines = _open_stream(server, max_tokens=48)
+        signalled = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        events = _events(lines)
+        response.close()
+        client.close()
+        assert events[-1] == "[DONE]", events[-3:]
+        assert not any('"error"' in e for e in events), events[-3:]
+        last = json.loads(events[-2])
+        assert last["choices"][0]["finish_reason"] == "length", last
+        assert server.proc.wait(30) == 0, server.log()[-3000:]
+        assert time.monotonic() - signalled < 30, "the server exits once its requests are done"
+        assert wait_gone(_session_members(server.proc.pid), timeout=10) == [], "no process is left"
+        assert not server.run_dir.exists()
+    finally:
+        server.kill_group()
+
+
+def test_default_shutdown_timeout_ends_streams_at_once(base):
+    """vLLM's default, 0: SIGTERM ends the streams in flight right away, with the error event."""
+    server = start_server(base)
+    try:
+        client, response, lines = _open_stream(server, max_tokens=1800)
+        server.proc.send_signal(signal.SIGTERM)
+        events = _events(lines)
+        response.close()
+        client.close()
+        assert events[-1] == "[DONE]" and '"error"' in events[-2], events[-3:]
+        assert server.proc.wait(20) == 0, server.log()[-3000:]
+        assert wait_gone(_session_members(server.proc.pid), timeout=10) == []
+    finally:
+        server.kill_group()
