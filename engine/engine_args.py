@@ -472,7 +472,7 @@ class EngineArgs:
             default=None,
             metavar="SPEC",
             help="Fault injection, for teaching and tests: STAGE:KIND[@ROLE][#N], comma-separated, e.g. "
-            "worker.load_model:hang@Worker_DP0_PP0_TP1; KIND: hang, freeze, crash, exit:<code>, "
+            "worker.load_model:hang@Worker_DP0_PP0_TP1; KIND: hang, freeze, gil, crash, exit:<code>, "
             "kill:<signal>, slow:<seconds> (or GLASSBOX_FAULT; see docs/faults.md).",
         )
         if serving:

@@ -57,6 +57,31 @@ def _layer_partition(value: str) -> tuple[int, ...]:
     return tuple(int(p) for p in parts)
 
 
+def _cpu_list(text: str) -> tuple[int, ...]:
+    """``"0-2,5"`` → ``(0, 1, 2, 5)``: CPU ids, in order, no repeats."""
+    cpus: list[int] = []
+    for part in text.split(","):
+        lo, dash, hi = part.strip().partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()) or (dash and int(hi) < int(lo)):
+            raise ValueError(f"{part.strip()!r} is not a CPU id or an ascending range like 0-3")
+        cpus.extend(c for c in range(int(lo), int(hi if dash else lo) + 1) if c not in cpus)
+    return tuple(cpus)
+
+
+def _omp_threads_bind(value: str) -> str | tuple[tuple[int, ...], ...]:
+    """``"auto"`` / ``"nobind"`` as they are; ``"0-1|2-3"`` → ``((0, 1), (2, 3))``: one CPU list
+    per worker. Whether there is a list for every worker and the CPUs are usable is checked
+    by each worker (``engine.worker.worker.plan_cpu_threads``), where both are known.
+    """
+    v = value.strip().lower()
+    if v in ("auto", "nobind"):
+        return v
+    try:
+        return tuple(_cpu_list(rank) for rank in v.split("|"))
+    except ValueError as e:
+        raise ValueError(f'expected "auto", "nobind" or CPU lists per worker like "0-1|2-3": {e}') from None
+
+
 def _faults(value: str) -> tuple[Any, ...]:
     """A fault spec (``tracing.faults``): parsed here so a bad one fails in the first process."""
     from tracing.faults import parse_faults
@@ -81,6 +106,26 @@ ENV_VARS: dict[str, EnvVar] = {
             1.0,
             "KV-cache budget on CPU, in GiB (vLLM: VLLM_CPU_KVCACHE_SPACE). Small on purpose: "
             "never a share of all system memory. --kv-cache-memory-bytes overrides it.",
+        ),
+        EnvVar(
+            "GLASSBOX_CPU_OMP_THREADS_BIND",
+            _omp_threads_bind,
+            "auto",
+            "CPU workers' torch (OpenMP) threads (vLLM: VLLM_CPU_OMP_THREADS_BIND). auto: the CPUs "
+            "this process may use are shared out evenly between the engine's local workers (DP x "
+            "PP x TP): as many threads as CPUs in each share, and each worker pinned to its share "
+            "when there are several (OMP_NUM_THREADS, when set, still gives the count); more "
+            'workers than CPUs: one thread each, unpinned. "0-1|2-3": CPU lists, one per worker '
+            "(in rank order, DP engine by DP engine), each worker pinned to its list with one "
+            "thread per CPU. auto and lists also start every child process with "
+            "OMP_WAIT_POLICY=PASSIVE unless OMP_WAIT_POLICY, GOMP_SPINCOUNT or KMP_BLOCKTIME is set: "
+            "an OpenMP thread waiting for its team then sleeps instead of spinning, which keeps "
+            "throughput up when another process takes a core, at some cost on an idle machine "
+            '(docs/performance.md, "One core taken"). nobind: '
+            "leave torch's threads, their affinity and OpenMP's wait policy as torch sets them. "
+            "Applied in the worker's own process (and in the engine core with "
+            "--distributed-executor-backend uni); a worker inside your process "
+            "(GLASSBOX_ENABLE_MULTIPROCESSING=0) follows only explicit lists.",
         ),
         EnvVar(
             "GLASSBOX_LOGGING_LEVEL",

@@ -225,7 +225,7 @@ def test_doctor_reads_a_half_written_run_dir_without_crashing(tmp_path, capsys):
 def test_doctor_with_nothing_running_says_so(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("GLASSBOX_RUN_DIR_BASE", str(tmp_path))
     _hand_made_run_dir(tmp_path)
-    assert main(["doctor"]) == 0
+    assert main(["doctor"]) == 1  # nothing serving is not healthy (an ops probe must see it)
     out = capsys.readouterr().out
     assert "no running Glassbox instance" in out and "--run-dir" in out
 
@@ -290,3 +290,39 @@ def test_doctor_against_a_real_server_healthy_then_with_its_worker_stopped():
                 pass
         server.kill_group()
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_diagnosis_is_never_healthy_while_a_fault_holds_a_stage_or_the_tree_stops():
+    """Found by a fresh user: doctor said "healthy" (exit 0) 7 s into a worker hung in a step,
+    while the engine core was shutting down, and with engine-top alerting a death."""
+    from engine.cli.doctor import ProcessReport, Report, diagnose
+
+    def report(*procs, alerts=()):
+        return Report(run_dir="/x", mode="serve", expected=len(procs), found=len(procs), live_telemetry=True,
+                      processes=list(procs), alerts=list(alerts), problems=[])  # fmt: skip
+
+    def proc(role, kind, depth, stage=None, faults=()):
+        return ProcessReport(role=role, kind=kind, pid=7, rank=0, os_state="running", state="running",
+                             stage=stage, time_in_stage_s=3.0 if stage else None, depth=depth,
+                             faults=list(faults))  # fmt: skip
+
+    api, core = proc("APIServer_0", "api_server", 1), proc("EngineCore_DP0", "engine_core", 2)
+    spec = "worker.execute_model:hang@Worker_DP0_PP0_TP0#20 in worker.execute_model"
+    held = report(api, core, proc("Worker_DP0_PP0_TP0", "worker", 3, "worker.execute_model", [spec]))
+    diagnose(held)
+    assert (held.healthy, held.verdict, held.culprit) == (False, "stuck", "Worker_DP0_PP0_TP0")
+    assert (
+        "is held in stage worker.execute_model" in held.diagnosis
+        and "An injected fault struck" in held.diagnosis
+    )
+    stopping = report(api, proc("EngineCore_DP0", "engine_core", 2, "engine_core.shutdown"))
+    diagnose(stopping)
+    assert (stopping.healthy, stopping.verdict) == (False, "stopping")
+    dying = report(api, core, alerts=[{"severity": "error", "role": "Worker_DP0_PP0_TP0",
+                                       "message": "Worker_DP0_PP0_TP0 (pid 9) is dead: exited with code 1",
+                                       "hint": "its crash report says why"}])  # fmt: skip
+    diagnose(dying)
+    assert (dying.healthy, dying.verdict) == (False, "unhealthy") and "is dead" in dying.diagnosis
+    fine = report(api, core)
+    diagnose(fine)
+    assert fine.healthy and fine.verdict == "healthy"

@@ -22,6 +22,7 @@ BAD = {
     "_non_negative_float": "-0.5",
     "_layer_partition": "2,x",
     "_faults": "no.such.stage:hang",
+    "_omp_threads_bind": "0-x",
 }
 CHECKED = [
     (name, BAD[var.parse.__name__]) for name, var in envs.ENV_VARS.items() if var.parse.__name__ in BAD

@@ -217,6 +217,7 @@ def _root_cause(log: str) -> str:
     ("stage", "kind", "role", "words"),
     [
         ("worker.compile_or_warm_up_model", "crash", "Worker_DP0_PP0_TP1", ["InjectedFault"]),
+        ("worker.load_model", "crash", "Worker_DP0_PP0_TP1", ["InjectedFault"]),  # the docs' example
         ("engine_core.init", "exit:3", "EngineCore_DP0", ["exited with code 3"]),
     ],
 )  # fmt: skip
@@ -229,6 +230,7 @@ def test_serve_tp2_start_up_fault_ends_in_one_root_cause_naming_process_and_stag
         assert code == 1, tree.log()[-3000:]
         root = _root_cause(tree.log())
         assert f"process:   {role}" in root and f"stage:     {stage}" in root, root
+        assert f"fault:     injected {stage}:{kind}@{role} struck in {stage}" in root, root
         for word in words:
             assert word in root, root
         assert not list(base.glob("glassbox-*")), "run directory left"

@@ -137,3 +137,29 @@ def test_default_shutdown_timeout_ends_streams_at_once(base):
         assert wait_gone(_session_members(server.proc.pid), timeout=10) == []
     finally:
         server.kill_group()
+
+
+def test_a_second_ctrl_c_skips_the_drain_but_streams_still_end_with_an_error_and_done(base):
+    """Found by a fresh user: the second Ctrl-C cut the stream off mid-chunk with a traceback
+    and a log line blaming --shutdown-timeout. It ends the drain at once; the stream still
+    gets the 503 event and [DONE]."""
+    server = start_server(base, "--shutdown-timeout", "60")
+    try:
+        client, response, lines = _open_stream(server, max_tokens=1800)
+        signalled = time.monotonic()
+        server.proc.send_signal(signal.SIGINT)
+        _wait_for_log(server, "waiting up to 60 s")
+        server.proc.send_signal(signal.SIGINT)
+        events = _events(lines)
+        response.close()
+        client.close()
+        assert events[-1] == "[DONE]", events[-3:]
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == 503 and "shutting down" in error["message"], error
+        assert server.proc.wait(30) == 0, server.log()[-3000:]
+        assert time.monotonic() - signalled < 30, "the second Ctrl-C skips the 60 s drain"
+        log = server.log()
+        assert "a second interrupt" in log and "Traceback" not in log, log[-3000:]
+        assert wait_gone(_session_members(server.proc.pid), timeout=10) == [], "no process is left"
+    finally:
+        server.kill_group()

@@ -372,7 +372,7 @@ def install_faults(role: str, text: str | None = None, *, quiet: bool = False) -
         _armed = frozenset(f.stage for f in mine)
     if mine and not quiet:
         logger.warning(
-            "FAULT INJECTION ON in %s (pid %d): %s — this process will be struck on purpose (%s)",
+            "FAULT INJECTION ON in %s (pid %d): %s — armed: struck on purpose if this process enters that stage (%s)",
             role, os.getpid(), "; ".join(f"{f} ({f.describe()})" for f in mine), ENV,
         )  # fmt: skip
     elif faults and not quiet:
@@ -396,7 +396,7 @@ def arm_before_config(role: str, text: str | None) -> None:
 
 def armed_stages() -> frozenset[str]:
     """The stage names a fault armed in this process targets. Stages entered only on demand
-    (a worker's per-step ``worker.execute_model``, ``worker.forward``, ``worker.sample``: with
+    (a worker's per-step ``worker.execute_model``, ``model_runner.forward``, ``model_runner.sample``: with
     ``--collect-detailed-traces``) are also entered when a fault targets them, so any stage
     of the catalogue can be struck."""
     return _armed

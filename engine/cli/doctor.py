@@ -18,7 +18,7 @@ everything the tree already writes down:
   line its main thread waits at.
 
 Exit 0 when healthy (every planned process up, out of start-up, heartbeats fresh), 1 when
-not, 2 for a usage error or several instances to choose from. ``--json`` prints the same as
+not (also when no instance is running), 2 for a usage error or several instances to choose from. ``--json`` prints the same as
 data. Every wait is bounded and a half-written run directory is read as far as it goes.
 vLLM has no counterpart (its users read "Engine core initialization failed. See root cause
 above" and reach for py-spy).
@@ -46,6 +46,7 @@ from tracing import hints
 from tracing import run_dir as contract
 from tracing import stacks as stack_dumps
 from tracing.instances import InstanceInfo
+from tracing.telemetry.state import IDLE_POLL_WAIT_S
 
 DESCRIPTION = """Diagnose a Glassbox instance: its process tree against the plan, each
 process's state, stage and time in it, heartbeat age, crash reports and Python stacks
@@ -165,8 +166,11 @@ def _gather(run_dir: Path, watch_s: float, want_stacks: bool, stack_timeout_s: f
                 rep.time_in_stage_s = max(0.0, now - (lp.stage_entered_at or now))
             elif p.alive and p.state not in STOPPED_STATES:
                 rep.stage, rep.time_in_stage_s = None, None
+            # Short waits are idle polls repeated by design (engine-top hides them too).
             rep.waits = [
-                f"{w.what} for {now - w.started_at:.1f} s (deadline {w.timeout_s:g} s)" for w in lp.waits
+                f"{w.what} for {now - w.started_at:.1f} s (deadline {w.timeout_s:.0f} s)"
+                for w in lp.waits
+                if w.timeout_s >= IDLE_POLL_WAIT_S
             ]
         if rep.time_in_stage_s is not None:
             rep.time_in_stage_s = round(rep.time_in_stage_s, 2)
@@ -336,6 +340,19 @@ def diagnose(report: Report) -> None:
         text = f"{_who(rep)} is frozen: no heartbeat for {_age(rep.heartbeat_age_s)}{where(rep)}{at(rep)}."
         settle("frozen", rep, text, hints.FROZEN.replace("<pid>", str(rep.pid)) + "." + stage_words(rep))
         return
+    held = [p for p in deepest_first if p.stage and any(f.endswith(f" in {p.stage}") for f in p.faults)]
+    if held:
+        # Held by an injected fault: said at once, whatever the stage's usual ceiling.
+        rep = held[0]
+        settle("stuck", rep, f"{_who(rep)} is held{where(rep)}{at(rep)}.",
+               f"{rep.stage}: {hints.stage_hint(rep.stage).hint}.")  # fmt: skip
+        return
+    stopping = [p for p in deepest_first if p.stage and p.stage.endswith(".shutdown")]
+    if stopping:
+        rep = stopping[0]
+        settle("stopping", rep, f"{_who(rep)} is shutting down{where(rep)}: the instance is stopping.",
+               "run glassbox doctor again in a moment (--run-dir DIR once it is gone), or read its log.")  # fmt: skip
+        return
     in_stage = [p for p in deepest_first if p.stage and p.state in ("starting", "running")]
     if in_stage:
         rep = in_stage[0]
@@ -356,6 +373,12 @@ def diagnose(report: Report) -> None:
     if report.expected is not None and report.found != report.expected:
         settle("incomplete", None, f"{report.found} of {report.expected} expected processes found.",
                "a planned process is missing or an extra one runs: see glassbox ps.")  # fmt: skip
+        return
+    errors = [a for a in report.alerts if a.get("severity") == "error"]
+    if errors:
+        # engine-top sees something doctor's own rules did not (e.g. a death just reported).
+        first = errors[0]
+        settle("unhealthy", None, f"engine-top alerts: {first['message']}.", (first.get("hint") or "") + ".")
         return
     n = len([p for p in procs if p.state == "running"])
     source = "heartbeats fresh" if report.live_telemetry else "no live telemetry (status files only)"
@@ -483,10 +506,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                         f"are gone (glassbox doctor --run-dir DIR diagnoses one):\n"
                         + "\n".join(f"  {d}" for d in stale))  # fmt: skip
             if args.json:
-                print(json.dumps({"run_dir": None, "healthy": True, "verdict": "none", "diagnosis": msg}))
+                print(json.dumps({"run_dir": None, "healthy": False, "verdict": "none", "diagnosis": msg}))
             else:
                 print(msg)
-            return EXIT_HEALTHY
+            return EXIT_SICK  # nothing serving is not healthy (an ops probe must not read it so)
         if len(running) > 1:
             msg = f"{len(running)} instances are running; pick one with --run-dir:\n" + "\n".join(
                 f"  {d}" for d in running

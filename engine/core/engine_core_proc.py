@@ -284,7 +284,9 @@ class EngineCoreProc(EngineCore):
                     logger.error("engine core failed: %s: %s", type(e).__name__, e)
             else:
                 # A worker died: the frontend prints the root-cause block, once.
-                logger.error("engine core stopping: a worker died (the frontend prints the root cause)")
+                logger.error(
+                    "engine core stopping: a worker died, stopped or froze (the frontend prints the root cause)"
+                )
             flag = getattr(e, "flag", None)
             dead = EngineDead(
                 root_cause=root,

@@ -55,6 +55,7 @@ from tracing.telemetry.publisher import get_publisher, start_telemetry
 
 logger = init_logger(__name__)
 
+WORKER_EXIT_GRACE_S = 2.0  # s a worker that reported a failure gets to exit before it is named
 HUNG_STACK_TIMEOUT_S = 2.0  # s to wait for a stack dump of a worker that missed its deadline
 
 # How often waits look up from the queue to check the workers are alive (seconds).
@@ -193,8 +194,16 @@ class MultiprocExecutor(Executor):
                     raise ConfigError.from_message(error.message, flag=error.flag or "")
                 self._blame_dead_peer(rank)
                 logger.error("%s failed in %s:\n%s", self.roles[rank], method, error.traceback)
-                error_class = ValueError if error.type == "ValueError" else RuntimeError
-                raise error_class(f"{self.roles[rank]} failed in {method}: {error.type}: {error.message}")
+                if error.type == "ValueError":
+                    raise ValueError(f"{self.roles[rank]} failed in {method}: {error.type}: {error.message}")
+                # The worker wrote its crash report and exits: the root cause names it (its
+                # pid, stage, exception), not this engine core that only relayed the failure.
+                proc = self.workers[rank]
+                try:
+                    proc.popen.wait(WORKER_EXIT_GRACE_S)
+                except Exception:  # still running: named as it is
+                    pass
+                self._fail(rank, proc.poll())
             results.append(reply.result())
         return results
 
@@ -273,7 +282,7 @@ class MultiprocExecutor(Executor):
             main = next((t for t in dump.threads if t.main), None)
             where = stacks.where_waits(main.frames) if main is not None else None
             if where:
-                parts.append(f"its main thread waits at {where} (all threads: {role}{stacks.STACKS_SUFFIX})")
+                parts.append(f"its main thread waits at {where}")
         return "; ".join(parts)
 
     def _check_worker(self, rank: int) -> None:

@@ -152,6 +152,29 @@ class ChildProcess:
         return self.popen.poll()
 
 
+# What every child gets for OpenMP's wait policy unless the user chose one (or set
+# GLASSBOX_CPU_OMP_THREADS_BIND=nobind): a thread that waits for its team sleeps instead of
+# spinning, so a core taken by another process does not stall the whole team
+# (docs/performance.md, "One core taken"). libgomp — torch's OpenMP on Linux — reads it when it
+# is loaded, i.e. when the child imports torch: it can only be set at spawn.
+OPENMP_WAIT_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+# Any of these set by the user means the user chose: Glassbox then adds none of the above.
+OPENMP_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+
+
+def openmp_wait_env(environ: dict[str, str]) -> dict[str, str]:
+    """The OpenMP wait variables to add to a child's environment ``environ``: the defaults
+    (``OPENMP_WAIT_DEFAULTS``), or nothing when ``environ`` already sets one of
+    ``OPENMP_WAIT_VARS`` or ``GLASSBOX_CPU_OMP_THREADS_BIND`` is ``nobind``. Glassbox's own
+    default, chosen by measurement (``benchmarks/cpu_contention.py``); libgomp's own spins
+    300,000 times before it sleeps."""
+    if any(environ.get(name) for name in OPENMP_WAIT_VARS):
+        return {}
+    if environ.get("GLASSBOX_CPU_OMP_THREADS_BIND", "").strip().lower() == "nobind":
+        return {}
+    return dict(OPENMP_WAIT_DEFAULTS)
+
+
 def spawn_process(
     role: str,
     target: str,
@@ -177,6 +200,7 @@ def spawn_process(
     root = str(Path(__file__).resolve().parents[2])
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, child_env.get("PYTHONPATH", "")) if p)
     child_env.update(env or {})
+    child_env.update(openmp_wait_env(child_env))
     from tracing import catalogue, stage
     from tracing.propagation import inject_trace_headers
 
@@ -326,6 +350,10 @@ def format_root_cause(
         f"exit:      {describe_exit(returncode)}" + (f" ({state})" if returncode is None and state else ""),
         f"exception: {exception or ('none (it was still alive)' if returncode is None else 'none recorded (killed from outside, or died before reporting)')}",
     ]
+    for fault in status.faults:  # asked for, not found: say so (--inject-fault)
+        lines.append(
+            f"fault:     injected {fault.spec} struck in {fault.stage} (--inject-fault / GLASSBOX_FAULT)"
+        )
     if note:
         lines.append(f"note:      {note}")
     last = _last_flight_step(run_dir, role)

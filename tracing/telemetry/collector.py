@@ -166,11 +166,11 @@ def compute_alerts(
             and proc.last_step_at is not None
             and now - proc.last_step_at > NO_STEP_ALERT_S
         ):
-            msg = f"{role}: no engine step for {_age(now - proc.last_step_at)} with {running:.0f} requests running"
+            msg = f"no engine step for {_age(now - proc.last_step_at)} with {running:.0f} requests running"
             hint = "the busy loop stopped while the heartbeat goes on: see the stage it is in"
             alerts.append(Alert("error", role, msg, hint))
         if proc.last_error and proc.state != "dead":
-            alerts.append(Alert("warning", role, f"{role}: {proc.last_error}", "a stage failed (it raised)"))
+            alerts.append(Alert("warning", role, f"{proc.last_error}", "a stage failed (it raised)"))
         if recent_refusals is not None:
             prev = recent_refusals.get(f"{role}#n", 0.0)
             if proc.refused_events > prev:
@@ -178,7 +178,7 @@ def compute_alerts(
                 recent_refusals[role] = now
             last = recent_refusals.get(role)
             if last is not None and now - last <= REFUSED_ALERT_S:
-                msg = f"{role}: {proc.refused_events} telemetry events refused by a full socket"
+                msg = f"{proc.refused_events} telemetry events refused by a full socket"
                 hint = "a subscriber (engine-top, a recorder) reads too slowly; the engine did not wait"
                 alerts.append(Alert("warning", role, msg, hint))
     expected = state.expected_count

@@ -410,9 +410,13 @@ def _make_server(config, engine, shutdown_timeout: float, *, signals: bool):
         def capture_signals(self):
             return super().capture_signals() if signals else contextlib.nullcontext()
 
-        async def _wait_for_tasks(self, timeout: float) -> None:
+        async def _wait_for_tasks(self, timeout: float, *, until_forced: bool = True) -> None:
+            """Until the requests in flight are done, ``timeout`` s pass, or (``until_forced``)
+            a second Ctrl-C asks to skip the wait."""
             deadline = time.monotonic() + timeout
-            while self.server_state.tasks and not self.force_exit and time.monotonic() < deadline:
+            while self.server_state.tasks and time.monotonic() < deadline:
+                if until_forced and self.force_exit:
+                    return
                 await asyncio.sleep(0.05)
 
         async def shutdown(self, sockets=None) -> None:
@@ -426,6 +430,7 @@ def _make_server(config, engine, shutdown_timeout: float, *, signals: bool):
                 connection.shutdown()  # idle: closed now; busy: closed after its response
             state = self.server_state
             grace = 0.0 if engine.errored else float(shutdown_timeout)
+            started = time.monotonic()
             if state.tasks and grace > 0:
                 logger.info("Shutting down: waiting up to %g s (--shutdown-timeout) for %d request(s) in flight",
                             grace, len(state.tasks))  # fmt: skip
@@ -433,9 +438,14 @@ def _make_server(config, engine, shutdown_timeout: float, *, signals: bool):
             if state.tasks:
                 message = "The server is shutting down; the request was stopped before it finished."
                 ended = engine.abort_all(OpenAIError(message, 503))
-                logger.warning("Shutting down: ended %d request(s) still running after --shutdown-timeout %g s",
-                               ended, grace)  # fmt: skip
-                await self._wait_for_tasks(SHUTDOWN_FINISH_S)
+                if self.force_exit and grace > 0:
+                    why = f"a second interrupt after {time.monotonic() - started:.1f} s of the drain"
+                else:
+                    why = f"--shutdown-timeout {grace:g} s"
+                logger.warning("Shutting down: ended %d request(s) still running (%s)", ended, why)
+                # Even after a second Ctrl-C: the ended requests write their error event and
+                # [DONE] (it takes milliseconds) before anything is cancelled.
+                await self._wait_for_tasks(SHUTDOWN_FINISH_S, until_forced=False)
             if state.tasks:
                 logger.warning(
                     "Shutting down: cancelling %d request task(s) that did not finish", len(state.tasks)
