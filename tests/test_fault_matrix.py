@@ -524,3 +524,26 @@ def test_a_process_holding_the_gil_is_named_frozen_and_the_request_errors(base, 
         tree.assert_nothing_left()
     finally:
         tree.kill()
+
+
+def test_an_engine_core_hung_in_its_own_step_is_ended_and_named(base):
+    """Found by a fresh user: ``engine_core.step:hang`` left /health 200 and the request
+    waiting forever. The step watchdog ends it past the execute-model deadline + 5 s: the
+    stream errors, the root cause names the engine core, the stage and where it waits."""
+    env = {"GLASSBOX_EXECUTE_MODEL_TIMEOUT_S": "3"}
+    tree = Tree(base, ["--inject-fault", "engine_core.step:hang@EngineCore_DP0#6"], env=env)
+    try:
+        events, errored_at = _serve_and_stream(tree, base)
+        assert errored_at is not None and events[-1] == "data: [DONE]", events[-3:]
+        code = tree.proc.wait(timeout=30)
+        assert code == 1, tree.log()[-3000:]
+        root = _root_cause(tree.log())
+        assert (
+            "process:   EngineCore_DP0" in root and "EngineStepHung: engine_core.step has run for" in root
+        ), root
+        assert "waits at tracing/faults.py" in root and "fault:     injected engine_core.step:hang" in root, (
+            root
+        )
+        tree.assert_nothing_left()
+    finally:
+        tree.kill()

@@ -71,6 +71,7 @@ from engine.utils import run_dir as run_dirs
 from engine.utils.wire import ProtocolError
 from tracing import catalogue, current_stage, is_recording, record_span, setup_tracing
 from tracing.propagation import attached_trace_context, extract_trace_context
+from tracing.stage import open_stages
 from tracing.telemetry import events
 from tracing.telemetry.publisher import get_publisher, start_telemetry
 
@@ -261,6 +262,7 @@ class EngineCoreProc(EngineCore):
                 publisher.add_gauge_provider(engine._telemetry_gauges)
                 publisher.add_gauge_provider(engine.model_executor.telemetry_gauges)
                 publisher.set_requests_provider(engine.telemetry_requests)
+            StepWatchdog(engine, run_dir, role, payload.data_parallel_rank, payload.output_addresses).start()
             engine.run_busy_loop()
         except SystemExit as e:
             processes.ignore_sigterm()
@@ -605,6 +607,82 @@ def _decode_input(frames: list[bytes], client_index: int = 0) -> tuple[EngineCor
                             f"stamped client_index {stamped} came in on client {client_index}'s socket; its "
                             "outputs would go to the wrong API server")  # fmt: skip
     return request_type, message
+
+
+class EngineStepHung(RuntimeError):
+    """The engine core's own loop stopped inside a step (what ``StepWatchdog`` reports)."""
+
+
+# Seconds past GLASSBOX_EXECUTE_MODEL_TIMEOUT_S a step may run: the workers' reply is bounded
+# by that deadline, so a step that outlives it by this much is stuck in the engine core itself.
+STEP_HUNG_GRACE_S = 5.0
+
+
+class StepWatchdog(threading.Thread):
+    """Ends an engine core whose step never finishes (vLLM has no counterpart).
+
+    The workers' part of a step is bounded (``GLASSBOX_EXECUTE_MODEL_TIMEOUT_S``), but the
+    engine core's own part (scheduling, updating, a deadlock, an injected ``hang``) is not:
+    its heartbeat thread goes on, so ``/health`` stayed 200 and requests waited forever. This
+    thread looks once a second at the open ``engine_core.step`` / ``engine_core.dummy_step``;
+    one open longer than the execute-model deadline + ``STEP_HUNG_GRACE_S`` is reported like
+    a crash — a crash report naming the stage and the line the main thread waits at, the
+    flight recorder, ENGINE_CORE_DEAD to every client (requests in flight get an error, the
+    frontend prints the root cause) — and the process exits 1 (its workers follow through
+    their lifelines). A process holding the GIL is the heartbeat watch's case
+    (``GLASSBOX_HEARTBEAT_TIMEOUT_S``): this thread cannot run then either.
+    """
+
+    STEPS = (catalogue.ENGINE_CORE_STEP, catalogue.ENGINE_CORE_DUMMY_STEP)
+
+    def __init__(self, engine: EngineCore, run_dir: Path, role: str, rank: int, output_addresses: list[str]):
+        super().__init__(name="step_watchdog", daemon=True)
+        self.engine, self.run_dir, self.role, self.rank = engine, run_dir, role, rank
+        self.output_addresses = output_addresses
+        self.limit_s = envs.GLASSBOX_EXECUTE_MODEL_TIMEOUT_S + STEP_HUNG_GRACE_S
+        self.main_ident = threading.main_thread().ident
+
+    def run(self) -> None:
+        while True:
+            time.sleep(1.0)
+            now = time.time()
+            steps = [s for s in open_stages() if s.name in self.STEPS and s.thread == "MainThread"]
+            if steps and now - steps[0].entered_at > self.limit_s:
+                self._report(steps[0].name, now - steps[0].entered_at)
+                os._exit(1)
+
+    def _report(self, step: str, seconds: float) -> None:
+        import sys
+        import traceback
+
+        from tracing.stacks import where_waits
+
+        inner = [s.name for s in open_stages() if s.thread == "MainThread"]
+        frame = sys._current_frames().get(self.main_ident)
+        frames = (
+            [(f.filename, f.lineno, f.name) for f in reversed(traceback.extract_stack(frame))]
+            if frame
+            else []
+        )
+        where = where_waits(frames)
+        error = EngineStepHung(
+            f"{step} has run for {seconds:.0f} s, over GLASSBOX_EXECUTE_MODEL_TIMEOUT_S + {STEP_HUNG_GRACE_S:g} s "
+            f"= {self.limit_s:g} s: the engine core's own loop is stuck"
+            + (f" in {inner[-1]}" if inner else "")
+            + (f"; its main thread waits at {where}" if where else "")
+        )
+        logger.error("%s", error)
+        if self.engine.flight_recorder:
+            processes.write_flight_record(self.run_dir, self.role, list(self.engine.flight_recorder))
+        processes.write_crash_report(self.run_dir, self.role, error, inner[-1] if inner else step, self.rank)
+        root = processes.format_root_cause(self.run_dir, self.role, os.getpid(), 1)
+        dead = EngineDead(
+            root_cause=root, error_type=type(error).__name__, message=str(error), during_startup=False
+        )
+        try:
+            _send_dead(self.output_addresses, dead)
+        except zmq.ZMQError as e:
+            logger.error("could not tell the clients: %s", e)
 
 
 def _send_dead(output_addresses: list[str], dead: EngineDead) -> None:
