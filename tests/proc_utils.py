@@ -38,3 +38,18 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def session_members(sid: int) -> list[int]:
+    """Pids of the live (not zombie) processes of session ``sid``: a server started with
+    ``start_new_session=True`` leads its own session, and every process of its tree stays in it."""
+    import os
+
+    pids = []
+    for p in psutil.process_iter():
+        try:
+            if os.getsid(p.pid) == sid and p.status() != psutil.STATUS_ZOMBIE:
+                pids.append(p.pid)
+        except (psutil.Error, OSError):
+            pass
+    return pids

@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from proc_utils import wait_gone
+from proc_utils import session_members, wait_gone
 
 from tracing import run_dir as contract
 
@@ -103,7 +103,7 @@ class Tree:
         """No process the tree's status files named, none of its process group, no run directory."""
         pids = sorted(self.pids - {self.proc.pid})
         assert wait_gone(pids, timeout=5.0) == [], self.log()[-3000:]
-        assert _group(self.proc.pid) == [], "a process of the tree's group outlived it"
+        assert session_members(self.proc.pid) == [], "a process of the tree's group outlived it"
         assert self.run_dir is not None and not self.run_dir.exists(), "run directory (and its queues) left"
 
     def kill(self) -> None:
@@ -284,26 +284,13 @@ def test_offline_tp2_start_up_fault_names_the_rank_and_leaves_nothing(
         for word in words:
             assert word in out, out[-3000:]
         assert not list(base.glob("glassbox-*")), "run directory left"
-        assert [p for p in _group(proc.pid)] == [], "a process of the tree outlived it"
+        assert [p for p in session_members(proc.pid)] == [], "a process of the tree outlived it"
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         proc.wait(10)
-
-
-def _group(pgid: int) -> list[int]:
-    import psutil
-
-    left = []
-    for p in psutil.process_iter(["pid"]):
-        try:
-            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
-                left.append(p.pid)
-        except (ProcessLookupError, psutil.Error):
-            pass
-    return left
 
 
 # ------------------------------------------------------------------------ a hang while serving
@@ -411,7 +398,7 @@ def test_sigterm_in_each_start_up_stage_is_a_clean_exit_within_5_s(base, stage, 
         assert took < 5, f"SIGTERM in {stage} took {took:.1f} s to stop the tree"
         assert "Traceback" not in tree.log(), tree.log()[-3000:]
         if stage == "cli.validate_config":
-            assert _group(tree.proc.pid) == [] and not list(base.glob("glassbox-*"))
+            assert session_members(tree.proc.pid) == [] and not list(base.glob("glassbox-*"))
         else:
             tree.assert_nothing_left()
     finally:

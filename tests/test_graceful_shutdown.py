@@ -8,9 +8,7 @@ kills its process group on teardown; the SIGTERM follows the first streamed chun
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import shutil
 import signal
 import tempfile
@@ -18,9 +16,8 @@ import time
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
-from proc_utils import wait_gone
+from proc_utils import session_members, wait_gone
 from server_utils import start_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -31,16 +28,6 @@ def base():
     path = Path(tempfile.mkdtemp(prefix="gbx", dir="/tmp"))  # short: ipc paths <= 107 chars
     yield path
     shutil.rmtree(path, ignore_errors=True)
-
-
-def _session_members(sid: int) -> list[int]:
-    """Pids of live processes in session ``sid`` (the server has its own session)."""
-    pids = []
-    for p in psutil.process_iter():
-        with contextlib.suppress(psutil.Error, OSError):
-            if os.getsid(p.pid) == sid:
-                pids.append(p.pid)
-    return pids
 
 
 def _open_stream(server, max_tokens: int):
@@ -95,7 +82,7 @@ def test_streams_past_the_grace_period_end_with_an_error_event_and_done(base):
         assert error_at - signalled >= grace * 0.9, "requests in flight get the grace period"
         assert server.proc.wait(grace + 15) == 0, server.log()[-3000:]
         assert time.monotonic() - signalled < grace + 15
-        assert wait_gone(_session_members(server.proc.pid), timeout=10) == [], "no process is left"
+        assert wait_gone(session_members(server.proc.pid), timeout=10) == [], "no process is left"
         assert not server.run_dir.exists()
         assert "Traceback" not in server.log()
     finally:
@@ -117,7 +104,7 @@ def test_a_short_stream_finishes_within_a_generous_grace_period(base):
         assert last["choices"][0]["finish_reason"] == "length", last
         assert server.proc.wait(30) == 0, server.log()[-3000:]
         assert time.monotonic() - signalled < 30, "the server exits once its requests are done"
-        assert wait_gone(_session_members(server.proc.pid), timeout=10) == [], "no process is left"
+        assert wait_gone(session_members(server.proc.pid), timeout=10) == [], "no process is left"
         assert not server.run_dir.exists()
     finally:
         server.kill_group()
@@ -134,7 +121,7 @@ def test_default_shutdown_timeout_ends_streams_at_once(base):
         client.close()
         assert events[-1] == "[DONE]" and '"error"' in events[-2], events[-3:]
         assert server.proc.wait(20) == 0, server.log()[-3000:]
-        assert wait_gone(_session_members(server.proc.pid), timeout=10) == []
+        assert wait_gone(session_members(server.proc.pid), timeout=10) == []
     finally:
         server.kill_group()
 
@@ -160,6 +147,6 @@ def test_a_second_ctrl_c_skips_the_drain_but_streams_still_end_with_an_error_and
         assert time.monotonic() - signalled < 30, "the second Ctrl-C skips the 60 s drain"
         log = server.log()
         assert "a second interrupt" in log and "Traceback" not in log, log[-3000:]
-        assert wait_gone(_session_members(server.proc.pid), timeout=10) == [], "no process is left"
+        assert wait_gone(session_members(server.proc.pid), timeout=10) == [], "no process is left"
     finally:
         server.kill_group()

@@ -20,9 +20,8 @@ import sys
 import time
 
 import httpx
-import psutil
 import pytest
-from proc_utils import titled_processes, wait_gone
+from proc_utils import session_members, titled_processes, wait_gone
 from server_utils import start_server
 
 pytestmark = pytest.mark.slow
@@ -147,16 +146,6 @@ def test_port_in_use_is_one_line_and_nothing_starts(tmp_path):
     assert list(tmp_path.glob("glassbox-*")) == []
 
 
-def _session_members(sid: int) -> list[int]:
-    """Pids of live processes in session ``sid`` (the server was started with its own session)."""
-    pids = []
-    for p in psutil.process_iter():
-        with contextlib.suppress(psutil.Error, OSError):
-            if os.getsid(p.pid) == sid:
-                pids.append(p.pid)
-    return pids
-
-
 def _serve_to_exit(tmp_path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run ``glassbox serve --port 0 ARGS`` to its end in its own session; kill leftovers."""
     proc = subprocess.Popen([sys.executable, "-m", "engine.cli.main", "serve", "--port", "0", *args],
@@ -232,7 +221,7 @@ def test_signal_during_start_up_exit_code(tmp_path, sig, code):
         proc.send_signal(sig)
         assert proc.wait(30) == code, log_path.read_text()[-2000:]
         assert "Traceback" not in log_path.read_text()
-        assert wait_gone(_session_members(proc.pid)) == [], "no process of the tree is left"
+        assert wait_gone(session_members(proc.pid)) == [], "no process of the tree is left"
         assert list(tmp_path.glob("glassbox-*")) == []
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -258,7 +247,7 @@ def test_ctrl_c_during_start_up_with_a_stopped_worker_leaves_nothing(tmp_path):
         worker.send_signal(signal.SIGSTOP)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 130, log_path.read_text()[-2000:]
-        assert wait_gone(_session_members(proc.pid), timeout=10) == [], "no process of the tree is left"
+        assert wait_gone(session_members(proc.pid), timeout=10) == [], "no process of the tree is left"
         assert list(tmp_path.glob("glassbox-*")) == []
     finally:
         with contextlib.suppress(ProcessLookupError):

@@ -225,7 +225,6 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         args.model = args.model_tag
     if not 0 <= args.port <= 65535:
         parser.error(f"--port: invalid value {args.port} (must be in 0..65535)")
-    from engine.distributed.topology import ProcessRole
     from tracing.faults import arm_before_config
 
     # Until the start-up installs its own handlers, a SIGTERM is a clean stop (exit 0), not
@@ -263,15 +262,15 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         allowed_origins=args.allowed_origins,
         uvicorn_log_level=args.uvicorn_log_level,
         api_server_count=args.api_server_count,
+        shutdown_timeout=args.shutdown_timeout,
+        http_header_timeout=args.http_header_timeout,
+        http_body_timeout=args.http_body_timeout,
+        allowed_methods=args.allowed_methods,
+        allowed_headers=args.allowed_headers,
+        allow_credentials=args.allow_credentials,
+        api_key_scope=args.api_key_scope,
+        max_request_body_bytes=args.max_request_body_bytes,
     )
-    server_args.shutdown_timeout = args.shutdown_timeout
-    server_args.http_header_timeout = args.http_header_timeout
-    server_args.http_body_timeout = args.http_body_timeout
-    server_args.allowed_methods = args.allowed_methods
-    server_args.allowed_headers = args.allowed_headers
-    server_args.allow_credentials = args.allow_credentials
-    server_args.api_key_scope = args.api_key_scope
-    server_args.max_request_body_bytes = args.max_request_body_bytes
     return run_server(config, server_args, sock)
 
 
