@@ -134,8 +134,10 @@ def test_a_large_tokenize_does_not_stall_other_streams(server: Server) -> None:
     worst = max(during)
     report = (f"tokenize {tokenize_s:.2f} s; stream gaps: typical {typical * 1000:.1f} ms, worst while "
               f"tokenizing {worst * 1000:.0f} ms ({len(during)} gaps)")  # fmt: skip
+    # The bug stalled every stream for the whole tokenize (worst gap ≈ tokenize_s). A second
+    # bound of 200 × the median gap (~5 ms) flaked on a loaded 2-core machine (one 1.3 s gap
+    # during a 9.4 s tokenize: a scheduling hiccup, not the stall), so the bound is the stall's.
     assert worst < tokenize_s / 4, report
-    assert worst < 200 * typical, report
 
 
 # ---------------------------------------------------------------------------- 2. body limit
