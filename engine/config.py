@@ -34,6 +34,9 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
 )
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# --attention-backend (engine/model/attention.py): the gather + SDPA reference, or decodes
+# reading the paged cache in place through a kernel compiled by Inductor.
+ATTENTION_BACKENDS = ("TORCH_SDPA", "PAGED_INDUCTOR")
 DEVICES = ("auto", "cpu", "cuda")
 BLOCK_SIZES = (1, 8, 16, 32, 64, 128)
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -167,6 +170,7 @@ class ModelConfig:
     seed: int = 0
     max_model_len: int | None = None
     enforce_eager: bool = False
+    attention_backend: str | None = None
     served_model_name: str | None = None
     trust_remote_code: bool = False
     tokenizer_mode: str = "auto"
@@ -206,6 +210,13 @@ class ModelConfig:
             )
         if self.dtype not in DTYPES:
             raise ConfigError("--dtype", self.dtype, f"allowed: {', '.join(DTYPES)}")
+        if self.attention_backend is None:
+            # The faster of the two on the CPUs measured (docs/performance.md).
+            self.attention_backend = "TORCH_SDPA"
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(
+                "--attention-backend", self.attention_backend, f"allowed: {', '.join(ATTENTION_BACKENDS)}"
+            )
         if not isinstance(self.seed, int):
             raise ConfigError("--seed", self.seed, "must be an integer")
         limit = self.max_position_embeddings

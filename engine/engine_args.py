@@ -244,6 +244,7 @@ class EngineArgs:
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     enforce_eager: bool = False
+    attention_backend: str | None = None
     device: str = "auto"
     load_format: str = "safetensors"
     otlp_traces_endpoint: str | None = None
@@ -296,6 +297,14 @@ class EngineArgs:
             "--enforce-eager",
             action="store_true",
             help="Never use torch.compile (it is opt-in anyway: GLASSBOX_TORCH_COMPILE=1).",
+        )
+        g.add_argument(
+            "--attention-backend",
+            default=None,
+            metavar="{TORCH_SDPA,PAGED_INDUCTOR}",
+            help="How attention reads the paged KV cache: TORCH_SDPA (default) gathers each "
+            "request's pages and calls SDPA; PAGED_INDUCTOR reads decode keys in place through a "
+            "kernel compiled by Inductor (a C compiler is needed; the first start compiles it).",
         )
         g.add_argument(
             "--trust-remote-code",
@@ -535,6 +544,7 @@ class EngineArgs:
             seed=self.seed,
             max_model_len=self.max_model_len,
             enforce_eager=self.enforce_eager,
+            attention_backend=self.attention_backend,
             served_model_name=self.served_model_name,
             trust_remote_code=self.trust_remote_code,
             tokenizer_mode=self.tokenizer_mode,

@@ -63,10 +63,13 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 
 
 def make_runner(
-    path: str, dtype: torch.dtype = torch.float32, max_num_batched_tokens: int = 128
+    path: str,
+    dtype: torch.dtype = torch.float32,
+    max_num_batched_tokens: int = 128,
+    attention_backend: str = "TORCH_SDPA",
 ) -> ModelRunner:
     config = EngineConfig(
-        ModelConfig(model=path),
+        ModelConfig(model=path, attention_backend=attention_backend),
         cache_config=CacheConfig(block_size=BLOCK_SIZE),
         scheduler_config=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=16),
     )
@@ -211,10 +214,13 @@ def test_mixed_prompts_in_one_step_then_batched_decodes(checkpoints, arch):
     assert_matches_hf(path, driver, lengths)
 
 
+@pytest.mark.parametrize("backend", ["TORCH_SDPA", "PAGED_INDUCTOR"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_chunked_prefill_alongside_decodes(checkpoints, arch):
+def test_chunked_prefill_alongside_decodes(checkpoints, arch, backend):
+    # PAGED_INDUCTOR: decodes read the pages in place through the compiled kernel (one
+    # compile for every batch shape; Mistral's window makes a second one).
     path = checkpoints[arch]
-    driver = Driver(make_runner(path))
+    driver = Driver(make_runner(path, attention_backend=backend))
     driver.add("a", prompt(10, 7))
     driver.add("b", prompt(11, 12))
     driver.step({"a": 7, "b": 12})
@@ -464,3 +470,11 @@ def test_rope_parameters_in_both_config_formats_match_transformers(rope_type):
         expected, _ = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
     torch.testing.assert_close(ours_v5, expected)
     torch.testing.assert_close(ours_v4, expected)
+
+
+def test_unknown_attention_backend_names_the_flag(checkpoints):
+    from engine.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--attention-backend.*TORCH_SDPA, PAGED_INDUCTOR"):
+        ModelConfig(model=checkpoints["llama"], attention_backend="FLASH_ATTN")
+    assert ModelConfig(model=checkpoints["llama"]).attention_backend == "TORCH_SDPA"

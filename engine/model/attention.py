@@ -1,10 +1,18 @@
 """Paged attention in plain torch, and the metadata that describes one step's batch.
 
 Mirrors vLLM's ``vllm/attention/layer.py`` (``Attention``) and the metadata its backends
-build (``vllm/v1/attention/backends/``; ``CommonAttentionMetadata``). vLLM's kernels read
-K/V straight out of the paged cache; here torch gathers the pages a request owns into a
-dense tensor and calls ``scaled_dot_product_attention`` (SDPA). Slower, but every step is
-an ordinary tensor operation a reader can print.
+build (``vllm/v1/attention/backends/``; ``CommonAttentionMetadata``). Two backends, chosen
+by ``--attention-backend`` (vLLM: ``VLLM_ATTENTION_BACKEND``):
+
+- ``TORCH_SDPA``, the reference: torch gathers the pages a request owns into a dense
+  tensor (``index_select``) and calls ``scaled_dot_product_attention`` (SDPA). Every step
+  is an ordinary tensor operation a reader can print.
+- ``PAGED_INDUCTOR``: decodes read K/V *in place*. ``paged_decode_attention`` is written
+  as plain torch ops over ``cache[slots]``; compiled by Inductor, the indexing is fused
+  into the dot products and the weighted sum, so no dense copy of the K/V is ever made and
+  a bfloat16 cache is never cast as a whole (each element is widened in a register).
+  Prefill chunks attend as in ``TORCH_SDPA`` (they are compute-bound; the gather is a
+  small part of them).
 
 The KV cache of one layer is two tensors, K and V, each
 ``(num_blocks, block_size, num_kv_heads, head_dim)``. Token ``p`` of a request lives in
@@ -15,9 +23,10 @@ attention reads the cache.
 One step mixes two kinds of request, and the runner orders the batch so that all
 *decodes* (one query token) come first, then the *prefill chunks*:
 
-- decodes are batched: their pages are gathered into one padded
+- decodes are batched: ``TORCH_SDPA`` gathers their pages into one padded
   ``(num_decodes, max_len, kv_heads, head_dim)`` tensor and a length mask hides the
-  padding. Padding decodes to one another costs little: their lengths are similar.
+  padding; ``PAGED_INDUCTOR`` reads ``decode_slots`` (each decode's cache slots, padded
+  to the longest) straight from the cache with the same length mask.
 - each prefill chunk runs on its own, attending to its cached prefix plus itself. Its
   causal mask is aligned *bottom-right*: query ``t`` of a chunk that follows ``c`` cached
   tokens sits at position ``c + t`` and sees keys ``0..c + t``. SDPA's ``is_causal`` aligns
@@ -28,7 +37,13 @@ One step mixes two kinds of request, and the runner orders the batch so that all
 There is no hidden global "forward context" (vLLM's ``set_forward_context``): the
 ``AttentionMetadata`` is an argument of every forward.
 
-Left out: fused kernels, cascade attention, cross-attention, encoder-only attention,
+Under ``torch.compile`` (the model runner's default), the KV-cache write and the prefill
+loop run eagerly (``_write_and_prefill`` is excluded from the graph: it reads plain-int
+metadata, which would make a new graph for every batch shape, and writes the cache in
+place), while the decode kernel of ``PAGED_INDUCTOR`` is traced into the model's graph.
+The graph reads only tensor shapes, never the ints, so one graph serves every batch.
+
+Left out: hand-written kernels, cascade attention, cross-attention, encoder-only attention,
 attention sinks, ALiBi, logits soft-capping, FP8 KV caches.
 """
 
@@ -39,6 +54,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.config import ATTENTION_BACKENDS
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K, V: (num_blocks, block_size, num_kv_heads, head_dim)
 
@@ -57,6 +74,10 @@ class AttentionMetadata:
         seq_lens: ``(num_reqs,)`` int32, tokens in the cache after this step.
         block_table: ``(num_reqs, max_num_blocks)`` int32, each request's block ids
             (unused entries are 0, the null block).
+
+        decode_slots: ``(num_decodes, max_decode_seq_len)`` int64, the flat cache slot of
+            each key of each decode (padding rows point at slot 0 of the null block and are
+            masked by ``seq_lens``); None when the step has no decode.
 
     Host copies (plain ints, so the prefill loop never waits on the device):
         query_start_loc_cpu, seq_lens_cpu, num_computed_tokens_cpu (tokens already in the
@@ -78,6 +99,7 @@ class AttentionMetadata:
     max_decode_seq_len: int
     block_size: int
     is_profile: bool = False
+    decode_slots: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -116,6 +138,8 @@ class Attention(nn.Module):
         scale: multiplier of ``q·k`` (``head_dim ** -0.5`` for Llama).
         sliding_window: when set, a query at position ``p`` sees only keys at positions
             ``> p - sliding_window`` (Mistral; Qwen2 layers with ``use_sliding_window``).
+        backend: ``"TORCH_SDPA"`` or ``"PAGED_INDUCTOR"`` (see the module docstring); the
+            model runner sets it on every layer after loading (``set_attention_backend``).
     """
 
     def __init__(
@@ -132,6 +156,8 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.sliding_window = sliding_window
+        self.backend = "TORCH_SDPA"
+        self.decode_kernel = None  # the compiled paged_decode_attention (PAGED_INDUCTOR)
 
     def forward(
         self,
@@ -148,6 +174,36 @@ class Attention(nn.Module):
         at ``slot_mapping`` first (unless profiling).
         """
         meta = attn_metadata
+        paged = self.backend == "PAGED_INDUCTOR" and meta.decode_slots is not None
+        # Eager part: the cache write, the prefill chunks (and, for TORCH_SDPA, the decodes).
+        out = self._write_and_prefill(q, k, v, kv_cache, meta, decodes=not paged)
+        if paged:
+            # (num_decodes, num_heads, head_dim), read in place from the pages
+            decoded = self.decode_kernel(
+                q[: meta.decode_slots.shape[0]],
+                kv_cache[0],
+                kv_cache[1],
+                meta.decode_slots,
+                meta.seq_lens[: meta.decode_slots.shape[0]],
+                self.scale,
+                self.sliding_window,
+            )
+            out = torch.cat([decoded, out[decoded.shape[0] :]])
+        return out.view(out.shape[0], self.num_heads * self.head_dim)
+
+    @torch.compiler.disable
+    def _write_and_prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache | None,
+        meta: AttentionMetadata,
+        decodes: bool,
+    ) -> torch.Tensor:
+        """Write the step's K/V into the cache, then attend for every prefill chunk (and
+        every decode when ``decodes``); returns ``(num_tokens, num_heads, head_dim)`` with
+        the decode rows left unset otherwise. Always eager (see the module docstring)."""
         if kv_cache is not None and not meta.is_profile:
             k_cache, v_cache = kv_cache
             flat = (-1, self.num_kv_heads, self.head_dim)
@@ -156,30 +212,33 @@ class Attention(nn.Module):
 
         out = torch.empty_like(q)  # (num_tokens, num_heads, head_dim)
         nd = meta.num_decodes
-        if nd > 0:
+        if nd > 0 and decodes:
             assert kv_cache is not None, "decodes need a KV cache"
             out[:nd] = self._decode(q[:nd], kv_cache, meta)
         for i in range(nd, meta.num_reqs):
             start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
             out[start:end] = self._prefill(i, q[start:end], k[start:end], v[start:end], kv_cache, meta)
-        return out.view(out.shape[0], self.num_heads * self.head_dim)
+        return out
 
     def _decode(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """All one-token queries at once: ``q`` (num_decodes, num_heads, head_dim) → same shape."""
         nd, bs = q.shape[0], meta.block_size
         num_blocks = -(-meta.max_decode_seq_len // bs)
-        blocks = meta.block_table[:nd, :num_blocks]  # (num_decodes, num_blocks)
+        # (num_decodes * num_blocks,) int64: index_select is several times faster than
+        # indexing with the 2-D int32 table (measured: 1.7 ms against 9 ms per layer).
+        blocks = meta.block_table[:nd, :num_blocks].reshape(-1).long()
         max_len = num_blocks * bs
-        # (num_decodes, num_blocks, block_size, kv_heads, head_dim) -> (num_decodes, kv_heads, max_len, head_dim)
-        keys = kv_cache[0][blocks].view(nd, max_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        values = kv_cache[1][blocks].view(nd, max_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        # (num_decodes * num_blocks, block_size, kv_heads, head_dim) -> (num_decodes, kv_heads, max_len, head_dim)
+        shape = (nd, max_len, self.num_kv_heads, self.head_dim)
+        keys = kv_cache[0].index_select(0, blocks).view(shape).transpose(1, 2)
+        values = kv_cache[1].index_select(0, blocks).view(shape).transpose(1, 2)
         key_pos = torch.arange(max_len, device=q.device)[None, :]  # (1, max_len)
         seq_lens = meta.seq_lens[:nd, None]  # (num_decodes, 1)
         mask = key_pos < seq_lens  # (num_decodes, max_len): hides each row's padding
         if self.sliding_window is not None:
             # The query sits at position seq_len - 1 and sees keys > seq_len - 1 - window.
             mask &= key_pos >= seq_lens - self.sliding_window
-        o = _sdpa(
+        o = F.scaled_dot_product_attention(  # one query each: bfloat16 is fast enough here
             q[:, :, None, :],  # (num_decodes, num_heads, 1, head_dim)
             keys,
             values,
@@ -236,10 +295,78 @@ class Attention(nn.Module):
         """K and V of request ``i`` at positions ``[key_start, seq_len)``, each (S, kv_heads, head_dim)."""
         bs = meta.block_size
         first_block, end_block = key_start // bs, -(-seq_len // bs)
-        blocks = meta.block_table[i, first_block:end_block]  # (num_blocks,)
+        blocks = meta.block_table[i, first_block:end_block].long()  # (num_blocks,)
         lo, hi = key_start - first_block * bs, seq_len - first_block * bs
         flat = (-1, self.num_kv_heads, self.head_dim)
-        return kv_cache[0][blocks].view(flat)[lo:hi], kv_cache[1][blocks].view(flat)[lo:hi]
+        keys = kv_cache[0].index_select(0, blocks).view(flat)[lo:hi]
+        return keys, kv_cache[1].index_select(0, blocks).view(flat)[lo:hi]
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """One query token per request, attending to keys read in place from the paged cache.
+
+    Args:
+        q: ``(num_decodes, num_heads, head_dim)``.
+        k_cache, v_cache: ``(num_blocks, block_size, num_kv_heads, head_dim)``.
+        slots: ``(num_decodes, L)`` int64, the flat cache slot of each key position
+            (``L`` = the longest decode's length; shorter rows are padded with any slot).
+        seq_lens: ``(num_decodes,)``, the real length of each row; keys at positions
+            ``>= seq_len`` (and, with ``sliding_window``, ``< seq_len - window``) are masked.
+        scale: multiplier of ``q·k``.
+
+    Returns ``(num_decodes, num_heads, head_dim)`` in ``q``'s dtype. Scores, softmax and the
+    weighted sum are float32. In eager mode ``cache[slots]`` would be a dense copy; compiled
+    by Inductor (``_paged_decode``) it becomes a load inside the reduction loops: this is
+    what "paged attention" means — vLLM's ``paged_attention_v1`` kernels do the same in C++.
+    """
+    nd, num_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    group = num_heads // kv_heads  # query heads per KV head (grouped-query attention)
+    keys = k_cache.view(-1, kv_heads, head_dim)[slots]  # (nd, L, kv_heads, head_dim), fused when compiled
+    queries = q.view(nd, 1, kv_heads, group, head_dim)
+    scores = (keys.unsqueeze(3).float() * queries.float()).sum(-1) * scale  # (nd, L, kv_heads, group)
+    key_pos = torch.arange(slots.shape[1], device=q.device)[None, :]  # (1, L)
+    valid = key_pos < seq_lens[:, None]  # (nd, L)
+    if sliding_window is not None:
+        valid &= key_pos >= seq_lens[:, None] - sliding_window
+    probs = scores.masked_fill(~valid[:, :, None, None], float("-inf")).softmax(dim=1)
+    values = v_cache.view(-1, kv_heads, head_dim)[slots]  # (nd, L, kv_heads, head_dim), fused when compiled
+    out = (probs.unsqueeze(-1) * values.unsqueeze(3).float()).sum(1)  # (nd, kv_heads, group, head_dim)
+    return out.reshape(nd, num_heads, head_dim).to(q.dtype)
+
+
+_compiled_paged_decode = None
+
+
+def set_attention_backend(layers: list[Attention], backend: str) -> None:
+    """Choose ``backend`` (``"TORCH_SDPA"`` or ``"PAGED_INDUCTOR"``) for ``layers``.
+
+    ``PAGED_INDUCTOR`` compiles ``paged_decode_attention`` once for every batch (dynamic
+    shapes; ``backed_size_oblivious`` so a batch of one decode makes no second graph). The
+    first call compiles (seconds; cached on disk by Inductor), so call this before warm-up.
+
+    Raises:
+        ValueError: an unknown backend.
+    """
+    global _compiled_paged_decode
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend {backend!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
+    if backend == "PAGED_INDUCTOR" and _compiled_paged_decode is None:
+        import torch.fx.experimental._config as fx_config
+
+        fx_config.backed_size_oblivious = True
+        _compiled_paged_decode = torch.compile(paged_decode_attention, dynamic=True)
+    for layer in layers:
+        layer.backend = backend
+        layer.decode_kernel = _compiled_paged_decode
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:

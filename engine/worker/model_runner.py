@@ -36,7 +36,7 @@ import torch
 from engine import envs
 from engine.config import EngineConfig
 from engine.kv_cache.kv_cache_interface import FullAttentionSpec, KVCacheConfig
-from engine.model.attention import AttentionMetadata, KVCache
+from engine.model.attention import AttentionMetadata, KVCache, set_attention_backend
 from engine.model.loader import load_model
 from engine.model.sampler import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
 from engine.model.utils import IntermediateTensors
@@ -240,6 +240,9 @@ class ModelRunner:
         in ``torch.compile`` first (opt-in: a cold compile takes tens of seconds on CPU).
         Dummy tokens write only to block 0, the null block, which no request reads.
         """
+        set_attention_backend(
+            [layer.self_attn.attn for layer in self.model.local_layers], self.model_config.attention_backend
+        )
         if envs.GLASSBOX_TORCH_COMPILE and not self.model_config.enforce_eager:
             logger.info("wrapping the model forward in torch.compile (dynamic shapes)")
             self._forward = torch.compile(self.model, dynamic=True)
@@ -419,6 +422,9 @@ class ModelRunner:
             num_computed_tokens_cpu=num_computed.tolist(),
             max_decode_seq_len=int(seq_lens[:num_decodes].max()) if num_decodes else 0,
             block_size=bs,
+            decode_slots=to_device(self._decode_slots(block_table, seq_lens, num_decodes), torch.int64)
+            if num_decodes
+            else None,
         )
         return _Batch(
             req_ids=req_ids,
@@ -429,6 +435,13 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=self.device),
             prompt_logprob_spans=spans,
         )
+
+    def _decode_slots(self, block_table: np.ndarray, seq_lens: np.ndarray, num_decodes: int) -> np.ndarray:
+        """``(num_decodes, longest decode)`` int64: the flat cache slot of every key of every
+        decode (rows past their length repeat whatever the table holds; attention masks them)."""
+        bs = self.block_size
+        pos = np.arange(int(seq_lens[:num_decodes].max()))
+        return block_table[:num_decodes, pos // bs].astype(np.int64) * bs + pos % bs
 
     # ------------------------------------------------------------------ logprobs
 
@@ -500,6 +513,9 @@ class ModelRunner:
             num_computed_tokens_cpu=[0] * num_reqs,
             max_decode_seq_len=1 if num_decodes else 0,
             block_size=self.block_size,
+            decode_slots=torch.zeros((num_decodes, 1), dtype=torch.int64, device=self.device)
+            if num_decodes
+            else None,
         )
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         hidden = self._forward(
