@@ -478,3 +478,40 @@ def test_unknown_attention_backend_names_the_flag(checkpoints):
     with pytest.raises(ConfigError, match="--attention-backend.*TORCH_SDPA, PAGED_INDUCTOR"):
         ModelConfig(model=checkpoints["llama"], attention_backend="FLASH_ATTN")
     assert ModelConfig(model=checkpoints["llama"]).attention_backend == "TORCH_SDPA"
+
+
+def test_paged_decode_kernel_equals_the_gather_and_compiles_once_for_every_batch():
+    """PAGED_INDUCTOR's kernel against TORCH_SDPA's gather + SDPA on a scattered cache, for
+    batches of 1 to 9 decodes of different lengths: same outputs,
+    and no new graph after the first batch (a batch of one decode included)."""
+    from torch._dynamo.utils import counters
+
+    from engine.model.attention import Attention, AttentionMetadata, set_attention_backend
+
+    torch.manual_seed(0)
+    bs, heads, kv_heads, dim, blocks = 4, 4, 2, 8, 64
+    k_cache, v_cache = torch.randn(blocks, bs, kv_heads, dim), torch.randn(blocks, bs, kv_heads, dim)
+    reference, paged = Attention(heads, dim, kv_heads, dim**-0.5), Attention(heads, dim, kv_heads, dim**-0.5)
+    set_attention_backend([paged], "PAGED_INDUCTOR")
+    graphs = []
+    for nd, lens in ((3, (9, 2, 14)), (1, (5,)), (9, (1, 3, 8, 13, 16, 7, 2, 11, 4))):
+        order = torch.randperm(blocks - 1) + 1  # pages anywhere in the cache
+        table = order[: nd * 4].view(nd, 4).int()
+        seq_lens = torch.tensor(lens, dtype=torch.int32)
+        pos = torch.arange(max(lens))
+        slots = table.long()[:, pos // bs] * bs + pos % bs
+        meta = AttentionMetadata(
+            num_reqs=nd, num_decodes=nd, slot_mapping=torch.zeros(0, dtype=torch.long),
+            query_start_loc=torch.arange(nd + 1, dtype=torch.int32), seq_lens=seq_lens, block_table=table,
+            query_start_loc_cpu=list(range(nd + 1)), seq_lens_cpu=list(lens),
+            num_computed_tokens_cpu=[n - 1 for n in lens], max_decode_seq_len=max(lens), block_size=bs,
+            decode_slots=slots,
+        )  # fmt: skip
+        q = torch.randn(nd, heads, dim)
+        with torch.inference_mode():
+            none = torch.empty(0, kv_heads, dim)  # no new K/V to write: the cache holds them all
+            expected = reference._write_and_prefill(q, none, none, (k_cache, v_cache), meta, decodes=True)
+            got = paged.decode_kernel(q, k_cache, v_cache, slots, seq_lens, paged.scale, None)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[1] == graphs[2] == graphs[0], f"recompiled for a new batch shape: {graphs}"
