@@ -40,7 +40,9 @@ ATTENTION_BACKENDS = ("TORCH_SDPA", "PAGED_INDUCTOR")
 DEVICES = ("auto", "cpu", "cuda")
 BLOCK_SIZES = (1, 8, 16, 32, 64, 128)
 SCHEDULING_POLICIES = ("fcfs", "priority")
-EXECUTOR_BACKENDS = ("uni", "mp")
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+# What `--distributed-executor-backend ray` needs and is not installed by default.
+RAY_INSTALL_HINT = "pip install glassbox-engine[ray]"
 TOKENIZER_MODES = ("auto", "hf")  # both load the fast tokenizer (tokenizer.json); the only kind here
 KV_CACHE_DTYPES = ("auto",)  # the KV cache is kept in the model's dtype; fp8 caches are left out
 # vLLM's default --max-logprobs (the OpenAI API's limit of top logprobs per token).
@@ -82,6 +84,21 @@ class ConfigError(ValueError):
         err.flag, err.value, err.allowed = flag, None, ""
         ValueError.__init__(err, message)
         return err
+
+
+def ray_is_installed() -> bool:
+    """Whether ``import ray`` would find Ray (without importing it: this runs in the first
+    process, which never needs Ray itself). A ``None`` in ``sys.modules`` counts as absent,
+    as it makes ``import ray`` fail."""
+    import importlib.util
+    import sys
+
+    if "ray" in sys.modules:
+        return sys.modules["ray"] is not None
+    try:
+        return importlib.util.find_spec("ray") is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def too_few_blocks_reason(max_model_len: int, needed: int) -> str:
@@ -479,11 +496,12 @@ class ParallelConfig:
 
     ``distributed_executor_backend``: "mp" runs each worker in its own process (the default,
     so the whole tree can be watched — vLLM defaults to "uni" at world size 1); "uni" keeps
-    the single worker inside the engine core. With ``GLASSBOX_ENABLE_MULTIPROCESSING=0`` the
+    the single worker inside the engine core; "ray" runs each worker as a Ray actor
+    (``engine/executor/ray_executor.py``; needs the ``ray`` extra, checked here). With ``GLASSBOX_ENABLE_MULTIPROCESSING=0`` the
     default is "uni": everything in the caller's process — except with tensor parallelism,
     which always needs one process per worker ("mp"; the engine core then stays in the
     caller's process, as vLLM does), and refuses an explicit "uni".
-    Tensor, pipeline and data parallelism are supported (TP and PP need "mp"; DP needs the
+    Tensor, pipeline and data parallelism are supported (TP and PP need "mp" or "ray"; DP needs the
     engine cores in processes of their own, so not ``GLASSBOX_ENABLE_MULTIPROCESSING=0``).
     ``data_parallel_rank`` is not a flag: each ``EngineCore_DP<k>`` sets it to ``k`` in its own
     copy of the config, so its executor knows which workers (and queues) are its own. Whether ``tensor_parallel_size`` fits the model's heads, and
@@ -511,6 +529,12 @@ class ParallelConfig:
                 "--distributed-executor-backend",
                 self.distributed_executor_backend,
                 f"allowed: {', '.join(EXECUTOR_BACKENDS)}",
+            )
+        if self.distributed_executor_backend == "ray" and not ray_is_installed():
+            raise ConfigError(
+                "--distributed-executor-backend",
+                "ray",
+                f"runs each worker as a Ray actor, and Ray is not installed: {RAY_INSTALL_HINT}",
             )
         if self.distributed_executor_backend == "uni" and self.world_size > 1:
             sizes = [

@@ -434,7 +434,8 @@ class EngineArgs:
             "--distributed-executor-backend",
             default=None,
             choices=EXECUTOR_BACKENDS,
-            help="mp: each worker in its own process; uni: the one worker inside the engine core "
+            help="mp: each worker in its own process; uni: the one worker inside the engine core; "
+            "ray: each worker a Ray actor (pip install glassbox-engine[ray]; docs/multi-node.md) "
             "(default: mp, or uni when GLASSBOX_ENABLE_MULTIPROCESSING=0 and tp × pp = 1).",
         )
         g = parser.add_argument_group("DeviceConfig / LoadConfig")

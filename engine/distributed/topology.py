@@ -231,7 +231,7 @@ class TopologyPlan(msgspec.Struct, frozen=True):
             followed by its workers (rank order), then the coordinator.
         tensor_parallel_size, pipeline_parallel_size, data_parallel_size: the shape.
         api_server_count: A (0 unless ``serve``).
-        workers_in_processes: the ``mp`` executor (``uni`` runs the worker inside the engine core).
+        workers_in_processes: the ``mp`` or ``ray`` executor (``uni`` runs the worker inside the engine core).
     """
 
     mode: str
@@ -420,7 +420,9 @@ def plan(
         owners = (ProcessRole.frontend(),)
         mode = "mp" if multiprocess else "inproc"
     backend = getattr(pc, "distributed_executor_backend", None) or ("mp" if multiprocess else "uni")
-    workers_in_processes = backend == "mp"
+    # The mp executor spawns its workers; the ray executor's are Ray actors (the raylet's
+    # children, on any node of the cluster): processes of their own either way.
+    workers_in_processes = backend in ("mp", "ray")
     if not workers_in_processes and tp * pp > 1:
         raise ValueError(
             f"the executor backend 'uni' runs one worker; tensor_parallel_size × "
@@ -432,7 +434,7 @@ def plan(
     for k in range(dp):
         if multiprocess:  # else the engine core is the LLM's own process (InprocClient)
             roles.append(ProcessRole.engine_core(k))
-        if workers_in_processes:  # the mp executor's workers, also under an in-process engine
+        if workers_in_processes:  # mp's or ray's workers, also under an in-process engine
             roles.extend(ProcessRole.worker_of_rank(k, r, tp) for r in range(tp * pp))
     if dp > 1:
         roles.append(ProcessRole.dp_coordinator())

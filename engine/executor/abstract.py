@@ -3,8 +3,9 @@
 Mirrors vLLM's ``vllm/v1/executor/abstract.py``. The engine core never calls a worker
 directly: it calls ``collective_rpc(method, args)``, which runs ``method`` on every worker
 and returns their results in rank order. ``UniProcExecutor`` does that with a plain call in
-the same process; ``MultiprocExecutor`` (next version) broadcasts it over shared memory to
-worker processes — the engine core's code is the same either way.
+the same process; ``MultiprocExecutor`` broadcasts it over shared memory to worker
+processes; ``RayDistributedExecutor`` calls one Ray actor per worker — the engine core's
+code is the same either way.
 """
 
 from __future__ import annotations
@@ -51,6 +52,18 @@ class Executor(ABC):
             from engine.executor.multiproc_executor import MultiprocExecutor
 
             return MultiprocExecutor
+        if backend == "ray":
+            try:
+                from engine.executor.ray_executor import RayDistributedExecutor
+            except ImportError as e:  # ParallelConfig checks first; a broken install lands here
+                from engine.config import RAY_INSTALL_HINT, ConfigError
+
+                raise ConfigError(
+                    "--distributed-executor-backend",
+                    "ray",
+                    f"Ray cannot be imported ({e}): {RAY_INSTALL_HINT}",
+                ) from None
+            return RayDistributedExecutor
         raise ValueError(f"distributed_executor_backend {backend!r} is not available in this version")
 
     @abstractmethod

@@ -402,6 +402,37 @@ class MultiprocExecutor(Executor):
                 mq.unlink()
 
 
+def run_worker_rpc(
+    wrapper: Any, rpc_msg: WorkerRPC, rank: int, *, run_dir: Path, role: str, worker_spans: bool
+) -> WorkerReply:
+    """Run one ``WorkerRPC`` on a worker's ``WorkerWrapperBase``; the reply says how it went.
+
+    The worker side of ``collective_rpc``, shared by every executor with workers in their
+    own processes (``WorkerProc`` here, ``RayWorkerWrapper`` in ``ray_executor.py``): the
+    call runs under its caller's span (the RPC's W3C trace context, not the spawn-time one),
+    ``execute_model`` in a ``worker.execute_model`` stage when ``--collect-detailed-traces``
+    asks for worker spans (or a fault is armed there), and an exception is written to this
+    process's crash report (``<role>.crash.json``) before it becomes a failure reply.
+    Never raises for an error of the called method (``Exception``).
+    """
+    try:
+        with attached_trace_context(rpc_msg.trace_headers):
+            args, kwargs = rpc_msg.call_args()
+            if rpc_msg.method == "execute_model" and (
+                worker_spans or catalogue.WORKER_EXECUTE_MODEL in faults.armed_stages()
+            ):
+                waited_ms = max(time.time() - rpc_msg.sent_at, 0.0) * 1e3
+                with stage(catalogue.WORKER_EXECUTE_MODEL, rank=rank,
+                           **{catalogue.ATTR_QUEUE_WAIT_MS: waited_ms}):  # fmt: skip
+                    value = wrapper.execute_method(rpc_msg.method, *args, **kwargs)
+            else:
+                value = wrapper.execute_method(rpc_msg.method, *args, **kwargs)
+        return WorkerReply.success(rank, rpc_msg.method, value)
+    except Exception as e:
+        processes.write_crash_report(run_dir, role, e, current_stage(), rank)
+        return WorkerReply.failure(rank, rpc_msg.method, e)
+
+
 class WorkerProc:
     """The worker process: a ``WorkerWrapperBase`` behind the broadcast queue.
 
@@ -443,23 +474,8 @@ class WorkerProc:
                 except MessageQueueClosed:
                     return  # the engine core closed the queue: an orderly shutdown
                 rpc_msg = messages.decode_rpc(message)
-                try:
-                    # Each RPC runs under its caller's span (not the spawn-time one).
-                    with attached_trace_context(rpc_msg.trace_headers):
-                        args, kwargs = rpc_msg.call_args()
-                        if rpc_msg.method == "execute_model" and (
-                            worker_spans or catalogue.WORKER_EXECUTE_MODEL in faults.armed_stages()
-                        ):
-                            waited_ms = max(time.time() - rpc_msg.sent_at, 0.0) * 1e3
-                            with stage(catalogue.WORKER_EXECUTE_MODEL, rank=rank,
-                                       **{catalogue.ATTR_QUEUE_WAIT_MS: waited_ms}):  # fmt: skip
-                                value = wrapper.execute_method(rpc_msg.method, *args, **kwargs)
-                        else:
-                            value = wrapper.execute_method(rpc_msg.method, *args, **kwargs)
-                    reply = WorkerReply.success(rank, rpc_msg.method, value)
-                except Exception as e:
-                    processes.write_crash_report(run_dir, role, e, current_stage(), rank)
-                    reply = WorkerReply.failure(rank, rpc_msg.method, e)
+                reply = run_worker_rpc(wrapper, rpc_msg, rank, run_dir=run_dir, role=role,
+                                       worker_spans=worker_spans)  # fmt: skip
                 if rpc_msg.output_rank is None or rpc_msg.output_rank == rank:
                     response.enqueue(messages.encode(reply))
                 if not reply.ok:

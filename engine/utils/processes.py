@@ -317,11 +317,14 @@ def format_root_cause(
     rank: int | None = None,
     note: str = "",
     state: str | None = None,
+    exit_detail: str | None = None,
 ) -> str:
     """One block naming the process that died first: role, rank, pid, stage, exit, exception.
 
     Read from the run directory: the process's crash report and its status file (both
-    ``tracing.run_dir`` records), either of which may be missing.
+    ``tracing.run_dir`` records), either of which may be missing. ``exit_detail`` replaces
+    the exit line's text where the exit status is not ours to read (a Ray actor's process is
+    the raylet's child: Ray reports its death, ``engine/executor/ray_executor.py``).
     """
     from tracing import run_dir as run_dirs
 
@@ -342,13 +345,16 @@ def format_root_cause(
     if pid is None and crash is not None:
         pid = crash.pid
     exception = crash.exception if crash is not None else None
+    exit_text = exit_detail or describe_exit(returncode) + (
+        f" ({state})" if returncode is None and state else ""
+    )
     lines = [
         "=" * 24 + " Glassbox root cause " + "=" * 24,
         f"process:   {role}" + (f" (rank {rank})" if rank is not None else ""),
         f"pid:       {pid if pid is not None else '?'}",
         f"stage:     {stage or 'unknown'}",
-        f"exit:      {describe_exit(returncode)}" + (f" ({state})" if returncode is None and state else ""),
-        f"exception: {exception or ('none (it was still alive)' if returncode is None else 'none recorded (killed from outside, or died before reporting)')}",
+        f"exit:      {exit_text}",
+        f"exception: {exception or ('none (it was still alive)' if returncode is None and not exit_detail else 'none recorded (killed from outside, or died before reporting)')}",
     ]
     for fault in status.faults:  # asked for, not found: say so (--inject-fault)
         lines.append(
