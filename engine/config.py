@@ -153,6 +153,10 @@ def load_chat_template(value: str) -> str:
     return text
 
 
+# vLLM's default --data-parallel-rpc-port.
+DEFAULT_DP_RPC_PORT = 29550
+
+
 def _positive_int(flag: str, value: Any, allow_none: bool = True) -> None:
     if value is None and allow_none:
         return
@@ -504,7 +508,10 @@ class ParallelConfig:
     Tensor, pipeline and data parallelism are supported (TP and PP need "mp" or "ray"; DP needs the
     engine cores in processes of their own, so not ``GLASSBOX_ENABLE_MULTIPROCESSING=0``).
     ``data_parallel_rank`` is not a flag: each ``EngineCore_DP<k>`` sets it to ``k`` in its own
-    copy of the config, so its executor knows which workers (and queues) are its own. Whether ``tensor_parallel_size`` fits the model's heads, and
+    copy of the config, so its executor knows which workers (and queues) are its own. Multi-node
+    data parallelism (``--headless``, ``--data-parallel-size-local``, ``--data-parallel-start-rank``,
+    ``--data-parallel-address``, ``--data-parallel-rpc-port``; vLLM's fields of the same names, with
+    ``data_parallel_master_ip`` spelled ``data_parallel_address``) is checked by ``_check_multi_node``. Whether ``tensor_parallel_size`` fits the model's heads, and
     ``pipeline_parallel_size`` its layers (and ``GLASSBOX_PP_LAYER_PARTITION``), is checked by
     ``EngineConfig``, which knows the model.
     """
@@ -514,11 +521,20 @@ class ParallelConfig:
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     data_parallel_rank: int = 0
+    # Multi-node data parallelism (docs/multi-node.md): the engine cores of this node are
+    # ranks start_rank .. start_rank + size_local - 1 of data_parallel_size; the others join
+    # (or are joined) over TCP at data_parallel_address:data_parallel_rpc_port.
+    data_parallel_size_local: int | None = None
+    data_parallel_start_rank: int = 0
+    data_parallel_address: str | None = None
+    data_parallel_rpc_port: int = DEFAULT_DP_RPC_PORT
+    headless: bool = False
 
     def __post_init__(self) -> None:
         _positive_int("--tensor-parallel-size", self.tensor_parallel_size, allow_none=False)
         _positive_int("--pipeline-parallel-size", self.pipeline_parallel_size, allow_none=False)
         _positive_int("--data-parallel-size", self.data_parallel_size, allow_none=False)
+        self._check_multi_node()
         if self.distributed_executor_backend is None:
             from engine import envs
 
@@ -560,6 +576,64 @@ class ParallelConfig:
                     self.data_parallel_size,
                     "runs one engine core process per rank: it needs GLASSBOX_ENABLE_MULTIPROCESSING=1",
                 )
+
+    def _check_multi_node(self) -> None:
+        """Multi-node data parallelism's flags (vLLM's meaning; each error names its flag).
+
+        Raises:
+            ConfigError: a local size outside 1..D, a start rank with no room for the local
+                ranks, a head (start rank 0) that runs every rank yet names nothing remote, a
+                node with remote ranks but no ``--data-parallel-address``, a headless node
+                that would run rank 0 (the head's), or a port outside 1..65535.
+        """
+        dp = self.data_parallel_size
+        if self.data_parallel_size_local is None:
+            self.data_parallel_size_local = dp if not self.headless else dp - self.data_parallel_start_rank
+        local, start = self.data_parallel_size_local, self.data_parallel_start_rank
+        if not isinstance(local, int) or isinstance(local, bool) or not 1 <= local <= dp:
+            raise ConfigError("--data-parallel-size-local", local,
+                              f"engine cores on this node: an integer in 1..--data-parallel-size ({dp})")  # fmt: skip
+        if not isinstance(start, int) or isinstance(start, bool) or start < 0 or start + local > dp:
+            raise ConfigError("--data-parallel-start-rank", start,
+                              f"this node runs ranks start .. start + --data-parallel-size-local ({local}) - 1, "
+                              f"all below --data-parallel-size ({dp}): at most {dp - local}")  # fmt: skip
+        port = self.data_parallel_rpc_port
+        if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535 - 16:
+            raise ConfigError(
+                "--data-parallel-rpc-port", port, "a TCP port in 1..65519 (it and the next few are used)"
+            )
+        if self.headless:
+            if self.data_parallel_address is None:
+                raise ConfigError("--data-parallel-address", None,
+                                  "--headless needs the head node's address (the host that runs the API "
+                                  "server), e.g. --data-parallel-address 10.0.0.1")  # fmt: skip
+            if start == 0:
+                raise ConfigError("--data-parallel-start-rank", start,
+                                  "a --headless node runs ranks the head does not: 1 or more (the head "
+                                  "runs ranks 0 .. its --data-parallel-size-local - 1)")  # fmt: skip
+        else:
+            if start != 0:
+                raise ConfigError("--data-parallel-start-rank", start,
+                                  "only a --headless node starts above rank 0 (the head runs ranks from 0)")  # fmt: skip
+            if local < dp and self.data_parallel_address is None:
+                raise ConfigError("--data-parallel-address", None,
+                                  f"ranks {local}..{dp - 1} run on headless nodes, which join this head over "
+                                  "TCP: give the address they reach it at, e.g. --data-parallel-address 10.0.0.1")  # fmt: skip
+
+    @property
+    def multi_node(self) -> bool:
+        """Some engine cores of the instance run on another node (head or headless): the
+        engine sockets are TCP on ``data_parallel_address``, not ipc."""
+        return (
+            self.headless
+            or (self.data_parallel_size_local or self.data_parallel_size) < self.data_parallel_size
+        )
+
+    @property
+    def local_dp_ranks(self) -> range:
+        """The DP ranks whose engine cores run on this node."""
+        start = self.data_parallel_start_rank
+        return range(start, start + (self.data_parallel_size_local or self.data_parallel_size))
 
     @property
     def world_size(self) -> int:

@@ -15,6 +15,7 @@ from typing import Any
 
 from engine.config import (
     BLOCK_SIZES,
+    DEFAULT_DP_RPC_PORT,
     DEFAULT_MAX_LOGPROBS,
     DEFAULT_MODEL,
     DEVICES,
@@ -109,7 +110,6 @@ REFUSED_VLLM_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag(("--ssl-keyfile",), True, "HTTPS is left out; put a TLS proxy in front", serving=True),
     VllmFlag(("--ssl-certfile",), True, "HTTPS is left out; put a TLS proxy in front", serving=True),
     VllmFlag(("--uds",), True, "the server listens on TCP only", serving=True),
-    VllmFlag(("--headless",), False, "multi-node data parallelism is left out", serving=True),
 )
 
 
@@ -242,6 +242,11 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
+    data_parallel_size_local: int | None = None
+    data_parallel_start_rank: int = 0
+    data_parallel_address: str | None = None
+    data_parallel_rpc_port: int = DEFAULT_DP_RPC_PORT
+    headless: bool = False
     distributed_executor_backend: str | None = None
     enforce_eager: bool = False
     attention_backend: str | None = None
@@ -427,9 +432,47 @@ class EngineArgs:
             "-dp",
             type=int,
             default=1,
-            help="Engine cores, each with its own workers, plus a DPCoordinator when above 1; "
-            "one API server for now.",
+            help="Engine cores, each with its own workers, plus a DPCoordinator when above 1 "
+            "(across nodes: --data-parallel-size-local, --headless; docs/multi-node.md).",
         )
+        g.add_argument(
+            "--data-parallel-size-local",
+            "-dpl",
+            type=int,
+            default=None,
+            help="Engine cores on this node (default: all of --data-parallel-size, or on a --headless "
+            "node the ranks from --data-parallel-start-rank up). Below --data-parallel-size, the other "
+            "ranks run on headless nodes that join over TCP (docs/multi-node.md).",
+        )
+        g.add_argument(
+            "--data-parallel-start-rank",
+            "-dpr",
+            type=int,
+            default=0,
+            help="The DP rank of this node's first engine core (a --headless node's; the head's is 0).",
+        )
+        g.add_argument(
+            "--data-parallel-address",
+            "-dpa",
+            default=None,
+            help="Multi-node DP: the head node's address; the head binds its engine sockets there "
+            "(TCP) and headless nodes connect to it.",
+        )
+        g.add_argument(
+            "--data-parallel-rpc-port",
+            "-dpp",
+            type=int,
+            default=DEFAULT_DP_RPC_PORT,
+            help="Multi-node DP: the head's first TCP port; it uses this one (headless nodes join "
+            "here) and the next 2 + 2 × API servers (docs/multi-node.md lists them).",
+        )
+        if serving:
+            g.add_argument(
+                "--headless",
+                action="store_true",
+                help="Run this node's engine cores (ranks --data-parallel-start-rank ..) and their "
+                "workers with no API server: they join the head at --data-parallel-address over TCP.",
+            )
         g.add_argument(
             "--distributed-executor-backend",
             default=None,
@@ -568,7 +611,17 @@ class EngineArgs:
             pipeline_parallel_size=self.pipeline_parallel_size,
             data_parallel_size=self.data_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend,
+            data_parallel_size_local=self.data_parallel_size_local,
+            data_parallel_start_rank=self.data_parallel_start_rank,
+            data_parallel_address=self.data_parallel_address,
+            data_parallel_rpc_port=self.data_parallel_rpc_port,
+            headless=self.headless,
         )
+        if usage_context != "serve" and parallel_config.multi_node:
+            flag = "--headless" if self.headless else "--data-parallel-size-local"
+            raise ConfigError(flag, getattr(self, flag[2:].replace("-", "_")),
+                              "multi-node data parallelism runs under glassbox serve (a head and headless "
+                              "nodes, docs/multi-node.md), not an offline LLM")  # fmt: skip
         max_len = model_config.max_model_len
         assert max_len is not None
         batched = self.max_num_batched_tokens

@@ -225,6 +225,15 @@ ENV_VARS: dict[str, EnvVar] = {
             "no stage hook). Read by tracing/telemetry/publisher.py.",
         ),
         EnvVar(
+            "GLASSBOX_DP_JOIN_TIMEOUT_S",
+            _positive_float,
+            600.0,
+            "Multi-node data parallelism (docs/multi-node.md): deadline, in seconds, for every "
+            "headless node's engine cores to join the head (counted from the head's start; the "
+            "expiry message names the ranks that never joined), and for a headless engine core "
+            "to get the head's answer (the head may start after it).",
+        ),
+        EnvVar(
             "GLASSBOX_DP_DUMMY_STEP_INTERVAL_S",
             _non_negative_float,
             0.02,

@@ -237,6 +237,13 @@ API_SERVER_ATTACH = _span(
     "own input socket), then build its app.",
     (ATTR_ROLE,),
 )
+ENGINE_CORE_JOIN_HEAD = _span(
+    "engine_core.join_head",
+    LIFECYCLE,
+    "A headless node's engine core (multi-node DP): HELLO on the head's join socket, then wait for "
+    "the addresses of its engine sockets (GLASSBOX_DP_JOIN_TIMEOUT_S).",
+    (),
+)
 ENGINE_CORE_INIT = _span(
     "engine_core.init",
     LIFECYCLE,

@@ -84,6 +84,13 @@ HINTS: dict[str, StageHint] = {
         "under 1 s once the engines are ready",
     ),
     # --- lifecycle: the engine core ---------------------------------------------------
+    catalogue.ENGINE_CORE_JOIN_HEAD: StageHint(
+        60,
+        "a headless node's engine core waits for the head's answer on --data-parallel-address:"
+        "--data-parallel-rpc-port: is the head running (it may start later), is the port open, "
+        "does its -dp match?",
+        "under 1 s once the head runs",
+    ),
     catalogue.ENGINE_CORE_INIT: StageHint(
         180,
         "building executor, KV cache and scheduler; it waits on the workers: see which worker is "

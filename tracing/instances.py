@@ -36,6 +36,9 @@ from tracing import run_dir as run_dirs
 # The offline LLM's process is the user's own, so it counts as nothing — except in "inproc"
 # mode, where the whole engine runs inside it.
 COUNTED_KINDS = ("api_server", "engine_core", "worker", "coordinator", "dp_coordinator")
+# The process that owns an instance when it is no engine process itself: an offline LLM's,
+# or a headless node's launcher (glassbox serve --headless). Shown, not counted.
+OWNER_KINDS = ("frontend", "headless")
 # Slack for comparing a process's start time with a time it wrote (clock granularity).
 _PID_REUSE_SLACK_S = 2.0
 
@@ -97,7 +100,7 @@ class ProcessInfo:
     def is_owner(self) -> bool:
         """The process that created the instance (the user's ``LLM``) when it is not itself
         one of the counted engine processes: shown, but not counted."""
-        return self.kind == "frontend" and self.planned and not self.counted
+        return self.kind in OWNER_KINDS and self.planned and not self.counted
 
 
 @dataclass
@@ -106,7 +109,7 @@ class InstanceInfo:
 
     Attributes:
         run_dir: the run directory.
-        mode: the manifest's ``inproc``, ``mp`` or ``serve``; None before it is written.
+        mode: the manifest's ``inproc``, ``mp``, ``serve`` or ``headless``; None before it is written.
         frontend_pid: the process that owns the instance (the user's ``LLM`` or the server).
         stale: the frontend is gone; the directory was left behind (or its processes orphaned).
         created_at: Unix time the manifest was written.
@@ -202,7 +205,7 @@ def collect_instance(run_dir: Path, kind_of: KindOf | None = None) -> InstanceIn
 
     frontend_pid = manifest.frontend_pid
     if frontend_pid is None:  # older manifests: the frontend's own entry, else the dir name
-        entry = next((r for r in manifest.roles if kind(r) == "frontend" and r.pid), None)
+        entry = next((r for r in manifest.roles if kind(r) in OWNER_KINDS and r.pid), None)
         frontend_pid = entry.pid if entry else run_dirs.creator_pid(run_dir)
     frontend = _live_process(frontend_pid, started_before=created_at)
 
@@ -212,7 +215,7 @@ def collect_instance(run_dir: Path, kind_of: KindOf | None = None) -> InstanceIn
     for entry in manifest.roles:
         role_kind = kind(entry)
         status = statuses.get(entry.role)
-        if role_kind == "frontend":
+        if role_kind in OWNER_KINDS:
             pid, proc = frontend_pid, frontend
         else:
             pid = status.pid if status is not None and status.pid is not None else entry.pid
@@ -359,6 +362,7 @@ def _set_depths(rows: list[ProcessInfo], frontend_pid: int | None) -> None:
 
 __all__ = [
     "COUNTED_KINDS",
+    "OWNER_KINDS",
     "InstanceInfo",
     "ProcessInfo",
     "collect_instance",

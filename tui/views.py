@@ -63,7 +63,14 @@ REQUEST_SORTS = ("age", "state", "engine", "progress", "blocks", "id")
 DECODE_CHAR, PREFILL_CHAR, UNUSED_CHAR = "█", "▒", "·"
 SPARK_CHARS = " ▁▂▃▄▅▆▇█"
 
-_KIND_ORDER = {"frontend": 0, "api_server": 1, "engine_core": 2, "worker": 3, "dp_coordinator": 4}
+_KIND_ORDER = {
+    "frontend": 0,
+    "headless": 0,
+    "api_server": 1,
+    "engine_core": 2,
+    "worker": 3,
+    "dp_coordinator": 4,
+}
 _DP_IN_ROLE = re.compile(r"_DP(\d+)")
 _TRAILING_INT = re.compile(r"(\d+)$")
 

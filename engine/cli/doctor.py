@@ -64,6 +64,7 @@ _DEPTH = {
     "coordinator": 1,
     "api_server": 1,
     "frontend": 0,
+    "headless": 0,
 }
 _UNNAMED_THREAD = re.compile(r"^(Thread-\d+|Dummy-\d+|ThreadPoolExecutor-|asyncio_|pydevd)")
 

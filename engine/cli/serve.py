@@ -27,7 +27,9 @@ DESCRIPTION = f"""Serve a model over an OpenAI-compatible HTTP API (/v1/completi
 (this one: HTTP, tokenization, streaming), {_CORE} (scheduler, KV cache) and
 {_WORKER} (the model). With parallelism: A API servers + DP engine cores +
 DP x PP x TP workers (+ 1 DPCoordinator when DP > 1). Uses the bundled tiny model
-unless MODEL is given."""
+unless MODEL is given. Multi-node data parallelism: the head serves with
+--data-parallel-size-local below -dp and --data-parallel-address; each other node runs
+--headless (its engine cores only), see docs/multi-node.md."""
 
 EXIT_STATUS = """exit status:
   0    stopped by SIGTERM, or by Ctrl-C once serving (the whole tree stopped cleanly)
@@ -179,7 +181,7 @@ def add_subparser(sub: argparse._SubParsersAction) -> None:
         type=_at_least_one,
         default=None,
         help="API server processes sharing the listening socket (each talks to every engine "
-        "core); default: the data-parallel size, as vLLM.",
+        "core); default: the data-parallel size on this node (--data-parallel-size-local), as vLLM.",
     )
     g.add_argument(
         "--uvicorn-log-level",
@@ -239,7 +241,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         from engine.distributed import topology
 
-        tree = topology.plan(config, frontend="serve", api_server_count=args.api_server_count)
+        headless = config.parallel_config.headless
+        if headless and args.api_server_count is not None:
+            parser.error(
+                "--api-server-count: a --headless node runs no API server (the head's serve its ranks)"
+            )
+        tree = topology.plan(config, frontend="headless" if headless else "serve",
+                             api_server_count=args.api_server_count)  # fmt: skip
         tree.check_fault_targets(config.observability_config.inject_fault)
     except ValueError as e:
         parser.error(f"{'--inject-fault' if args.inject_fault else 'GLASSBOX_FAULT'}: {e}")
@@ -247,6 +255,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         import os
 
         os.environ["GLASSBOX_FAULT"] = config.observability_config.inject_fault
+    if config.parallel_config.headless:  # engine cores only; they join the head over TCP
+        from engine.entrypoints.headless import run_headless
+
+        return run_headless(config)
     # Bind before anything is spawned: a taken port fails here, in a second.
     try:
         sock = bind_socket(args.host, args.port)

@@ -26,6 +26,12 @@ outlive a dead engine and report it. Start-up: connect → HELLO → build the `
 (executor, workers, KV cache) → READY (HELLO and READY go to client 0, which launched the
 engines) → CONNECTED on every input socket. On a fatal error the engine core sends
 ``ENGINE_CORE_DEAD`` with a root-cause block and exits non-zero.
+
+A headless node's engine core (multi-node DP, ``glassbox serve --headless``) first joins the
+head over TCP (``engine/core/head_link.py``: HELLO → the head's socket addresses), then
+starts as above on those TCP addresses; a fourth thread (``head_link_watcher``) watches the
+join connection from then on: the loss of the head (or the head's ``HeadStopping``) ends the
+busy loop, or, during start-up, the process.
 """
 
 from __future__ import annotations
@@ -36,8 +42,9 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import msgspec
 import zmq
 from opentelemetry import trace
 
@@ -74,6 +81,9 @@ from tracing.propagation import attached_trace_context, extract_trace_context
 from tracing.stage import open_stages
 from tracing.telemetry import events
 from tracing.telemetry.publisher import get_publisher, start_telemetry
+
+if TYPE_CHECKING:
+    from engine.core.head_link import HeadLink
 
 logger = init_logger(__name__)
 
@@ -151,6 +161,8 @@ class EngineCoreProc(EngineCore):
             a ``StartWave`` when it gets a request while its wave is over.
         coordinator_wave_address: where the coordinator publishes ``DPWave`` (wave started
             or complete); the input thread subscribes.
+        head_link: a headless node's joined connection to the head (``HeadLink``, watched by its
+            own thread from the join on), closed at shutdown; None on the head's own node.
     """
 
     def __init__(
@@ -162,8 +174,10 @@ class EngineCoreProc(EngineCore):
         run_dir: Path,
         coordinator_address: str | None = None,
         coordinator_wave_address: str | None = None,
+        head_link: HeadLink | None = None,
     ) -> None:
         self.run_dir = run_dir
+        self.head_link = head_link
         self.data_parallel_rank = data_parallel_rank
         self.role = ProcessRole.engine_core(data_parallel_rank).name
         self.input_queue: queue.Queue[tuple[EngineCoreRequestType, Any]] = queue.Queue()
@@ -253,11 +267,39 @@ class EngineCoreProc(EngineCore):
         processes.install_sigterm_exit(run_dir, role)
         parent_pid = os.getppid()
         engine: EngineCoreProc | None = None
+        head_link = None
         try:
+            if payload.head_address is not None:  # a headless node: join the head first
+                from engine.core.head_link import HeadLink
+
+                head_link = HeadLink.join(payload.head_address, role, os.getpid(), payload.data_parallel_rank,
+                                          config.parallel_config.data_parallel_size)  # fmt: skip
+                accepted = head_link.accepted
+
+                def on_head_news(error: BaseException) -> None:
+                    # The head stopped (SystemExit(0)) or is lost (HeadLost). Serving: the busy
+                    # loop ends through its input queue. Still starting (loading the model, say):
+                    # nothing reads that queue yet, so this process ends now (its workers follow
+                    # through their lifelines) rather than outlive its head.
+                    if engine is not None:
+                        engine.input_queue.put((EngineCoreRequestType.HEAD_LOST, error))
+                        return
+                    if not isinstance(error, SystemExit):
+                        processes.write_crash_report(
+                            run_dir, role, error, current_stage(), payload.data_parallel_rank
+                        )
+                    os._exit(0 if isinstance(error, SystemExit) else 1)
+
+                head_link.watch(on_head_news)
+                payload = msgspec.structs.replace(
+                    payload, input_addresses=accepted.input_addresses, output_addresses=accepted.output_addresses,
+                    coordinator_address=accepted.coordinator_address,
+                    coordinator_wave_address=accepted.coordinator_wave_address,
+                )  # fmt: skip
             with attached_trace_context(payload.trace_headers):
                 engine = EngineCoreProc(config, payload.input_addresses, payload.output_addresses,
                                         payload.data_parallel_rank, run_dir, payload.coordinator_address,
-                                        payload.coordinator_wave_address)  # fmt: skip
+                                        payload.coordinator_wave_address, head_link)  # fmt: skip
             if publisher is not None:
                 publisher.add_gauge_provider(engine._telemetry_gauges)
                 publisher.add_gauge_provider(engine.model_executor.telemetry_gauges)
@@ -303,6 +345,8 @@ class EngineCoreProc(EngineCore):
             processes.ignore_sigterm()
             if engine is not None:
                 engine.shutdown()
+            elif head_link is not None:
+                head_link.close()
             if os.getppid() != parent_pid:
                 # Our parent (the frontend, which owns the run directory) is gone and our
                 # workers are stopped: we are the last of the tree, so we clean up.
@@ -460,7 +504,8 @@ class EngineCoreProc(EngineCore):
         elif request_type == EngineCoreRequestType.ABORT:
             with attached_trace_context(payload.trace_headers):
                 self.abort_requests(payload.request_ids)
-        elif request_type in (EngineCoreRequestType.EXECUTOR_FAILED, EngineCoreRequestType.PROTOCOL_ERROR):
+        elif request_type in (EngineCoreRequestType.EXECUTOR_FAILED, EngineCoreRequestType.PROTOCOL_ERROR,
+                              EngineCoreRequestType.HEAD_LOST):  # fmt: skip
             raise payload
         elif request_type == EngineCoreRequestType.UTILITY:
             call: UtilityRequest = payload
@@ -573,6 +618,8 @@ class EngineCoreProc(EngineCore):
         if getattr(self, "coordinator_socket", None) is not None:
             self.coordinator_socket.close(linger=0)
         self.ctx.term()
+        if getattr(self, "head_link", None) is not None:
+            self.head_link.close()
 
 
 # What each request type's body decodes as (the internal types never arrive on the socket).

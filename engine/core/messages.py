@@ -16,6 +16,18 @@ This module is the whole client ↔ engine-core protocol::
     client i ◀──PUSH/PULL───────── engine core    TAG_OUTPUTS EngineCoreOutputs | TAG_UTILITY UtilityReply
     client i ◀──PUSH/PULL───────── engine core    ENGINE_CORE_DEAD EngineDead (last words)
 
+Multi-node data parallelism (``docs/multi-node.md``) adds one socket, on the head's client 0
+(``--data-parallel-rpc-port``, TCP), which headless engine cores join before anything else::
+
+    client 0 ◀──DEALER/ROUTER───── headless engine core   EngineHandshake HELLO (its rank, DP size)
+    client 0 ──ROUTER/DEALER──────▶ headless engine core  JoinAccepted (the head's engine sockets)
+                                                          | JoinRefused | HeadStopping (the head stops)
+
+The connection stays open for the engine core's life: both sides set ZMQ heartbeats on it;
+the head learns of a lost rank from its socket monitor (the connection the HELLO came on), the
+engine core of a lost head from its socket monitor. Every other socket is as below, on TCP
+addresses (``head_engine_addresses``) instead of ``ipc://`` paths.
+
 One socket pair per client: each client (an API server, or the offline ``LLM``) binds its
 own ROUTER (input) and PULL (output) at ``input_addresses[i]`` / ``output_addresses[i]``
 of the spawn payload, and every engine core connects one DEALER and one PUSH to each
@@ -71,6 +83,8 @@ class EngineCoreRequestType(enum.Enum):
     EXECUTOR_FAILED = b"\x04"
     # Internal: the input thread received a message that breaks the protocol.
     PROTOCOL_ERROR = b"\x05"
+    # Internal: a headless engine core lost its head (or the head said it stops).
+    HEAD_LOST = b"\x06"
 
 
 class EngineCoreRequest(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True, gc=False):
@@ -174,6 +188,8 @@ class EngineHandshake(msgspec.Struct, kw_only=True, array_like=True):
     device: str = ""
     dtype: str = ""
     max_model_len: int = 0
+    # A headless engine core's HELLO on the head's join socket: its DP size, checked there.
+    data_parallel_size: int = 0
 
 
 class AbortRequests(msgspec.Struct, kw_only=True, array_like=True):
@@ -278,6 +294,9 @@ class EngineCoreSpawnPayload(msgspec.Struct, kw_only=True):
     trace_headers: dict[str, str] | None = None
     coordinator_address: str | None = None
     coordinator_wave_address: str | None = None
+    # A headless node's engine core: the head's join socket (tcp://HOST:PORT). The engine
+    # core joins there first; the head's JoinAccepted gives the four addresses above.
+    head_address: str | None = None
 
     @property
     def config(self) -> Any:
@@ -299,6 +318,63 @@ class EnginesInfo(msgspec.Struct, kw_only=True):
     device: str
     dtype: str
     coordinator_publish_address: str | None = None
+
+
+class JoinAccepted(msgspec.Struct, kw_only=True, array_like=True, tag="accepted"):
+    """The head to a headless engine core that said HELLO: where the head's engine sockets are
+    (its clients' inputs and outputs, the coordinator's input and wave publisher), and the
+    head's DP size (the engine core refuses to run under another)."""
+
+    input_addresses: list[str]
+    output_addresses: list[str]
+    coordinator_address: str | None
+    coordinator_wave_address: str | None
+    data_parallel_size: int
+
+
+class JoinRefused(msgspec.Struct, kw_only=True, array_like=True, tag="refused"):
+    """The head will not take this engine core (a rank it runs itself, one that joined
+    already, another DP size); ``reason`` is one line for the headless node's log."""
+
+    reason: str
+
+
+class HeadStopping(msgspec.Struct, kw_only=True, array_like=True, tag="stopping"):
+    """The head stops (SIGTERM, or the engine died): the headless engine core exits 0."""
+
+    reason: str
+
+
+# What the head sends a headless engine core on the join socket.
+HeadToEngine = JoinAccepted | JoinRefused | HeadStopping
+
+
+def tcp_address(host: str, port: int) -> str:
+    """``tcp://host:port`` (an IPv6 host in brackets)."""
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def head_engine_addresses(host: str, port: int, num_clients: int) -> JoinAccepted:
+    """The head's TCP layout from ``--data-parallel-rpc-port`` P: P joins (the head's client 0
+    binds it), P + 1 the coordinator's input, P + 2 its wave publisher, P + 3 + 2i and
+    P + 4 + 2i client i's input and output (one pair per API server). Every one of
+    P .. P + 2 + 2 × ``num_clients`` must be open to the headless nodes.
+
+    Raises:
+        ValueError: the last port is above 65535.
+    """
+    last = port + 2 + 2 * num_clients
+    if last > 65535:
+        raise ValueError(
+            f"--data-parallel-rpc-port {port} with {num_clients} API server(s) needs ports up to {last}"
+        )
+    return JoinAccepted(
+        input_addresses=[tcp_address(host, port + 3 + 2 * i) for i in range(num_clients)],
+        output_addresses=[tcp_address(host, port + 4 + 2 * i) for i in range(num_clients)],
+        coordinator_address=tcp_address(host, port + 1),
+        coordinator_wave_address=tcp_address(host, port + 2),
+        data_parallel_size=0,
+    )
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -11,6 +11,7 @@ its name and everything derived from it::
     worker          Worker_DP<k>_PP<p>_TP<t>  glassbox::Worker_DP<k>_PP<p>_TP<t>  p · TP + t
     dp_coordinator  DPCoordinator             glassbox::DPCoordinator             -
     frontend        LLM                       (the user's own process)            -
+    headless        HeadlessNode              glassbox::HeadlessNode              -
 
 This module is the only place that formats a role name (``ProcessRole.name``) or parses one
 (``ProcessRole.parse``), and the only place that turns (pp, tp) into a worker rank. The
@@ -21,6 +22,14 @@ The ``frontend`` kind is the offline ``LLM``'s process: it owns the engine but i
 process, so it is not counted — except in ``inproc`` mode (``GLASSBOX_ENABLE_MULTIPROCESSING=0``),
 where the engine core runs inside it: it is then the one process, or the one beside the ``mp``
 executor's workers (tensor parallelism).
+
+Multi-node data parallelism (``docs/multi-node.md``): a node's plan has only its own ranks.
+The head (``glassbox serve --data-parallel-size-local K0 ...``) plans its API servers, engine
+cores 0..K0-1 with their workers and the coordinator; a headless node (``glassbox serve
+--headless --data-parallel-start-rank R --data-parallel-size-local K``) plans ``HeadlessNode``
+(the launcher: its owner, shown but not counted, like an ``LLM``) and engine cores R..R+K-1
+with their workers. ``TopologyPlan.engine_cores`` still lists every rank of the instance
+(the ranks a client talks to); ``local_engine_cores`` those with a process on this node.
 
 Torch-free and cheap to import (enum, re, msgspec). vLLM spreads the same knowledge over
 ``vllm/v1/engine/utils.py`` (``CoreEngineProcManager``: ``EngineCore_DP{k}``),
@@ -42,6 +51,7 @@ from tracing.run_dir import STATUS_SUFFIX, TITLE_PREFIX
 
 FRONTEND_NAME = "LLM"
 COORDINATOR_NAME = "DPCoordinator"
+HEADLESS_NAME = "HeadlessNode"
 
 # Canonical decimal (no leading zeros), so that parse(name).name == name.
 _N = r"(0|[1-9][0-9]*)"
@@ -58,6 +68,7 @@ class RoleKind(str, enum.Enum):
     WORKER = "worker"
     DP_COORDINATOR = "dp_coordinator"
     FRONTEND = "frontend"  # the offline LLM's (the user's) process
+    HEADLESS = "headless"  # glassbox serve --headless: the launcher of a node's engine cores
 
 
 class ProcessRole(msgspec.Struct, frozen=True):
@@ -83,6 +94,7 @@ class ProcessRole(msgspec.Struct, frozen=True):
             RoleKind.WORKER: ("dp_rank", "pp_rank", "tp_rank"),
             RoleKind.DP_COORDINATOR: (),
             RoleKind.FRONTEND: (),
+            RoleKind.HEADLESS: (),
         }[self.kind]
         for field in ("dp_rank", "pp_rank", "tp_rank", "api_index"):
             value = getattr(self, field)
@@ -122,6 +134,12 @@ class ProcessRole(msgspec.Struct, frozen=True):
         return cls(RoleKind.FRONTEND)
 
     @classmethod
+    def headless(cls) -> ProcessRole:
+        """``glassbox serve --headless``'s own process (vLLM: the headless ``vllm serve`` that
+        runs ``CoreEngineProcManager``)."""
+        return cls(RoleKind.HEADLESS)
+
+    @classmethod
     def parse(cls, name: str) -> ProcessRole:
         """The role named ``name`` (``Worker_DP1_PP0_TP1`` → worker, dp 1, pp 0, tp 1).
 
@@ -139,9 +157,11 @@ class ProcessRole(msgspec.Struct, frozen=True):
                 return cls.dp_coordinator()
             if name == FRONTEND_NAME:
                 return cls.frontend()
+            if name == HEADLESS_NAME:
+                return cls.headless()
         raise ValueError(
             f"not a Glassbox process role: {name!r} (expected APIServer_<i>, EngineCore_DP<k>, "
-            f"Worker_DP<k>_PP<p>_TP<t>, {COORDINATOR_NAME} or {FRONTEND_NAME})"
+            f"Worker_DP<k>_PP<p>_TP<t>, {COORDINATOR_NAME}, {FRONTEND_NAME} or {HEADLESS_NAME})"
         )
 
     @classmethod
@@ -169,6 +189,8 @@ class ProcessRole(msgspec.Struct, frozen=True):
             return f"Worker_DP{self.dp_rank}_PP{self.pp_rank}_TP{self.tp_rank}"
         if self.kind is RoleKind.DP_COORDINATOR:
             return COORDINATOR_NAME
+        if self.kind is RoleKind.HEADLESS:
+            return HEADLESS_NAME
         return FRONTEND_NAME
 
     @property
@@ -225,13 +247,16 @@ class TopologyPlan(msgspec.Struct, frozen=True):
 
     Attributes:
         mode: ``serve`` (API servers own the engines), ``mp`` (an offline ``LLM`` owns engine
-            processes) or ``inproc`` (the engine core in the ``LLM``'s process; workers too, unless
-            the executor is ``mp``).
+            processes), ``inproc`` (the engine core in the ``LLM``'s process; workers too, unless
+            the executor is ``mp``) or ``headless`` (a node's engine cores under ``HeadlessNode``,
+            serving a head's API servers).
         roles: the owner first (the ``LLM``, or the API servers), then each engine core
             followed by its workers (rank order), then the coordinator.
         tensor_parallel_size, pipeline_parallel_size, data_parallel_size: the shape.
         api_server_count: A (0 unless ``serve``).
         workers_in_processes: the ``mp`` or ``ray`` executor (``uni`` runs the worker inside the engine core).
+        data_parallel_start_rank, data_parallel_size_local: this node's ranks (multi-node DP;
+            0 and ``data_parallel_size`` on one node).
     """
 
     mode: str
@@ -241,6 +266,8 @@ class TopologyPlan(msgspec.Struct, frozen=True):
     data_parallel_size: int
     api_server_count: int
     workers_in_processes: bool
+    data_parallel_start_rank: int = 0
+    data_parallel_size_local: int | None = None
 
     def check_fault_targets(self, spec: str | None) -> None:
         """Refuse a fault (``tracing.faults`` spec) whose ``@ROLE`` is no process of this plan
@@ -269,6 +296,8 @@ class TopologyPlan(msgspec.Struct, frozen=True):
     def is_counted(self, role: ProcessRole) -> bool:
         """Whether ``role`` counts toward the expected process count (the owner ``LLM`` does not,
         except in ``inproc`` mode where it is the whole engine)."""
+        if role.kind is RoleKind.HEADLESS:
+            return False
         return role.kind is not RoleKind.FRONTEND or self.mode == "inproc"
 
     @property
@@ -286,7 +315,7 @@ class TopologyPlan(msgspec.Struct, frozen=True):
 
     @property
     def owner(self) -> ProcessRole:
-        """The process that creates the run directory: the ``LLM``, or ``APIServer_0``."""
+        """The process that creates the run directory: the ``LLM``, ``APIServer_0`` or ``HeadlessNode``."""
         return self.roles[0]
 
     @property
@@ -295,8 +324,27 @@ class TopologyPlan(msgspec.Struct, frozen=True):
 
     @property
     def engine_cores(self) -> tuple[ProcessRole, ...]:
-        """One per DP rank, even in ``inproc`` mode (where it runs in the owner's process)."""
+        """One per DP rank of the instance, even in ``inproc`` mode (where it runs in the owner's
+        process) and with multi-node DP (where some run on other nodes)."""
         return tuple(ProcessRole.engine_core(k) for k in range(self.data_parallel_size))
+
+    @property
+    def local_dp_ranks(self) -> range:
+        """The DP ranks whose engine cores run on this node."""
+        local = self.data_parallel_size_local or self.data_parallel_size
+        return range(self.data_parallel_start_rank, self.data_parallel_start_rank + local)
+
+    @property
+    def local_engine_cores(self) -> tuple[ProcessRole, ...]:
+        """The engine cores with a process on this node (all of them on one node)."""
+        return tuple(ProcessRole.engine_core(k) for k in self.local_dp_ranks)
+
+    @property
+    def remote_engine_cores(self) -> tuple[ProcessRole, ...]:
+        """The engine cores that join from headless nodes (the head's view; none on one node)."""
+        if self.mode == "headless":
+            return ()
+        return tuple(r for r in self.engine_cores if r.dp_rank not in self.local_dp_ranks)
 
     @property
     def workers(self) -> tuple[ProcessRole, ...]:
@@ -350,7 +398,8 @@ class TopologyPlan(msgspec.Struct, frozen=True):
         parts = []
         for kind, label in ((RoleKind.API_SERVER, "API server"), (RoleKind.ENGINE_CORE, "engine core"),
                             (RoleKind.WORKER, "worker"), (RoleKind.DP_COORDINATOR, "coordinator"),
-                            (RoleKind.FRONTEND, "in-process engine")):  # fmt: skip
+                            (RoleKind.FRONTEND, "in-process engine"),
+                            (RoleKind.HEADLESS, "headless launcher")):  # fmt: skip
             n = sum(1 for r in self.counted_roles if r.kind is kind)
             if n:
                 parts.append(f"{n} {label}{'' if n == 1 else 's'}")
@@ -384,11 +433,16 @@ def plan(
         config: an ``EngineConfig`` (or anything with a ``parallel_config``), or a
             ``ParallelConfig``-like object: ``tensor_parallel_size``, ``pipeline_parallel_size``,
             ``data_parallel_size``, ``distributed_executor_backend``.
-        frontend: ``"serve"`` (API servers) or ``"llm"`` (an offline ``LLM`` owns the engine).
+        frontend: ``"serve"`` (API servers), ``"llm"`` (an offline ``LLM`` owns the engine) or
+            ``"headless"`` (``glassbox serve --headless``: this node's engine cores only).
+            With multi-node DP (``data_parallel_size_local`` below ``data_parallel_size``) only
+            this node's ranks (``data_parallel_start_rank`` ..) get engine-core and worker
+            processes, and the coordinator runs on the head only.
         multiprocess: False for ``GLASSBOX_ENABLE_MULTIPROCESSING=0`` (an ``LLM`` only): the
             engine core runs inside the ``LLM``'s process; with the ``mp`` executor (tensor
             parallelism) its workers still get processes of their own, as in vLLM.
-        api_server_count: A under ``serve``; default: the DP size (as vLLM 0.33).
+        api_server_count: A under ``serve``; default: the DP size on this node
+            (``data_parallel_size_local``, as vLLM 0.33).
 
     Raises:
         ValueError: an impossible shape (a size below 1, API servers under an ``LLM``, more
@@ -403,12 +457,22 @@ def plan(
     ):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{label} must be an integer >= 1, got {value!r}")
-    if frontend not in ("serve", "llm"):
-        raise ValueError(f"frontend must be 'serve' or 'llm', got {frontend!r}")
-    if frontend == "serve":
+    start = getattr(pc, "data_parallel_start_rank", 0) or 0
+    local = getattr(pc, "data_parallel_size_local", None) or dp - start
+    if not 0 <= start < start + local <= dp:
+        raise ValueError(f"ranks {start}..{start + local - 1} are not DP ranks of data_parallel_size {dp}")
+    if frontend not in ("serve", "llm", "headless"):
+        raise ValueError(f"frontend must be 'serve', 'llm' or 'headless', got {frontend!r}")
+    if frontend == "headless":
+        if api_server_count:
+            raise ValueError("a headless node has no API servers (api_server_count must be 0)")
+        api_servers = 0
+        owners: tuple[ProcessRole, ...] = (ProcessRole.headless(),)
+        mode = "headless"
+    elif frontend == "serve":
         if not multiprocess:
             raise ValueError("the API server always runs the engine in its own processes")
-        api_servers = dp if api_server_count is None else api_server_count
+        api_servers = local if api_server_count is None else api_server_count
         if not isinstance(api_servers, int) or api_servers < 1:
             raise ValueError(f"api_server_count must be an integer >= 1, got {api_servers!r}")
         owners = tuple(ProcessRole.api_server(i) for i in range(api_servers))
@@ -431,12 +495,12 @@ def plan(
     if not multiprocess and dp > 1:
         raise ValueError(f"GLASSBOX_ENABLE_MULTIPROCESSING=0 runs one engine; data_parallel_size = {dp}")
     roles: list[ProcessRole] = list(owners)
-    for k in range(dp):
+    for k in range(start, start + local):
         if multiprocess:  # else the engine core is the LLM's own process (InprocClient)
             roles.append(ProcessRole.engine_core(k))
         if workers_in_processes:  # mp's or ray's workers, also under an in-process engine
             roles.extend(ProcessRole.worker_of_rank(k, r, tp) for r in range(tp * pp))
-    if dp > 1:
+    if dp > 1 and mode != "headless":  # the coordinator runs on the head only
         roles.append(ProcessRole.dp_coordinator())
     return TopologyPlan(
         mode=mode,
@@ -446,12 +510,15 @@ def plan(
         data_parallel_size=dp,
         api_server_count=api_servers,
         workers_in_processes=workers_in_processes,
+        data_parallel_start_rank=start,
+        data_parallel_size_local=local,
     )
 
 
 __all__ = [
     "COORDINATOR_NAME",
     "FRONTEND_NAME",
+    "HEADLESS_NAME",
     "STATUS_SUFFIX",
     "TITLE_PREFIX",
     "ProcessRole",

@@ -26,6 +26,7 @@ client 0 hands on. The ``SchedulerStats`` that come with the outputs go into
 
 from __future__ import annotations
 
+import errno
 import itertools
 import pickle
 import time
@@ -62,9 +63,14 @@ from engine.core.messages import (
     EngineDead,
     EngineHandshake,
     EnginesInfo,
+    HeadStopping,
+    JoinAccepted,
+    JoinRefused,
     UtilityReply,
     UtilityRequest,
     decode_as,
+    head_engine_addresses,
+    tcp_address,
 )
 from engine.core.messages import encode as encode_message
 from engine.distributed import topology
@@ -163,6 +169,17 @@ class MPClient(EngineCoreClient):
     request that pins ``data_parallel_rank`` goes to that engine. Aborts go to the engine
     that has the request; utility calls go to every engine (engine 0's answer is returned).
 
+    Multi-node DP (the head: ``--data-parallel-size-local`` K0 below the DP size D, with
+    ``--data-parallel-address``): client 0 starts only engines 0..K0-1; every socket an engine
+    uses is TCP on the head's address (``head_engine_addresses``), and client 0 binds a join
+    socket at ``--data-parallel-rpc-port`` where the headless nodes' engine cores say HELLO
+    and get those addresses (vLLM's handshake socket). A rank that has not joined within
+    ``GLASSBOX_DP_JOIN_TIMEOUT_S`` fails start-up with the ranks that never joined named; a
+    joined rank whose connection ends (its node died, SIGKILL included: the join
+    socket's monitor; or a silent network: ZMQ heartbeats) is reported lost — a log line and
+    the root cause naming it — and the tree stops, as vLLM's DP engines are all or nothing.
+    Stopping, client 0 tells each joined rank ``HeadStopping`` (they exit 0).
+
     Start-up (client 0) waits for HELLO then READY from every engine under one deadline
     (``GLASSBOX_ENGINE_READY_TIMEOUT_S``); on expiry the error names the engines not ready
     and the late process and its stage (from the status files). Every client then waits
@@ -205,20 +222,45 @@ class MPClient(EngineCoreClient):
         self.run_dir = run_dir
         self.client_index = client_index
         self.ctx = zmq.Context()
-        self.input_addresses = [client_input_address(run_dir, i) for i in range(num_clients)]
-        self.output_addresses = [client_output_address(run_dir, i) for i in range(num_clients)]
+        pc = config.parallel_config
+        # Multi-node DP (this is the head): TCP on --data-parallel-address, else ipc.
+        self.head_layout: JoinAccepted | None = None
+        if pc.multi_node:
+            try:
+                self.head_layout = head_engine_addresses(pc.data_parallel_address, pc.data_parallel_rpc_port,
+                                                         num_clients)  # fmt: skip
+            except ValueError as e:
+                raise ConfigError.from_message(str(e), flag="--data-parallel-rpc-port") from None
+            self.input_addresses = list(self.head_layout.input_addresses)
+            self.output_addresses = list(self.head_layout.output_addresses)
+        else:
+            self.input_addresses = [client_input_address(run_dir, i) for i in range(num_clients)]
+            self.output_addresses = [client_output_address(run_dir, i) for i in range(num_clients)]
         self.input_address = self.input_addresses[client_index]
         self.output_address = self.output_addresses[client_index]
         self.input_socket = self.ctx.socket(zmq.ROUTER)
         self.input_socket.setsockopt(zmq.LINGER, 0)
         self.input_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.input_socket.bind(self.input_address)
         self.output_socket = self.ctx.socket(zmq.PULL)
         self.output_socket.setsockopt(zmq.LINGER, 0)
-        self.output_socket.bind(self.output_address)
+        # The headless nodes' join socket (client 0 of a head only), and the ranks joined there:
+        # rank → its HELLO.
+        self.join_socket: zmq.Socket | None = None
+        self.joined: dict[int, EngineHandshake] = {}
+        self.joined_at: dict[int, float] = {}  # rank → when it joined (time.monotonic)
+        self.coordinator_sub: zmq.Socket | None = None
+        try:
+            _bind(self.input_socket, self.input_address)
+            _bind(self.output_socket, self.output_address)
+        except BaseException:
+            self.input_socket.close(linger=0)
+            self.output_socket.close(linger=0)
+            self.ctx.term()
+            raise
         # The engine cores this client talks to, one per DP rank; an engine's DEALER
-        # identity is its DP rank.
+        # identity is its DP rank. With multi-node DP some run on headless nodes (remote).
         plan = topology.plan(config)
+        self.remote_roles = list(plan.remote_engine_cores)
         self.engine_roles = list(plan.engine_cores)
         self.engine_role = self.engine_roles[0]
         self.engine_identities = [r.dp_rank.to_bytes(2, "little") for r in self.engine_roles]
@@ -235,7 +277,6 @@ class MPClient(EngineCoreClient):
         # The coordinator's wave state, as last published (data parallelism).
         self.current_wave, self.engines_running = 0, False
         self.request_engine: dict[str, int] = {}
-        self.coordinator_sub: zmq.Socket | None = None
         self.encoder = msgspec.msgpack.Encoder()
         self.pending: deque[EngineCoreOutputs] = deque()
         # Utility calls in flight: call id → (method, the future its UtilityReply resolves).
@@ -282,9 +323,11 @@ class MPClient(EngineCoreClient):
         """What another client needs to attach to this client's engines (client 0 only)."""
         if not self.engine_procs:
             raise RuntimeError("only the client that launched the engine cores can describe them")
+        pids = {p.role: p.pid for p in self.engine_procs}
         return EnginesInfo(
-            engine_roles=[p.role for p in self.engine_procs],
-            engine_pids=[p.pid for p in self.engine_procs],
+            engine_roles=[r.name for r in self.engine_roles],
+            # 0: an engine core on a headless node (client 0 watches its connection).
+            engine_pids=[pids.get(r.name, 0) for r in self.engine_roles],
             num_gpu_blocks=self.num_gpu_blocks,
             device=self.device_info["device"],
             dtype=self.device_info["dtype"],
@@ -297,7 +340,9 @@ class MPClient(EngineCoreClient):
         if engines.engine_roles != [r.name for r in self.engine_roles]:
             raise ProtocolError(f"attached to engines {engines.engine_roles}, but the plan has "
                                 f"{[r.name for r in self.engine_roles]}")  # fmt: skip
-        self.attached_engines = list(zip(engines.engine_roles, engines.engine_pids))
+        self.attached_engines = [
+            (role, pid) for role, pid in zip(engines.engine_roles, engines.engine_pids) if pid
+        ]
         self.num_gpu_blocks = engines.num_gpu_blocks
         self.device_info = {"device": engines.device, "dtype": engines.dtype}
         if engines.coordinator_publish_address is not None:
@@ -322,6 +367,9 @@ class MPClient(EngineCoreClient):
             if self.coordinator_role is not None:
                 coordinator_waves = wave_address(self.run_dir)
                 coordinator_input, publish = coordinator_addresses(self.run_dir)
+                if self.head_layout is not None:  # engines on other nodes reach it over TCP
+                    coordinator_input = self.head_layout.coordinator_address
+                    coordinator_waves = self.head_layout.coordinator_wave_address
                 self._subscribe_coordinator(publish)
                 coordinator_payload = CoordinatorSpawnPayload(
                     input_address=coordinator_input,
@@ -339,7 +387,11 @@ class MPClient(EngineCoreClient):
                 )
             config_pickle = pickle.dumps(self.config, protocol=5)
             trace_headers = inject_trace_headers()
+            if self.remote_roles:
+                self._bind_join_socket(coordinator_input, coordinator_waves)
             for role in self.engine_roles:
+                if role in self.remote_roles:  # a headless node starts it; it joins below
+                    continue
                 payload = encode_message(
                     EngineCoreSpawnPayload(
                         config_pickle=config_pickle,
@@ -359,13 +411,36 @@ class MPClient(EngineCoreClient):
                         self.run_dir,
                     )
                 )
-            timeout = envs.GLASSBOX_ENGINE_READY_TIMEOUT_S
-            deadline = time.monotonic() + timeout
+            ready_timeout = envs.GLASSBOX_ENGINE_READY_TIMEOUT_S
+            join_timeout = envs.GLASSBOX_DP_JOIN_TIMEOUT_S
+            started = time.monotonic()
+            # Each engine has GLASSBOX_ENGINE_READY_TIMEOUT_S from its start: a local one from
+            # now, a headless node's from its join (itself bounded by GLASSBOX_DP_JOIN_TIMEOUT_S).
+            timeout = ready_timeout + (join_timeout if self.remote_roles else 0.0)
+            deadline = started + timeout
             # Per engine: the handshakes seen so far (HELLO, READY).
             seen: dict[int, dict[str, EngineHandshake]] = {r.dp_rank: {} for r in self.engine_roles}
 
             def handshake_step() -> bool:
                 """One short poll: record HELLO / READY; True once every engine is READY."""
+                if self.remote_roles:
+                    self._serve_joins()
+                    missing = [r for r in self.remote_roles if r.dp_rank not in self.joined]
+                    if missing and time.monotonic() - started > join_timeout:
+                        message = self._join_timeout_message(join_timeout, missing)
+                        root = processes.format_root_cause(
+                            self.run_dir, missing[0].name, None, None, rank=missing[0].dp_rank, note=message,
+                            exit_detail="never joined (no HELLO on the head's join socket)",
+                        )  # fmt: skip
+                        raise processes.EngineStartupTimeout(message, root)
+                    now = time.monotonic()
+                    if any(
+                        "READY" not in seen[r.dp_rank]
+                        and now - self.joined_at.get(r.dp_rank, started) > ready_timeout
+                        for r in self.engine_roles
+                        if r.dp_rank in self.joined_at or r not in self.remote_roles
+                    ):
+                        raise _ReadyLate
                 msg = self._recv(deadline=time.monotonic())
                 if msg is not None and msg[0] == TAG_HANDSHAKE:
                     hs = decode_as(EngineHandshake, msg[1][0])
@@ -382,8 +457,21 @@ class MPClient(EngineCoreClient):
                 # The bounded-wait helper: a deadline, a name, and wait events for telemetry.
                 awaited = f"READY from {', '.join(r.name for r in self.engine_roles)}"
                 wait_for(awaited, handshake_step, timeout_s=timeout, poll_interval_s=0)
-            except WaitTimeout:
-                message = self._startup_timeout_message(timeout, seen)
+            except (WaitTimeout, _ReadyLate):
+                late = [r for r in self.engine_roles if "READY" not in seen[r.dp_rank]]
+                if late and all(r in self.remote_roles for r in late):  # their status files are on their node
+                    message = (
+                        f"Not every engine became ready within GLASSBOX_ENGINE_READY_TIMEOUT_S={ready_timeout:g} s "
+                        f"of joining; not ready: {', '.join(r.name for r in late)}, on headless node(s): `glassbox ps` "
+                        "or engine-top there shows the stage."
+                    )
+                    hello = self.joined.get(late[0].dp_rank)
+                    root = processes.format_root_cause(
+                        self.run_dir, late[0].name, hello.pid if hello else None, None, rank=late[0].dp_rank,
+                        note=message, exit_detail="not READY in time (it runs on a headless node)",
+                    )  # fmt: skip
+                    raise processes.EngineStartupTimeout(message, root) from None
+                message = self._startup_timeout_message(ready_timeout, seen)
                 raise processes.EngineStartupTimeout(message, self._startup_root_cause(message)) from None
             ready = [seen[r.dp_rank]["READY"] for r in self.engine_roles]
             # Every engine sizes its own KV cache; report the smallest.
@@ -393,6 +481,131 @@ class MPClient(EngineCoreClient):
             # Each engine's DEALER announces itself once connected; wait for all so the
             # first request cannot be dropped by the ROUTER.
             self._await_engine_registration(deadline)
+
+    # ------------------------------------------------------------------ multi-node DP
+
+    def _bind_join_socket(self, coordinator_input: str | None, coordinator_waves: str | None) -> None:
+        """Client 0 of a head: bind the join ROUTER at ``--data-parallel-rpc-port`` (heartbeats
+        on, and a socket monitor for connections that end), and fix what a joining rank is told.
+
+        A ROUTER cannot say which peer left (``ROUTER_NOTIFY`` is a draft API of libzmq), so the
+        head remembers the connection (file descriptor, ``zmq.SRCFD``) each HELLO came on, and
+        the monitor's ``EVENT_DISCONNECTED`` names that descriptor."""
+        from engine.core.head_link import set_heartbeats
+
+        pc = self.config.parallel_config
+        assert self.head_layout is not None
+        self.head_layout.coordinator_address = coordinator_input
+        self.head_layout.coordinator_wave_address = coordinator_waves
+        self.head_layout.data_parallel_size = pc.data_parallel_size
+        self.join_address = tcp_address(pc.data_parallel_address, pc.data_parallel_rpc_port)
+        self.join_socket = self.ctx.socket(zmq.ROUTER)
+        self.join_socket.setsockopt(zmq.LINGER, 1000)
+        set_heartbeats(self.join_socket)
+        self.join_monitor = self.join_socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.joined_fds: dict[int, int] = {}  # connection fd → the rank that joined on it
+        _bind(self.join_socket, self.join_address)
+        logger.info("Waiting for data-parallel rank(s) %s to join at %s (headless nodes: glassbox serve "
+                    "--headless -dp %d --data-parallel-start-rank ... --data-parallel-address %s "
+                    "--data-parallel-rpc-port %d)", ", ".join(str(r.dp_rank) for r in self.remote_roles),
+                    self.join_address, pc.data_parallel_size, pc.data_parallel_address,
+                    pc.data_parallel_rpc_port)  # fmt: skip
+
+    def _serve_joins(self) -> None:
+        """Answer every HELLO waiting on the join socket, and notice a joined rank's connection
+        ending (non-blocking). Raises ``EngineDeadError`` when a joined rank is lost."""
+        if self.join_socket is None:
+            return
+        from zmq.utils.monitor import recv_monitor_message
+
+        while True:
+            try:
+                frames = self.join_socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            if len(frames) != 2:
+                raise ProtocolError(f"{len(frames)} frames on the join socket; [identity, HELLO] was due")
+            identity, body = frames[0].bytes, frames[1].bytes
+            hello: EngineHandshake = decode_as(EngineHandshake, body)
+            refusal = self._refuse_join(hello, identity)
+            if refusal is not None:
+                logger.error("refused %s (pid %d) from a headless node: %s", hello.role, hello.pid, refusal)
+                self.join_socket.send_multipart([identity, encode_message(JoinRefused(reason=refusal))])
+                continue
+            self.joined[hello.data_parallel_rank] = hello
+            self.joined_at[hello.data_parallel_rank] = time.monotonic()
+            self.joined_fds[frames[1].get(zmq.SRCFD)] = hello.data_parallel_rank
+            self.join_socket.send_multipart([identity, encode_message(self.head_layout)])
+            logger.info("Data-parallel rank %d joined: %s (pid %d on its node)", hello.data_parallel_rank,
+                        hello.role, hello.pid)  # fmt: skip
+        lost: list[int] = []
+        while self.join_monitor.poll(0):
+            event = recv_monitor_message(self.join_monitor)
+            rank = self.joined_fds.pop(int(event["value"]), None)
+            if event["event"] == zmq.EVENT_DISCONNECTED and rank is not None:
+                lost.append(rank)
+        if lost:
+            self._mark_remote_lost(lost)
+
+    def _refuse_join(self, hello: EngineHandshake, identity: bytes) -> str | None:
+        """Why ``hello`` cannot join (one line naming the flag to fix), or None."""
+        pc = self.config.parallel_config
+        rank = hello.data_parallel_rank
+        remote = [r.dp_rank for r in self.remote_roles]
+        if hello.kind != "HELLO" or identity != rank.to_bytes(2, "little"):
+            return f"{hello.kind} as {identity!r} on the join socket; HELLO with its DP rank was due"
+        if hello.data_parallel_size != pc.data_parallel_size:
+            return (f"--data-parallel-size {hello.data_parallel_size} there, {pc.data_parallel_size} on the "
+                    "head")  # fmt: skip
+        if rank not in remote:
+            return (f"--data-parallel-start-rank: rank {rank} is not one the head waits for (it waits for "
+                    f"{', '.join(map(str, remote))}; it runs 0..{remote[0] - 1} itself)")  # fmt: skip
+        if rank in self.joined:
+            return f"--data-parallel-start-rank: rank {rank} joined already (pid {self.joined[rank].pid})"
+        return None
+
+    def _join_timeout_message(self, timeout: float, missing: list[topology.ProcessRole]) -> str:
+        ranks = ", ".join(str(r.dp_rank) for r in missing)
+        return (
+            f"Data-parallel rank(s) {ranks} ({', '.join(r.name for r in missing)}) never joined the head at "
+            f"{self.join_address} within GLASSBOX_DP_JOIN_TIMEOUT_S={timeout:g} s: start them with `glassbox "
+            f"serve --headless -dp {self.data_parallel_size} --data-parallel-start-rank {missing[0].dp_rank} "
+            f"--data-parallel-address ... --data-parallel-rpc-port ...` on their node, and open the ports "
+            "(docs/multi-node.md)"
+        )
+
+    def _mark_remote_lost(self, ranks: list[int]) -> None:
+        """Joined rank(s) ``ranks`` lost their connection: log it, the root cause names them, and
+        the tree stops (vLLM's DP engines are all or nothing). Raises ``EngineDeadError``."""
+        if self.dead is not None:
+            raise self.dead
+        names = [topology.ProcessRole.engine_core(k).name for k in ranks]
+        first = self.joined[ranks[0]]
+        logger.error("Lost data-parallel rank(s) %s (%s): the connection from the headless node closed "
+                     "(the node or its engine core died, or the network is down); requests they held fail "
+                     "and the head stops: vLLM's data-parallel engines are all or nothing",
+                     ", ".join(map(str, ranks)), ", ".join(names))  # fmt: skip
+        root = processes.format_root_cause(
+            self.run_dir, names[0], first.pid, None, rank=ranks[0],
+            note=f"lost data-parallel rank(s) {', '.join(map(str, ranks))} ({', '.join(names)}); pid "
+                 f"{first.pid} is on the headless node, which joined at {self.join_address}",
+            exit_detail="lost: its connection to the head closed (its node died, it was killed, or the network is down)",
+        )  # fmt: skip
+        self.dead = EngineDeadError(root)
+        self._fail_utility_calls()
+        _stop_all(self._children())
+        raise self.dead
+
+    def _tell_joined_stopping(self, reason: str) -> None:
+        """Client 0 of a head is stopping: each joined rank gets ``HeadStopping`` (it exits 0)."""
+        if self.join_socket is None:
+            return
+        body = encode_message(HeadStopping(reason=reason))
+        for rank in self.joined:
+            try:
+                self.join_socket.send_multipart([rank.to_bytes(2, "little"), body], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
 
     def _await_engine_registration(self, deadline: float) -> None:
         """Every engine's CONNECTED on this client's input socket (``tracing.wait_for``).
@@ -535,6 +748,8 @@ class MPClient(EngineCoreClient):
     def _check_alive(self) -> None:
         if self.dead is not None:
             raise self.dead
+        if self.join_socket is not None:
+            self._serve_joins()
         for role, pid in self.attached_engines:
             if not _pid_running(pid):
                 self.dead = EngineDeadError(
@@ -609,7 +824,14 @@ class MPClient(EngineCoreClient):
 
     def _unroutable(self, engine: int = 0) -> None:
         """The ROUTER cannot reach an engine core: it disconnected, so it is dying or dead."""
-        proc = self.engine_procs[engine] if engine < len(self.engine_procs) else None
+        role = self.engine_roles[engine].name
+        proc = next((p for p in self.engine_procs if p.role == role), None)
+        if proc is None and engine in self.joined:  # a headless node's: its join connection says more
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline:
+                self._serve_joins()
+                time.sleep(0.05)
+            self._mark_remote_lost([engine])
         if proc is not None:
             try:
                 proc.popen.wait(1.0)
@@ -668,11 +890,16 @@ class MPClient(EngineCoreClient):
         if self._closed:
             return
         self._closed = True
+        self._tell_joined_stopping("the head stopped" if self.dead is None else "the head's engine died")
         _stop_all(self._children())
         self.input_socket.close(linger=0)
         self.output_socket.close(linger=0)
         if self.coordinator_sub is not None:
             self.coordinator_sub.close(linger=0)
+        if self.join_socket is not None:
+            self.join_socket.disable_monitor()
+            self.join_monitor.close(linger=0)
+            self.join_socket.close(linger=1000)  # HeadStopping on its way out
         self.ctx.term()
 
 
@@ -838,6 +1065,31 @@ def _abort(request_ids: list[str]) -> AbortRequests:
     from tracing.propagation import inject_trace_headers
 
     return AbortRequests(request_ids=request_ids, trace_headers=inject_trace_headers() or None)
+
+
+class _ReadyLate(Exception):
+    """An engine (multi-node DP) is past its own READY deadline (``GLASSBOX_ENGINE_READY_TIMEOUT_S``
+    from its start or join) while the overall wait still runs."""
+
+
+def _bind(socket: zmq.Socket, address: str) -> None:
+    """Bind ``address``; a TCP one that is taken or not this machine's is the flag's error.
+
+    Raises:
+        ConfigError: a ``tcp://`` address that cannot be bound (names ``--data-parallel-rpc-port``
+            or ``--data-parallel-address``).
+    """
+    try:
+        socket.bind(address)
+    except zmq.ZMQError as e:
+        if not address.startswith("tcp://"):
+            raise
+        flag = "--data-parallel-rpc-port" if e.errno == errno.EADDRINUSE else "--data-parallel-address"
+        raise ConfigError.from_message(
+            f"{flag}: the head cannot bind {address}: {e.strerror} (multi-node DP uses "
+            "--data-parallel-rpc-port and the next 2 + 2 × API servers ports; docs/multi-node.md)",
+            flag=flag,
+        ) from None
 
 
 def client_input_address(run_dir: Path, client_index: int) -> str:

@@ -110,12 +110,13 @@ def planned_process(
 
     ``rank``: the plan's rank (an engine core's DP rank, a worker's rank in its engine).
     ``counted`` follows ``TopologyPlan.is_counted``: everything but the owner ``LLM``, which
-    counts only in ``inproc`` mode (where it is the whole engine).
+    counts only in ``inproc`` mode (where it is the whole engine), and a headless node's
+    ``HeadlessNode`` launcher.
     """
     return contract.PlannedProcess(
         role=role.name, kind=role.kind.value, rank=rank, dp_rank=role.dp_rank, pp_rank=role.pp_rank,
         tp_rank=role.tp_rank, api_index=role.api_index, pid=pid, title=role.title,
-        status_file=role.status_file_name, counted=role.kind is not RoleKind.FRONTEND or mode == "inproc",
+        status_file=role.status_file_name, counted=role.kind is not RoleKind.HEADLESS and (role.kind is not RoleKind.FRONTEND or mode == "inproc"),
     )  # fmt: skip
 
 
@@ -132,7 +133,8 @@ def build_manifest(run_dir: Path, **fields: Any) -> contract.Manifest:
     for entry in fields.pop("roles", []):
         entry = dict(entry) if isinstance(entry, dict) else msgspec.structs.asdict(entry)
         role = ProcessRole.parse(entry.get("role"))
-        pid = entry.get("pid") or (fields.get("frontend_pid") if role.kind is RoleKind.FRONTEND else None)
+        owner = role.kind in (RoleKind.FRONTEND, RoleKind.HEADLESS)
+        pid = entry.get("pid") or (fields.get("frontend_pid") if owner else None)
         roles.append(planned_process(role, mode=mode, rank=entry.get("rank"), pid=pid))
     manifest = contract.Manifest(created_at=time.time(), run_dir=str(run_dir), roles=roles, **fields)
     if manifest.tensor_parallel_size is None and manifest.pipeline_parallel_size is None:
