@@ -515,3 +515,21 @@ def test_paged_decode_kernel_equals_the_gather_and_compiles_once_for_every_batch
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[1] == graphs[2] == graphs[0], f"recompiled for a new batch shape: {graphs}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_weights_are_packed_for_onednn_and_give_the_same_products(checkpoints, dtype):
+    from engine.model.layers import ColumnParallelLinear, RowParallelLinear, linear
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN")
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("this CPU has no bfloat16 matmul in oneDNN")
+    model = load_model(ModelConfig(model=checkpoints["qwen2"]), torch.device("cpu"), dtype)
+    linears = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    assert linears and all(m.packed_weight is not None for m in linears + [model.lm_head])
+    x = torch.randn(5, model.lm_head.weight.shape[1], dtype=dtype)
+    with torch.inference_mode():
+        got = linear(x, model.lm_head.weight, None, model.lm_head.packed_weight)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, model.lm_head.weight), atol=tol, rtol=tol)

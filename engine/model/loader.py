@@ -28,6 +28,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.config import ConfigError, ModelConfig
+from engine.model.layers import pack_linear_weights
 from engine.model.llama import get_model_class
 
 _DTYPES = {
@@ -175,4 +176,5 @@ def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dty
     if missing:
         names = ", ".join(model.describe_parameter(name) for name in missing)
         raise ValueError(f"checkpoint {model_config.model} is missing {len(missing)} weight(s): {names}")
+    pack_linear_weights(model)  # on a CPU: oneDNN's layout, made once (vLLM: process_weights_after_loading)
     return model.eval()

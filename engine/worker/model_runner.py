@@ -153,6 +153,10 @@ class ModelRunner:
         """Build the model on the device and load its weights; sets ``model_memory_usage`` (bytes)."""
         self.model = load_model(self.model_config, self.device, self.dtype)
         tensors = list(self.model.parameters()) + list(self.model.buffers())
+        # The CPU's oneDNN copies of the linear weights (engine/model/layers.py) count too.
+        tensors += [
+            m.packed_weight for m in self.model.modules() if getattr(m, "packed_weight", None) is not None
+        ]
         self.model_memory_usage = sum(t.numel() * t.element_size() for t in tensors)
         self._forward = self.model
         logger.debug(
