@@ -101,6 +101,33 @@ def ray_is_installed() -> bool:
         return False
 
 
+def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
+    """Refuse a ``RAY_ADDRESS`` (``HOST:PORT``, optionally ``ray://``) where nothing listens.
+
+    ``ray.init`` would retry it for minutes, printing its own errors, while the engine waits;
+    here one TCP connection with a ``timeout_s`` deadline answers first. ``auto``, ``local``
+    and an empty value are left to Ray.
+
+    Raises:
+        ConfigError: nothing accepts a connection at the address (named with the reason).
+    """
+    import socket
+
+    target = address.strip().removeprefix("ray://")
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit():
+        return  # "auto", "local", "" or a form Ray resolves itself
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ConfigError(
+            "RAY_ADDRESS",
+            address,
+            f"no Ray cluster answers there ({e.strerror or e}): start one with `ray start --head` "
+            "or unset RAY_ADDRESS to let Glassbox start its own",
+        ) from None
+
+
 def too_few_blocks_reason(max_model_len: int, needed: int) -> str:
     """Why ``--num-gpu-blocks-override`` cannot hold one request of ``max_model_len``."""
     return f"too small: one request of --max-model-len {max_model_len} needs {needed} blocks, null block included"
@@ -237,6 +264,13 @@ class ModelConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(
                 "--attention-backend", self.attention_backend, f"allowed: {', '.join(ATTENTION_BACKENDS)}"
+            )
+        if self.attention_backend == "PAGED_INDUCTOR" and self.enforce_eager:
+            raise ConfigError(
+                "--attention-backend",
+                self.attention_backend,
+                "its decode kernel is compiled by torch.compile, which --enforce-eager rules out; "
+                "use TORCH_SDPA with --enforce-eager",
             )
         if not isinstance(self.seed, int):
             raise ConfigError("--seed", self.seed, "must be an integer")
@@ -552,6 +586,8 @@ class ParallelConfig:
                 "ray",
                 f"runs each worker as a Ray actor, and Ray is not installed: {RAY_INSTALL_HINT}",
             )
+        if self.distributed_executor_backend == "ray":
+            check_ray_address(os.environ.get("RAY_ADDRESS", ""))
         if self.distributed_executor_backend == "uni" and self.world_size > 1:
             sizes = [
                 f"{flag} {value}"

@@ -533,3 +533,14 @@ def test_linear_weights_are_packed_for_onednn_and_give_the_same_products(checkpo
         got = linear(x, model.lm_head.weight, None, model.lm_head.packed_weight)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got, torch.nn.functional.linear(x, model.lm_head.weight), atol=tol, rtol=tol)
+
+
+def test_paged_inductor_with_enforce_eager_or_without_a_compiler_is_one_clear_error(checkpoints, monkeypatch):
+    from engine.config import ConfigError
+    from engine.worker.model_runner import _check_inductor_can_compile
+
+    with pytest.raises(ConfigError, match="--attention-backend.*--enforce-eager.*TORCH_SDPA"):
+        ModelConfig(model=checkpoints["llama"], attention_backend="PAGED_INDUCTOR", enforce_eager=True)
+    monkeypatch.setenv("CXX", "/nonexistent/g++")
+    with pytest.raises(RuntimeError, match="C\\+\\+ compiler.*--attention-backend TORCH_SDPA"):
+        _check_inductor_can_compile(torch.device("cpu"))

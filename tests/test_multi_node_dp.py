@@ -217,6 +217,16 @@ def test_head_and_headless_node_serve_together_and_the_head_names_the_rank_it_lo
         }
         assert served.get("0", 0) > 0 and served.get("1", 0) > 0, served  # both ranks generated
 
+        # A second node claiming rank 1 is refused at once, naming the flag (it was silently
+        # ignored by the head's ROUTER while node identities were their ranks: a fresh user's find).
+        twin = Node(tmp_path / "twin", port, "-dp", "2", "--data-parallel-start-rank", "1")
+        try:
+            assert twin.proc.wait(60) != 0
+            assert "rank 1 joined already" in twin.log(), twin.log()[-2000:]
+        finally:
+            twin.kill_group()
+        assert head.proc.poll() is None  # the head serves on
+
         head_sid, node_sid = head.proc.pid, node.proc.pid  # each leads its own session
         # Two long requests in flight (one per engine: the second sees the first counted on
         # engine 0; rank 1 steps slowly, --step-delay-ms), then the headless node dies whole.

@@ -143,3 +143,16 @@ def test_sigkill_of_one_actor_fails_the_engine_with_rays_death_cause(tiny_dir, m
     finally:
         ray.shutdown()
         shutil.rmtree(ray_temp, ignore_errors=True)
+
+
+def test_a_ray_address_where_nothing_listens_is_one_line_naming_it():
+    import socket
+
+    from engine.config import ConfigError, check_ray_address
+
+    with socket.socket() as s:  # a port nothing listens on: bound, never listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        with pytest.raises(ConfigError, match="RAY_ADDRESS.*no Ray cluster answers there"):
+            check_ray_address(f"127.0.0.1:{port}", timeout_s=2)
+    check_ray_address("auto")  # left to Ray

@@ -145,7 +145,8 @@ def render_table(instances: list[InstanceInfo], console) -> None:
             helpers = Table(box=None, pad_edge=False, header_style="bold", title_justify="left",
                             title="helpers (not counted)")  # fmt: skip
             for name in ("PID", "PPID", "STATE", "UPTIME", "RSS MiB", "COMMAND"):
-                helpers.add_column(name, no_wrap=name != "COMMAND")
+                # One line per helper: Ray's raylet alone has a command line of ~45 wrapped lines.
+                helpers.add_column(name, no_wrap=True, overflow="ellipsis" if name == "COMMAND" else "fold")
             for h in inst.helpers:
                 rss = f"{h.rss_mib:.0f}" if h.rss_mib is not None else "-"
                 helpers.add_row(str(h.pid), _or_dash(h.ppid), h.state, _duration(h.uptime_s), rss,

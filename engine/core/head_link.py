@@ -55,7 +55,8 @@ def set_heartbeats(socket: zmq.Socket) -> None:
 
 
 class HeadLink:
-    """The joined connection to the head: ``socket`` (DEALER, identity = DP rank) and
+    """The joined connection to the head: ``socket`` (DEALER; ZMQ's own identity, so a second
+    node claiming the same rank is still heard, and refused) and
     ``monitor`` (its monitor's PAIR socket). Build with ``HeadLink.join``.
 
     Attributes:
@@ -83,7 +84,8 @@ class HeadLink:
 
         ctx = zmq.Context()
         socket = ctx.socket(zmq.DEALER)
-        socket.setsockopt(zmq.IDENTITY, dp_rank.to_bytes(2, "little"))
+        # No fixed identity: with the DP rank as identity, the head's ROUTER would silently
+        # drop a second node claiming a rank that joined already (ZMQ ignores the clash).
         socket.setsockopt(zmq.LINGER, 1000)
         set_heartbeats(socket)
         monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)

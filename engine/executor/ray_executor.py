@@ -18,7 +18,7 @@ each call carries its caller's W3C trace context into the actor.
 
 Ray: the engine core joins the Ray instance already running in its process
 (``ray.is_initialized()``) or the cluster named by ``RAY_ADDRESS``; otherwise it starts a
-private one (``ray.init``: one logical CPU per worker, no dashboard, a short temporary
+private one (``ray.init``: one logical CPU per worker, no dashboard UI, a short temporary
 directory under /tmp for Ray's Unix sockets) and stops it at shutdown. The workers get a
 placement group with one bundle per worker (one CPU each, or one GPU each on CUDA), packed
 onto as few nodes as fit, as vLLM does.

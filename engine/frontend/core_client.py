@@ -247,6 +247,7 @@ class MPClient(EngineCoreClient):
         # rank → its HELLO.
         self.join_socket: zmq.Socket | None = None
         self.joined: dict[int, EngineHandshake] = {}
+        self.joined_identities: dict[int, bytes] = {}  # rank → its join connection's ZMQ identity
         self.joined_at: dict[int, float] = {}  # rank → when it joined (time.monotonic)
         self.coordinator_sub: zmq.Socket | None = None
         try:
@@ -527,12 +528,13 @@ class MPClient(EngineCoreClient):
                 raise ProtocolError(f"{len(frames)} frames on the join socket; [identity, HELLO] was due")
             identity, body = frames[0].bytes, frames[1].bytes
             hello: EngineHandshake = decode_as(EngineHandshake, body)
-            refusal = self._refuse_join(hello, identity)
+            refusal = self._refuse_join(hello)
             if refusal is not None:
                 logger.error("refused %s (pid %d) from a headless node: %s", hello.role, hello.pid, refusal)
                 self.join_socket.send_multipart([identity, encode_message(JoinRefused(reason=refusal))])
                 continue
             self.joined[hello.data_parallel_rank] = hello
+            self.joined_identities[hello.data_parallel_rank] = identity
             self.joined_at[hello.data_parallel_rank] = time.monotonic()
             self.joined_fds[frames[1].get(zmq.SRCFD)] = hello.data_parallel_rank
             self.join_socket.send_multipart([identity, encode_message(self.head_layout)])
@@ -547,13 +549,13 @@ class MPClient(EngineCoreClient):
         if lost:
             self._mark_remote_lost(lost)
 
-    def _refuse_join(self, hello: EngineHandshake, identity: bytes) -> str | None:
+    def _refuse_join(self, hello: EngineHandshake) -> str | None:
         """Why ``hello`` cannot join (one line naming the flag to fix), or None."""
         pc = self.config.parallel_config
         rank = hello.data_parallel_rank
         remote = [r.dp_rank for r in self.remote_roles]
-        if hello.kind != "HELLO" or identity != rank.to_bytes(2, "little"):
-            return f"{hello.kind} as {identity!r} on the join socket; HELLO with its DP rank was due"
+        if hello.kind != "HELLO":
+            return f"{hello.kind} on the join socket; HELLO with its DP rank was due"
         if hello.data_parallel_size != pc.data_parallel_size:
             return (f"--data-parallel-size {hello.data_parallel_size} there, {pc.data_parallel_size} on the "
                     "head")  # fmt: skip
@@ -601,9 +603,9 @@ class MPClient(EngineCoreClient):
         if self.join_socket is None:
             return
         body = encode_message(HeadStopping(reason=reason))
-        for rank in self.joined:
+        for identity in self.joined_identities.values():
             try:
-                self.join_socket.send_multipart([rank.to_bytes(2, "little"), body], zmq.NOBLOCK)
+                self.join_socket.send_multipart([identity, body], zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -109,6 +110,26 @@ class _Batch:
     logits_indices: torch.Tensor  # (len(sample_rows),) token index of each one's last token
     # (batch index, index of the first token, its position, count) per prompt-logprobs request
     prompt_logprob_spans: list[tuple[int, int, int, int]]
+
+
+def _check_inductor_can_compile(device: torch.device) -> None:
+    """Inductor's CPU kernels are C++ compiled at run time: fail at once, naming the way out,
+    rather than deep inside the first compile.
+
+    Raises:
+        RuntimeError: a CPU device and no C++ compiler (``$CXX``, ``g++`` or ``clang++``) on PATH.
+    """
+    import shutil
+
+    if device.type != "cpu":
+        return  # Inductor writes Triton kernels for GPUs
+    compilers = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "clang++"]
+    if not any(shutil.which(c) for c in compilers):
+        raise RuntimeError(
+            f"--attention-backend PAGED_INDUCTOR compiles its kernel with a C++ compiler, and none of "
+            f"{', '.join(compilers)} was found: install one (e.g. apt install g++) or use "
+            "--attention-backend TORCH_SDPA"
+        )
 
 
 class ModelRunner:
@@ -244,9 +265,19 @@ class ModelRunner:
         in ``torch.compile`` first (opt-in: a cold compile takes tens of seconds on CPU).
         Dummy tokens write only to block 0, the null block, which no request reads.
         """
-        set_attention_backend(
-            [layer.self_attn.attn for layer in self.model.local_layers], self.model_config.attention_backend
-        )
+        backend = self.model_config.attention_backend
+        if backend == "PAGED_INDUCTOR":
+            _check_inductor_can_compile(self.device)
+            from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+            logger.info(
+                "attention backend PAGED_INDUCTOR: compiling the paged decode kernel with Inductor "
+                "(seconds the first time; cached under %s)",
+                cache_dir(),
+            )
+        else:
+            logger.info("attention backend %s", backend)
+        set_attention_backend([layer.self_attn.attn for layer in self.model.local_layers], backend)
         if envs.GLASSBOX_TORCH_COMPILE and not self.model_config.enforce_eager:
             logger.info("wrapping the model forward in torch.compile (dynamic shapes)")
             self._forward = torch.compile(self.model, dynamic=True)
