@@ -263,6 +263,17 @@ def test_dead_process_shows_its_signal():
     assert "killed by SIGKILL (exit status -9)" in row
 
 
+def test_a_ray_actor_worker_shows_where_ray_placed_it():
+    state = make_state()
+    state.processes["Worker_DP0_PP0_TP0"].placement = {
+        "node_id": "5f3e9a0c11223344", "node_ip": "10.0.0.5", "actor_id": "1a2b3c4d5e6f7788"}  # fmt: skip
+    text = render(views.render_processes(state))
+    lines = text.splitlines()
+    row = next(i for i, ln in enumerate(lines) if "Worker_DP0_PP0_TP0" in ln)
+    assert "placed as Ray actor 1a2b3c4d on node 10.0.0.5 (5f3e9a0c)" in lines[row + 1]
+    assert "placed as" not in line_of(text, "Worker_DP0_PP0_TP1")  # an mp worker: nothing
+
+
 def test_stale_heartbeat_is_marked_and_greyed():
     state = make_state()
     row = line_of(render(views.render_processes(state)), "Worker_DP1_PP0_TP1")

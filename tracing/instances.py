@@ -68,6 +68,8 @@ class ProcessInfo:
         time_in_stage_s: seconds in ``stage``; when idle, seconds since ``last_finished``.
         last_finished: name of the last lifecycle stage left.
         faults: injected faults that struck it (status file), as ``"SPEC in STAGE"``.
+        placement: where a cluster scheduler put it (a Ray actor: ``node_id``, ``node_ip``,
+            ``actor_id``; status file), else empty.
         uptime_s, rss_mib, threads: from psutil (seconds, MiB, count); None when not alive.
         depth: nesting under the frontend among the rows shown (for indenting).
     """
@@ -87,6 +89,7 @@ class ProcessInfo:
     time_in_stage_s: float | None = None
     last_finished: str | None = None
     faults: list[str] = field(default_factory=list)
+    placement: dict[str, str] = field(default_factory=dict)
     uptime_s: float | None = None
     rss_mib: float | None = None
     threads: int | None = None
@@ -311,6 +314,16 @@ def _title(proc: psutil.Process) -> str | None:
         return None
 
 
+def placement_text(placement: dict[str, str]) -> str:
+    """``"Ray actor 1a2b3c4d on node 10.0.0.5 (5f3e9a0c)"`` for a process a Ray cluster placed
+    (``ProcessStatus.placement``); "" for one its parent spawned."""
+    if not placement.get("actor_id"):
+        return ""
+    node = placement.get("node_ip") or "?"
+    node_id = placement.get("node_id", "")[:8]
+    return f"Ray actor {placement['actor_id'][:8]} on node {node}" + (f" ({node_id})" if node_id else "")
+
+
 def _fill_status(row: ProcessInfo, status: run_dirs.ProcessStatus | None, now: float) -> None:
     if status is None:
         status = run_dirs.ProcessStatus()
@@ -319,6 +332,7 @@ def _fill_status(row: ProcessInfo, status: run_dirs.ProcessStatus | None, now: f
     last = status.last_finished
     row.last_finished = last.name if last is not None else None
     row.faults = [f"{f.spec} in {f.stage}" for f in status.faults]
+    row.placement = dict(status.placement)
     since = status.entered_at if row.stage else (last.finished_at if last is not None else None)
     row.time_in_stage_s = max(0.0, now - since) if since else None
 

@@ -189,6 +189,8 @@ class ProcessStatus(msgspec.Struct):
         updated_at: Unix time (s) the file was written.
         last_finished: the last lifecycle stage left, or None.
         faults: injected faults that struck this process (``StruckFault``), oldest first.
+        placement: where a cluster scheduler put this process, when one did (a Ray actor:
+            ``node_id``, ``node_ip``, ``actor_id``); empty for a process its parent spawned.
     """
 
     role: str | None = None
@@ -200,6 +202,7 @@ class ProcessStatus(msgspec.Struct):
     updated_at: float | None = None
     last_finished: FinishedStage | None = None
     faults: list[StruckFault] = msgspec.field(default_factory=list)
+    placement: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class CrashReport(msgspec.Struct):

@@ -97,6 +97,7 @@ _stacks: dict[int, list[OpenStage]] = {}
 _stacks_lock = threading.Lock()
 _last_finished: dict[str, Any] | None = None
 _faults: list[dict[str, Any]] = []  # injected faults that struck here (record_fault)
+_placement: dict[str, str] = {}  # where a cluster scheduler put this process (set_placement)
 
 
 def _thread_stack() -> list[OpenStage]:
@@ -137,8 +138,20 @@ def _write_status(handle: setup.TracingHandle) -> None:
             "entered_at": innermost.entered_at if innermost else None,
             "last_finished": _last_finished,
             "faults": list(_faults),
+            "placement": dict(_placement),
         }
     )
+
+
+def set_placement(placement: dict[str, str]) -> None:
+    """Record where a cluster scheduler placed this process (a Ray actor: ``node_id``,
+    ``node_ip``, ``actor_id``) in its status file, for ``glassbox ps``, engine-top and
+    ``glassbox doctor``. Never raises."""
+    _placement.clear()
+    _placement.update({k: str(v) for k, v in placement.items()})
+    handle = setup._handle
+    if handle is not None:
+        _write_status(handle)
 
 
 def forget_faults() -> None:

@@ -28,6 +28,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from tracing.instances import placement_text
 from tracing.telemetry.events import (
     GAUGE_API_IN_FLIGHT,
     GAUGE_API_PENDING_OUTPUTS,
@@ -317,6 +318,9 @@ def render_processes(
             cells.append("—" if p.state == "dead" else fmt_bytes(p.rss_bytes))
             cells.append("—" if p.num_threads is None or p.state == "dead" else str(p.num_threads))
         table.add_row(*cells, hb, step_age, style=row_style)
+        placed = placement_text(p.placement)
+        if placed:  # a Ray actor: where Ray put it
+            table.add_row("", "", "", Text(f"placed as {placed}", style="dim"))
         wait = _wait_text(state, p)
         if wait is not None:
             table.add_row("", "", "", wait)

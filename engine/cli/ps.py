@@ -124,6 +124,11 @@ def render_table(instances: list[InstanceInfo], console) -> None:
                 + escape(p.role or "?")
                 + ("" if p.planned else " [yellow](unplanned)[/yellow]")
                 + (" [dim](owner)[/dim]" if p.is_owner else "")
+                + (
+                    f" [dim]({escape(placed)})[/dim]"
+                    if (placed := collector.placement_text(p.placement))
+                    else ""
+                )
             )
             rss = f"{p.rss_mib:.0f}" if p.rss_mib is not None else "-"
             table.add_row(role, _or_dash(p.pid), _or_dash(p.ppid), state, stage, _duration(p.time_in_stage_s),

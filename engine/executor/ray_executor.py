@@ -67,6 +67,7 @@ from engine.utils.processes import EngineDeadError
 from engine.utils.wire import ProtocolError
 from tracing import catalogue, read_status_file, setup_tracing, stage
 from tracing.propagation import attached_trace_context, inject_trace_headers
+from tracing.stage import set_placement
 from tracing.telemetry.publisher import get_publisher, start_telemetry
 
 logger = init_logger(__name__)
@@ -149,6 +150,9 @@ class RayWorkerWrapper:
         setup_tracing(role, rank=rank, trace_file=obs.trace_file, otlp_endpoint=obs.otlp_traces_endpoint,
                       status_file=str(run_dirs.status_file(self.run_dir, role)))  # fmt: skip
         enable_stack_dumps(self.run_dir, role)
+        # Node and actor id into the status file: glassbox ps, engine-top and doctor show them.
+        where = self.placement()
+        set_placement({k: where[k] for k in ("node_id", "node_ip", "actor_id")})
         publisher = start_telemetry(self.run_dir, role)
         # --collect-detailed-traces worker|all: a worker.execute_model span per step.
         self._worker_spans = obs.collect_worker_traces

@@ -513,6 +513,11 @@ class Collector:
                         status_record = run_dirs.read_status(run_dirs.status_path(run_dir, role))
                         if status_record is not None:
                             state.apply_status(role, status_record)
+                    elif proc.kind == "worker" and not proc.placement and proc.pid is not None:
+                        # A Ray actor says in its status file where Ray put it (once known, kept).
+                        status_record = run_dirs.read_status(run_dirs.status_path(run_dir, role))
+                        if status_record is not None:
+                            state.apply_placement(role, status_record)
             state.derive(time.time(), self.stale_after_s)
             state.alerts = compute_alerts(state, hints=self.hints, recent_refusals=self._refusals)
 

@@ -124,12 +124,15 @@ class ProcessLive:
     exporters: list[ExporterStatus] = field(default_factory=list)
     # faults: injected faults that struck it (``StruckFaultInfo``), from its heartbeats.
     faults: list[StruckFaultInfo] = field(default_factory=list)
+    # placement: where a Ray cluster put it (node_id, node_ip, actor_id), from its status file.
+    placement: dict[str, str] = field(default_factory=dict)
 
     def copy(self) -> ProcessLive:
         return dataclasses.replace(
             self,
             stages=list(self.stages),
             faults=list(self.faults),
+            placement=dict(self.placement),
             waits=list(self.waits),
             exporters=list(self.exporters),
             gauges=dict(self.gauges),
@@ -435,6 +438,12 @@ class LiveState:
             if os_state in DEAD_OS_STATES and proc.exit_description is None:
                 proc.exit_description = note or os_state
 
+    def apply_placement(self, role: str, status: Any) -> None:
+        """Take where a cluster scheduler placed the process (``ProcessStatus.placement``)."""
+        placement = getattr(status, "placement", None)
+        if placement:
+            self._process(role).placement = dict(placement)
+
     def apply_status(self, role: str, status: Any) -> None:
         """Take a process's status file (``tracing.run_dir.ProcessStatus``) as its open
         lifecycle stages and struck faults — for a process whose telemetry says nothing (frozen before anyone
@@ -442,6 +451,7 @@ class LiveState:
         proc = self._process(role)
         if proc.pid is None and status.pid:
             proc.pid = status.pid
+        self.apply_placement(role, status)
         if len(getattr(status, "faults", None) or []) > len(proc.faults):
             proc.faults = [
                 StruckFaultInfo(

@@ -438,11 +438,16 @@ def _make_server(config, engine, shutdown_timeout: float, *, signals: bool):
             if state.tasks:
                 message = "The server is shutting down; the request was stopped before it finished."
                 ended = engine.abort_all(OpenAIError(message, 503))
-                if self.force_exit and grace > 0:
-                    why = f"a second interrupt after {time.monotonic() - started:.1f} s of the drain"
+                if engine.errored:
+                    # The engine's death already ended them with its error; they are writing it.
+                    logger.warning("Shutting down: the engine died; %d request(s) in flight end with its error",
+                                   len(state.tasks))  # fmt: skip
                 else:
-                    why = f"--shutdown-timeout {grace:g} s"
-                logger.warning("Shutting down: ended %d request(s) still running (%s)", ended, why)
+                    if self.force_exit and grace > 0:
+                        why = f"a second interrupt after {time.monotonic() - started:.1f} s of the drain"
+                    else:
+                        why = f"--shutdown-timeout {grace:g} s"
+                    logger.warning("Shutting down: ended %d request(s) still running (%s)", ended, why)
                 # Even after a second Ctrl-C: the ended requests write their error event and
                 # [DONE] (it takes milliseconds) before anything is cancelled.
                 await self._wait_for_tasks(SHUTDOWN_FINISH_S, until_forced=False)
