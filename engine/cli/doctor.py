@@ -383,7 +383,7 @@ def diagnose(report: Report) -> None:
         first = errors[0]
         settle("unhealthy", None, f"engine-top alerts: {first['message']}.", (first.get("hint") or "") + ".")
         return
-    n = len([p for p in procs if p.state == "running"])
+    n = len([p for p in counted if p.state == "running"])  # as glassbox ps counts: not the owner
     source = "heartbeats fresh" if report.live_telemetry else "no live telemetry (status files only)"
     settle("healthy", None, f"healthy: {n} processes running, none in a start-up stage, {source}.", "")
 
