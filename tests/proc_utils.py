@@ -53,3 +53,27 @@ def session_members(sid: int) -> list[int]:
         except (psutil.Error, OSError):
             pass
     return pids
+
+
+def generate_killing_on_first_finish(llm, pid: int):
+    """Generate a 1-token and a 400-token request with ``llm``; when the short one finishes
+    (an event, not a sleep), SIGKILL ``pid``. Returns the ``EngineDeadError`` the generate
+    raised and the seconds it took. Fails the test if generate finishes instead."""
+    import os
+    import signal
+
+    import pytest
+
+    from engine import SamplingParams
+    from engine.utils.processes import EngineDeadError
+
+    params = [SamplingParams(max_tokens=1), SamplingParams(max_tokens=400, ignore_eos=True)]
+
+    def kill_on_first_finish(done: int, total: int) -> None:
+        if done == 1:
+            os.kill(pid, signal.SIGKILL)
+
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError) as err:
+        llm.generate(["a", "b"], params, use_tqdm=kill_on_first_finish)
+    return err.value, time.monotonic() - start

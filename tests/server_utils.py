@@ -14,23 +14,31 @@ from pathlib import Path
 import httpx
 
 
-@dataclass
-class Server:
+class LoggedProcess:
+    """A process started in its own session with its output in ``log_path``."""
+
     proc: subprocess.Popen
-    port: int
-    run_dir: Path
-    base_url: str
     log_path: Path
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
     def kill_group(self) -> None:
+        """SIGKILL its whole session (it leads its process group), then reap it."""
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         self.proc.wait(10)
+
+
+@dataclass
+class Server(LoggedProcess):
+    proc: subprocess.Popen
+    port: int
+    run_dir: Path
+    base_url: str
+    log_path: Path
 
 
 def start_server(base: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 120.0) -> Server:

@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 import pytest
 from proc_utils import session_members, wait_gone
-from server_utils import start_server
+from server_utils import LoggedProcess, start_server
 
 from engine.config import ConfigError
 from engine.engine_args import EngineArgs
@@ -120,7 +120,7 @@ def test_an_offline_llm_refuses_multi_node_dp():
 # ---------------------------------------------------------------------- slow: two trees
 
 
-class Node:
+class Node(LoggedProcess):
     """``glassbox serve --headless`` in its own session, with its own run-directory base."""
 
     def __init__(self, base: Path, port: int, *args: str, env: dict[str, str] | None = None) -> None:
@@ -134,9 +134,6 @@ class Node:
                 env={**os.environ, "GLASSBOX_RUN_DIR_BASE": str(base), **(env or {})},
             )  # fmt: skip
 
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
     def run_dir(self, timeout: float = 60) -> Path:
         deadline = time.monotonic() + timeout
         while True:
@@ -145,13 +142,6 @@ class Node:
                 return found[0].parent
             assert self.proc.poll() is None and time.monotonic() < deadline, self.log()
             time.sleep(0.05)
-
-    def kill_group(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(10)
 
 
 @pytest.fixture

@@ -14,19 +14,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 import pytest
-from proc_utils import titled_processes, wait_gone
+from proc_utils import generate_killing_on_first_finish, titled_processes, wait_gone
 from tiny_models import hf_greedy
 
 from engine import LLM, SamplingParams
 from engine.config import ConfigError, ParallelConfig
-from engine.utils.processes import EngineDeadError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 PROMPTS = [list(range(7, 7 + n)) for n in (3, 20, 41)]
@@ -123,17 +120,9 @@ def test_sigkill_of_one_actor_fails_the_engine_with_rays_death_cause(tiny_dir, m
             tree = titled_processes(os.getpid())
             core = tree["glassbox::EngineCore_DP0"]
             workers = [tree[title] for title in WORKERS]
-            params = [SamplingParams(max_tokens=1), SamplingParams(max_tokens=400, ignore_eos=True)]
-
-            def kill_tp1_on_first_finish(done: int, total: int) -> None:
-                if done == 1:
-                    os.kill(workers[1].pid, signal.SIGKILL)
-
-            start = time.monotonic()
-            with pytest.raises(EngineDeadError) as err:
-                llm.generate(["a", "b"], params, use_tqdm=kill_tp1_on_first_finish)
-            assert time.monotonic() - start < 15
-            root = err.value.root_cause
+            error, elapsed = generate_killing_on_first_finish(llm, workers[1].pid)
+            assert elapsed < 15
+            root = error.root_cause
             assert "Worker_DP0_PP0_TP1" in root
             assert "the Ray actor died" in root
             assert "Ray: The actor is dead because its worker process has died" in root

@@ -11,20 +11,18 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 
 import pytest
 import torch
-from proc_utils import titled_processes, wait_gone
+from proc_utils import generate_killing_on_first_finish, titled_processes, wait_gone
 from tiny_models import hf_greedy
 
 from engine import LLM, SamplingParams
 from engine.config import ConfigError
 from engine.engine_args import EngineArgs
-from engine.utils.processes import EngineDeadError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 PROMPTS = [list(range(7, 7 + n)) for n in (3, 20, 41)]
@@ -181,18 +179,10 @@ def test_sigkill_of_one_tp_worker_names_it_as_the_root_cause(tiny_dir, monkeypat
         tree = titled_processes(os.getpid())
         core = tree["glassbox::EngineCore_DP0"]
         workers = [tree[f"glassbox::Worker_DP0_PP0_TP{t}"] for t in (0, 1)]
-        params = [SamplingParams(max_tokens=1), SamplingParams(max_tokens=400, ignore_eos=True)]
-
-        def kill_tp1_on_first_finish(done: int, total: int) -> None:
-            if done == 1:
-                os.kill(workers[1].pid, signal.SIGKILL)
-
-        start = time.monotonic()
-        with pytest.raises(EngineDeadError) as err:
-            llm.generate(["a", "b"], params, use_tqdm=kill_tp1_on_first_finish)
-        assert time.monotonic() - start < 10
-        assert "Worker_DP0_PP0_TP1" in err.value.root_cause
-        assert "SIGKILL" in err.value.root_cause
+        error, elapsed = generate_killing_on_first_finish(llm, workers[1].pid)
+        assert elapsed < 10
+        assert "Worker_DP0_PP0_TP1" in error.root_cause
+        assert "SIGKILL" in error.root_cause
         assert wait_gone([core.pid, *(w.pid for w in workers)]) == []
     finally:
         llm.shutdown()

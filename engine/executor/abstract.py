@@ -10,13 +10,21 @@ code is the same either way.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import Any
 
-from engine.config import EngineConfig
+from engine.config import ConfigError, EngineConfig
 from engine.kv_cache.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from engine.logger import init_logger
 from engine.outputs import ModelRunnerOutput
 from engine.sched.output import SchedulerOutput
+from engine.utils import run_dir as run_dirs
+from engine.utils.wire import ProtocolError
+from tracing import read_status_file
+
+logger = init_logger(__name__)
 
 
 class Executor(ABC):
@@ -79,6 +87,48 @@ class Executor(ABC):
         kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:
         """Run ``method(*args, **kwargs)`` on every worker; results in rank order."""
+
+    # ---------------------------------------------- for executors with worker processes
+    # (``roles``: each rank's role name; ``run_dir``: where their status files are.)
+
+    def _describe_reader(self, rank: int) -> str:
+        """Worker ``rank``'s lifecycle stage and time in it, from its status file."""
+        role = self.roles[rank]
+        status = read_status_file(run_dirs.status_file(Path(self.run_dir), role)) or {}
+        if status.get("stage"):
+            return f"{role} is in stage {status['stage']} for {time.time() - status.get('entered_at', time.time()):.1f} s"
+        last = (status.get("last_finished") or {}).get("name")
+        return (
+            f"{role} is past start-up (last lifecycle stage {last})" if last else f"{role} reports no stage"
+        )
+
+    def _blame_dead_peer(self, rank: int) -> None:
+        """Fail with a dead peer of ``rank`` as the root cause, if one died (a peer's death
+        makes the survivors' collective fail first); executors with several workers override it."""
+        return None
+
+    def _raise_for_worker_error(self, rank: int, method: str, reply: Any) -> None:
+        """Worker ``rank``'s failed ``WorkerReply`` to ``method`` → the caller's error where the
+        worker's error is the caller's (a ``ConfigError`` as one line naming the flag, a
+        ``ValueError`` naming the worker). Otherwise returns, after a dead peer had its chance
+        to be blamed: the executor then fails the engine naming the worker.
+
+        Raises:
+            ProtocolError: a failure reply without an error.
+            ConfigError, ValueError: as above.
+        """
+        error = reply.error
+        if error is None:
+            raise ProtocolError(f"{self.roles[rank]} reported a failure of {method!r} without an error")
+        if error.type == "ConfigError":
+            # A bad setting found where torch lives (e.g. --device cuda without CUDA): the
+            # caller's error, one line naming the flag, no traceback.
+            logger.debug("%s failed in %s:\n%s", self.roles[rank], method, error.traceback)
+            raise ConfigError.from_message(error.message, flag=error.flag or "")
+        self._blame_dead_peer(rank)
+        logger.error("%s failed in %s:\n%s", self.roles[rank], method, error.traceback)
+        if error.type == "ValueError":
+            raise ValueError(f"{self.roles[rank]} failed in {method}: {error.type}: {error.message}")
 
     def _start_workers(self, all_kwargs: list[dict[str, Any]]) -> None:
         """The first three lifecycle RPCs, the same for every executor:

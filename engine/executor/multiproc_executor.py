@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 from engine import envs
-from engine.config import ConfigError
 from engine.distributed import topology
 from engine.distributed.topology import ProcessRole
 from engine.executor import messages
@@ -182,20 +181,7 @@ class MultiprocExecutor(Executor):
                     f"reply to {method!r} from rank {rank} was due"
                 )
             if not reply.ok:
-                error = reply.error
-                if error is None:
-                    raise ProtocolError(
-                        f"{self.roles[rank]} reported a failure of {method!r} without an error"
-                    )
-                if error.type == "ConfigError":
-                    # A bad setting found where torch lives (e.g. --device cuda without
-                    # CUDA): the caller's error, one line naming the flag, no traceback.
-                    logger.debug("%s failed in %s:\n%s", self.roles[rank], method, error.traceback)
-                    raise ConfigError.from_message(error.message, flag=error.flag or "")
-                self._blame_dead_peer(rank)
-                logger.error("%s failed in %s:\n%s", self.roles[rank], method, error.traceback)
-                if error.type == "ValueError":
-                    raise ValueError(f"{self.roles[rank]} failed in {method}: {error.type}: {error.message}")
+                self._raise_for_worker_error(rank, method, reply)
                 # The worker wrote its crash report and exits: the root cause names it (its
                 # pid, stage, exception), not this engine core that only relayed the failure.
                 proc = self.workers[rank]
@@ -257,16 +243,6 @@ class MultiprocExecutor(Executor):
         return message
 
     # ------------------------------------------------------------------ liveness
-
-    def _describe_reader(self, rank: int) -> str:
-        role = self.roles[rank]
-        status = read_status_file(run_dirs.status_file(Path(self.run_dir), role)) or {}
-        if status.get("stage"):
-            return f"{role} is in stage {status['stage']} for {time.time() - status.get('entered_at', time.time()):.1f} s"
-        last = (status.get("last_finished") or {}).get("name")
-        return (
-            f"{role} is past start-up (last lifecycle stage {last})" if last else f"{role} reports no stage"
-        )
 
     def _describe_hung(self, rank: int) -> str:
         """Why worker ``rank`` may not answer: its stage, an injected fault that struck it, and

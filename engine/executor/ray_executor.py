@@ -53,7 +53,6 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engine import envs
-from engine.config import ConfigError
 from engine.distributed import topology
 from engine.distributed.topology import ProcessRole
 from engine.executor import messages
@@ -65,7 +64,7 @@ from engine.utils import processes
 from engine.utils import run_dir as run_dirs
 from engine.utils.processes import EngineDeadError
 from engine.utils.wire import ProtocolError
-from tracing import catalogue, read_status_file, setup_tracing, stage
+from tracing import catalogue, setup_tracing, stage
 from tracing.propagation import attached_trace_context, inject_trace_headers
 from tracing.stage import set_placement
 from tracing.telemetry.publisher import get_publisher, start_telemetry
@@ -448,19 +447,9 @@ class RayDistributedExecutor(Executor):
         return values
 
     def _raise_worker_error(self, rank: int, method: str, reply: WorkerReply) -> None:
-        """A worker's error reply → the caller's error, as the mp executor does: a
-        ``ConfigError`` as one line, a ``ValueError`` naming the worker, anything else an
-        ``EngineDeadError`` (a peer's death first, if Ray reports one)."""
-        error = reply.error
-        if error is None:
-            raise ProtocolError(f"{self.roles[rank]} reported a failure of {method!r} without an error")
-        if error.type == "ConfigError":
-            logger.debug("%s failed in %s:\n%s", self.roles[rank], method, error.traceback)
-            raise ConfigError.from_message(error.message, flag=error.flag or "")
-        self._blame_dead_peer(rank)
-        logger.error("%s failed in %s:\n%s", self.roles[rank], method, error.traceback)
-        if error.type == "ValueError":
-            raise ValueError(f"{self.roles[rank]} failed in {method}: {error.type}: {error.message}")
+        """A worker's error reply → the caller's error (``Executor._raise_for_worker_error``),
+        else an ``EngineDeadError`` naming the worker (a peer's death first, if Ray reports one)."""
+        self._raise_for_worker_error(rank, method, reply)
         self._fail(rank, None)
 
     # ------------------------------------------------------------------ liveness
@@ -470,16 +459,6 @@ class RayDistributedExecutor(Executor):
         if not where:
             return "not placed yet"
         return f"{where['actor_id']}, pid {where['pid']} on {where['node_ip']}"
-
-    def _describe_reader(self, rank: int) -> str:
-        role = self.roles[rank]
-        status = read_status_file(run_dirs.status_file(Path(self.run_dir), role)) or {}
-        if status.get("stage"):
-            return f"{role} is in stage {status['stage']} for {time.time() - status.get('entered_at', time.time()):.1f} s"
-        last = (status.get("last_finished") or {}).get("name")
-        return (
-            f"{role} is past start-up (last lifecycle stage {last})" if last else f"{role} reports no stage"
-        )
 
     def _blame_dead_peer(self, rank: int) -> None:
         """Tensor parallelism: a killed peer makes the survivors' next collective fail, and
