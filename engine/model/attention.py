@@ -76,8 +76,9 @@ class AttentionMetadata:
             (unused entries are 0, the null block).
 
         decode_slots: ``(num_decodes, max_decode_seq_len)`` int64, the flat cache slot of
-            each key of each decode (padding rows point at slot 0 of the null block and are
-            masked by ``seq_lens``); None when the step has no decode.
+            each key of each decode (positions past a decode's length hold whatever its block
+            table row holds there and are masked by ``seq_lens``); built for
+            ``PAGED_INDUCTOR`` only, None otherwise and when the step has no decode.
 
     Host copies (plain ints, so the prefill loop never waits on the device):
         query_start_loc_cpu, seq_lens_cpu, num_computed_tokens_cpu (tokens already in the

@@ -458,7 +458,7 @@ class ModelRunner:
             max_decode_seq_len=int(seq_lens[:num_decodes].max()) if num_decodes else 0,
             block_size=bs,
             decode_slots=to_device(self._decode_slots(block_table, seq_lens, num_decodes), torch.int64)
-            if num_decodes
+            if num_decodes and self.model_config.attention_backend == "PAGED_INDUCTOR"
             else None,
         )
         return _Batch(
@@ -549,7 +549,7 @@ class ModelRunner:
             max_decode_seq_len=1 if num_decodes else 0,
             block_size=self.block_size,
             decode_slots=torch.zeros((num_decodes, 1), dtype=torch.int64, device=self.device)
-            if num_decodes
+            if num_decodes and self.model_config.attention_backend == "PAGED_INDUCTOR"
             else None,
         )
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)

@@ -328,6 +328,8 @@ class Collector:
         self._thread: threading.Thread | None = None
         self._sub: _Subscription | None = None
         self._refusals: dict[str, float] = {}
+        # (role, pid) of workers whose status file was read for a placement: once each.
+        self._placement_read: set[tuple[str, int]] = set()
         self._attached: Path | None = None
         self.bad_frames = 0
         self.replay_path: Path | None = None
@@ -513,8 +515,14 @@ class Collector:
                         status_record = run_dirs.read_status(run_dirs.status_path(run_dir, role))
                         if status_record is not None:
                             state.apply_status(role, status_record)
-                    elif proc.kind == "worker" and not proc.placement and proc.pid is not None:
-                        # A Ray actor says in its status file where Ray put it (once known, kept).
+                    elif (
+                        proc.kind == "worker"
+                        and proc.pid is not None
+                        and (role, proc.pid) not in self._placement_read
+                    ):
+                        # A Ray actor wrote where Ray put it before its first heartbeat: one
+                        # read per worker process (an mp worker has none) is enough.
+                        self._placement_read.add((role, proc.pid))
                         status_record = run_dirs.read_status(run_dirs.status_path(run_dir, role))
                         if status_record is not None:
                             state.apply_placement(role, status_record)
