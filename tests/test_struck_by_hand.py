@@ -158,3 +158,45 @@ def test_ctrl_c_at_any_moment_of_start_up_exits_130(base):
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
+
+
+_SIGINT_IN_A_FINALIZER = """
+import gc, os, signal, sys
+from engine.cli.main import main
+from engine.utils import run_dir
+
+write_manifest = run_dir.write_manifest
+
+
+class Finalized:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGINT)  # the handler's exception is "ignored" here
+
+
+def write_manifest_then_ctrl_c(*args, **kwargs):
+    write_manifest(*args, **kwargs)
+    Finalized()  # collected at once: Ctrl-C lands inside its __del__
+    gc.collect()
+
+
+run_dir.write_manifest = write_manifest_then_ctrl_c
+sys.exit(main(["serve", "--port", "0"]))
+"""
+
+
+def test_ctrl_c_swallowed_by_a_finalizer_still_stops_the_server(base):
+    """A Ctrl-C whose handler ran inside a ``__del__`` (CI caught one in regex's ``Group``
+    finalizer): CPython prints "Exception ignored" and goes on, and the server used to start
+    serving as if nothing had happened. The recorded signal now stops it before it serves."""
+    env = {**os.environ, "GLASSBOX_RUN_DIR_BASE": str(base)}
+    proc = subprocess.Popen([sys.executable, "-c", _SIGINT_IN_A_FINALIZER], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)  # fmt: skip
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert "Exception ignored" in err  # the handler's exception was swallowed, as in CI
+    assert proc.returncode == 130, err
+    assert "server ready" not in err and "Interrupted during start-up" in err
+    assert not list(base.glob("glassbox-*"))

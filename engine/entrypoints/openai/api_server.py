@@ -223,7 +223,8 @@ def run_server(config: EngineConfig, args: ServerArgs, sock: socket.socket | Non
         if len(plan.api_servers) > 1:
             _start_api_servers(engine, plan, config, args, sock, run_dir)
         return loop.run_until_complete(
-            _serve(engine, config, args, sock, port, several_servers=several_servers)
+            _serve(engine, config, args, sock, port, several_servers=several_servers,
+                   startup_signal=startup_signal)
         )
     except (KeyboardInterrupt, StartupInterrupted):
         # Ctrl-C exits 130 as a shell expects (128 + SIGINT); SIGTERM is a clean stop: 0.
@@ -280,6 +281,7 @@ async def _serve(
     launcher: bool = True,
     on_serving: Callable[[], None] | None = None,
     several_servers: bool = False,
+    startup_signal: list[int] | None = None,
 ) -> int:
     """Serve ``engine``'s app on ``sock`` until told to stop; returns the exit code.
 
@@ -289,7 +291,8 @@ async def _serve(
     process prints the root cause; it stops on SIGTERM alone (a terminal's Ctrl-C reaches
     the whole process group, and APIServer_0 decides). ``on_serving``: called once uvicorn
     accepts connections. ``several_servers``: one of several API servers (metrics in
-    multiprocess mode; the stats line names this server).
+    multiprocess mode; the stats line names this server). ``startup_signal``: the signals
+    APIServer_0's start-up handler saw; one there means stop (raises ``StartupInterrupted``).
     """
     import uvicorn
 
@@ -318,6 +321,32 @@ async def _serve(
     )
     exit_code = EXIT_OK
     dead: list[EngineDeadError] = []
+    if launcher:
+        # While serving, uvicorn's own handlers turn SIGINT/SIGTERM into a graceful stop;
+        # when it returns it re-raises the signal it caught into the handlers it found.
+        # Until uvicorn installs its handlers, a signal is only recorded (no exception can
+        # land in the middle of setting up the app); one recorded by then stops the server
+        # before it serves. After uvicorn, the recording is a no-op: the shutdown below
+        # (engine tree, run directory) runs and we exit 0.
+        if startup_signal is None:
+            startup_signal = []
+        seen = startup_signal
+
+        def record_signal(signum: int, frame: object) -> None:
+            seen.append(signum)
+
+        signal.signal(signal.SIGTERM, record_signal)
+        signal.signal(signal.SIGINT, record_signal)
+    else:
+
+        def on_sigterm() -> None:
+            nonlocal exit_code
+            if processes._lifeline_fd is not None and not processes._lifeline_closed(processes._lifeline_fd):
+                # Not APIServer_0 stopping us (it closes the lifeline first): say so.
+                exit_code = processes.EXIT_TERMINATED_FROM_OUTSIDE
+            server.should_exit = True
+
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_sigterm)
 
     def on_engine_dead(error: EngineDeadError) -> None:
         nonlocal exit_code
@@ -351,28 +380,16 @@ async def _serve(
     from engine.metrics.prometheus import mark_process_dead
 
     stats_log = asyncio.create_task(run_log_loop(app.state.stat_loggers, envs.GLASSBOX_LOG_STATS_INTERVAL))
-    if launcher:
-        # While serving, uvicorn's own handlers turn SIGINT/SIGTERM into a graceful stop;
-        # when it returns it re-raises the signal it caught into the handlers it found.
-        # Those are no-ops, so the shutdown below (engine tree, run directory) runs and we
-        # exit 0.
-        signal.signal(signal.SIGTERM, _ignore_signal)
-        signal.signal(signal.SIGINT, _ignore_signal)
-    else:
-
-        def on_sigterm() -> None:
-            nonlocal exit_code
-            if processes._lifeline_fd is not None and not processes._lifeline_closed(processes._lifeline_fd):
-                # Not APIServer_0 stopping us (it closes the lifeline first): say so.
-                exit_code = processes.EXIT_TERMINATED_FROM_OUTSIDE
-            server.should_exit = True
-
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_sigterm)
     announce = asyncio.create_task(_when_serving(server, on_serving)) if on_serving is not None else None
     gc.collect()
     gc.freeze()
-    logger.info("Glassbox API server ready on http://%s:%d (model %s)", args.host, port, served_name)
     try:
+        if launcher and startup_signal:
+            # A start-up signal whose exception was swallowed (it landed in a finalizer,
+            # ``__del__`` or a weakref callback, where CPython prints "Exception ignored" and
+            # goes on), or one since the handlers above: stop before serving.
+            raise StartupInterrupted(startup_signal[0])
+        logger.info("Glassbox API server ready on http://%s:%d (model %s)", args.host, port, served_name)
         await server.serve(sockets=[sock])
     finally:
         watchdog.cancel()
