@@ -91,7 +91,9 @@ REFUSED_VLLM_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag(("--kv-transfer-config",), True, "disaggregated prefill (KV transfer) is left out"),
     VllmFlag(("--enable-sleep-mode",), False, "sleep mode is left out"),
     VllmFlag(
-        ("--compilation-config", "-O"), True, "torch.compile is opt-in through GLASSBOX_TORCH_COMPILE=1"
+        ("--compilation-config", "-O"),
+        True,
+        "the model is compiled with Inductor's defaults unless --enforce-eager; there are no levels to choose",
     ),
     VllmFlag(("--hf-overrides",), True, "config.json is read as it is"),
     VllmFlag(("--rope-scaling",), True, "config.json is read as it is"),
@@ -301,7 +303,8 @@ class EngineArgs:
         g.add_argument(
             "--enforce-eager",
             action="store_true",
-            help="Never use torch.compile (it is opt-in anyway: GLASSBOX_TORCH_COMPILE=1).",
+            help="Run the model eagerly: no torch.compile (the readable reference path; starts faster, "
+            "steps slower).",
         )
         g.add_argument(
             "--attention-backend",

@@ -136,9 +136,19 @@ ENV_VARS: dict[str, EnvVar] = {
         EnvVar(
             "GLASSBOX_TORCH_COMPILE",
             _bool,
-            False,
-            "1 wraps the model forward in torch.compile (opt-in: a cold compile costs tens of "
-            "seconds on CPU). --enforce-eager always wins.",
+            True,
+            "0 runs the model eagerly, as --enforce-eager does, in every engine started from this "
+            "environment (tests do: a cold compile costs seconds per model). 1: the model forward "
+            "is compiled with torch.compile (Inductor) unless --enforce-eager; see "
+            "GLASSBOX_CACHE_ROOT for the compile cache.",
+        ),
+        EnvVar(
+            "GLASSBOX_CACHE_ROOT",
+            str,
+            "~/.cache/glassbox",
+            "Glassbox's cache directory (vLLM: VLLM_CACHE_ROOT). torch.compile's compiled graphs "
+            "are kept in its torch_compile_cache/ (unless TORCHINDUCTOR_CACHE_DIR is set), so a "
+            "second start of the same model and settings loads them instead of compiling.",
         ),
         EnvVar(
             "GLASSBOX_TRACE_FILE",

@@ -12,8 +12,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-# Keep every run directory of the test session in one place we can inspect.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Engines in tests run eagerly (the readable reference; a cold torch.compile costs seconds
+# per model shape); tests/test_compiled_forward.py turns compile on and checks it against
+# eager and transformers. Servers the tests start inherit this.
+os.environ.setdefault("GLASSBOX_TORCH_COMPILE", "0")
 
 
 @pytest.fixture(scope="session")

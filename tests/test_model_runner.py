@@ -214,13 +214,21 @@ def test_mixed_prompts_in_one_step_then_batched_decodes(checkpoints, arch):
     assert_matches_hf(path, driver, lengths)
 
 
-@pytest.mark.parametrize("backend", ["TORCH_SDPA", "PAGED_INDUCTOR"])
+@pytest.mark.parametrize(
+    "backend, compiled", [("TORCH_SDPA", False), ("PAGED_INDUCTOR", False), ("TORCH_SDPA", True)]
+)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_chunked_prefill_alongside_decodes(checkpoints, arch, backend):
+def test_chunked_prefill_alongside_decodes(checkpoints, arch, backend, compiled, monkeypatch):
     # PAGED_INDUCTOR: decodes read the pages in place through the compiled kernel (one
-    # compile for every batch shape; Mistral's window makes a second one).
+    # compile for every batch shape; Mistral's window makes a second one). compiled: the
+    # whole forward through torch.compile (the default outside tests), which must give the
+    # eager forward's tokens - transformers' - with one graph for every step, a step of a
+    # single token included.
+    monkeypatch.setenv("GLASSBOX_TORCH_COMPILE", "1" if compiled else "0")
     path = checkpoints[arch]
-    driver = Driver(make_runner(path, attention_backend=backend))
+    runner = make_runner(path, attention_backend=backend)
+    assert (runner.compiled is not None) == compiled
+    driver = Driver(runner)
     driver.add("a", prompt(10, 7))
     driver.add("b", prompt(11, 12))
     driver.step({"a": 7, "b": 12})
@@ -230,7 +238,12 @@ def test_chunked_prefill_alongside_decodes(checkpoints, arch, backend):
     for chunk in (11, 13, 9):
         driver.step({"a": 1, "b": 1, "long": chunk})
     driver.decode(["a", "b", "long"], steps=6)
-    assert_matches_hf(path, driver, ["a", "b", "long"])
+    assert_matches_hf(path, driver, ["a", "b"])
+    driver.finish("a")
+    driver.decode(["long"], steps=2)  # one token in the step
+    assert_matches_hf(path, driver, ["long"])
+    if compiled:
+        assert runner.compiled.num_graphs == 1
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -118,6 +118,17 @@ ATTR_KV_NUM_BLOCKS = _attr(
 )
 ATTR_KV_USAGE = _attr("glassbox.kv.usage", "float", "Fraction of KV-cache blocks in use, 0.0 to 1.0.")
 ATTR_KV_BLOCK_SIZE = _attr("glassbox.kv.block_size", "int", "Tokens per KV-cache block.")
+ATTR_COMPILE_MODE = _attr(
+    "glassbox.compile.mode", "str", 'How the model forward runs: "inductor" (torch.compile) or "eager".'
+)
+ATTR_COMPILE_NUM_GRAPHS = _attr(
+    "glassbox.compile.num_graphs", "int", "Graphs torch.compile made during warm-up (1 serves every batch)."
+)
+ATTR_COMPILE_SECONDS = _attr(
+    "glassbox.compile.seconds",
+    "float",
+    "Seconds torch.compile spent tracing and compiling (or loading its cache).",
+)
 ATTR_KV_AVAILABLE_BYTES = _attr(
     "glassbox.kv.available_bytes", "int", "Bytes a worker can give the KV cache, after profiling."
 )
@@ -295,8 +306,9 @@ WORKER_INITIALIZE_KV_CACHE = _span(
 WORKER_COMPILE_OR_WARM_UP_MODEL = _span(
     "worker.compile_or_warm_up_model",
     LIFECYCLE,
-    "Warm-up (or compile) runs so the first request pays no one-time cost.",
-    _WORKER,
+    "Compile the model forward (torch.compile; from the cache when warm) and run warm-up steps, "
+    "so the first request pays no one-time cost.",
+    (ATTR_RANK, ATTR_COMPILE_MODE, ATTR_COMPILE_NUM_GRAPHS, ATTR_COMPILE_SECONDS),
 )
 ENGINE_CORE_SHUTDOWN = _span(
     "engine_core.shutdown", LIFECYCLE, "Stop the busy loop, shut the executor and workers down."

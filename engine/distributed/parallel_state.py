@@ -388,8 +388,26 @@ def get_tensor_model_parallel_rank() -> int:
 
 
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum ``x`` over the TP group (identity without one)."""
-    return _TP.all_reduce(x) if _TP is not None else x
+    """Sum ``x`` over the TP group (identity without one). Inside a compiled graph it is
+    one opaque op, ``glassbox::tp_all_reduce`` (vLLM: ``torch.ops.vllm.all_reduce``)."""
+    if _TP is None or _TP.world_size == 1:
+        return x
+    if torch.compiler.is_compiling():
+        return torch.ops.glassbox.tp_all_reduce(x)
+    return _TP.all_reduce(x)
+
+
+@torch.library.custom_op("glassbox::tp_all_reduce", mutates_args=())
+def _tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The TP all-reduce as an op of a compiled graph: a new tensor (ops may not return
+    their input), summed over the group in place."""
+    assert _TP is not None
+    return _TP.all_reduce(x.clone())
+
+
+@_tp_all_reduce.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
 
 
 def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

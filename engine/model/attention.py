@@ -34,14 +34,15 @@ One step mixes two kinds of request, and the runner orders the batch so that all
   together with decodes into one dense tensor, which would waste
   ``num_decodes × prefill_len²`` work.
 
-There is no hidden global "forward context" (vLLM's ``set_forward_context``): the
-``AttentionMetadata`` is an argument of every forward.
+In the eager model there is no hidden global "forward context" (vLLM's
+``set_forward_context``): the ``AttentionMetadata`` is an argument of every forward.
 
-Under ``torch.compile`` (the model runner's default), the KV-cache write and the prefill
-loop run eagerly (``_write_and_prefill`` is excluded from the graph: it reads plain-int
-metadata, which would make a new graph for every batch shape, and writes the cache in
-place), while the decode kernel of ``PAGED_INDUCTOR`` is traced into the model's graph.
-The graph reads only tensor shapes, never the ints, so one graph serves every batch.
+Under ``torch.compile`` (``engine/model/compile.py``, the default unless
+``--enforce-eager``), each layer's attention is one opaque op of the graph,
+``glassbox::attention``: it runs ``Attention.forward`` eagerly, with the step's metadata and
+this layer's cache taken from the forward context (``engine/model/forward_context.py``), so
+the graph never reads the metadata's plain ints and one graph serves every batch. The
+decode kernel of ``PAGED_INDUCTOR`` is compiled on its own (``set_attention_backend``).
 
 Left out: hand-written kernels, cascade attention, cross-attention, encoder-only attention,
 attention sinks, ALiBi, logits soft-capping, FP8 KV caches.
@@ -150,8 +151,10 @@ class Attention(nn.Module):
         num_kv_heads: int,
         scale: float,
         sliding_window: int | None = None,
+        layer_index: int = 0,
     ) -> None:
         super().__init__()
+        self.layer_index = layer_index  # among this pipeline stage's layers
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
@@ -173,7 +176,13 @@ class Attention(nn.Module):
         ``q`` is ``(num_tokens, num_heads, head_dim)``; ``k`` and ``v`` are
         ``(num_tokens, num_kv_heads, head_dim)``. Writes ``k``/``v`` into ``kv_cache``
         at ``slot_mapping`` first (unless profiling).
+
+        Under ``torch.compile`` the layer is one opaque op, ``glassbox::attention``, which
+        runs this same method eagerly with the step's metadata and this layer's cache from
+        the forward context (``engine/model/forward_context.py``).
         """
+        if torch.compiler.is_compiling():
+            return torch.ops.glassbox.attention(q, k, v, self.layer_index)
         meta = attn_metadata
         paged = self.backend == "PAGED_INDUCTOR" and meta.decode_slots is not None
         # Eager part: the cache write, the prefill chunks (and, for TORCH_SDPA, the decodes).
@@ -192,7 +201,6 @@ class Attention(nn.Module):
             out = torch.cat([decoded, out[decoded.shape[0] :]])
         return out.view(out.shape[0], self.num_heads * self.head_dim)
 
-    @torch.compiler.disable
     def _write_and_prefill(
         self,
         q: torch.Tensor,
@@ -204,7 +212,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Write the step's K/V into the cache, then attend for every prefill chunk (and
         every decode when ``decodes``); returns ``(num_tokens, num_heads, head_dim)`` with
-        the decode rows left unset otherwise. Always eager (see the module docstring)."""
+        the decode rows left unset otherwise."""
         if kv_cache is not None and not meta.is_profile:
             k_cache, v_cache = kv_cache
             flat = (-1, self.num_kv_heads, self.head_dim)
@@ -342,6 +350,24 @@ def paged_decode_attention(
     values = v_cache.view(-1, kv_heads, head_dim)[slots]  # (nd, L, kv_heads, head_dim), fused when compiled
     out = (probs.unsqueeze(-1) * values.unsqueeze(3).float()).sum(1)  # (nd, kv_heads, group, head_dim)
     return out.reshape(nd, num_heads, head_dim).to(q.dtype)
+
+
+@torch.library.custom_op("glassbox::attention", mutates_args=())
+def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int) -> torch.Tensor:
+    """The attention of layer ``layer_index`` as one op of the compiled graph (vLLM:
+    ``unified_attention``): ``Attention.forward`` run eagerly with the forward context's
+    metadata and cache. It writes the new K/V into the cache, which the graph does not see
+    (the cache is not one of its tensors). Returns ``(num_tokens, num_heads * head_dim)``."""
+    from engine.model.forward_context import get_forward_context
+
+    ctx = get_forward_context()
+    kv_cache = ctx.kv_caches[layer_index] if ctx.kv_caches else None
+    return ctx.layers[layer_index](q, k, v, kv_cache, ctx.attn_metadata)
+
+
+@attention_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int) -> torch.Tensor:
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
 _compiled_paged_decode = None

@@ -209,9 +209,29 @@ def linear(
     """``x W^T + b``: ``x`` (num_tokens, in) → (num_tokens, out). With ``packed`` (the same
     weight in oneDNN's blocked layout, ``pack_linear_weights``) through oneDNN's matmul, else
     ``F.linear``; also ``F.linear`` where autograd is on (the packed op has no backward)."""
-    if packed is None or x.dim() != 2 or x.shape[0] == 0 or torch.is_grad_enabled():
+    if packed is None or x.dim() != 2 or torch.is_grad_enabled():
+        return F.linear(x, weight, bias)
+    if torch.compiler.is_compiling():
+        return torch.ops.glassbox.onednn_linear(x, weight, bias, packed)
+    if x.shape[0] == 0:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@torch.library.custom_op("glassbox::onednn_linear", mutates_args=())
+def onednn_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor
+) -> torch.Tensor:
+    """``linear`` with a packed weight as one op of a compiled graph: Inductor calls it as
+    it is (its own lowering of oneDNN's op wants the weights frozen into the graph)."""
+    if x.shape[0] == 0:
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@onednn_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
 
 
 def _pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:

@@ -84,6 +84,7 @@ class LlamaAttention(nn.Module):
         o_bias: bool,
         qk_norm: bool,
         sliding_window: int | None,
+        layer_index: int = 0,
     ) -> None:
         super().__init__()
         hidden = int(config["hidden_size"])
@@ -99,7 +100,9 @@ class LlamaAttention(nn.Module):
         eps = float(config.get("rms_norm_eps", 1e-6))
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
-        self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, head_dim**-0.5, sliding_window)
+        self.attn = Attention(
+            self.num_heads, head_dim, self.num_kv_heads, head_dim**-0.5, sliding_window, layer_index
+        )
 
     def forward(
         self,
@@ -241,7 +244,13 @@ class LlamaForCausalLM(nn.Module):
                 layers.append(PPMissingLayer())
                 continue
             attention = LlamaAttention(
-                config, self.head_dim, qkv_bias, o_bias, self.has_qk_norm, self.layer_sliding_window(i)
+                config,
+                self.head_dim,
+                qkv_bias,
+                o_bias,
+                self.has_qk_norm,
+                self.layer_sliding_window(i),
+                i - start,
             )
             layers.append(LlamaDecoderLayer(config, attention, bool(config.get("mlp_bias", False))))
         is_last = pp_rank == pp_size - 1

@@ -9,7 +9,9 @@ Mirrors vLLM's ``vllm/v1/worker/gpu_model_runner.py`` (``GPUModelRunner``). Each
    token's KV-cache slot, ``slot = block_table[req, pos // block_size] * block_size +
    pos % block_size``. Decodes (one token) go first so attention can batch them. Arrays
    are built with numpy, per request, never per token;
-3. run the model, take the hidden state of each request's last scheduled token (only for
+3. run the model — eagerly with the metadata and caches as arguments, or compiled
+   (``engine/model/compile.py``, the default unless ``--enforce-eager``) inside the
+   forward context that the compiled graph's attention op reads — take the hidden state of each request's last scheduled token (only for
    requests whose prompt is complete after this step: a chunk that leaves part of the
    prompt for later samples nothing), compute logits and sample;
 4. append the sampled tokens to the mirror and return ``ModelRunnerOutput``.
@@ -28,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,6 +39,8 @@ from engine import envs
 from engine.config import EngineConfig
 from engine.kv_cache.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 from engine.model.attention import AttentionMetadata, KVCache, set_attention_backend
+from engine.model.compile import CompiledModel, missing_cxx_compiler, use_compile_cache_dir
+from engine.model.forward_context import set_forward_context
 from engine.model.loader import load_model
 from engine.model.sampler import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
 from engine.model.utils import IntermediateTensors
@@ -113,22 +116,17 @@ class _Batch:
 
 
 def _check_inductor_can_compile(device: torch.device) -> None:
-    """Inductor's CPU kernels are C++ compiled at run time: fail at once, naming the way out,
+    """PAGED_INDUCTOR's kernel is compiled by Inductor: fail at once, naming the way out,
     rather than deep inside the first compile.
 
     Raises:
         RuntimeError: a CPU device and no C++ compiler (``$CXX``, ``g++`` or ``clang++``) on PATH.
     """
-    import shutil
-
-    if device.type != "cpu":
-        return  # Inductor writes Triton kernels for GPUs
-    compilers = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "clang++"]
-    if not any(shutil.which(c) for c in compilers):
+    missing = missing_cxx_compiler(device)
+    if missing:
         raise RuntimeError(
-            f"--attention-backend PAGED_INDUCTOR compiles its kernel with a C++ compiler, and none of "
-            f"{', '.join(compilers)} was found: install one (e.g. apt install g++) or use "
-            "--attention-backend TORCH_SDPA"
+            f"--attention-backend PAGED_INDUCTOR compiles its kernel with a C++ compiler, and there is "
+            f"{missing}: install one (e.g. apt install g++) or use --attention-backend TORCH_SDPA"
         )
 
 
@@ -161,7 +159,8 @@ class ModelRunner:
         self.model: torch.nn.Module | None = None
         self.model_memory_usage = 0  # bytes of weights and buffers
         self.kv_caches: list[KVCache] = []
-        self._forward = None  # the model, or its torch.compile wrapper
+        self.compiled: CompiledModel | None = None  # set by warm_up unless the model runs eagerly
+        self.attention_layers: list = []  # this stage's Attention modules, by local layer index
         from engine.distributed.parallel_state import get_pp_group
 
         pp = get_pp_group()  # None without pipeline parallelism: the one stage is first and last
@@ -179,7 +178,7 @@ class ModelRunner:
             m.packed_weight for m in self.model.modules() if getattr(m, "packed_weight", None) is not None
         ]
         self.model_memory_usage = sum(t.numel() * t.element_size() for t in tensors)
-        self._forward = self.model
+        self.attention_layers = [layer.self_attn.attn for layer in self.model.local_layers]
         logger.debug(
             "model %s loaded on %s as %s: %.1f MiB",
             self.model_config.architecture,
@@ -258,35 +257,56 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def warm_up(self) -> None:
+    def warm_up(self) -> dict[str, object]:
         """A few dummy steps (a prefill, a batch of decodes, the sampler) before real traffic.
 
-        With ``GLASSBOX_TORCH_COMPILE=1`` and not ``enforce_eager``, the forward is wrapped
-        in ``torch.compile`` first (opt-in: a cold compile takes tens of seconds on CPU).
+        Unless ``enforce_eager`` (or ``GLASSBOX_TORCH_COMPILE=0``), the forward is compiled
+        first (``engine/model/compile.py``): the first dummy step traces and compiles the one
+        graph (or loads it from the compile cache). Returns what the worker's stage reports:
+        ``{"mode": "inductor" | "eager", "graphs": n, "seconds": compile seconds}``.
         Dummy tokens write only to block 0, the null block, which no request reads.
         """
         backend = self.model_config.attention_backend
         if backend == "PAGED_INDUCTOR":
             _check_inductor_can_compile(self.device)
-            from torch._inductor.runtime.cache_dir_utils import cache_dir
-
             logger.info(
                 "attention backend PAGED_INDUCTOR: compiling the paged decode kernel with Inductor "
                 "(seconds the first time; cached under %s)",
-                cache_dir(),
+                use_compile_cache_dir(),
             )
         else:
             logger.info("attention backend %s", backend)
-        set_attention_backend([layer.self_attn.attn for layer in self.model.local_layers], backend)
-        if envs.GLASSBOX_TORCH_COMPILE and not self.model_config.enforce_eager:
-            logger.info("wrapping the model forward in torch.compile (dynamic shapes)")
-            self._forward = torch.compile(self.model, dynamic=True)
+        set_attention_backend(self.attention_layers, backend)
+        why_eager = self._why_eager()
+        if why_eager is None:
+            self.compiled = CompiledModel(self.model)
+            logger.info(
+                "compiling the model forward with torch.compile (Inductor; cache %s)", self.compiled.cache_dir
+            )
+        else:
+            logger.info("running the model eagerly: %s", why_eager)
         prefill_len = min(self.max_num_tokens, self.max_model_len, 4 * self.block_size)
         self._dummy_step([prefill_len])
         num_decodes = min(self.max_num_reqs, self.max_num_tokens, 8)
         for _ in range(2):
             self._dummy_step([1] * num_decodes)
         self._synchronize()
+        if self.compiled is None:
+            return {"mode": "eager", "graphs": 0, "seconds": 0.0}
+        self.compiled.seal()
+        logger.info("torch.compile: %d graph(s) in %.1f s", self.compiled.num_graphs, self.compiled.compile_s)
+        return {"mode": "inductor", "graphs": self.compiled.num_graphs, "seconds": self.compiled.compile_s}
+
+    def _why_eager(self) -> str | None:
+        """Why the forward runs eagerly (a sentence for the log), or None to compile it."""
+        if self.model_config.enforce_eager:
+            return "--enforce-eager"
+        if not envs.GLASSBOX_TORCH_COMPILE:
+            return "GLASSBOX_TORCH_COMPILE=0"
+        missing = missing_cxx_compiler(self.device)
+        if missing:
+            return f"torch.compile needs a C++ compiler on a CPU and there is {missing} (install g++)"
+        return None
 
     # ------------------------------------------------------------------ one step
 
@@ -307,8 +327,8 @@ class ModelRunner:
             return EMPTY_MODEL_RUNNER_OUTPUT
         batch = self._prepare_inputs(scheduler_output)
         with self._detail(catalogue.MODEL_RUNNER_FORWARD, scheduler_output.total_num_scheduled_tokens):
-            hidden = self._forward(
-                batch.input_ids, batch.positions, batch.attn_metadata, self.kv_caches, intermediate_tensors
+            hidden = self._run_model(
+                batch.input_ids, batch.positions, batch.attn_metadata, intermediate_tensors
             )
         if not self.is_last_stage:
             return hidden  # IntermediateTensors, for the next stage
@@ -325,6 +345,14 @@ class ModelRunner:
             logprobs=logprobs,
             prompt_logprobs_dict=prompt_logprobs,
         )
+
+    def _run_model(self, input_ids, positions, meta: AttentionMetadata, intermediate_tensors):
+        """The model's forward for one step: eager (the metadata and caches are arguments), or
+        compiled (they are in the forward context, where the attention op reads them)."""
+        if self.compiled is None:
+            return self.model(input_ids, positions, meta, self.kv_caches, intermediate_tensors)
+        with set_forward_context(meta, self.kv_caches, self.attention_layers):
+            return self.compiled(input_ids, positions, intermediate_tensors)
 
     def _detail(self, name: str, num_tokens: int | None = None):
         """A step-level span when ``--collect-detailed-traces`` asks for the model's (or an
@@ -553,9 +581,7 @@ class ModelRunner:
             else None,
         )
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        hidden = self._forward(
-            input_ids, positions, meta, self.kv_caches, self._dummy_intermediate(num_tokens)
-        )
+        hidden = self._run_model(input_ids, positions, meta, self._dummy_intermediate(num_tokens))
         if self.is_last_stage:
             last = torch.tensor(starts[1:], device=self.device) - 1
             self._dummy_sample(self.model.compute_logits(hidden[last]))

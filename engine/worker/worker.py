@@ -396,10 +396,14 @@ class Worker:
             self.model_runner.initialize_kv_cache(kv_cache_config)
 
     def compile_or_warm_up_model(self) -> None:
-        """Run a few eager steps so the first real request does not pay one-time costs."""
-        with stage(catalogue.WORKER_COMPILE_OR_WARM_UP_MODEL, **self._attrs()):
+        """Compile the forward (unless eager) and run a few dummy steps, so the first request
+        does not pay one-time costs; the stage records the mode, graphs and compile seconds."""
+        with stage(catalogue.WORKER_COMPILE_OR_WARM_UP_MODEL, **self._attrs()) as st:
             assert self.model_runner is not None
-            self.model_runner.warm_up()
+            compiled = self.model_runner.warm_up()
+            st.set(catalogue.ATTR_COMPILE_MODE, compiled["mode"])
+            st.set(catalogue.ATTR_COMPILE_NUM_GRAPHS, compiled["graphs"])
+            st.set(catalogue.ATTR_COMPILE_SECONDS, round(compiled["seconds"], 3))
             torch.manual_seed(self.config.model_config.seed)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
@@ -412,7 +416,10 @@ class Worker:
         runs_forward = scheduler_output.total_num_scheduled_tokens > 0
         if pp is not None and not pp.is_first_rank and runs_forward:
             # The previous stage's hidden states for this step (blocks until they arrive).
-            intermediate_tensors = IntermediateTensors(pp.recv_tensor_dict(device=self.device))
+            # Received as inference tensors, like the warm-up's: a compiled forward guards on
+            # that, and a plain tensor would make it compile a second graph.
+            with torch.inference_mode():
+                intermediate_tensors = IntermediateTensors(pp.recv_tensor_dict(device=self.device))
         output = self.model_runner.execute_model(scheduler_output, intermediate_tensors)
         if isinstance(output, IntermediateTensors):
             assert pp is not None

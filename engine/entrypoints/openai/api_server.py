@@ -222,10 +222,9 @@ def run_server(config: EngineConfig, args: ServerArgs, sock: socket.socket | Non
         engine = AsyncLLM(config, run_dir, client_index=0, num_clients=len(plan.api_servers))
         if len(plan.api_servers) > 1:
             _start_api_servers(engine, plan, config, args, sock, run_dir)
-        return loop.run_until_complete(
-            _serve(engine, config, args, sock, port, several_servers=several_servers,
-                   startup_signal=startup_signal)
-        )
+        serving = _serve(engine, config, args, sock, port, several_servers=several_servers,
+                         startup_signal=startup_signal)  # fmt: skip
+        return loop.run_until_complete(serving)
     except (KeyboardInterrupt, StartupInterrupted):
         # Ctrl-C exits 130 as a shell expects (128 + SIGINT); SIGTERM is a clean stop: 0.
         terminated = startup_signal[:1] == [signal.SIGTERM]

@@ -1,0 +1,138 @@
+"""The model's forward through ``torch.compile``: one graph for every batch, cached on disk.
+
+Mirrors what vLLM's ``vllm/compilation/`` does for its ``@support_torch_compile`` models,
+in its CPU build's shape: Dynamo traces the whole forward once, Inductor fuses the small
+operations between the matrix multiplies (RMSNorm, RoPE, SiLU·mul, residual adds) into C++
+loops (Triton kernels on a GPU), and the result serves every batch size.
+
+What makes one graph enough:
+
+- **Attention is one opaque op.** Each layer calls ``glassbox::attention`` with its layer
+  index (``engine/model/attention.py``); the op reads the step's metadata (how many decodes,
+  each request's start — plain ints) from the forward context
+  (``engine/model/forward_context.py``), so none of it is traced into guards.
+- **The token dimension is unbacked** (``mark_unbacked``): Dynamo may not specialise on the
+  number of tokens, not even on 1 (a step with one decode reuses the graph; a plain dynamic
+  dimension would be re-specialised for size 1 and compile a second graph mid-run).
+- **Linears keep oneDNN's packed weights** through ``glassbox::onednn_linear``
+  (``engine/model/layers.py``): Inductor's own oneDNN lowering wants the weights frozen into
+  the graph, which would rule out the on-disk cache.
+
+The compiled code is cached by Inductor under ``<GLASSBOX_CACHE_ROOT>/torch_compile_cache``
+(``TORCHINDUCTOR_CACHE_DIR`` when set): the first start compiles (seconds to tens of
+seconds on a CPU), later starts of the same model and settings load it.
+
+``--enforce-eager`` (or ``GLASSBOX_TORCH_COMPILE=0``) keeps the plain eager forward, the
+readable reference the compiled one is tested against.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine import envs
+from engine.logger import init_logger
+from engine.model.utils import IntermediateTensors
+
+logger = init_logger(__name__)
+
+
+def compile_cache_dir() -> Path:
+    """Where Inductor keeps compiled graphs: ``$TORCHINDUCTOR_CACHE_DIR`` when the user set
+    it, else ``<GLASSBOX_CACHE_ROOT>/torch_compile_cache`` (vLLM:
+    ``~/.cache/vllm/torch_compile_cache``). Importing Inductor's config fills the variable in
+    with torch's default (``/tmp/torchinductor_<user>``, gone at reboot): that value counts
+    as unset."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen and chosen != default_cache_dir():
+        return Path(chosen)
+    return Path(envs.GLASSBOX_CACHE_ROOT).expanduser() / "torch_compile_cache"
+
+
+def use_compile_cache_dir() -> Path:
+    """Point Inductor at ``compile_cache_dir()`` for this process (it reads the variable at
+    each compile) and return it."""
+    path = compile_cache_dir()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    return path
+
+
+def missing_cxx_compiler(device: torch.device) -> str | None:
+    """Why Inductor cannot compile for ``device`` here, or None when it can.
+
+    Inductor's CPU kernels are C++ compiled at run time, so a CPU needs ``$CXX``, ``g++`` or
+    ``clang++`` on PATH (a GPU gets Triton kernels instead).
+    """
+    import shutil
+
+    if device.type != "cpu":
+        return None
+    compilers = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "clang++"]
+    if any(shutil.which(c) for c in compilers):
+        return None
+    return f"no C++ compiler ({', '.join(compilers)}) on PATH"
+
+
+class CompiledModel:
+    """``model``'s forward through ``torch.compile`` (Inductor), counting its graphs.
+
+    ``__call__(input_ids (T,), positions (T,), intermediate_tensors)`` returns what the
+    model's forward returns; call it inside ``set_forward_context`` (the attention op reads
+    its metadata and caches there). ``num_graphs``: graphs compiled so far (1 once warm);
+    ``compile_s``: seconds of the calls that made them (Dynamo's tracing, Inductor's compile
+    or its cache load, and that one forward). After ``seal()``
+    (end of warm-up), a new graph is logged as a warning: it means a guard failed and a
+    request paid seconds of compile.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        import torch._inductor.config as inductor_config
+        import torch.fx.experimental._config as fx_config
+
+        self.cache_dir = use_compile_cache_dir()
+        # Sizes are not specialised on 0 or 1 when a guard can be avoided (a batch of one).
+        fx_config.backed_size_oblivious = True
+        inductor_config.fx_graph_cache = True
+        self.model = model
+        self.num_graphs = 0
+        self.compile_s = 0.0
+        self._sealed = False
+        self._forward = torch.compile(model, backend=self._backend, fullgraph=True)
+
+    def _backend(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        from torch._inductor.compile_fx import compile_fx
+
+        self.num_graphs += 1
+        if self._sealed:
+            logger.warning("torch.compile is making graph #%d after warm-up (a guard failed): this "
+                           "step pays the compile", self.num_graphs)  # fmt: skip
+        return compile_fx(gm, example_inputs)
+
+    def seal(self) -> None:
+        """Warm-up is over: any later graph is unexpected (logged)."""
+        self._sealed = True
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        torch._dynamo.decorators.mark_unbacked(input_ids, 0)
+        torch._dynamo.decorators.mark_unbacked(positions, 0)
+        if intermediate_tensors is not None:
+            for tensor in intermediate_tensors.tensors.values():
+                torch._dynamo.decorators.mark_unbacked(tensor, 0)
+        graphs, start = self.num_graphs, time.perf_counter()
+        out = self._forward(input_ids, positions, None, None, intermediate_tensors)
+        if self.num_graphs != graphs:  # this call traced and compiled (or loaded) a graph
+            self.compile_s += time.perf_counter() - start
+        return out
