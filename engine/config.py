@@ -35,8 +35,9 @@ SUPPORTED_ARCHITECTURES = (
 )
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # --attention-backend (engine/model/attention.py): the gather + SDPA reference, or decodes
-# reading the paged cache in place through a kernel compiled by Inductor.
-ATTENTION_BACKENDS = ("TORCH_SDPA", "PAGED_INDUCTOR")
+# reading the paged cache in place through a kernel compiled by Inductor, or through a
+# hand-written C++ kernel for CPUs (engine/model/csrc/paged_attention_cpu.cpp).
+ATTENTION_BACKENDS = ("TORCH_SDPA", "PAGED_INDUCTOR", "CPU_PAGED_CPP")
 DEVICES = ("auto", "cpu", "cuda")
 BLOCK_SIZES = (1, 8, 16, 32, 64, 128)
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -855,6 +856,14 @@ class EngineConfig:
                 )
         self._check_tensor_parallel_size()
         self._check_pipeline_parallel_size()
+        if self.model_config.attention_backend == "CPU_PAGED_CPP" and self.device_config.device == "cuda":
+            # With --device auto the device is known only in the worker: set_attention_backend
+            # refuses it there.
+            raise ConfigError(
+                "--attention-backend",
+                "CPU_PAGED_CPP",
+                "its kernel runs on the CPU only, and --device is cuda; use TORCH_SDPA or PAGED_INDUCTOR",
+            )
         if not any(Path(self.model_config.model).glob("*.safetensors")):
             # Found here, not by the worker after the whole tree has started.
             raise ConfigError(

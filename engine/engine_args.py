@@ -309,10 +309,12 @@ class EngineArgs:
         g.add_argument(
             "--attention-backend",
             default=None,
-            metavar="{TORCH_SDPA,PAGED_INDUCTOR}",
+            metavar="{TORCH_SDPA,PAGED_INDUCTOR,CPU_PAGED_CPP}",
             help="How attention reads the paged KV cache: TORCH_SDPA (default) gathers each "
             "request's pages and calls SDPA; PAGED_INDUCTOR reads decode keys in place through a "
-            "kernel compiled by Inductor (a C compiler is needed; the first start compiles it).",
+            "kernel compiled by Inductor (a C compiler is needed; the first start compiles it); "
+            "CPU_PAGED_CPP (CPU only) reads them in place through a hand-written C++ kernel "
+            "(vLLM's CPU paged_attention_v1; built with g++ on the first start).",
         )
         g.add_argument(
             "--trust-remote-code",

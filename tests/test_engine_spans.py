@@ -25,8 +25,10 @@ START_UP = [
 
 
 def test_start_up_stages_in_order_with_parents_and_step_phases(monkeypatch):
-    # In-process, so the in-memory exporter sees the worker's stages too.
+    # In-process, so the in-memory exporter sees the worker's stages too. Compiled, as a
+    # user's engine is (the other tests run eagerly): the warm-up stage says how.
     monkeypatch.setenv("GLASSBOX_ENABLE_MULTIPROCESSING", "0")
+    monkeypatch.setenv("GLASSBOX_TORCH_COMPILE", "1")
     tracing.setup_tracing("test", in_memory=True)
     try:
         with LLM(max_model_len=128) as llm:
@@ -54,6 +56,9 @@ def test_start_up_stages_in_order_with_parents_and_step_phases(monkeypatch):
     assert parent_of(catalogue.WORKER_LOAD_MODEL) == catalogue.EXECUTOR_INIT
     assert parent_of(catalogue.WORKER_DETERMINE_AVAILABLE_MEMORY) == catalogue.ENGINE_CORE_INITIALIZE_KV_CACHE
     assert parent_of(catalogue.WORKER_COMPILE_OR_WARM_UP_MODEL) == catalogue.ENGINE_CORE_INITIALIZE_KV_CACHE
+    warm_up = one[catalogue.WORKER_COMPILE_OR_WARM_UP_MODEL].attributes
+    assert warm_up[catalogue.ATTR_COMPILE_MODE] == "inductor"
+    assert warm_up[catalogue.ATTR_COMPILE_NUM_GRAPHS] == 1 and warm_up[catalogue.ATTR_COMPILE_SECONDS] > 0
     kv = one[catalogue.ENGINE_CORE_INITIALIZE_KV_CACHE].attributes
     assert kv[catalogue.ATTR_KV_NUM_BLOCKS] > 1 and kv[catalogue.ATTR_KV_BLOCK_SIZE] == 16
     # Steps: one engine_core.step per step run, each with exactly one span per phase.

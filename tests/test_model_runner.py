@@ -215,7 +215,8 @@ def test_mixed_prompts_in_one_step_then_batched_decodes(checkpoints, arch):
 
 
 @pytest.mark.parametrize(
-    "backend, compiled", [("TORCH_SDPA", False), ("PAGED_INDUCTOR", False), ("TORCH_SDPA", True)]
+    "backend, compiled",
+    [("TORCH_SDPA", False), ("PAGED_INDUCTOR", False), ("TORCH_SDPA", True), ("CPU_PAGED_CPP", False)],
 )
 @pytest.mark.parametrize("arch", ARCHS)
 def test_chunked_prefill_alongside_decodes(checkpoints, arch, backend, compiled, monkeypatch):

@@ -1,7 +1,7 @@
 """Paged attention in plain torch, and the metadata that describes one step's batch.
 
 Mirrors vLLM's ``vllm/attention/layer.py`` (``Attention``) and the metadata its backends
-build (``vllm/v1/attention/backends/``; ``CommonAttentionMetadata``). Two backends, chosen
+build (``vllm/v1/attention/backends/``; ``CommonAttentionMetadata``). Three backends, chosen
 by ``--attention-backend`` (vLLM: ``VLLM_ATTENTION_BACKEND``):
 
 - ``TORCH_SDPA``, the reference: torch gathers the pages a request owns into a dense
@@ -13,6 +13,12 @@ by ``--attention-backend`` (vLLM: ``VLLM_ATTENTION_BACKEND``):
   a bfloat16 cache is never cast as a whole (each element is widened in a register).
   Prefill chunks attend as in ``TORCH_SDPA`` (they are compute-bound; the gather is a
   small part of them).
+- ``CPU_PAGED_CPP`` (CPU only): decodes go to a hand-written C++ kernel
+  (``engine/model/csrc/paged_attention_cpu.cpp``, built with g++ at start-up and called
+  through ctypes; ``engine/model/paged_attention_cpu.py``) that walks each request's block
+  table and reads K/V rows in place, one OpenMP task per (request, KV head), all query heads
+  of a KV head together — vLLM's CPU ``paged_attention_v1``. Prefill chunks as in
+  ``TORCH_SDPA``.
 
 The KV cache of one layer is two tensors, K and V, each
 ``(num_blocks, block_size, num_kv_heads, head_dim)``. Token ``p`` of a request lives in
@@ -26,7 +32,8 @@ One step mixes two kinds of request, and the runner orders the batch so that all
 - decodes are batched: ``TORCH_SDPA`` gathers their pages into one padded
   ``(num_decodes, max_len, kv_heads, head_dim)`` tensor and a length mask hides the
   padding; ``PAGED_INDUCTOR`` reads ``decode_slots`` (each decode's cache slots, padded
-  to the longest) straight from the cache with the same length mask.
+  to the longest) straight from the cache with the same length mask; ``CPU_PAGED_CPP``
+  follows ``block_table`` and ``seq_lens`` in C++.
 - each prefill chunk runs on its own, attending to its cached prefix plus itself. Its
   causal mask is aligned *bottom-right*: query ``t`` of a chunk that follows ``c`` cached
   tokens sits at position ``c + t`` and sees keys ``0..c + t``. SDPA's ``is_causal`` aligns
@@ -44,7 +51,7 @@ this layer's cache taken from the forward context (``engine/model/forward_contex
 the graph never reads the metadata's plain ints and one graph serves every batch. The
 decode kernel of ``PAGED_INDUCTOR`` is compiled on its own (``set_attention_backend``).
 
-Left out: hand-written kernels, cascade attention, cross-attention, encoder-only attention,
+Left out: hand-written GPU kernels, cascade attention, cross-attention, encoder-only attention,
 attention sinks, ALiBi, logits soft-capping, FP8 KV caches.
 """
 
@@ -57,6 +64,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ATTENTION_BACKENDS
+from engine.model.paged_attention_cpu import load_kernel, paged_decode_attention_cpu
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K, V: (num_blocks, block_size, num_kv_heads, head_dim)
 
@@ -140,8 +148,9 @@ class Attention(nn.Module):
         scale: multiplier of ``q·k`` (``head_dim ** -0.5`` for Llama).
         sliding_window: when set, a query at position ``p`` sees only keys at positions
             ``> p - sliding_window`` (Mistral; Qwen2 layers with ``use_sliding_window``).
-        backend: ``"TORCH_SDPA"`` or ``"PAGED_INDUCTOR"`` (see the module docstring); the
-            model runner sets it on every layer after loading (``set_attention_backend``).
+        backend: ``"TORCH_SDPA"``, ``"PAGED_INDUCTOR"`` or ``"CPU_PAGED_CPP"`` (see the module
+            docstring); the model runner sets it on every layer after loading
+            (``set_attention_backend``).
     """
 
     def __init__(
@@ -223,7 +232,14 @@ class Attention(nn.Module):
         nd = meta.num_decodes
         if nd > 0 and decodes:
             assert kv_cache is not None, "decodes need a KV cache"
-            out[:nd] = self._decode(q[:nd], kv_cache, meta)
+            if self.backend == "CPU_PAGED_CPP":
+                # The C++ kernel reads each decode's pages in place through its block table.
+                out[:nd] = paged_decode_attention_cpu(
+                    q[:nd], kv_cache[0], kv_cache[1], meta.block_table[:nd], meta.seq_lens[:nd],
+                    self.scale, self.sliding_window,
+                )  # fmt: skip
+            else:
+                out[:nd] = self._decode(q[:nd], kv_cache, meta)
         for i in range(nd, meta.num_reqs):
             start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
             out[start:end] = self._prefill(i, q[start:end], k[start:end], v[start:end], kv_cache, meta)
@@ -373,15 +389,21 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int) -> to
 _compiled_paged_decode = None
 
 
-def set_attention_backend(layers: list[Attention], backend: str) -> None:
-    """Choose ``backend`` (``"TORCH_SDPA"`` or ``"PAGED_INDUCTOR"``) for ``layers``.
+def set_attention_backend(
+    layers: list[Attention], backend: str, device: torch.device | str | None = None
+) -> None:
+    """Choose ``backend`` (one of ``ATTENTION_BACKENDS``) for ``layers``.
 
     ``PAGED_INDUCTOR`` compiles ``paged_decode_attention`` once for every batch (dynamic
     shapes; ``backed_size_oblivious`` so a batch of one decode makes no second graph). The
     first call compiles (seconds; cached on disk by Inductor), so call this before warm-up.
+    ``CPU_PAGED_CPP`` builds the C++ kernel here (a second or two the first time; cached under
+    ``<GLASSBOX_CACHE_ROOT>/kernels``), so no request pays for it.
 
     Raises:
-        ValueError: an unknown backend.
+        ValueError: an unknown backend; ``CPU_PAGED_CPP`` with a ``device`` (the model's,
+            when the caller knows it) that is not the CPU.
+        RuntimeError: ``CPU_PAGED_CPP`` and no C++ compiler, or its build failed.
     """
     global _compiled_paged_decode
     if backend not in ATTENTION_BACKENDS:
@@ -391,6 +413,13 @@ def set_attention_backend(layers: list[Attention], backend: str) -> None:
 
         fx_config.backed_size_oblivious = True
         _compiled_paged_decode = torch.compile(paged_decode_attention, dynamic=True)
+    if backend == "CPU_PAGED_CPP":
+        if device is not None and torch.device(device).type != "cpu":
+            raise ValueError(
+                f"attention backend CPU_PAGED_CPP runs on the CPU only, and the model is on {device}: "
+                "use --attention-backend TORCH_SDPA or PAGED_INDUCTOR"
+            )
+        load_kernel()
     for layer in layers:
         layer.backend = backend
         layer.decode_kernel = _compiled_paged_decode

@@ -274,9 +274,23 @@ class ModelRunner:
                 "(seconds the first time; cached under %s)",
                 use_compile_cache_dir(),
             )
+        elif backend == "CPU_PAGED_CPP":
+            from engine.model.paged_attention_cpu import cpp_kernel_unavailable, kernel_path
+
+            missing = cpp_kernel_unavailable()
+            if missing:
+                raise RuntimeError(
+                    f"--attention-backend CPU_PAGED_CPP builds its C++ kernel at start-up, and there is "
+                    f"{missing}: install one (e.g. apt install g++) or use --attention-backend TORCH_SDPA"
+                )
+            logger.info(
+                "attention backend CPU_PAGED_CPP: decodes through the C++ paged kernel %s (built once, "
+                "a second or two)",
+                kernel_path(),
+            )
         else:
             logger.info("attention backend %s", backend)
-        set_attention_backend(self.attention_layers, backend)
+        set_attention_backend(self.attention_layers, backend, device=self.device)
         why_eager = self._why_eager()
         if why_eager is None:
             self.compiled = CompiledModel(self.model)

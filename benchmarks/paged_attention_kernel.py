@@ -1,0 +1,124 @@
+"""Decode attention of one layer: the C++ paged kernel (CPU_PAGED_CPP) against TORCH_SDPA.
+
+What it measures: one call of each backend's decode attention for one layer, on the
+workload of ``offline_throughput.py``'s "small" Llama in the middle of its decode phase:
+``--num-decodes`` (32) one-token queries with context lengths uniform in
+``--min-len``..``--max-len`` (300–700), block size 16, 8 query heads / 4 KV heads, head
+dim 64, the pages of every request scattered over a shuffled cache:
+
+- ``TORCH_SDPA``: ``Attention._decode``, the gather (``index_select`` of every page into a
+  dense padded copy) plus ``scaled_dot_product_attention`` with a length mask;
+- ``CPU_PAGED_CPP``: ``paged_decode_attention_cpu``, the C++ kernel that reads K/V in place
+  (``engine/model/csrc/paged_attention_cpu.cpp``), the Python checks and ctypes call included.
+
+Both are checked to agree first. Then, for float32 and bfloat16:
+
+- 1 thread (``torch.set_num_threads(1)``): CPU seconds per call (``time.process_time()``),
+  which another process's load on the machine does not inflate;
+- ``torch.get_num_threads()`` threads (all cores by default): wall seconds per call.
+
+Each figure is the median of ``--repeats`` timings of ``--inner`` calls each. The load
+average (``os.getloadavg()``) is printed before and after: above the core count, the
+wall-time figures are not to be trusted.
+
+    .venv/bin/python benchmarks/paged_attention_kernel.py
+    .venv/bin/python benchmarks/paged_attention_kernel.py --repeats 50 --num-decodes 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.model.attention import Attention, AttentionMetadata  # noqa: E402
+from engine.model.paged_attention_cpu import kernel_path, load_kernel, paged_decode_attention_cpu  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 4, 64, 16
+
+
+def make_case(args: argparse.Namespace, dtype: torch.dtype):
+    """Queries, a shuffled paged cache, and the metadata of one step of decodes."""
+    g = torch.Generator().manual_seed(0)
+    nd = args.num_decodes
+    lens = torch.randint(args.min_len, args.max_len + 1, (nd,), generator=g)
+    width = -(-args.max_len // BLOCK_SIZE)
+    num_blocks = nd * width + 1
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+    table = (torch.randperm(num_blocks - 1, generator=g) + 1)[: nd * width].view(nd, width).int()
+    q = torch.randn(nd, HEADS, HEAD_DIM, generator=g).to(dtype)
+    seq_lens = lens.int()
+    meta = AttentionMetadata(
+        num_reqs=nd, num_decodes=nd, slot_mapping=torch.zeros(0, dtype=torch.long),
+        query_start_loc=torch.arange(nd + 1, dtype=torch.int32), seq_lens=seq_lens, block_table=table,
+        query_start_loc_cpu=list(range(nd + 1)), seq_lens_cpu=lens.tolist(),
+        num_computed_tokens_cpu=(lens - 1).tolist(), max_decode_seq_len=int(lens.max()), block_size=BLOCK_SIZE,
+    )  # fmt: skip
+    return q, k_cache, v_cache, meta
+
+
+def median_seconds(fn, repeats: int, inner: int, clock) -> float:
+    """Median over ``repeats`` of (``clock`` time of ``inner`` calls) / ``inner``."""
+    for _ in range(3):
+        fn()  # warm caches, allocator and thread pool
+    times = []
+    for _ in range(repeats):
+        start = clock()
+        for _ in range(inner):
+            fn()
+        times.append((clock() - start) / inner)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-decodes", type=int, default=32)
+    parser.add_argument("--min-len", type=int, default=300)
+    parser.add_argument("--max-len", type=int, default=700)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--inner", type=int, default=10)
+    args = parser.parse_args()
+
+    load_kernel()
+    threads = torch.get_num_threads()
+    layer = Attention(HEADS, HEAD_DIM, KV_HEADS, HEAD_DIM**-0.5)
+    print(f"kernel: {kernel_path()}")
+    print(
+        f"workload: {args.num_decodes} decodes, seq_lens uniform in {args.min_len}-{args.max_len}, "
+        f"block {BLOCK_SIZE}, {HEADS} heads / {KV_HEADS} KV heads, head_dim {HEAD_DIM}"
+    )
+    print(f"load average before: {os.getloadavg()}  (cores: {os.cpu_count()})")
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k_cache, v_cache, meta = make_case(args, dtype)
+        sdpa = functools.partial(layer._decode, q, (k_cache, v_cache), meta)
+        cpp = functools.partial(
+            paged_decode_attention_cpu, q, k_cache, v_cache, meta.block_table, meta.seq_lens, layer.scale
+        )
+        with torch.inference_mode():
+            diff = (sdpa().float() - cpp().float()).abs().max().item()
+            for label, n, clock in (("1 thread, CPU ms", 1, time.process_time), (f"{threads} threads, wall ms", threads, time.perf_counter)):  # fmt: skip
+                torch.set_num_threads(n)
+                t_sdpa = median_seconds(sdpa, args.repeats, args.inner, clock)
+                t_cpp = median_seconds(cpp, args.repeats, args.inner, clock)
+                rows.append((str(dtype).removeprefix("torch."), label, t_sdpa * 1e3, t_cpp * 1e3, diff))
+            torch.set_num_threads(threads)
+    print(f"load average after: {os.getloadavg()}")
+    print()
+    print("| dtype | timing | TORCH_SDPA _decode | CPU_PAGED_CPP | speed-up | max abs diff |")
+    print("|---|---|---|---|---|---|")
+    for dtype, label, a, b, diff in rows:
+        print(f"| {dtype} | {label} | {a:.3f} | {b:.3f} | {a / b:.2f}x | {diff:.1e} |")
+
+
+if __name__ == "__main__":
+    main()

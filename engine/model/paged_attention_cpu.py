@@ -1,0 +1,282 @@
+"""A hand-written C++ paged decode-attention kernel for CPUs (``--attention-backend CPU_PAGED_CPP``).
+
+vLLM counterpart: ``paged_attention_v1`` (``csrc/cpu/attention.cpp`` in its CPU build,
+``csrc/attention/attention_kernels.cu`` on GPUs), reached through ``torch.ops._C``.
+
+The kernel is ``csrc/paged_attention_cpu.cpp``: plain C++ with C linkage and no torch
+headers. It is built here on first use with ``$CXX`` (else ``g++``)::
+
+    g++ -O3 -march=native -fopenmp -shared -fPIC paged_attention_cpu.cpp -o <so>
+
+into ``<GLASSBOX_CACHE_ROOT>/kernels/paged_attention_cpu-<hash>.so`` (the hash covers the
+source, the compiler, the flags and the CPU's instruction sets, so an edit makes a new file
+and an old one is never loaded by mistake), and called through ``ctypes`` with the tensors' data pointers. Building
+takes a second or two; ``set_attention_backend`` does it at start-up.
+
+OpenMP: torch ships ``libgomp.so.1`` and has loaded it before this module runs, so the
+kernel (linked against ``libgomp.so.1`` by ``-fopenmp``) shares torch's runtime and its
+thread pool rather than loading a second one. Each call runs ``torch.get_num_threads()``
+threads, as torch's own ops do.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention_cpu.cpp"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's `dtype` argument
+_MAX_GROUP = 64  # query heads per KV head the kernel accepts (its fixed-size arrays)
+
+_lib: ctypes.CDLL | None = None
+_lock = threading.Lock()
+
+
+def _compiler() -> str:
+    return os.environ.get("CXX") or "g++"
+
+
+def cpp_kernel_unavailable() -> str | None:
+    """Why the kernel cannot be used here (not built yet, and no C++ compiler on PATH), or
+    None. Builds nothing."""
+    if _lib is not None or kernel_path().exists():
+        return None
+    cxx = _compiler()
+    if shutil.which(cxx) is None:
+        return (
+            f"no C++ compiler ({cxx}{'' if os.environ.get('CXX') else '; set $CXX to use another'}) on PATH"
+        )
+    return None
+
+
+def _cpu_flags() -> str:
+    """The instruction sets of this CPU (Linux's /proc/cpuinfo), else its platform name."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return platform.machine() + platform.processor()
+
+
+def kernel_path() -> Path:
+    """Where the built kernel lives (or will): ``<cache>/kernels/paged_attention_cpu-<hash>.so``."""
+    from engine import envs
+
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    # -march=native: a kernel built on one CPU may not run on another (a cache directory
+    # shared between machines), so the CPU's instruction sets are part of the name too.
+    digest.update("\0".join((_compiler(), *FLAGS, _cpu_flags())).encode())
+    return (
+        Path(envs.GLASSBOX_CACHE_ROOT).expanduser()
+        / "kernels"
+        / f"paged_attention_cpu-{digest.hexdigest()[:16]}.so"
+    )
+
+
+def load_kernel() -> ctypes.CDLL:
+    """Build the kernel unless it is cached, load it, and return the library.
+
+    Raises:
+        RuntimeError: no C++ compiler, or the build failed (the message holds the command
+            and the compiler's stderr).
+    """
+    global _lib
+    with _lock:
+        if _lib is not None:
+            return _lib
+        so = kernel_path()
+        if not so.exists():
+            why = cpp_kernel_unavailable()
+            if why:
+                raise RuntimeError(f"cannot build the CPU_PAGED_CPP attention kernel: {why}")
+            so.parent.mkdir(parents=True, exist_ok=True)
+            # Build into a temporary file of the same directory, then rename: two processes
+            # building at once each write their own file, and the rename is atomic.
+            fd, tmp = tempfile.mkstemp(prefix=so.stem + "-", suffix=".so.tmp", dir=so.parent)
+            os.close(fd)
+            cmd = [_compiler(), *FLAGS, str(SOURCE), "-o", tmp]
+            try:
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+                if done.returncode != 0:
+                    raise RuntimeError(
+                        f"building the CPU_PAGED_CPP attention kernel failed: {' '.join(cmd)}\n{done.stderr.strip()}"
+                    )
+                os.replace(tmp, so)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        lib = ctypes.CDLL(str(so))
+        fn = lib.glassbox_paged_decode_attention
+        p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+        # The C signature, argument by argument (ctypes converts and checks each one):
+        fn.argtypes = [
+            i32,  # dtype: 0 float32, 1 bfloat16
+            p,  # q
+            p,  # k_cache
+            p,  # v_cache
+            p,  # block_table (int32)
+            i64,  # block_table_stride: elements between two rows
+            i32,  # block_table_width: entries in a row
+            i32,  # num_blocks in each cache
+            p,  # seq_lens (int32)
+            i32,  # num_decodes
+            i32,  # num_heads
+            i32,  # num_kv_heads
+            i32,  # head_dim
+            i32,  # block_size
+            i32,  # sliding_window (0: none)
+            ctypes.c_float,  # scale
+            p,  # out
+            i32,  # num_threads
+        ]
+        fn.restype = i32
+        _lib = lib
+        return lib
+
+
+def paged_decode_attention_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """One query token per request, attending to K/V read in place from the paged cache.
+
+    Args:
+        q: ``(num_decodes, num_heads, head_dim)``, float32 or bfloat16, contiguous.
+        k_cache, v_cache: ``(num_blocks, block_size, num_kv_heads, head_dim)``, contiguous,
+            ``q``'s dtype. ``num_kv_heads`` divides ``num_heads`` (grouped-query attention:
+            query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``).
+        block_table: ``(num_decodes, max_blocks_per_req)`` int32 (rows may be a slice of a
+            larger table: only the last dimension must be contiguous), each request's block
+            ids; it must cover ``seq_lens`` (entries past a request's last block are unread).
+            The kernel checks, before reading anything, that every block it needs exists.
+        seq_lens: ``(num_decodes,)`` int32, the keys each request has (the query is the last).
+        scale: multiplier of ``q·k``.
+        sliding_window: when set, a request sees only its last ``sliding_window`` keys.
+
+    Returns ``(num_decodes, num_heads, head_dim)`` in ``q``'s dtype. Scores, softmax and the
+    weighted sum are float32; a bfloat16 output is rounded to nearest, ties to even.
+
+    Raises:
+        ValueError: a tensor not on the CPU, of another dtype or shape than above, or not
+            contiguous (a cache view, e.g. a slice of blocks' rows, must be made contiguous);
+            a ``seq_len`` beyond its block-table row, a negative one, or a block id outside
+            the cache.
+        RuntimeError: the kernel cannot be built (see ``load_kernel``).
+
+    vLLM: ``paged_attention_v1`` (one block-table walk per request and head, logits kept
+    whole, then the softmax and the weighted sum of values).
+    """
+    fn = load_kernel().glassbox_paged_decode_attention
+    _check(q, k_cache, v_cache, block_table, seq_lens, sliding_window)
+    nd, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    out = torch.empty_like(q)
+    if nd == 0:
+        return out
+    rc = fn(
+        _DTYPE_CODES[q.dtype],
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_table.data_ptr(),
+        block_table.stride(0),
+        block_table.shape[1],
+        k_cache.shape[0],
+        seq_lens.data_ptr(),
+        nd,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        sliding_window or 0,
+        float(scale),
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if rc == -2:
+        raise ValueError(
+            "paged_decode_attention_cpu: a request's seq_len needs more blocks than its block_table row "
+            f"holds ({block_table.shape[1]}), or a block id is outside the cache ({k_cache.shape[0]} blocks)"
+        )
+    if rc != 0:  # _check refuses every other argument the kernel would refuse: a bug if seen
+        raise RuntimeError(f"glassbox_paged_decode_attention returned {rc}")
+    return out
+
+
+def _check(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sliding_window: int | None,
+) -> None:
+    """Refuse what the kernel would read wrongly (it trusts its pointers and sizes)."""
+    tensors = {
+        "q": q,
+        "k_cache": k_cache,
+        "v_cache": v_cache,
+        "block_table": block_table,
+        "seq_lens": seq_lens,
+    }
+    for name, t in tensors.items():
+        if t.device.type != "cpu":
+            raise ValueError(
+                f"paged_decode_attention_cpu: {name} is on {t.device}; the kernel runs on the CPU"
+            )
+    if q.dtype not in _DTYPE_CODES:
+        raise ValueError(f"paged_decode_attention_cpu: dtype {q.dtype} is not supported (float32, bfloat16)")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(
+            f"paged_decode_attention_cpu: q, k_cache and v_cache must share a dtype "
+            f"({q.dtype}, {k_cache.dtype}, {v_cache.dtype})"
+        )
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            "paged_decode_attention_cpu: q must be (num_decodes, num_heads, head_dim) and both caches "
+            f"(num_blocks, block_size, num_kv_heads, head_dim); got {tuple(q.shape)}, "
+            f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
+    for name in ("q", "k_cache", "v_cache"):
+        if not tensors[name].is_contiguous():
+            raise ValueError(f"paged_decode_attention_cpu: {name} must be contiguous")
+    nd, num_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim or num_heads % kv_heads or num_heads // kv_heads > _MAX_GROUP:
+        raise ValueError(
+            f"paged_decode_attention_cpu: {num_heads} query heads of size {head_dim} against a cache "
+            f"of {kv_heads} KV heads of size {k_cache.shape[3]} (KV heads must divide query heads, "
+            f"at most {_MAX_GROUP} per KV head)"
+        )
+    if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+        raise ValueError("paged_decode_attention_cpu: block_table and seq_lens must be int32")
+    if (
+        block_table.dim() != 2
+        or block_table.shape[0] != nd
+        or (block_table.shape[1] > 1 and block_table.stride(1) != 1)
+    ):
+        raise ValueError(
+            f"paged_decode_attention_cpu: block_table must be ({nd}, max_blocks) with contiguous rows; "
+            f"got {tuple(block_table.shape)} strides {block_table.stride()}"
+        )
+    if seq_lens.shape != (nd,) or not seq_lens.is_contiguous():
+        raise ValueError(
+            f"paged_decode_attention_cpu: seq_lens must be a contiguous ({nd},); got {tuple(seq_lens.shape)}"
+        )
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"paged_decode_attention_cpu: sliding_window must be positive; got {sliding_window}")

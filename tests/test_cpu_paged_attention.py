@@ -1,0 +1,117 @@
+"""The C++ paged decode kernel (``--attention-backend CPU_PAGED_CPP``) against TORCH_SDPA's
+gather + SDPA (``Attention._decode``), on caches whose pages lie anywhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.model.attention import Attention, AttentionMetadata
+from engine.model.paged_attention_cpu import (
+    cpp_kernel_unavailable,
+    kernel_path,
+    load_kernel,
+    paged_decode_attention_cpu,
+)
+
+pytestmark = pytest.mark.skipif(cpp_kernel_unavailable() is not None, reason=str(cpp_kernel_unavailable()))
+
+BS, DIM, NUM_BLOCKS = 16, 64, 300
+
+
+def _case(nd: int, lens: list[int], heads: int, kv_heads: int, dtype: torch.dtype, seed: int = 0):
+    """A shuffled paged cache, a block table pointing anywhere in it, queries, and metadata."""
+    g = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(NUM_BLOCKS, BS, kv_heads, DIM, generator=g).to(dtype)
+    v_cache = torch.randn(NUM_BLOCKS, BS, kv_heads, DIM, generator=g).to(dtype)
+    width = max(-(-n // BS) for n in lens) + 2  # some unused entries at the end of each row
+    order = torch.randperm(NUM_BLOCKS - 1, generator=g) + 1  # block 0 is the null block
+    table = order[: nd * width].view(nd, width).int()
+    q = torch.randn(nd, heads, DIM, generator=g).to(dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    meta = AttentionMetadata(
+        num_reqs=nd, num_decodes=nd, slot_mapping=torch.zeros(0, dtype=torch.long),
+        query_start_loc=torch.arange(nd + 1, dtype=torch.int32), seq_lens=seq_lens, block_table=table,
+        query_start_loc_cpu=list(range(nd + 1)), seq_lens_cpu=list(lens),
+        num_computed_tokens_cpu=[n - 1 for n in lens], max_decode_seq_len=max(lens), block_size=BS,
+    )  # fmt: skip
+    return q, k_cache, v_cache, meta
+
+
+LENS_13 = [1, BS, 3 * BS + 5, 7, 2 * BS, 100, 1, 5 * BS - 1, 33, BS + 1, 250, 2, 64]
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads, kv_heads", [(8, 2), (4, 4)])
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("lens", [[1], [BS], [3 * BS + 5], LENS_13], ids=["len1", "block", "blocks", "13"])
+def test_matches_gather_and_sdpa(dtype, tol, heads, kv_heads, window, lens):
+    q, k_cache, v_cache, meta = _case(len(lens), lens, heads, kv_heads, dtype)
+    reference = Attention(heads, DIM, kv_heads, DIM**-0.5, sliding_window=window)
+    with torch.inference_mode():
+        expected = reference._decode(q, (k_cache, v_cache), meta)
+        got = paged_decode_attention_cpu(
+            q, k_cache, v_cache, meta.block_table, meta.seq_lens, DIM**-0.5, window
+        )
+    assert got.dtype == dtype and got.shape == q.shape
+    assert (got.float() - expected.float()).abs().max().item() < tol
+
+
+@pytest.mark.parametrize(
+    "head_dim", [24, 128]
+)  # the generic loop (not a multiple of 16) and another template
+def test_other_head_sizes(head_dim):
+    lens = [1, 40, 17, 3 * BS]
+    g = torch.Generator().manual_seed(1)
+    k_cache, v_cache = torch.randn(2, 30, BS, 2, head_dim, generator=g)
+    table = (torch.randperm(29, generator=g) + 1)[:16].view(4, 4).int()
+    q = torch.randn(4, 6, head_dim, generator=g)
+    meta = AttentionMetadata(
+        num_reqs=4, num_decodes=4, slot_mapping=torch.zeros(0, dtype=torch.long),
+        query_start_loc=torch.arange(5, dtype=torch.int32), seq_lens=torch.tensor(lens, dtype=torch.int32),
+        block_table=table, query_start_loc_cpu=list(range(5)), seq_lens_cpu=lens,
+        num_computed_tokens_cpu=[n - 1 for n in lens], max_decode_seq_len=max(lens), block_size=BS,
+    )  # fmt: skip
+    expected = Attention(6, head_dim, 2, 0.3)._decode(q, (k_cache, v_cache), meta)
+    got = paged_decode_attention_cpu(q, k_cache.contiguous(), v_cache.contiguous(), table, meta.seq_lens, 0.3)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_block_table_rows_of_a_larger_table():
+    # The model runner passes meta.block_table[:nd]: rows of a wider table (a row stride).
+    lens = [40, 17, 3]
+    q, k_cache, v_cache, meta = _case(3, lens, 8, 4, torch.float32)
+    wide = torch.zeros(5, 20, dtype=torch.int32)
+    wide[:3, : meta.block_table.shape[1]] = meta.block_table
+    ref = paged_decode_attention_cpu(q, k_cache, v_cache, meta.block_table, meta.seq_lens, 0.125)
+    got = paged_decode_attention_cpu(q, k_cache, v_cache, wide[:3], meta.seq_lens, 0.125)
+    torch.testing.assert_close(got, ref, atol=0, rtol=0)
+
+
+def test_malformed_inputs_raise():
+    q, k_cache, v_cache, meta = _case(2, [20, 5], 8, 2, torch.float32)
+    table, lens = meta.block_table, meta.seq_lens
+    with pytest.raises(ValueError, match="contiguous"):
+        paged_decode_attention_cpu(q, k_cache.transpose(1, 2), v_cache.transpose(1, 2), table, lens, 0.1)
+    with pytest.raises(ValueError, match="not supported"):
+        paged_decode_attention_cpu(q.half(), k_cache.half(), v_cache.half(), table, lens, 0.1)
+    with pytest.raises(ValueError, match="share a dtype"):
+        paged_decode_attention_cpu(q, k_cache.bfloat16(), v_cache, table, lens, 0.1)
+    with pytest.raises(ValueError, match="int32"):
+        paged_decode_attention_cpu(q, k_cache, v_cache, table.long(), lens, 0.1)
+    with pytest.raises(ValueError, match="KV heads must divide"):
+        paged_decode_attention_cpu(q[:, :7].contiguous(), k_cache, v_cache, table, lens, 0.1)
+    with pytest.raises(ValueError, match="block_table row"):  # 20 keys need 2 blocks, the row has 1
+        paged_decode_attention_cpu(q, k_cache, v_cache, table[:, :1], lens, 0.1)
+    bad = table.clone()
+    bad[0, 0] = NUM_BLOCKS  # one past the cache
+    with pytest.raises(ValueError, match="outside the cache"):
+        paged_decode_attention_cpu(q, k_cache, v_cache, bad, lens, 0.1)
+
+
+def test_one_openmp_runtime_and_cached_build():
+    load_kernel()
+    assert kernel_path().is_file()
+    with open("/proc/self/maps") as maps:
+        gomps = {line.split()[-1] for line in maps if "libgomp" in line}
+    assert len(gomps) == 1, f"two OpenMP runtimes loaded: {gomps}"
