@@ -259,10 +259,9 @@ class ModelConfig:
             )
         if self.dtype not in DTYPES:
             raise ConfigError("--dtype", self.dtype, f"allowed: {', '.join(DTYPES)}")
-        if self.attention_backend is None:
-            # The faster of the two on the CPUs measured (docs/performance.md).
-            self.attention_backend = "TORCH_SDPA"
-        if self.attention_backend not in ATTENTION_BACKENDS:
+        # None: the worker chooses, knowing its device (CPU_PAGED_CPP on a CPU where the
+        # kernel builds, else TORCH_SDPA; ModelRunner._choose_attention_backend).
+        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(
                 "--attention-backend", self.attention_backend, f"allowed: {', '.join(ATTENTION_BACKENDS)}"
             )

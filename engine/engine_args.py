@@ -310,11 +310,12 @@ class EngineArgs:
             "--attention-backend",
             default=None,
             metavar="{TORCH_SDPA,PAGED_INDUCTOR,CPU_PAGED_CPP}",
-            help="How attention reads the paged KV cache: TORCH_SDPA (default) gathers each "
-            "request's pages and calls SDPA; PAGED_INDUCTOR reads decode keys in place through a "
-            "kernel compiled by Inductor (a C compiler is needed; the first start compiles it); "
-            "CPU_PAGED_CPP (CPU only) reads them in place through a hand-written C++ kernel "
-            "(vLLM's CPU paged_attention_v1; built with g++ on the first start).",
+            help="How attention reads the paged KV cache: CPU_PAGED_CPP (CPU only; the default on "
+            "a CPU) reads decode keys and values in place through a hand-written C++ kernel (vLLM's "
+            "CPU paged_attention_v1; built with g++ on the first start, cached); TORCH_SDPA (the "
+            "default elsewhere, and on a CPU without a C++ compiler) gathers each request's pages "
+            "and calls SDPA; PAGED_INDUCTOR reads decode keys in place through a kernel compiled "
+            "by Inductor.",
         )
         g.add_argument(
             "--trust-remote-code",

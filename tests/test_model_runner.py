@@ -66,7 +66,7 @@ def make_runner(
     path: str,
     dtype: torch.dtype = torch.float32,
     max_num_batched_tokens: int = 128,
-    attention_backend: str = "TORCH_SDPA",
+    attention_backend: str | None = "TORCH_SDPA",
 ) -> ModelRunner:
     config = EngineConfig(
         ModelConfig(model=path, attention_backend=attention_backend),
@@ -489,9 +489,9 @@ def test_rope_parameters_in_both_config_formats_match_transformers(rope_type):
 def test_unknown_attention_backend_names_the_flag(checkpoints):
     from engine.config import ConfigError
 
-    with pytest.raises(ConfigError, match="--attention-backend.*TORCH_SDPA, PAGED_INDUCTOR"):
+    with pytest.raises(ConfigError, match="--attention-backend.*TORCH_SDPA, PAGED_INDUCTOR, CPU_PAGED_CPP"):
         ModelConfig(model=checkpoints["llama"], attention_backend="FLASH_ATTN")
-    assert ModelConfig(model=checkpoints["llama"]).attention_backend == "TORCH_SDPA"
+    assert ModelConfig(model=checkpoints["llama"]).attention_backend is None  # the worker chooses
 
 
 def test_paged_decode_kernel_equals_the_gather_and_compiles_once_for_every_batch():
@@ -558,3 +558,21 @@ def test_paged_inductor_with_enforce_eager_or_without_a_compiler_is_one_clear_er
     monkeypatch.setenv("CXX", "/nonexistent/g++")
     with pytest.raises(RuntimeError, match="C\\+\\+ compiler.*--attention-backend TORCH_SDPA"):
         _check_inductor_can_compile(torch.device("cpu"))
+
+
+def test_default_attention_backend_is_the_cpp_kernel_on_a_cpu_else_sdpa_with_a_warning(
+    checkpoints, monkeypatch, caplog
+):
+    """No --attention-backend: a CPU worker takes the C++ paged kernel when it builds, and
+    says why when it falls back to TORCH_SDPA (here: no C++ compiler)."""
+    runner = make_runner(checkpoints["llama"], attention_backend=None)
+    assert runner.attention_backend == "CPU_PAGED_CPP"
+    assert {layer.backend for layer in runner.attention_layers} == {"CPU_PAGED_CPP"}
+    from engine.model import paged_attention_cpu
+
+    monkeypatch.setattr(paged_attention_cpu, "_lib", None)  # as in a fresh worker process
+    monkeypatch.setenv("CXX", "/nonexistent/g++")
+    with caplog.at_level("WARNING"):
+        runner = make_runner(checkpoints["llama"], attention_backend=None)
+    assert runner.attention_backend == "TORCH_SDPA"
+    assert "CPU_PAGED_CPP" in caplog.text and "/nonexistent/g++" in caplog.text

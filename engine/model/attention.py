@@ -13,7 +13,8 @@ by ``--attention-backend`` (vLLM: ``VLLM_ATTENTION_BACKEND``):
   a bfloat16 cache is never cast as a whole (each element is widened in a register).
   Prefill chunks attend as in ``TORCH_SDPA`` (they are compute-bound; the gather is a
   small part of them).
-- ``CPU_PAGED_CPP`` (CPU only): decodes go to a hand-written C++ kernel
+- ``CPU_PAGED_CPP`` (CPU only; the default on a CPU where the kernel builds, chosen by
+  the model runner): decodes go to a hand-written C++ kernel
   (``engine/model/csrc/paged_attention_cpu.cpp``, built with g++ at start-up and called
   through ctypes; ``engine/model/paged_attention_cpu.py``) that walks each request's block
   table and reads K/V rows in place, one OpenMP task per (request, KV head), all query heads

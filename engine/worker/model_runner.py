@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import subprocess
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -161,6 +162,7 @@ class ModelRunner:
         self.kv_caches: list[KVCache] = []
         self.compiled: CompiledModel | None = None  # set by warm_up unless the model runs eagerly
         self.attention_layers: list = []  # this stage's Attention modules, by local layer index
+        self.attention_backend = self.model_config.attention_backend  # resolved by warm_up
         from engine.distributed.parallel_state import get_pp_group
 
         pp = get_pp_group()  # None without pipeline parallelism: the one stage is first and last
@@ -266,7 +268,7 @@ class ModelRunner:
         ``{"mode": "inductor" | "eager", "graphs": n, "seconds": compile seconds}``.
         Dummy tokens write only to block 0, the null block, which no request reads.
         """
-        backend = self.model_config.attention_backend
+        backend = self.attention_backend = self._choose_attention_backend()
         if backend == "PAGED_INDUCTOR":
             _check_inductor_can_compile(self.device)
             logger.info(
@@ -310,6 +312,28 @@ class ModelRunner:
         self.compiled.seal()
         logger.info("torch.compile: %d graph(s) in %.1f s", self.compiled.num_graphs, self.compiled.compile_s)
         return {"mode": "inductor", "graphs": self.compiled.num_graphs, "seconds": self.compiled.compile_s}
+
+    def _choose_attention_backend(self) -> str:
+        """``--attention-backend`` when given; else ``CPU_PAGED_CPP`` on a CPU where its kernel
+        builds (the fastest measured, docs/performance.md), ``TORCH_SDPA`` otherwise — with a
+        warning saying why when the CPU kernel was wanted but could not be built."""
+        requested = self.model_config.attention_backend
+        if requested is not None:
+            return requested
+        if self.device.type != "cpu":
+            return "TORCH_SDPA"
+        from engine.model.paged_attention_cpu import cpp_kernel_unavailable, load_kernel
+
+        why = cpp_kernel_unavailable()
+        if why is None:
+            try:
+                load_kernel()
+                return "CPU_PAGED_CPP"
+            except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+                why = str(e).splitlines()[0]
+        logger.warning("attention backend TORCH_SDPA: the C++ paged kernel (CPU_PAGED_CPP) is not "
+                       "available here (%s)", why)  # fmt: skip
+        return "TORCH_SDPA"
 
     def _why_eager(self) -> str | None:
         """Why the forward runs eagerly (a sentence for the log), or None to compile it."""
@@ -500,7 +524,7 @@ class ModelRunner:
             max_decode_seq_len=int(seq_lens[:num_decodes].max()) if num_decodes else 0,
             block_size=bs,
             decode_slots=to_device(self._decode_slots(block_table, seq_lens, num_decodes), torch.int64)
-            if num_decodes and self.model_config.attention_backend == "PAGED_INDUCTOR"
+            if num_decodes and self.attention_backend == "PAGED_INDUCTOR"
             else None,
         )
         return _Batch(
@@ -591,7 +615,7 @@ class ModelRunner:
             max_decode_seq_len=1 if num_decodes else 0,
             block_size=self.block_size,
             decode_slots=torch.zeros((num_decodes, 1), dtype=torch.int64, device=self.device)
-            if num_decodes and self.model_config.attention_backend == "PAGED_INDUCTOR"
+            if num_decodes and self.attention_backend == "PAGED_INDUCTOR"
             else None,
         )
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
