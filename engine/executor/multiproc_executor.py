@@ -357,9 +357,10 @@ class MultiprocExecutor(Executor):
     def telemetry_gauges(self) -> dict[str, float]:
         """The broadcast queue's positions: chunks written, and read by each worker (rank)."""
         mq = getattr(self, "rpc_broadcast_mq", None)
-        if mq is None:
+        positions = mq.positions() if mq is not None else None
+        if positions is None:  # no queue yet, or closed by shutdown
             return {}
-        written, read = mq.positions()
+        written, read = positions
         return {events.GAUGE_MQ_WRITTEN: written,
                 **{f"{events.GAUGE_MQ_READER_PREFIX}{rank}": n for rank, n in enumerate(read)}}  # fmt: skip
 

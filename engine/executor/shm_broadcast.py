@@ -451,13 +451,19 @@ class MessageQueue:
             if start >= msg_len:
                 return
 
-    def positions(self) -> tuple[int, list[int]]:
+    def positions(self) -> tuple[int, list[int]] | None:
         """``(chunks written, [chunks read by reader i])`` since the queue was created: the
         writer's lead over the slowest reader is the queue's lag (live telemetry reads this
-        from another thread; a torn read is off by one at most)."""
+        from another thread; a torn read is off by one at most). None once the queue is
+        closed — shutdown may close it while the telemetry thread is reading."""
+        if self._closed:
+            return None
         words, n = self._words, self._layout.n_readers
-        written = max(words[base + _M_WRITTEN] for base in self._slot_base)
-        read = [max(words[base + _M_READ + r] for base in self._slot_base) for r in range(n)]
+        try:
+            written = max(words[base + _M_WRITTEN] for base in self._slot_base)
+            read = [max(words[base + _M_READ + r] for base in self._slot_base) for r in range(n)]
+        except ValueError:  # "operation forbidden on released memoryview": closed meanwhile
+            return None
         return written, read
 
     def _lagging_readers(self, base: int) -> list[int]:

@@ -24,6 +24,11 @@ seconds on a CPU), later starts of the same model and settings load it.
 
 ``--enforce-eager`` (or ``GLASSBOX_TORCH_COMPILE=0``) keeps the plain eager forward, the
 readable reference the compiled one is tested against.
+
+``CompiledModel`` sets Inductor's options for the whole process (``cpp.threads``,
+``backed_size_oblivious``, the cache directory): in a worker process that is only Glassbox's
+compile; with ``GLASSBOX_ENABLE_MULTIPROCESSING=0`` they reach your own ``torch.compile``
+calls in the same process too.
 """
 
 from __future__ import annotations
