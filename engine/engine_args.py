@@ -93,7 +93,8 @@ REFUSED_VLLM_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag(
         ("--compilation-config", "-O"),
         True,
-        "the model is compiled with Inductor's defaults unless --enforce-eager; there are no levels to choose",
+        "the model is compiled (torch.compile, Inductor, Glassbox's settings) unless --enforce-eager or "
+        "GLASSBOX_TORCH_COMPILE=0; there are no levels to choose",
     ),
     VllmFlag(("--hf-overrides",), True, "config.json is read as it is"),
     VllmFlag(("--rope-scaling",), True, "config.json is read as it is"),

@@ -25,6 +25,26 @@ def _bool(value: str) -> bool:
     raise ValueError(f"expected 0 or 1, got {value!r}")
 
 
+def _cache_root(value: str) -> str:
+    """A directory Glassbox may create and write: an existing non-directory or an existing
+    directory it cannot write is refused (found in the first process, not by a worker's
+    compile)."""
+    path = os.path.expanduser(value.strip())
+    if not path:
+        raise ValueError("expected a directory path, got an empty value")
+    existing = path
+    while not os.path.exists(existing):
+        parent = os.path.dirname(existing)
+        if parent == existing:
+            break
+        existing = parent
+    if not os.path.isdir(existing):
+        raise ValueError(f"{existing!r} exists and is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{existing!r} is not writable by this user")
+    return value
+
+
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -144,11 +164,13 @@ ENV_VARS: dict[str, EnvVar] = {
         ),
         EnvVar(
             "GLASSBOX_CACHE_ROOT",
-            str,
+            _cache_root,
             "~/.cache/glassbox",
-            "Glassbox's cache directory (vLLM: VLLM_CACHE_ROOT). torch.compile's compiled graphs "
-            "are kept in its torch_compile_cache/ (unless TORCHINDUCTOR_CACHE_DIR is set), so a "
-            "second start of the same model and settings loads them instead of compiling.",
+            "Glassbox's cache directory (vLLM: VLLM_CACHE_ROOT), created when first needed. "
+            "torch.compile's compiled graphs are kept in its torch_compile_cache/ (unless "
+            "TORCHINDUCTOR_CACHE_DIR is set), so a second start of the same model and settings "
+            "loads them instead of compiling; the C++ paged-attention kernel (CPU_PAGED_CPP) is "
+            "built into its kernels/.",
         ),
         EnvVar(
             "GLASSBOX_TRACE_FILE",

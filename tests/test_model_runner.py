@@ -576,3 +576,36 @@ def test_default_attention_backend_is_the_cpp_kernel_on_a_cpu_else_sdpa_with_a_w
         runner = make_runner(checkpoints["llama"], attention_backend=None)
     assert runner.attention_backend == "TORCH_SDPA"
     assert "CPU_PAGED_CPP" in caplog.text and "/nonexistent/g++" in caplog.text
+
+
+_GENERATE_COMPILED = """
+import json, sys
+from engine import LLM, SamplingParams
+llm = LLM(sys.argv[1], max_model_len=128)
+out = llm.generate([{"prompt_token_ids": list(range(3, 20))}], SamplingParams(temperature=0, max_tokens=8,
+                   ignore_eos=True), use_tqdm=False)
+print(json.dumps(out[0].outputs[0].token_ids))
+"""
+
+
+def test_a_compiler_that_does_not_work_falls_back_to_eager_and_says_why(tiny_dir, tmp_path):
+    """A fresh user's find: with a C++ compiler on PATH that fails (here /usr/bin/false), the
+    compile crashed the worker; now the C++ kernel and torch.compile each fall back (to
+    TORCH_SDPA, to eager) with a warning, and the tokens are still transformers'."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CXX": "/usr/bin/false", "GLASSBOX_TORCH_COMPILE": "1",
+           "GLASSBOX_ENABLE_MULTIPROCESSING": "0", "GLASSBOX_CACHE_ROOT": str(tmp_path / "cache")}  # fmt: skip
+    path = str(tiny_dir("llama"))  # with a tokenizer, for LLM
+    done = subprocess.run([sys.executable, "-c", _GENERATE_COMPILED, path], env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "torch.compile failed, running the model eagerly" in done.stderr
+    assert (
+        "attention backend TORCH_SDPA: the C++ paged kernel (CPU_PAGED_CPP) is not available" in done.stderr
+    )
+    tokens = json.loads(done.stdout.strip().splitlines()[-1])
+    assert tokens == hf_greedy(path, list(range(3, 20)), 8)

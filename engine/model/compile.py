@@ -57,16 +57,20 @@ def compile_cache_dir() -> Path:
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if chosen and chosen != default_cache_dir():
+    if chosen and chosen not in (default_cache_dir(), _set_by_us):
         return Path(chosen)
     return Path(envs.GLASSBOX_CACHE_ROOT).expanduser() / "torch_compile_cache"
+
+
+_set_by_us: str | None = None  # what use_compile_cache_dir last put in the variable
 
 
 def use_compile_cache_dir() -> Path:
     """Point Inductor at ``compile_cache_dir()`` for this process (it reads the variable at
     each compile) and return it."""
+    global _set_by_us
     path = compile_cache_dir()
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    _set_by_us = os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
     return path
 
 

@@ -116,6 +116,16 @@ class _Batch:
     prompt_logprob_spans: list[tuple[int, int, int, int]]
 
 
+def _is_compile_failure(error: BaseException) -> bool:
+    """Whether ``error`` may come from torch.compile itself (Dynamo, Inductor, the C++
+    compiler it runs, its cache directory) rather than from the model. The caller reruns the
+    step eagerly, so an error of the model's own is raised again there."""
+    from torch._dynamo.exc import TorchDynamoException
+    from torch._inductor.exc import InductorError
+
+    return isinstance(error, (TorchDynamoException, InductorError, OSError, subprocess.SubprocessError))
+
+
 def _check_inductor_can_compile(device: torch.device) -> None:
     """PAGED_INDUCTOR's kernel is compiled by Inductor: fail at once, naming the way out,
     rather than deep inside the first compile.
@@ -286,8 +296,8 @@ class ModelRunner:
                     f"{missing}: install one (e.g. apt install g++) or use --attention-backend TORCH_SDPA"
                 )
             logger.info(
-                "attention backend CPU_PAGED_CPP: decodes through the C++ paged kernel %s (built once, "
-                "a second or two)",
+                "attention backend CPU_PAGED_CPP: decodes through the C++ paged kernel %s (built at the "
+                "first start, a second or two; loaded from there after)",
                 kernel_path(),
             )
         else:
@@ -297,21 +307,39 @@ class ModelRunner:
         if why_eager is None:
             self.compiled = CompiledModel(self.model)
             logger.info(
-                "compiling the model forward with torch.compile (Inductor; cache %s)", self.compiled.cache_dir
+                "compiling the model forward with torch.compile (Inductor; loaded instead when %s "
+                "holds this graph)",
+                self.compiled.cache_dir,
             )
+        elif why_eager.startswith("torch.compile needs"):
+            logger.warning("running the model eagerly: %s", why_eager)
         else:
             logger.info("running the model eagerly: %s", why_eager)
+        try:
+            self._warm_up_steps()
+        except Exception as e:
+            if self.compiled is None or not _is_compile_failure(e):
+                raise
+            # A compiler that is there but does not work, a cache directory that cannot be
+            # written: serve eagerly rather than not at all, and say why.
+            logger.warning("torch.compile failed, running the model eagerly (--enforce-eager skips the "
+                           "attempt): %s: %s", type(e).__name__, str(e).strip().splitlines()[0][:300])  # fmt: skip
+            self.compiled = None
+            self._warm_up_steps()
+        if self.compiled is None:
+            return {"mode": "eager", "graphs": 0, "seconds": 0.0}
+        self.compiled.seal()
+        logger.info("torch.compile: %d graph(s) in %.1f s", self.compiled.num_graphs, self.compiled.compile_s)
+        return {"mode": "inductor", "graphs": self.compiled.num_graphs, "seconds": self.compiled.compile_s}
+
+    def _warm_up_steps(self) -> None:
+        """A prefill and two batches of decodes on dummy tokens (block 0, the null block)."""
         prefill_len = min(self.max_num_tokens, self.max_model_len, 4 * self.block_size)
         self._dummy_step([prefill_len])
         num_decodes = min(self.max_num_reqs, self.max_num_tokens, 8)
         for _ in range(2):
             self._dummy_step([1] * num_decodes)
         self._synchronize()
-        if self.compiled is None:
-            return {"mode": "eager", "graphs": 0, "seconds": 0.0}
-        self.compiled.seal()
-        logger.info("torch.compile: %d graph(s) in %.1f s", self.compiled.num_graphs, self.compiled.compile_s)
-        return {"mode": "inductor", "graphs": self.compiled.num_graphs, "seconds": self.compiled.compile_s}
 
     def _choose_attention_backend(self) -> str:
         """``--attention-backend`` when given; else ``CPU_PAGED_CPP`` on a CPU where its kernel
@@ -340,10 +368,10 @@ class ModelRunner:
         if self.model_config.enforce_eager:
             return "--enforce-eager"
         if not envs.GLASSBOX_TORCH_COMPILE:
-            return "GLASSBOX_TORCH_COMPILE=0"
+            return "GLASSBOX_TORCH_COMPILE is off"
         missing = missing_cxx_compiler(self.device)
         if missing:
-            return f"torch.compile needs a C++ compiler on a CPU and there is {missing} (install g++)"
+            return f"torch.compile needs a C++ compiler on a CPU and there is {missing} (install one, e.g. g++, or fix $CXX)"
         return None
 
     # ------------------------------------------------------------------ one step
