@@ -323,7 +323,7 @@ class ModelRunner:
             # A compiler that is there but does not work, a cache directory that cannot be
             # written: serve eagerly rather than not at all, and say why.
             logger.warning("torch.compile failed, running the model eagerly (--enforce-eager skips the "
-                           "attempt): %s: %s", type(e).__name__, str(e).strip().splitlines()[0][:300])  # fmt: skip
+                           "attempt): %s: %s", type(e).__name__, (str(e).strip().splitlines() or [""])[0][:300])  # fmt: skip
             self.compiled = None
             self._warm_up_steps()
         if self.compiled is None:
