@@ -8,6 +8,9 @@ checked against delays we chose. Route prefixes change its behaviour:
 - ``/flaky/v1/completions`` answers every second request with HTTP 500;
 - ``/pairs/v1/completions`` puts two tokens in each chunk;
 - ``/nousage/v1/completions`` sends no usage chunk;
+- ``/blank/v1/completions`` sends its first ``BLANK_CHUNKS`` tokens with empty text (as a
+  real server does for a byte that completes no character yet);
+- a chat stream opens with the role chunk, sent with the first token as vLLM does;
 - without ``ignore_eos`` it "meets EOS" after ``EOS_AFTER`` tokens.
 """
 
@@ -40,6 +43,7 @@ from engine.cli.main import main
 TTFT_S = 0.2  # long enough that a loaded machine still gets every allowed request in flight at once
 ITL_S = 0.01
 EOS_AFTER = 3
+BLANK_CHUNKS = 3
 MODEL = "peer-model"
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -93,17 +97,21 @@ def _build_app(peer: Peer):
             tokens = min(tokens, EOS_AFTER)
         per_chunk = 2 if mode == "pairs" else 1
 
-        def event(piece: str) -> str:
-            choice = {"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}
+        def event(piece: str, delta: dict | None = None) -> str:
+            delta = delta or {"content": piece}
+            choice = {"index": 0, "delta": delta} if chat else {"index": 0, "text": piece}
             return f"data: {json.dumps({'choices': [choice]})}\n\n"
 
         async def stream():
             try:
                 await asyncio.sleep(TTFT_S)
+                if chat:
+                    yield event("", {"role": "assistant", "content": ""})
                 for sent in range(0, tokens, per_chunk):
                     if sent:
                         await asyncio.sleep(ITL_S)
-                    yield event("x" * min(per_chunk, tokens - sent))
+                    blank = mode == "blank" and sent < BLANK_CHUNKS
+                    yield event("" if blank else "x" * min(per_chunk, tokens - sent))
                 if mode != "nousage":
                     usage = {"prompt_tokens": 0, "completion_tokens": tokens, "total_tokens": tokens}
                     yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
@@ -119,6 +127,7 @@ def _build_app(peer: Peer):
         return await complete(request, "plain")
 
     @app.post("/{mode}/v1/completions")
+    @app.post("/{mode}/v1/chat/completions")
     async def with_mode(request: Request, mode: str):
         return await complete(request, mode)
 
@@ -339,6 +348,28 @@ def test_without_usage_tokens_are_counted_by_chunks(peer, tmp_path):
         "4",
     )
     assert result["total_output_tokens"] == 8
+
+
+def test_ttft_is_the_first_chunk_even_with_empty_text(peer, tmp_path):
+    # As vLLM's client: a token whose text is still empty is a token made. Timing the first
+    # non-empty text instead put TTFT BLANK_CHUNKS steps late (and, on a random model whose
+    # bytes rarely form characters, at the end of the stream).
+    _, url = peer
+    flags = ["--endpoint", "/blank/v1/completions", "--num-prompts", "2", "--random-output-len", "6"]
+    result = _bench(url, tmp_path, *flags)
+    for r in result["requests"]:
+        assert r["generated_text"] == "xxx" and r["output_tokens"] == 6
+        assert TTFT_S * 1000 <= r["ttft_ms"] < TTFT_S * 1000 + 500
+        assert len(r["itl_ms"]) == 5 and sum(r["itl_ms"]) == pytest.approx(r["latency_ms"] - r["ttft_ms"])
+
+
+def test_chat_role_chunk_times_ttft_but_is_not_a_token(peer, tmp_path, default_model_dir):
+    _, url = peer
+    flags = ["--endpoint", "/nousage/v1/chat/completions", "--tokenizer", str(default_model_dir)]
+    result = _bench(url, tmp_path, *flags, "--num-prompts", "2", "--random-output-len", "4")
+    assert result["total_output_tokens"] == 2 * 4  # counted by chunks: the role chunk is none
+    for r in result["requests"]:
+        assert TTFT_S * 1000 <= r["ttft_ms"] < TTFT_S * 1000 + 500 and len(r["itl_ms"]) == 4
 
 
 @pytest.mark.parametrize("limit, expected_peak", [("1", 1), ("3", 3), (None, 8)])

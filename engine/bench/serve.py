@@ -9,12 +9,18 @@ The class names are vLLM's (``SampleRequest``, ``RequestFuncInput``, ``RequestFu
 The idea. A client cannot see tokens, only the chunks of a server-sent-event stream, so every
 latency is measured at chunk arrival. For each request (all times ``time.perf_counter``):
 
-- **TTFT** (time to first token): request sent → first chunk whose text is not empty.
-- **ITL** (inter-token latency): the gap between consecutive non-empty chunks. A chunk may
+- **TTFT** (time to first token): request sent → first chunk that carries a choice, *even
+  one with empty text*, as in vLLM: a server sends a chunk per step that made tokens, and a
+  token's text may be empty (a byte that completes no character yet, a skipped special
+  token, text held back for a possible stop string) though the token is made. (Timing the
+  first *non-empty* text instead once made a random-weight model's TTFT p99 look 2 s where
+  its first tokens came after 0.8 s.) A chat stream's first chunk is the role chunk, which
+  servers send with the first token.
+- **ITL** (inter-token latency): the gap between consecutive choice chunks. A chunk may
   carry several tokens (the server coalesced them, or speculative decoding accepted a run);
   as in vLLM, each *chunk* gives one ITL sample — the gap is not divided among its tokens.
-- **E2EL** (end-to-end latency): request sent → last non-empty chunk. Ending at the last
-  text chunk rather than at ``[DONE]`` makes TPOT the mean chunk gap when chunks are tokens.
+- **E2EL** (end-to-end latency): request sent → last choice chunk (not ``[DONE]``, nor the
+  usage chunk), so TPOT is the mean chunk gap when chunks are tokens.
 - **TPOT** (time per output token, first token excluded): ``(E2EL - TTFT) / (tokens - 1)``,
   only for requests with more than one output token. It counts *tokens* (from the final
   ``usage`` chunk when the server sends one, else one per chunk), so it differs from the
@@ -204,10 +210,11 @@ class RequestFuncOutput:
     Attributes:
         success: the stream ended normally (HTTP 200, no error event).
         prompt_len: prompt tokens, as planned by the dataset.
-        output_tokens: ``usage.completion_tokens`` of the final chunk, else the chunk count.
-        ttft: sent → first non-empty chunk.
-        itl: one gap per later non-empty chunk (len = chunks - 1).
-        latency: sent → last non-empty chunk (E2EL).
+        output_tokens: ``usage.completion_tokens`` of the final chunk, else the number of
+            choice chunks (a chat stream's role chunk not counted).
+        ttft: sent → first chunk with a choice, its text empty or not.
+        itl: one gap per later choice chunk (len = chunks - 1).
+        latency: sent → last choice chunk (E2EL).
         start_time: when it was sent, after the benchmark's start.
         error: why it failed (HTTP status and body, exception, timeout); "" on success.
     """
@@ -242,7 +249,7 @@ def _payload(request: RequestFuncInput) -> dict[str, Any]:
 
 
 def _chunk_text(chunk: dict[str, Any], chat: bool) -> str | None:
-    """The text a chunk carries, or None when it has no choices (the final usage chunk)."""
+    """The text a chunk carries ("" for none), or None when it has no choices (the usage chunk)."""
     choices = chunk.get("choices")
     if not choices:
         return None
@@ -251,19 +258,24 @@ def _chunk_text(chunk: dict[str, Any], chat: bool) -> str | None:
     return choices[0].get("text") or ""
 
 
+def _is_role_chunk(chunk: dict[str, Any]) -> bool:
+    """A chat stream's opening chunk: a role and no content (it times TTFT, but is no token)."""
+    delta = chunk["choices"][0].get("delta") or {}
+    return "role" in delta and not delta.get("content")
+
+
 async def async_request_openai_completions(
     client: Any, request: RequestFuncInput, headers: dict[str, str] | None = None
 ) -> RequestFuncOutput:
     """Send one streaming (chat) completion and time its chunks.
 
     ``client`` is an ``httpx.AsyncClient``. Never raises for a request that fails: the
-    failure is the output (``success=False``, ``error`` set). A stream without any non-empty
-    chunk (e.g. EOS first, with ``ignore_eos`` off) times TTFT and E2EL at its first chunk.
+    failure is the output (``success=False``, ``error`` set). Every chunk that carries a
+    choice is timed, whatever its text (vLLM's ``async_request_openai_completions``).
     """
     output = RequestFuncOutput(prompt_len=request.prompt_len)
     usage_tokens: int | None = None
-    chunks = 0
-    first_choice_at: float | None = None
+    chunks = token_chunks = 0  # every choice chunk; those not a chat stream's role chunk
     start = last = time.perf_counter()
     try:
         async with client.stream(
@@ -285,15 +297,15 @@ async def async_request_openai_completions(
                     output.error = f"error event: {json.dumps(chunk['error'])[:_ERROR_TEXT_LIMIT]}"
                     return output
                 text = _chunk_text(chunk, request.chat)
-                if text is not None and first_choice_at is None:
-                    first_choice_at = now
-                if text:
+                if text is not None:
                     if chunks == 0:
                         output.ttft = now - start
                     else:
                         output.itl.append(now - last)
                     last = now
                     chunks += 1
+                    if not (request.chat and _is_role_chunk(chunk)):
+                        token_chunks += 1
                     output.generated_text += text
                 if usage := chunk.get("usage"):
                     usage_tokens = usage.get("completion_tokens")
@@ -301,13 +313,10 @@ async def async_request_openai_completions(
         output.error = f"{type(e).__name__}: {' '.join(str(e).split())}"[:_ERROR_TEXT_LIMIT]
         return output
     if chunks == 0:
-        if first_choice_at is None:
-            output.error = "the stream carried no choices"
-            return output
-        output.ttft = first_choice_at - start
-        last = first_choice_at
+        output.error = "the stream carried no choices"
+        return output
     output.latency = last - start
-    output.output_tokens = usage_tokens if usage_tokens is not None else chunks
+    output.output_tokens = usage_tokens if usage_tokens is not None else token_chunks
     output.success = True
     return output
 

@@ -2,8 +2,10 @@
 
 Mirrors vLLM's ``vllm/entrypoints/openai/serving_chat.py`` (``OpenAIServingChat``). The
 messages are rendered with the tokenizer's chat template (``apply_chat_template``), then the
-request runs like one completion. A stream first sends, for each choice, a chunk whose delta
-is ``{"role": "assistant", "content": ""}``, then content deltas, the last one carrying the
+request runs like one completion. A stream first sends, with the engine's first output, for
+each choice a chunk whose delta is ``{"role": "assistant", "content": ""}``, then one content
+delta per engine output that brought tokens (empty while a character is incomplete or text is
+held back for a possible stop string, as vLLM sends it), the last one carrying the
 ``finish_reason``; with ``stream_options.include_usage`` a final chunk with no choices
 carries the usage.
 
@@ -166,11 +168,16 @@ class OpenAIServingChat(OpenAIServing):
         completion_tokens = 0
         try:
             async with contextlib.aclosing(outputs):
-                # The role comes first, once per choice, before any content (as OpenAI does).
-                for index in range(request.n):
-                    delta = DeltaMessage(role="assistant", content="")
-                    yield chunk([ChatCompletionResponseStreamChoice(index=index, delta=delta)])
+                role_sent = False
                 async for _, output in outputs:
+                    if not role_sent:
+                        # The role comes first, once per choice, before any content (as OpenAI
+                        # does) — with the first engine output, as in vLLM, so a client's first
+                        # chunk marks its first token (and an error before it comes alone).
+                        role_sent = True
+                        for index in range(request.n):
+                            delta = DeltaMessage(role="assistant", content="")
+                            yield chunk([ChatCompletionResponseStreamChoice(index=index, delta=delta)])
                     for out in output.outputs:
                         completion_tokens += len(out.token_ids)
                         logprobs = None
@@ -178,8 +185,8 @@ class OpenAIServingChat(OpenAIServing):
                             logprobs = self.create_logprobs(
                                 out.token_ids, out.logprobs, request.top_logprobs or 0
                             )
-                        if not out.text and out.finish_reason is None and logprobs is None:
-                            continue  # everything new is held back (a possible stop string)
+                        if not out.text and not out.token_ids and out.finish_reason is None:
+                            continue  # nothing new for this choice (vLLM: "don't return empty chunks")
                         choice = ChatCompletionResponseStreamChoice(
                             index=out.index,
                             delta=DeltaMessage(content=out.text),

@@ -7,7 +7,10 @@ engine request (``<id>-<i>``), run concurrently, and prompt ``i``'s sample ``j``
 
 A full response asks the engine for ``FINAL_ONLY`` outputs (one per prompt, at the end); a
 stream asks for ``DELTA`` outputs, so each chunk carries only new text — and text that could
-still turn into a stop string is held back by the output processor, never sent.
+still turn into a stop string is held back by the output processor, never sent. As in vLLM, a
+stream has one chunk per engine output that brought new tokens, even when its text is empty
+(a byte token that completes no character yet, a skipped special token, text held back):
+a client sees every step, and ``vllm bench serve`` times the first token at the first chunk.
 
 ``logprobs.text_offset`` is where each token's text starts in the choice's text, found by
 replaying the tokens through an ``IncrementalDetokenizer`` set up as the output processor's
@@ -279,8 +282,8 @@ class OpenAIServingCompletion(OpenAIServing):
                         logprobs = None
                         if want_logprobs and top is not None:
                             logprobs = self.create_logprobs(token_ids, top, request.logprobs, offsets)
-                        if not text and out.finish_reason is None and not (logprobs and logprobs.tokens):
-                            continue  # everything new is held back (a possible stop string)
+                        if not text and not token_ids and out.finish_reason is None:
+                            continue  # nothing new for this choice (vLLM: "don't return empty chunks")
                         choice = CompletionResponseStreamChoice(
                             index=i,
                             text=text,
