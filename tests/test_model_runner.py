@@ -549,6 +549,30 @@ def test_linear_weights_are_packed_for_onednn_and_give_the_same_products(checkpo
     torch.testing.assert_close(got, torch.nn.functional.linear(x, model.lm_head.weight), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("amx", [False, True])
+def test_bf16_linears_run_as_f32_matmuls_on_a_cpu_without_amx(checkpoints, monkeypatch, amx):
+    """On a CPU without AMX, bfloat16 dot products are no faster than float32 FMAs: steps of
+    BF16_AS_F32_MIN_ROWS rows or more multiply the upcast weight in float32 — the same math (bfloat16 operands,
+    float32 sums, one rounding), so the product is the float32 one rounded to bfloat16."""
+    from engine.model import layers
+
+    if not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("this CPU has no bfloat16 matmul in oneDNN")
+    monkeypatch.setattr(layers, "bf16_linears_as_f32", lambda: not amx)
+    model = load_model(ModelConfig(model=checkpoints["qwen2"]), torch.device("cpu"), torch.bfloat16)
+    qkv = model.model.layers[0].self_attn.qkv_proj  # Qwen2's has a bias
+    assert qkv.bias is not None and (qkv.packed_weight_f32 is None) == amx
+    assert (model.lm_head.packed_weight_f32 is None) == amx
+    for rows in (3, layers.BF16_AS_F32_MIN_ROWS, layers.BF16_AS_F32_MIN_ROWS + 37):
+        x = torch.randn(rows, qkv.weight.shape[1], dtype=torch.bfloat16)
+        with torch.inference_mode():
+            got = qkv(x)
+        exact = (x.double() @ qkv.weight.double().T + qkv.bias.double()).float()
+        # One rounding of a float32 sum: within a bfloat16 step (2^-8 relative) of the exact value.
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), exact, atol=1e-2, rtol=2**-8)
+
+
 def test_paged_inductor_with_enforce_eager_or_without_a_compiler_is_one_clear_error(checkpoints, monkeypatch):
     from engine.config import ConfigError
     from engine.worker.model_runner import _check_inductor_can_compile

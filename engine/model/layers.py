@@ -27,7 +27,10 @@ oneDNN (``pack_linear_weights``; vLLM: ``process_weights_after_loading`` →
 instead of on every call. Measured on the "small" benchmark model, one thread, per
 CPU-second: +15–20 % output tokens in float32, +10 % in bfloat16 (docs/performance.md). The
 plain ``weight`` stays (the loader, tied embeddings and the tests read it), so linear weights
-take twice their size in memory.
+take twice their size in memory. A bfloat16 model on a CPU without AMX also keeps each linear
+weight upcast to float32 and packed (``bf16_linears_as_f32``: the same math, faster there for
+steps of ``BF16_AS_F32_MIN_ROWS`` rows or more), so its linear weights take four times their
+bfloat16 size.
 
 Left out: fused residual-add RMSNorm, quantization, vocab padding, RoPE types other than
 default / linear / llama3 (yarn, dynamic NTK, longrope, partial rotary).
@@ -203,34 +206,72 @@ def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> N
     param.data.copy_(loaded_weight)
 
 
+# Rows of input from which a bfloat16 linear runs as a float32 matmul, on a CPU without AMX:
+# measured in the small benchmark model's compiled step (2-core Xeon), 64 rows and up gain
+# (decode of 64: -7 %, of 128: -15 %, a 16 × 128-token prefill: -30 % step time); below,
+# the casts cost what the matmul saves, and under 16 rows reading half the bytes wins.
+BF16_AS_F32_MIN_ROWS = 64
+
+
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    packed: torch.Tensor | None,
+    packed_f32: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x W^T + b``: ``x`` (num_tokens, in) → (num_tokens, out). With ``packed`` (the same
     weight in oneDNN's blocked layout, ``pack_linear_weights``) through oneDNN's matmul, else
-    ``F.linear``; also ``F.linear`` where autograd is on (the packed op has no backward)."""
+    ``F.linear``; also ``F.linear`` where autograd is on (the packed op has no backward).
+    ``packed_f32`` (a bfloat16 weight upcast to float32 and packed, on a CPU without AMX)
+    serves inputs of at least ``BF16_AS_F32_MIN_ROWS`` rows: see ``pack_linear_weights``."""
     if packed is None or x.dim() != 2 or torch.is_grad_enabled():
         return F.linear(x, weight, bias)
     if torch.compiler.is_compiling():
-        return torch.ops.glassbox.onednn_linear(x, weight, bias, packed)
-    if x.shape[0] == 0:
+        return torch.ops.glassbox.onednn_linear(x, weight, bias, packed, packed_f32)
+    return _onednn_linear(x, weight, bias, packed, packed_f32)
+
+
+def _onednn_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    packed: torch.Tensor,
+    packed_f32: torch.Tensor | None,
+) -> torch.Tensor:
+    rows = x.shape[0]
+    if rows == 0:
         return F.linear(x, weight, bias)
+    if packed_f32 is not None and rows >= BF16_AS_F32_MIN_ROWS:
+        # Exactly the bfloat16 matmul's math (bfloat16 operands, float32 products and sums,
+        # one rounding of the result), on the CPU's faster float32 units.
+        bias_f32 = None if bias is None else bias.float()
+        return torch.ops.mkldnn._linear_pointwise(x.float(), packed_f32, bias_f32, "none", [], "").to(x.dtype)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 @torch.library.custom_op("glassbox::onednn_linear", mutates_args=())
 def onednn_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    packed: torch.Tensor,
+    packed_f32: torch.Tensor | None,
 ) -> torch.Tensor:
     """``linear`` with a packed weight as one op of a compiled graph: Inductor calls it as
-    it is (its own lowering of oneDNN's op wants the weights frozen into the graph)."""
-    if x.shape[0] == 0:
-        return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    it is (its own lowering of oneDNN's op wants the weights frozen into the graph), and the
+    choice between ``packed`` and ``packed_f32`` is made per call, on the step's row count."""
+    return _onednn_linear(x, weight, bias, packed, packed_f32)
 
 
 @onednn_linear.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor) -> torch.Tensor:
+def _(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    packed: torch.Tensor,
+    packed_f32: torch.Tensor | None,
+) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
@@ -250,16 +291,34 @@ def _pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+def bf16_linears_as_f32() -> bool:
+    """Whether bfloat16 linears of ``BF16_AS_F32_MIN_ROWS`` rows or more run as float32
+    matmuls on this CPU: where it has no AMX tiles. Its bfloat16 dot products (AVX512-BF16)
+    then do no more per cycle than its float32 FMAs, and oneDNN's bfloat16 kernel reached
+    166 GFLOP/s against 258–304 in float32 on a 2-core Xeon, so the same math is faster in
+    float32 (1.3–1.55× per linear from 64 rows up, casts included)."""
+    is_amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return is_amx is not None and not is_amx()
+
+
 def pack_linear_weights(model: nn.Module) -> int:
     """Pre-pack every linear weight of ``model`` (and its ``lm_head``) for oneDNN on a CPU;
-    returns how many were packed (0 off the CPU). Call once, after ``load_weights``."""
+    returns how many were packed (0 off the CPU). Call once, after ``load_weights``.
+
+    A bfloat16 weight on a CPU without AMX (``bf16_linears_as_f32``) is also packed upcast
+    to float32 (``packed_weight_f32``, twice the bytes), which steps of at least
+    ``BF16_AS_F32_MIN_ROWS`` rows use."""
     targets = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
     head = getattr(model, "lm_head", None)
     if isinstance(head, VocabParallelEmbedding):  # ParallelLMHead, or the tied embedding table
         targets.append(head)
+    as_f32 = bf16_linears_as_f32()
     packed = 0
     for module in targets:
         module.packed_weight = _pack_for_onednn(module.weight)
+        module.packed_weight_f32 = None
+        if module.packed_weight is not None and module.weight.dtype == torch.bfloat16 and as_f32:
+            module.packed_weight_f32 = _pack_for_onednn(module.weight.detach().float())
         packed += module.packed_weight is not None
     return packed
 
@@ -294,6 +353,7 @@ class ColumnParallelLinear(nn.Module):
         self.tp_size = tp_size
         self.output_size_per_partition = output_size // tp_size
         self.packed_weight: torch.Tensor | None = None  # pack_linear_weights, on a CPU
+        self.packed_weight_f32: torch.Tensor | None = None  # the same, for bfloat16 without AMX
         self.weight = _set_loader(
             nn.Parameter(torch.empty(self.output_size_per_partition, input_size)), self.weight_loader
         )
@@ -309,7 +369,7 @@ class ColumnParallelLinear(nn.Module):
         default_weight_loader(param, loaded_weight.narrow(0, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        return linear(x, self.weight, self.bias, self.packed_weight, self.packed_weight_f32)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -418,6 +478,7 @@ class RowParallelLinear(nn.Module):
         self.tp_size = tp_size
         self.input_size_per_partition = input_size // tp_size
         self.packed_weight: torch.Tensor | None = None  # pack_linear_weights, on a CPU
+        self.packed_weight_f32: torch.Tensor | None = None  # the same, for bfloat16 without AMX
         self.weight = _set_loader(
             nn.Parameter(torch.empty(output_size, self.input_size_per_partition)), self.weight_loader
         )
@@ -431,9 +492,9 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return linear(x, self.weight, self.bias, self.packed_weight)
+            return linear(x, self.weight, self.bias, self.packed_weight, self.packed_weight_f32)
         y = tensor_model_parallel_all_reduce(
-            linear(x, self.weight, None, self.packed_weight)
+            linear(x, self.weight, None, self.packed_weight, self.packed_weight_f32)
         )  # (num_tokens, output_size)
         return y + self.bias if self.bias is not None else y
 
@@ -464,6 +525,7 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings_per_partition = -(-num_embeddings // tp_size)
         self.vocab_start_index = tp_rank * self.num_embeddings_per_partition
         self.packed_weight: torch.Tensor | None = None  # as an LM head: pack_linear_weights
+        self.packed_weight_f32: torch.Tensor | None = None  # the same, for bfloat16 without AMX
         self.weight = _set_loader(
             nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim)), self.weight_loader
         )
@@ -494,7 +556,8 @@ class VocabParallelEmbedding(nn.Module):
         every rank holds the same full logits and samples the same tokens. vLLM:
         ``LogitsProcessor`` with ``tensor_model_parallel_all_gather``.
         """
-        logits = linear(hidden, self.weight, None, self.packed_weight)  # (N, vocab / tp)
+        # (N, vocab / tp)
+        logits = linear(hidden, self.weight, None, self.packed_weight, self.packed_weight_f32)
         if self.tp_size > 1:
             logits = tensor_model_parallel_all_gather(logits, dim=-1)[:, : self.num_embeddings]
         return logits.float()

@@ -187,7 +187,10 @@ class ModelRunner:
         tensors = list(self.model.parameters()) + list(self.model.buffers())
         # The CPU's oneDNN copies of the linear weights (engine/model/layers.py) count too.
         tensors += [
-            m.packed_weight for m in self.model.modules() if getattr(m, "packed_weight", None) is not None
+            packed
+            for m in self.model.modules()
+            for packed in (getattr(m, "packed_weight", None), getattr(m, "packed_weight_f32", None))
+            if packed is not None
         ]
         self.model_memory_usage = sum(t.numel() * t.element_size() for t in tensors)
         self.attention_layers = [layer.self_attn.attn for layer in self.model.local_layers]
