@@ -45,7 +45,8 @@ from offline_throughput import build_small_model, make_workload  # noqa: E402
 # What a variant may set; everything in this list is removed from the environment first, so
 # a variant runs with exactly its own settings.
 THREAD_VARS = ("GLASSBOX_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
-               "OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "MKL_NUM_THREADS", "KMP_BLOCKTIME")  # fmt: skip
+               "OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "MKL_NUM_THREADS", "KMP_BLOCKTIME",
+               "GLASSBOX_CPU_ADAPTIVE_THREADS")  # fmt: skip
 
 VARIANTS = {
     "before": {"GLASSBOX_CPU_OMP_THREADS_BIND": "nobind"},

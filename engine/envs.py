@@ -22,7 +22,7 @@ def _bool(value: str) -> bool:
         return True
     if v in ("0", "false", "no", "off", ""):
         return False
-    raise ValueError(f"expected 0 or 1, got {value!r}")
+    raise ValueError(f"expected 0 or 1 (or true/false, yes/no, on/off), got {value!r}")
 
 
 def _cache_root(value: str) -> str:
@@ -137,15 +137,29 @@ ENV_VARS: dict[str, EnvVar] = {
             "when there are several (OMP_NUM_THREADS, when set, still gives the count); more "
             'workers than CPUs: one thread each, unpinned. "0-1|2-3": CPU lists, one per worker '
             "(in rank order, DP engine by DP engine), each worker pinned to its list with one "
-            "thread per CPU. auto and lists also start every child process with "
-            "OMP_WAIT_POLICY=PASSIVE unless OMP_WAIT_POLICY, GOMP_SPINCOUNT or KMP_BLOCKTIME is set: "
-            "an OpenMP thread waiting for its team then sleeps instead of spinning, which keeps "
-            "throughput up when another process takes a core, at some cost on an idle machine "
-            '(docs/performance.md, "One core taken"). nobind: '
+            "thread per CPU. auto and lists also start every child process with a short OpenMP "
+            "wait unless OMP_WAIT_POLICY, GOMP_SPINCOUNT or KMP_BLOCKTIME is set: "
+            "GOMP_SPINCOUNT=10000 with GLASSBOX_CPU_ADAPTIVE_THREADS (the default), else "
+            "OMP_WAIT_POLICY=PASSIVE — a thread waiting for its team then sleeps instead of "
+            "spinning, which keeps throughput up when another process takes a core, at some cost "
+            'on an idle machine (docs/performance.md, "One core taken"). nobind: '
             "leave torch's threads, their affinity and OpenMP's wait policy as torch sets them. "
             "Applied in the worker's own process (and in the engine core with "
             "--distributed-executor-backend uni); a worker inside your process "
             "(GLASSBOX_ENABLE_MULTIPROCESSING=0) follows only explicit lists.",
+        ),
+        EnvVar(
+            "GLASSBOX_CPU_ADAPTIVE_THREADS",
+            _bool,
+            True,
+            "1: a CPU worker with two or more torch threads watches, every quarter second of "
+            "stepping, how much of its CPUs other processes take (/proc/stat, Linux), and runs "
+            "with fewer threads while they do (back to its share when they stop), so a taken "
+            "core does not leave its OpenMP team waiting for a starved thread; children then "
+            "start with GOMP_SPINCOUNT=10000 (a short spin: fast when quiet) instead of "
+            "OMP_WAIT_POLICY=PASSIVE, unless an OpenMP wait variable is set. 0: a fixed thread "
+            'count and OMP_WAIT_POLICY=PASSIVE (docs/performance.md, "Threads that follow '
+            'the load").',
         ),
         EnvVar(
             "GLASSBOX_LOGGING_LEVEL",

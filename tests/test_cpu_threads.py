@@ -17,7 +17,7 @@ from tiny_models import build_tiny_checkpoint
 
 from engine import LLM, SamplingParams, envs
 from engine.config import ConfigError
-from engine.utils.processes import OPENMP_WAIT_DEFAULTS, openmp_wait_env
+from engine.utils.processes import OPENMP_WAIT_ADAPTIVE, OPENMP_WAIT_DEFAULTS, openmp_wait_env
 from engine.worker.worker import CpuThreadPlan, _cpu_ranges, plan_cpu_threads
 
 BIND = "GLASSBOX_CPU_OMP_THREADS_BIND"
@@ -125,13 +125,16 @@ def _wait_settings(env: dict[str, str]) -> str:
 
 
 def test_children_get_the_short_wait_unless_the_user_chose():
-    assert OPENMP_WAIT_DEFAULTS  # a libgomp wait setting shorter than its default spin
-    assert openmp_wait_env({}) == OPENMP_WAIT_DEFAULTS
+    # Adaptive threads (the default): a short spin, libgomp's default is 300,000.
+    assert openmp_wait_env({}) == OPENMP_WAIT_ADAPTIVE == {"GOMP_SPINCOUNT": "10000"}
+    assert openmp_wait_env({BIND: "0-1"}) == OPENMP_WAIT_ADAPTIVE
+    # A fixed thread count: sleep at once, or a taken core stalls the team.
+    fixed = {"GLASSBOX_CPU_ADAPTIVE_THREADS": "0"}
+    assert openmp_wait_env(fixed) == OPENMP_WAIT_DEFAULTS == {"OMP_WAIT_POLICY": "PASSIVE"}
     assert openmp_wait_env({"OMP_WAIT_POLICY": "ACTIVE"}) == {}
-    assert openmp_wait_env({"GOMP_SPINCOUNT": "300000"}) == {}
+    assert openmp_wait_env({"GOMP_SPINCOUNT": "300000", **fixed}) == {}
     assert openmp_wait_env({"KMP_BLOCKTIME": "200"}) == {}
     assert openmp_wait_env({BIND: "nobind"}) == {}
-    assert openmp_wait_env({BIND: "0-1"}) == OPENMP_WAIT_DEFAULTS
 
 
 # ---------------------------------------------------------------- in a real process tree
@@ -171,7 +174,7 @@ def test_worker_applies_a_cpu_list_and_the_engine_core_never_loads_torch(tiny, m
     # /proc/<pid>/environ.)
     err = capfd.readouterr().err
     line = f"Worker rank 0: 1 torch thread(s) on CPUs {cpu} ({BIND}={cpu} for this worker); "
-    assert line + _wait_settings(OPENMP_WAIT_DEFAULTS) in err, err[-3000:]
+    assert line + _wait_settings(OPENMP_WAIT_ADAPTIVE) in err, err[-3000:]
 
 
 @pytest.mark.slow

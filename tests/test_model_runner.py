@@ -247,6 +247,34 @@ def test_chunked_prefill_alongside_decodes(checkpoints, arch, backend, compiled,
         assert runner.compiled.num_graphs == 1
 
 
+def test_a_new_thread_count_mid_run_makes_no_second_graph(checkpoints, monkeypatch):
+    """The CPU thread governor lowers the threads while other processes take CPUs. Through
+    ``set_op_threads``, not torch's global count: the compiled graph is guarded on that, and
+    a change would compile a second graph in the middle of serving. Tokens stay
+    transformers'."""
+    from engine.model.op_threads import get_op_threads, set_op_threads
+
+    monkeypatch.setenv("GLASSBOX_TORCH_COMPILE", "1")
+    path = checkpoints["llama"]
+    runner = make_runner(path)
+    graph_threads = torch.get_num_threads()
+    driver = Driver(runner)
+    driver.add("a", prompt(30, 9))
+    driver.add("b", prompt(31, 14))
+    try:
+        driver.step({"a": 9, "b": 14})
+        set_op_threads(1)
+        assert get_op_threads() == 1
+        driver.decode(["a", "b"], steps=3)
+        assert torch.get_num_threads() == graph_threads  # put back after every op
+        set_op_threads(graph_threads + 1)
+        driver.decode(["a", "b"], steps=3)
+    finally:
+        set_op_threads(None)
+    assert_matches_hf(path, driver, ["a", "b"])
+    assert runner.compiled is not None and runner.compiled.num_graphs == 1
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_prefix_cache_hit_reuses_blocks_of_an_earlier_request(checkpoints, arch):
     path = checkpoints[arch]

@@ -65,6 +65,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ATTENTION_BACKENDS
+from engine.model.op_threads import op_threads
 from engine.model.paged_attention_cpu import load_kernel, paged_decode_attention_cpu
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K, V: (num_blocks, block_size, num_kv_heads, head_dim)
@@ -379,7 +380,8 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index:
 
     ctx = get_forward_context()
     kv_cache = ctx.kv_caches[layer_index] if ctx.kv_caches else None
-    return ctx.layers[layer_index](q, k, v, kv_cache, ctx.attn_metadata)
+    with op_threads():  # the worker's thread count of the moment (engine/model/op_threads.py)
+        return ctx.layers[layer_index](q, k, v, kv_cache, ctx.attn_metadata)
 
 
 @attention_op.register_fake

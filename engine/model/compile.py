@@ -112,10 +112,11 @@ class CompiledModel:
         inductor_config.fx_graph_cache = True
         # Inductor's own kernels (the fused norms, RoPE, SiLU·mul, adds) run on one thread:
         # each would otherwise be an OpenMP parallel region, and with OMP_WAIT_POLICY=PASSIVE
-        # (the workers' default, "One core taken" in docs/performance.md) every region puts
-        # the team to sleep and wakes it again. Measured in the process tree: +15-25 % output
-        # tok/s against all threads. The matrix multiplies (oneDNN) and attention, where the
-        # time is, are opaque ops and keep every thread.
+        # (then the workers' default, "One core taken" in docs/performance.md) every region
+        # put the team to sleep and woke it again. Measured in the process tree: +15-25 %
+        # output tok/s against all threads. The matrix multiplies (oneDNN) and attention,
+        # where the time is, are opaque ops and keep every thread — as many as the worker's
+        # thread governor allows at the moment (engine/model/op_threads.py).
         inductor_config.cpp.threads = 1
         self.model = model
         self.num_graphs = 0

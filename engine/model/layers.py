@@ -51,6 +51,7 @@ from engine.distributed.parallel_state import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
+from engine.model.op_threads import op_threads
 
 
 def _tp(tp_rank: int | None, tp_size: int | None) -> tuple[int, int]:
@@ -242,12 +243,14 @@ def _onednn_linear(
     rows = x.shape[0]
     if rows == 0:
         return F.linear(x, weight, bias)
-    if packed_f32 is not None and rows >= BF16_AS_F32_MIN_ROWS:
-        # Exactly the bfloat16 matmul's math (bfloat16 operands, float32 products and sums,
-        # one rounding of the result), on the CPU's faster float32 units.
-        bias_f32 = None if bias is None else bias.float()
-        return torch.ops.mkldnn._linear_pointwise(x.float(), packed_f32, bias_f32, "none", [], "").to(x.dtype)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    with op_threads():  # the worker's thread count of the moment (engine/model/op_threads.py)
+        if packed_f32 is not None and rows >= BF16_AS_F32_MIN_ROWS:
+            # Exactly the bfloat16 matmul's math (bfloat16 operands, float32 products and sums,
+            # one rounding of the result), on the CPU's faster float32 units.
+            bias_f32 = None if bias is None else bias.float()
+            y = torch.ops.mkldnn._linear_pointwise(x.float(), packed_f32, bias_f32, "none", [], "")
+            return y.to(x.dtype)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 @torch.library.custom_op("glassbox::onednn_linear", mutates_args=())

@@ -153,26 +153,38 @@ class ChildProcess:
 
 
 # What every child gets for OpenMP's wait policy unless the user chose one (or set
-# GLASSBOX_CPU_OMP_THREADS_BIND=nobind): a thread that waits for its team sleeps instead of
-# spinning, so a core taken by another process does not stall the whole team
-# (docs/performance.md, "One core taken"). libgomp — torch's OpenMP on Linux — reads it when it
-# is loaded, i.e. when the child imports torch: it can only be set at spawn.
+# GLASSBOX_CPU_OMP_THREADS_BIND=nobind). With adaptive threads (GLASSBOX_CPU_ADAPTIVE_THREADS,
+# the default) a thread that waits for its team spins briefly, then sleeps: fast between the
+# back-to-back parallel regions of a step, and a worker whose CPUs another process takes runs
+# with fewer threads instead of spinning against it (engine/worker/cpu_thread_governor.py).
+# Without them, it sleeps at once (PASSIVE), so a taken core does not stall the whole team.
+# docs/performance.md, "One core taken" and "Threads that follow the load". libgomp — torch's
+# OpenMP on Linux — reads these when it is loaded, i.e. when the child imports torch: they
+# can only be set at spawn.
+OPENMP_WAIT_ADAPTIVE = {"GOMP_SPINCOUNT": "10000"}
 OPENMP_WAIT_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
 # Any of these set by the user means the user chose: Glassbox then adds none of the above.
 OPENMP_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 
 
 def openmp_wait_env(environ: dict[str, str]) -> dict[str, str]:
-    """The OpenMP wait variables to add to a child's environment ``environ``: the defaults
-    (``OPENMP_WAIT_DEFAULTS``), or nothing when ``environ`` already sets one of
+    """The OpenMP wait variables to add to a child's environment ``environ``:
+    ``OPENMP_WAIT_ADAPTIVE`` under ``GLASSBOX_CPU_ADAPTIVE_THREADS`` (the default), else
+    ``OPENMP_WAIT_DEFAULTS``; nothing when ``environ`` already sets one of
     ``OPENMP_WAIT_VARS`` or ``GLASSBOX_CPU_OMP_THREADS_BIND`` is ``nobind``. Glassbox's own
-    default, chosen by measurement (``benchmarks/cpu_contention.py``); libgomp's own spins
+    defaults, chosen by measurement (``benchmarks/cpu_contention.py``); libgomp's own spins
     300,000 times before it sleeps."""
+    from engine.envs import _bool
+
     if any(environ.get(name) for name in OPENMP_WAIT_VARS):
         return {}
     if environ.get("GLASSBOX_CPU_OMP_THREADS_BIND", "").strip().lower() == "nobind":
         return {}
-    return dict(OPENMP_WAIT_DEFAULTS)
+    try:
+        adaptive = _bool(environ.get("GLASSBOX_CPU_ADAPTIVE_THREADS", "1"))
+    except ValueError:  # refused in the first process before any spawn; be safe anyway
+        adaptive = False
+    return dict(OPENMP_WAIT_ADAPTIVE if adaptive else OPENMP_WAIT_DEFAULTS)
 
 
 def spawn_process(

@@ -43,6 +43,7 @@ from engine.model.attention import AttentionMetadata, KVCache, set_attention_bac
 from engine.model.compile import CompiledModel, missing_cxx_compiler, use_compile_cache_dir
 from engine.model.forward_context import set_forward_context
 from engine.model.loader import load_model
+from engine.model.op_threads import op_threads
 from engine.model.sampler import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
 from engine.model.utils import IntermediateTensors
 from engine.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput
@@ -404,7 +405,7 @@ class ModelRunner:
 
         sampled_lists: list[list[int]] = [[] for _ in batch.req_ids]
         logprobs: dict[str, LogprobsLists] = {}
-        with self._detail(catalogue.MODEL_RUNNER_SAMPLE):
+        with self._detail(catalogue.MODEL_RUNNER_SAMPLE), op_threads():
             self._sample(batch, hidden, sampled_lists, logprobs)
         prompt_logprobs = self._prompt_logprobs(batch, hidden) if batch.prompt_logprob_spans else {}
         return ModelRunnerOutput(
@@ -419,7 +420,9 @@ class ModelRunner:
         """The model's forward for one step: eager (the metadata and caches are arguments), or
         compiled (they are in the forward context, where the attention op reads them)."""
         if self.compiled is None:
-            return self.model(input_ids, positions, meta, self.kv_caches, intermediate_tensors)
+            with op_threads():  # the worker's thread count of the moment; no graph to guard
+                return self.model(input_ids, positions, meta, self.kv_caches, intermediate_tensors)
+        # Compiled: torch's count stays the graph's; the opaque ops set op_threads themselves.
         with set_forward_context(meta, self.kv_caches, self.attention_layers):
             return self.compiled(input_ids, positions, intermediate_tensors)
 

@@ -31,7 +31,10 @@ pins each OpenMP thread to one CPU with its own C++ helper and, under ``auto``, 
 CPUs NUMA node by NUMA node and keeps one back for the engine core; Glassbox pins the whole
 worker process to its share (each thread then placed by the OS inside it), has no NUMA
 logic, and keeps no core back (its engine core sleeps while the worker computes: about 2 %
-of a core, measured in ``benchmarks/cpu_contention.py``).
+of a core, measured in ``benchmarks/cpu_contention.py``). A worker with two or more threads
+then runs with fewer while other processes take its CPUs (``CpuThreadGovernor``,
+``GLASSBOX_CPU_ADAPTIVE_THREADS``), so its threads may spin briefly between parallel regions
+(``GOMP_SPINCOUNT=10000``), which is faster on a quiet machine.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from engine.model.loader import resolve_device, resolve_dtype
 from engine.model.utils import IntermediateTensors
 from engine.outputs import ModelRunnerOutput
 from engine.sched.output import SchedulerOutput
+from engine.worker.cpu_thread_governor import CpuThreadGovernor
 from engine.worker.model_runner import ModelRunner
 from tracing import catalogue, stage
 from tracing.telemetry import events
@@ -230,6 +234,7 @@ class Worker:
         self._execute_model_s = 0.0  # total time in execute_model (get_comm_stats)
         self._num_steps = 0  # execute_model calls (live telemetry)
         self._last_forward_ms = 0.0
+        self._governor: CpuThreadGovernor | None = None  # a CPU worker's adaptive thread count
 
     def _attrs(self, **extra: Any) -> dict[str, Any]:
         return {catalogue.ATTR_RANK: self.rank, **extra}
@@ -274,16 +279,25 @@ class Worker:
         )
         apply_cpu_threads(plan)
         info = self.cpu_threads_info()
+        governor = None
+        if envs.GLASSBOX_CPU_ADAPTIVE_THREADS and plan.num_threads is not None and plan.num_threads >= 2:
+            governor = CpuThreadGovernor(plan.num_threads, plan.cpus or tuple(sorted(_usable_cpus())),
+                                         name=f"Worker rank {self.rank} on CPUs {info['cpus']}")  # fmt: skip
+        self._governor = governor if governor is not None and governor.enabled else None
         logger.info(
-            "Worker rank %d: %d torch thread(s) on CPUs %s (%s); OMP_WAIT_POLICY=%s, GOMP_SPINCOUNT=%s",
-            self.rank, info["num_threads"], info["cpus"], plan.why, info["omp_wait_policy"], info["gomp_spincount"],
+            "Worker rank %d: %d torch thread(s) on CPUs %s (%s%s); OMP_WAIT_POLICY=%s, GOMP_SPINCOUNT=%s",
+            self.rank, info["num_threads"], info["cpus"], plan.why,
+            ", fewer while other processes take CPUs" if self._governor else "",
+            info["omp_wait_policy"], info["gomp_spincount"],
         )  # fmt: skip
 
     def cpu_threads_info(self) -> dict[str, Any]:
         """This worker's torch thread count, the CPUs it may run on (``"0-1"``) and the OpenMP
         wait variables it was started with (``"unset"`` when absent), for tests and benchmarks."""
+        from engine.model.op_threads import get_op_threads
+
         return {
-            "num_threads": torch.get_num_threads(),
+            "num_threads": get_op_threads(),
             "cpus": _cpu_ranges(tuple(_usable_cpus())),
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
             "gomp_spincount": os.environ.get("GOMP_SPINCOUNT", "unset"),
@@ -411,6 +425,8 @@ class Worker:
         from engine.distributed.parallel_state import get_pp_group
 
         start = time.perf_counter()
+        if self._governor is not None:
+            self._governor.step_started()
         pp = get_pp_group()
         intermediate_tensors = None
         runs_forward = scheduler_output.total_num_scheduled_tokens > 0
@@ -425,6 +441,8 @@ class Worker:
             assert pp is not None
             pp.send_tensor_dict(output.tensors)  # on to the next stage; nothing for the engine core
             output = None
+        if self._governor is not None:
+            self._governor.step_finished()
         elapsed = time.perf_counter() - start
         self._execute_model_s += elapsed
         self._num_steps += 1

@@ -1,0 +1,62 @@
+"""The thread count of a step's parallel work, set apart from torch's global count.
+
+A CPU worker's thread governor (``engine/worker/cpu_thread_governor.py``) lowers the number
+of threads while other processes take the worker's CPUs. It cannot simply call
+``torch.set_num_threads``: a compiled forward is guarded on torch's thread count (Dynamo's
+global-state guard, "GLOBAL_STATE changed: num_threads"), and a new count would compile a
+second graph in the middle of serving — a second or more, paid by a request. So the count
+is kept here, and the work that runs in parallel sets it around itself:
+
+- in a compiled step, the opaque ops where the parallel work is — the oneDNN linears
+  (``glassbox::onednn_linear``) and attention (``glassbox::attention``) — enter
+  ``op_threads()``; Inductor's own kernels run on one thread anyway
+  (``engine/model/compile.py``), and the guard still sees the count the graph was made with;
+- an eager step and the sampler run whole inside ``op_threads()``.
+
+``op_threads()`` sets torch's count for the block and puts it back after (0.14 µs a call).
+vLLM has no counterpart (its CPU worker keeps one OpenMP thread per core).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+_op_threads: int | None = None
+
+
+def set_op_threads(num_threads: int | None) -> None:
+    """Run parallel step work with ``num_threads`` threads from now on (None: torch's count).
+
+    Raises:
+        ValueError: ``num_threads`` is below 1.
+    """
+    global _op_threads
+    if num_threads is not None and num_threads < 1:
+        raise ValueError(f"num_threads must be at least 1, got {num_threads}")
+    _op_threads = num_threads
+
+
+def get_op_threads() -> int:
+    """The thread count parallel step work runs with now."""
+    return _op_threads if _op_threads is not None else torch.get_num_threads()
+
+
+@contextlib.contextmanager
+def op_threads() -> Iterator[None]:
+    """Run the block with ``set_op_threads``'s count as torch's thread count."""
+    wanted = _op_threads
+    if wanted is None:
+        yield
+        return
+    saved = torch.get_num_threads()
+    if saved == wanted:
+        yield
+        return
+    torch.set_num_threads(wanted)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)

@@ -1,0 +1,159 @@
+"""``CpuThreadGovernor``: a CPU worker's torch thread count, following how much CPU is left to it.
+
+The problem. A worker's step is a few dozen OpenMP parallel regions (the linears, the paged
+attention kernel), each split over the worker's threads, each ending when the *slowest*
+thread is done. On a quiet 2-core machine two threads that spin briefly between regions
+(``GOMP_SPINCOUNT=10000``) are fastest: measured 610–630 tok/s against 470 for threads that
+sleep at once (``OMP_WAIT_POLICY=PASSIVE``). But when another process takes one of the two
+cores, every region waits for the thread that shares its core with that process, and the
+spinning thread takes time from it: 265 tok/s, 0.43× of quiet. One thread alone, contended,
+keeps 460 — it waits for nobody.
+
+The idea. Count the CPUs the worker's share has, minus what other processes use of them,
+and run with that many threads (at least one, at most the share's). Every ``window_s``
+seconds of stepping the governor reads:
+
+- ``own``: this process's CPU seconds per second (``time.process_time``), spinning included;
+- ``idle``: the share's idle CPUs per second (``/proc/stat``, idle + iowait, per CPU);
+- ``others = len(cpus) - idle - own``: what everything else took of the share;
+
+and aims at ``floor(len(cpus) - others + 0.3)`` threads, clamped to ``[1, max_threads]``.
+Quiet, two spinning threads: own ≈ 1.7, idle ≈ 0.25, others ≈ 0.05 → 2. A busy loop on one
+core: the kernel shares two cores among three runnable threads, own ≈ 1.33, others ≈ 0.67
+→ 1. With one thread: own 1.0, others 1.0 → stays 1; when the loop ends, idle ≈ 1 → 2.
+A new count is taken only when two windows in a row agree (a burst of another process's work
+does not flip it). Pauses between steps need no special care: while the worker waits, a
+quiet share is idle (others ≈ 0) and a contended one is taken by the other process (others
+≈ what it takes), so the estimate holds; a window that spans a long pause is dropped as old.
+
+vLLM has no counterpart: its CPU worker binds one OpenMP thread per core and keeps them.
+Changing the count may change the order of a matmul's sums, hence the last bits of a result
+— as a different batch does.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable, Iterable
+
+from engine.logger import init_logger
+
+logger = init_logger(__name__)
+
+# A window that spans a long pause (an idle engine) is old news: not judged.
+MAX_WINDOW_MULTIPLE = 8
+# Slack in the aim: a share with 0.7 of a CPU taken still keeps its thread on that CPU.
+SLACK_CPUS = 0.3
+
+
+def read_idle_seconds(cpus: Iterable[int]) -> float | None:
+    """Idle + iowait seconds so far, summed over ``cpus``, from ``/proc/stat``; None where
+    that cannot be read (not Linux)."""
+    wanted = {f"cpu{c}" for c in cpus}
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            lines = f.readlines()
+    except OSError:
+        return None
+    ticks = 0
+    found = 0
+    for line in lines:
+        fields = line.split()
+        if fields and fields[0] in wanted:
+            ticks += int(fields[4]) + int(fields[5])  # idle, iowait
+            found += 1
+    if found != len(wanted):
+        return None
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+class CpuThreadGovernor:
+    """Sets a CPU worker's torch threads from the CPU other processes leave it.
+
+    Call ``step_started()`` before and ``step_finished()`` after each step; the count changes
+    between steps only.
+
+    Args:
+        max_threads: the worker's share of threads (its plan); the governor never goes above.
+        cpus: the CPU ids the worker runs on (its share).
+        window_s: seconds of wall time per judgement.
+        set_threads: sets the thread count (``engine.model.op_threads.set_op_threads``).
+        read_idle: ``read_idle_seconds``, replaceable in tests.
+        clock, cpu_clock: wall and process-CPU clocks in seconds.
+        name: who this is, for the log line ("Worker rank 0 on CPUs 0-1").
+    """
+
+    def __init__(
+        self,
+        max_threads: int,
+        cpus: tuple[int, ...],
+        window_s: float = 0.25,
+        set_threads: Callable[[int], None] | None = None,
+        read_idle: Callable[[Iterable[int]], float | None] = read_idle_seconds,
+        clock: Callable[[], float] = time.perf_counter,
+        cpu_clock: Callable[[], float] = time.process_time,
+        name: str = "Worker",
+    ) -> None:
+        if set_threads is None:
+            from engine.model.op_threads import set_op_threads
+
+            set_threads = set_op_threads  # not torch's own count: a compiled graph guards on it
+        self.max_threads = max_threads
+        self.cpus = tuple(cpus)
+        self.window_s = window_s
+        self.num_threads = max_threads
+        self._set_threads = set_threads
+        self._read_idle = read_idle
+        self._clock = clock
+        self._cpu_clock = cpu_clock
+        self._name = name
+        self._window: tuple[float, float, float] | None = None  # wall, cpu, idle at its start
+        self._pending: int | None = None  # a count one window asked for
+        self.changes = 0
+
+    @property
+    def enabled(self) -> bool:
+        """Whether there is anything to govern: two or more threads, and /proc/stat readable."""
+        return self.max_threads >= 2 and self._read_idle(self.cpus) is not None
+
+    def step_started(self) -> None:
+        if self._window is None:
+            idle = self._read_idle(self.cpus)
+            if idle is not None:
+                self._window = (self._clock(), self._cpu_clock(), idle)
+
+    def step_finished(self) -> None:
+        if self._window is None:
+            return
+        start, cpu0, idle0 = self._window
+        wall = self._clock() - start
+        if wall < self.window_s:
+            return
+        self._window = None
+        if wall > MAX_WINDOW_MULTIPLE * self.window_s:
+            return  # mostly a pause between requests: judge a fresh window instead
+        idle1 = self._read_idle(self.cpus)
+        if idle1 is None:
+            return
+        own = (self._cpu_clock() - cpu0) / wall
+        idle = max(0.0, (idle1 - idle0) / wall)
+        others = max(0.0, len(self.cpus) - idle - own)
+        target = min(self.max_threads, max(1, math.floor(len(self.cpus) - others + SLACK_CPUS)))
+        logger.debug("%s: %.2f s window: own %.2f, idle %.2f, others %.2f CPU(s) -> %d thread(s)",
+                     self._name, wall, own, idle, others, target)  # fmt: skip
+        if target == self.num_threads:
+            self._pending = None
+            return
+        if self._pending != target:
+            self._pending = target  # one more window must agree
+            return
+        self._pending = None
+        logger.info(
+            "%s: other processes take %.1f CPU(s) of its %d: %d torch thread(s) (was %d)",
+            self._name, others, len(self.cpus), target, self.num_threads,
+        )  # fmt: skip
+        self._set_threads(target)
+        self.num_threads = target
+        self.changes += 1
