@@ -26,6 +26,8 @@ from tracing.telemetry.events import (
     GAUGE_OUTPUT_QUEUE,
     GAUGE_RUNNING,
     GAUGE_WAITING,
+    GAUGE_WORKER_THREADS,
+    GAUGE_WORKER_THREADS_MAX,
     OpenStageInfo,
     StepRecord,
 )
@@ -108,6 +110,7 @@ def make_state() -> LiveState:
     p["Worker_DP0_PP0_TP0"] = _proc(
         "Worker_DP0_PP0_TP0", "worker", 3000, [],
         last_step_at=NOW - 0.01, cpu_percent=100.0, rss_bytes=6 << 30,
+        gauges={GAUGE_WORKER_THREADS: 1, GAUGE_WORKER_THREADS_MAX: 2},  # a core taken by another process
     )  # fmt: skip
     p["Worker_DP0_PP0_TP1"] = _proc(
         "Worker_DP0_PP0_TP1", "worker", 3001, state="dead", link="lost", heartbeat_at=NOW - 12.0,
@@ -350,6 +353,8 @@ def test_queues_show_depth_sparkline_and_broadcast_lag():
     lag = line_of(text, "broadcast queue lag")
     assert " 3 " in lag  # written 1520 − slowest reader 1517
     assert "→ engine core" in text
+    threads = line_of(text, "CPU threads (of 2)")  # the worker's governor, one core taken
+    assert "Worker_DP0_PP0_TP0" in threads and " 1 " in threads
 
 
 def test_requests_panel_filters_by_engine_and_sorts():

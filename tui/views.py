@@ -44,6 +44,8 @@ from tracing.telemetry.events import (
     GAUGE_OUTPUT_QUEUE,
     GAUGE_RUNNING,
     GAUGE_WAITING,
+    GAUGE_WORKER_THREADS,
+    GAUGE_WORKER_THREADS_MAX,
     StepRecord,
 )
 from tracing.telemetry.state import (
@@ -417,6 +419,12 @@ def queue_rows(state: LiveState) -> list[tuple[str, str, float | None, list[floa
             label = f"KV blocks used (of {int(total)})" if total else "KV blocks used"
             series = list(state.queues.get(_series_key(p.role, GAUGE_KV_USED), ()))
             rows.append((p.role, label, p.gauges[GAUGE_KV_USED], series))
+        if p.kind == "worker" and GAUGE_WORKER_THREADS in p.gauges:
+            # A CPU worker's threads: fewer than its share while other processes take its CPUs.
+            most = p.gauges.get(GAUGE_WORKER_THREADS_MAX)
+            label = f"CPU threads (of {int(most)})" if most else "CPU threads"
+            series = list(state.queues.get(_series_key(p.role, GAUGE_WORKER_THREADS), ()))
+            rows.append((p.role, label, p.gauges[GAUGE_WORKER_THREADS], series))
         if p.kind == "engine_core" and state.data_parallel_size > 1 and GAUGE_DP_WAVE in p.gauges:
             running = "running" if p.gauges.get(GAUGE_DP_RUNNING) else "over"
             label = f"DP wave {int(p.gauges[GAUGE_DP_WAVE])} ({running}), dummy steps"

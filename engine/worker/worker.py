@@ -453,11 +453,19 @@ class Worker:
         return output if self.is_driver_worker else None
 
     def telemetry_gauges(self) -> dict[str, float]:
-        """Live-telemetry gauges: execute_model calls so far and the last one's time (ms)."""
-        return {
+        """Live-telemetry gauges: execute_model calls so far and the last one's time (ms);
+        on a CPU, the step's thread count now and the most it runs with (its share)."""
+        gauges: dict[str, float] = {
             events.GAUGE_WORKER_STEP: self._num_steps,
             events.GAUGE_WORKER_FORWARD_MS: self._last_forward_ms,
         }
+        if self.device is not None and self.device.type == "cpu":
+            from engine.model.op_threads import get_op_threads
+
+            gauges[events.GAUGE_WORKER_THREADS] = get_op_threads()
+            most = self._governor.max_threads if self._governor is not None else get_op_threads()
+            gauges[events.GAUGE_WORKER_THREADS_MAX] = most
+        return gauges
 
     def execute_dummy_batch(self) -> None:
         """A one-token dummy forward (and sampler run) into the null block: what an engine

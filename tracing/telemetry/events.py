@@ -69,6 +69,8 @@ GAUGE_MQ_READER_PREFIX = "mq.read."  # + reader index: messages that reader has 
 # Worker
 GAUGE_WORKER_STEP = "worker.step_id"  # execute_model calls since start
 GAUGE_WORKER_FORWARD_MS = "worker.forward_ms"  # time in the last execute_model
+GAUGE_WORKER_THREADS = "worker.cpu_threads"  # threads of a CPU worker's step now (its governor's)
+GAUGE_WORKER_THREADS_MAX = "worker.cpu_threads_max"  # its share: the most it runs with
 
 
 class _Event(msgspec.Struct, kw_only=True, array_like=True, tag_field="kind"):
