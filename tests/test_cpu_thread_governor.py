@@ -82,14 +82,26 @@ def test_gaps_between_steps_do_not_fool_it():
     assert g.num_threads == 2
 
 
-def test_a_window_across_a_long_pause_is_dropped():
+def test_a_long_pause_starts_a_new_window_and_a_long_step_is_judged():
     m = Machine()
     g = _governor(m)
     g.step_started()
-    m.advance(30.0, 0.0, 1.0)  # 30 s without a request while another process ran
     g.step_finished()
-    m.run(g, 0.8 * W, own=1.7, idle=0.25)  # then quiet steps: no judgement from the old window
+    m.advance(30.0, 0.0, 1.0)  # 30 s without a request while another process ran
+    m.run(g, 0.8 * W, own=1.7, idle=0.25)  # then quiet steps: nothing judged from the pause
     assert g.num_threads == 2 and m.set_to == []
+    for _ in range(2):  # two 3-second steps (a big prefill) beside a busy loop
+        g.step_started()
+        m.advance(3.0, 1.33, 0.0)
+        g.step_finished()
+    assert m.set_to == [1]
+
+
+def test_the_frontend_streaming_hard_is_no_reason_to_drop_a_thread():
+    m = Machine()
+    g = _governor(m)
+    m.run(g, 20 * W, own=1.55, idle=0.0)  # API server and engine core take 0.45 CPU
+    assert m.set_to == []
 
 
 def test_a_larger_share_loses_only_what_is_taken():

@@ -17,14 +17,15 @@ seconds of stepping the governor reads:
 - ``idle``: the share's idle CPUs per second (``/proc/stat``, idle + iowait, per CPU);
 - ``others = len(cpus) - idle - own``: what everything else took of the share;
 
-and aims at ``floor(len(cpus) - others + 0.3)`` threads, clamped to ``[1, max_threads]``.
+and aims at ``floor(len(cpus) - others + 0.5)`` threads, clamped to ``[1, max_threads]``.
 Quiet, two spinning threads: own ≈ 1.7, idle ≈ 0.25, others ≈ 0.05 → 2. A busy loop on one
 core: the kernel shares two cores among three runnable threads, own ≈ 1.33, others ≈ 0.67
 → 1. With one thread: own 1.0, others 1.0 → stays 1; when the loop ends, idle ≈ 1 → 2.
 A new count is taken only when two windows in a row agree (a burst of another process's work
 does not flip it). Pauses between steps need no special care: while the worker waits, a
 quiet share is idle (others ≈ 0) and a contended one is taken by the other process (others
-≈ what it takes), so the estimate holds; a window that spans a long pause is dropped as old.
+≈ what it takes), so the estimate holds; after a long pause a new window starts, and a long
+step (a big prefill on a big model) is judged like any other.
 
 vLLM has no counterpart: its CPU worker binds one OpenMP thread per core and keeps them.
 Changing the count may change the order of a matmul's sums, hence the last bits of a result
@@ -42,10 +43,12 @@ from engine.logger import init_logger
 
 logger = init_logger(__name__)
 
-# A window that spans a long pause (an idle engine) is old news: not judged.
-MAX_WINDOW_MULTIPLE = 8
-# Slack in the aim: a share with 0.7 of a CPU taken still keeps its thread on that CPU.
-SLACK_CPUS = 0.3
+# A pause between steps longer than this many windows (an idle engine) starts a new window:
+# what the share did meanwhile is old news.
+PAUSE_WINDOWS = 8
+# Slack in the aim: a thread is given up only to other processes taking half a CPU or more
+# (the API server and the engine core, streaming hard, take a few tenths).
+SLACK_CPUS = 0.5
 
 
 def read_idle_seconds(cpus: Iterable[int]) -> float | None:
@@ -110,6 +113,7 @@ class CpuThreadGovernor:
         self._cpu_clock = cpu_clock
         self._name = name
         self._window: tuple[float, float, float] | None = None  # wall, cpu, idle at its start
+        self._last_finish: float | None = None
         self._pending: int | None = None  # a count one window asked for
         self.changes = 0
 
@@ -119,21 +123,23 @@ class CpuThreadGovernor:
         return self.max_threads >= 2 and self._read_idle(self.cpus) is not None
 
     def step_started(self) -> None:
+        now = self._clock()
+        if self._last_finish is not None and now - self._last_finish > PAUSE_WINDOWS * self.window_s:
+            self._window = None  # the engine idled: judge from here
         if self._window is None:
             idle = self._read_idle(self.cpus)
             if idle is not None:
-                self._window = (self._clock(), self._cpu_clock(), idle)
+                self._window = (now, self._cpu_clock(), idle)
 
     def step_finished(self) -> None:
+        self._last_finish = now = self._clock()
         if self._window is None:
             return
         start, cpu0, idle0 = self._window
-        wall = self._clock() - start
+        wall = now - start
         if wall < self.window_s:
             return
         self._window = None
-        if wall > MAX_WINDOW_MULTIPLE * self.window_s:
-            return  # mostly a pause between requests: judge a fresh window instead
         idle1 = self._read_idle(self.cpus)
         if idle1 is None:
             return
