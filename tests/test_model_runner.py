@@ -591,6 +591,10 @@ def test_bf16_linears_run_as_f32_matmuls_on_a_cpu_without_amx(checkpoints, monke
     qkv = model.model.layers[0].self_attn.qkv_proj  # Qwen2's has a bias
     assert qkv.bias is not None and (qkv.packed_weight_f32 is None) == amx
     assert (model.lm_head.packed_weight_f32 is None) == amx
+    if not amx:  # a big model on a small machine: no float32 copies, the bfloat16 kernel serves
+        monkeypatch.setattr(layers, "F32_COPIES_MAX_SHARE", 1e-12)
+        tight = load_model(ModelConfig(model=checkpoints["qwen2"]), torch.device("cpu"), torch.bfloat16)
+        assert tight.lm_head.packed_weight is not None and tight.lm_head.packed_weight_f32 is None
     for rows in (3, layers.BF16_AS_F32_MIN_ROWS, layers.BF16_AS_F32_MIN_ROWS + 37):
         x = torch.randn(rows, qkv.weight.shape[1], dtype=torch.bfloat16)
         with torch.inference_mode():

@@ -30,7 +30,8 @@ plain ``weight`` stays (the loader, tied embeddings and the tests read it), so l
 take twice their size in memory. A bfloat16 model on a CPU without AMX also keeps each linear
 weight upcast to float32 and packed (``bf16_linears_as_f32``: the same math, faster there for
 steps of ``BF16_AS_F32_MIN_ROWS`` rows or more), so its linear weights take four times their
-bfloat16 size.
+bfloat16 size — unless those copies would take more than a quarter of the memory available
+(``F32_COPIES_MAX_SHARE``): then they are not made.
 
 Left out: fused residual-add RMSNorm, quantization, vocab padding, RoPE types other than
 default / linear / llama3 (yarn, dynamic NTK, longrope, partial rotary).
@@ -51,7 +52,10 @@ from engine.distributed.parallel_state import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
+from engine.logger import init_logger
 from engine.model.op_threads import op_threads
+
+logger = init_logger(__name__)
 
 
 def _tp(tp_rank: int | None, tp_size: int | None) -> tuple[int, int]:
@@ -304,18 +308,43 @@ def bf16_linears_as_f32() -> bool:
     return is_amx is not None and not is_amx()
 
 
+# The float32 copies of bfloat16 weights are made only if they take at most this share of
+# the memory available when the model has loaded (the KV cache is allocated after).
+F32_COPIES_MAX_SHARE = 0.25
+
+
+def _f32_copies_fit(num_bytes: int) -> bool:
+    import psutil
+
+    available = psutil.virtual_memory().available
+    if num_bytes <= F32_COPIES_MAX_SHARE * available:
+        return True
+    logger.info(
+        "bfloat16 linears stay bfloat16 on this CPU without AMX: their float32 copies "
+        "(%.1f GiB) would take more than a quarter of the %.1f GiB available",
+        num_bytes / 2**30,
+        available / 2**30,
+    )
+    return False
+
+
 def pack_linear_weights(model: nn.Module) -> int:
     """Pre-pack every linear weight of ``model`` (and its ``lm_head``) for oneDNN on a CPU;
     returns how many were packed (0 off the CPU). Call once, after ``load_weights``.
 
     A bfloat16 weight on a CPU without AMX (``bf16_linears_as_f32``) is also packed upcast
     to float32 (``packed_weight_f32``, twice the bytes), which steps of at least
-    ``BF16_AS_F32_MIN_ROWS`` rows use."""
+    ``BF16_AS_F32_MIN_ROWS`` rows use — unless those copies would take more than
+    ``F32_COPIES_MAX_SHARE`` of the memory available now (a big model on a small machine):
+    then the bfloat16 kernel serves every step, and a log line says so."""
     targets = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
     head = getattr(model, "lm_head", None)
     if isinstance(head, VocabParallelEmbedding):  # ParallelLMHead, or the tied embedding table
         targets.append(head)
     as_f32 = bf16_linears_as_f32()
+    if as_f32:
+        need = sum(4 * m.weight.numel() for m in targets if m.weight.dtype == torch.bfloat16)
+        as_f32 = need > 0 and _f32_copies_fit(need)
     packed = 0
     for module in targets:
         module.packed_weight = _pack_for_onednn(module.weight)
