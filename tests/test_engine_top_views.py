@@ -11,6 +11,7 @@ tests run ``engine-top`` in a subprocess against an empty run-directory base.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from collections import deque
@@ -355,6 +356,20 @@ def test_queues_show_depth_sparkline_and_broadcast_lag():
     assert "→ engine core" in text
     threads = line_of(text, "CPU threads (of 2)")  # the worker's governor, one core taken
     assert "Worker_DP0_PP0_TP0" in threads and " 1 " in threads
+
+
+@pytest.mark.parametrize("width", [48, 64, 90])
+def test_a_narrow_queues_panel_keeps_the_values_when_the_sparklines_are_full(width):
+    """Found by a fresh user in tmux: once the sparklines held 24 samples, the "now" column
+    was squeezed out of the panel and the values could not be read."""
+    state = make_state()
+    for key in list(state.queues):
+        state.queues[key] = deque([float(i % 5) for i in range(60)], maxlen=60)
+    state.queues["Worker_DP0_PP0_TP0 " + GAUGE_WORKER_THREADS] = deque([2.0] * 40 + [1.0] * 20, maxlen=60)
+    text = render(views.render_queues(state), width=width)
+    # Digits show only in the "now" column (the sparklines are block glyphs).
+    assert re.search(r"\s2(\s|$)", line_of(text, "EngineCore_DP0")), text  # its input_queue: 2
+    assert re.search(r"\s1(\s|$)", line_of(text, "Worker_DP0_PP0")), text  # 1 CPU thread
 
 
 def test_requests_panel_filters_by_engine_and_sorts():

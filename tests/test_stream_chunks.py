@@ -78,6 +78,7 @@ def test_a_chat_stream_sends_its_role_with_the_first_token_then_every_token():
     deltas = [c["choices"][0]["delta"] for c in chunks]
     assert deltas[0] == {"role": "assistant", "content": ""}
     assert [d.get("content") for d in deltas[1:]] == ["", "é", " x"]
+    assert all("role" not in d for d in deltas[1:])  # only the first says it, as OpenAI does
     assert events[0] == "prefill"  # nothing was sent before the engine had an output
 
 

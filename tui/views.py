@@ -445,10 +445,12 @@ def render_queues(state: LiveState, max_rows: int | None = None, spark_width: in
     if not rows:
         return Text("no queue gauges yet", style="dim")
     table = Table(box=box.SIMPLE_HEAD, expand=True, pad_edge=False, show_edge=False)
+    # The value is what matters: "now" keeps its width, and the queue name, then the
+    # sparkline, give way first (a full sparkline once squeezed "now" out of a narrow panel).
     table.add_column("process", no_wrap=True, style="dim", overflow="ellipsis", max_width=18)
-    table.add_column("queue", no_wrap=True, overflow="ellipsis")
-    table.add_column("now", justify="right", no_wrap=True)
-    table.add_column("recent", no_wrap=True, style="cyan")
+    table.add_column("queue", no_wrap=True, overflow="ellipsis", ratio=1, min_width=14)
+    table.add_column("now", justify="right", no_wrap=True, min_width=4)
+    table.add_column("recent", no_wrap=True, style="cyan", overflow="crop", max_width=spark_width)
     shown = rows if max_rows is None or len(rows) <= max_rows else rows[: max(1, max_rows - 1)]
     last_role = None
     for role, label, now, series in shown:

@@ -19,6 +19,8 @@ latency is measured at chunk arrival. For each request (all times ``time.perf_co
 - **ITL** (inter-token latency): the gap between consecutive choice chunks. A chunk may
   carry several tokens (the server coalesced them, or speculative decoding accepted a run);
   as in vLLM, each *chunk* gives one ITL sample — the gap is not divided among its tokens.
+  So a chat stream, whose role chunk comes with the first token, has one near-zero ITL
+  sample more than tokens − 1 (vLLM's client counts it the same way); TPOT does not.
 - **E2EL** (end-to-end latency): request sent → last choice chunk (not ``[DONE]``, nor the
   usage chunk), so TPOT is the mean chunk gap when chunks are tokens.
 - **TPOT** (time per output token, first token excluded): ``(E2EL - TTFT) / (tokens - 1)``,

@@ -17,10 +17,13 @@ seconds of stepping the governor reads:
 - ``idle``: the share's idle CPUs per second (``/proc/stat``, idle + iowait, per CPU);
 - ``others = len(cpus) - idle - own``: what everything else took of the share;
 
-and aims at ``floor(len(cpus) - others + 0.5)`` threads, clamped to ``[1, max_threads]``.
-Quiet, two spinning threads: own ≈ 1.7, idle ≈ 0.25, others ≈ 0.05 → 2. A busy loop on one
-core: the kernel shares two cores among three runnable threads, own ≈ 1.33, others ≈ 0.67
-→ 1. With one thread: own 1.0, others 1.0 → stays 1; when the loop ends, idle ≈ 1 → 2.
+and goes down to ``floor(len(cpus) - others + 0.6)`` threads when that is fewer than it runs
+with, up to ``floor(len(cpus) - others + 0.4)`` when that is more (at least one, at most
+``max_threads``): a thread is given up to more than 0.6 of a CPU taken, and taken back below
+0.4. Quiet, two spinning threads: own ≈ 1.7, idle ≈ 0.25, others ≈ 0.05 → 2. Serving, the
+API server and the engine core take 0.2–0.5 → stays 2. A busy loop on one core: the kernel
+shares two cores among three runnable threads, own ≈ 1.1–1.33, others ≈ 0.7–1.3 → 1. With
+one thread: own 1.0, others 1.0 → stays 1; when the loop ends, others ≈ 0.05–0.35 → 2.
 A new count is taken only when two windows in a row agree (a burst of another process's work
 does not flip it). Pauses between steps need no special care: while the worker waits, a
 quiet share is idle (others ≈ 0) and a contended one is taken by the other process (others
@@ -46,9 +49,12 @@ logger = init_logger(__name__)
 # A pause between steps longer than this many windows (an idle engine) starts a new window:
 # what the share did meanwhile is old news.
 PAUSE_WINDOWS = 8
-# Slack in the aim: a thread is given up only to other processes taking half a CPU or more
-# (the API server and the engine core, streaming hard, take a few tenths).
-SLACK_CPUS = 0.5
+# Hysteresis, in CPUs: a thread is given up only to other processes taking more than 0.6 of
+# a CPU, and taken back only when they take less than 0.4. Glassbox's own API server and
+# engine core count as other processes (they do compete for the cores) and take 0.2-0.5 of a
+# CPU while serving; one threshold at 0.3 made the count flip several times a second.
+DOWN_SLACK_CPUS = 0.6
+UP_SLACK_CPUS = 0.4
 
 
 def read_idle_seconds(cpus: Iterable[int]) -> float | None:
@@ -146,7 +152,14 @@ class CpuThreadGovernor:
         own = (self._cpu_clock() - cpu0) / wall
         idle = max(0.0, (idle1 - idle0) / wall)
         others = max(0.0, len(self.cpus) - idle - own)
-        target = min(self.max_threads, max(1, math.floor(len(self.cpus) - others + SLACK_CPUS)))
+        down = math.floor(len(self.cpus) - others + DOWN_SLACK_CPUS)
+        up = math.floor(len(self.cpus) - others + UP_SLACK_CPUS)
+        if down < self.num_threads:
+            target = max(1, down)
+        elif up > self.num_threads:
+            target = min(self.max_threads, up)
+        else:
+            target = self.num_threads
         logger.debug("%s: %.2f s window: own %.2f, idle %.2f, others %.2f CPU(s) -> %d thread(s)",
                      self._name, wall, own, idle, others, target)  # fmt: skip
         if target == self.num_threads:
@@ -157,7 +170,7 @@ class CpuThreadGovernor:
             return
         self._pending = None
         logger.info(
-            "%s: other processes take %.1f CPU(s) of its %d: %d torch thread(s) (was %d)",
+            "%s: other processes take %.2f CPU(s) of its %d: %d torch thread(s) (was %d)",
             self._name, others, len(self.cpus), target, self.num_threads,
         )  # fmt: skip
         self._set_threads(target)

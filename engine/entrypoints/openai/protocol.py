@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -275,8 +275,18 @@ class ChatMessage(OpenAIBaseModel):
 
 
 class DeltaMessage(OpenAIBaseModel):
+    """A chat stream's delta. ``role`` is sent only where it is set (the first chunk of a
+    choice), as OpenAI and vLLM (``exclude_unset``) send it, not as ``"role": null``."""
+
     role: str | None = None
     content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_missing_role(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if self.role is None:
+            data.pop("role", None)
+        return data
 
 
 class ChatCompletionLogProb(OpenAIBaseModel):
