@@ -17,13 +17,13 @@ seconds of stepping the governor reads:
 - ``idle``: the share's idle CPUs per second (``/proc/stat``, idle + iowait, per CPU);
 - ``others = len(cpus) - idle - own``: what everything else took of the share;
 
-and goes down to ``floor(len(cpus) - others + 0.6)`` threads when that is fewer than it runs
-with, up to ``floor(len(cpus) - others + 0.4)`` when that is more (at least one, at most
-``max_threads``): a thread is given up to more than 0.6 of a CPU taken, and taken back below
-0.4. Quiet, two spinning threads: own ≈ 1.7, idle ≈ 0.25, others ≈ 0.05 → 2. Serving, the
-API server and the engine core take 0.2–0.5 → stays 2. A busy loop on one core: the kernel
-shares two cores among three runnable threads, own ≈ 1.1–1.33, others ≈ 0.7–1.3 → 1. With
-one thread: own 1.0, others 1.0 → stays 1; when the loop ends, others ≈ 0.05–0.35 → 2.
+and goes down to ``floor(len(cpus) - others + 0.8)`` threads when that is fewer than it runs
+with, up to ``floor(len(cpus) - others + 0.6)`` when that is more (at least one, at most
+``max_threads``): a thread is given up to more than 0.8 of a CPU taken, and taken back at
+0.6 or less. Quiet, two spinning threads: own ≈ 1.7, idle ≈ 0.25, others ≈ 0.05 → 2. Serving, the
+API server and the engine core (and a benchmark client) take 0.2–0.65 → stays 2. A busy loop on one core: the kernel
+shares two cores among three runnable threads, own ≈ 0.9–1.3, others ≈ 0.9–1.3 → 1. With
+one thread: own 1.0, others 1.0 → stays 1; when the loop ends, others ≈ 0.05–0.6 → 2.
 A new count is taken only when two windows in a row agree (a burst of another process's work
 does not flip it). Pauses between steps need no special care: while the worker waits, a
 quiet share is idle (others ≈ 0) and a contended one is taken by the other process (others
@@ -49,12 +49,14 @@ logger = init_logger(__name__)
 # A pause between steps longer than this many windows (an idle engine) starts a new window:
 # what the share did meanwhile is old news.
 PAUSE_WINDOWS = 8
-# Hysteresis, in CPUs: a thread is given up only to other processes taking more than 0.6 of
-# a CPU, and taken back only when they take less than 0.4. Glassbox's own API server and
-# engine core count as other processes (they do compete for the cores) and take 0.2-0.5 of a
-# CPU while serving; one threshold at 0.3 made the count flip several times a second.
-DOWN_SLACK_CPUS = 0.6
-UP_SLACK_CPUS = 0.4
+# Hysteresis, in CPUs: a thread is given up only to other processes taking more than 0.8 of
+# a CPU, and taken back when they take 0.6 or less. Glassbox's own API server and engine
+# core (and a benchmark client beside them) count as other processes — they do compete for
+# the cores — and take 0.2-0.65 of a CPU while serving the tiny default model at 2,000
+# tok/s; one threshold at 0.3 made the count flip several times a second. A busy loop
+# measured 0.9-1.3 against two threads.
+DOWN_SLACK_CPUS = 0.8
+UP_SLACK_CPUS = 0.6
 
 
 def read_idle_seconds(cpus: Iterable[int]) -> float | None:
