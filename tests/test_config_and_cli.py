@@ -154,6 +154,7 @@ def test_bad_environment_variable_is_one_line_exit_2_before_anything_starts(var,
 def test_cli_help_reads_well():
     top = _cli("--help")
     assert top.returncode == 0 and "generate" in top.stdout
+    assert "engine-top" in top.stdout  # the live view is its own command: say where it is
     sub = _cli("generate", "--help")
     assert sub.returncode == 0
     for flag in ("--max-num-batched-tokens", "--enable-prefix-caching", "--tensor-parallel-size", "-tp"):

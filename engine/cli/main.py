@@ -39,6 +39,7 @@ def _make_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(
         prog="glassbox",
         description="Glassbox: a see-through LLM serving engine (the vLLM V1 architecture, watchable).",
+        epilog="The live view of a running instance is its own command: engine-top (docs/engine-top.md).",
     )
     parser.add_argument("--version", action="version", version=f"glassbox {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=ArgumentParser)
