@@ -170,6 +170,12 @@ def test_worker_applies_a_cpu_list_and_the_engine_core_never_loads_torch(tiny, m
         core, worker = _tree(llm)
         assert worker.cpu_affinity() == [cpu]
         assert _loads_torch(worker) and not _loads_torch(core)
+        # What glassbox ps / doctor show of how the worker runs (its status file, once warm).
+        from tracing import run_dir as contract
+
+        status = contract.read_status(contract.status_path(llm.run_dir, "Worker_DP0_PP0_TP0"))
+        assert status is not None and status.runs_as["device"] == "cpu"
+        assert status.runs_as["cpu_threads"] == "1" and status.runs_as["compile"] == "eager"  # tests: eager
     # (The worker's environment is read from its own log line: setproctitle overwrites
     # /proc/<pid>/environ.)
     err = capfd.readouterr().err

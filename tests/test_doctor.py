@@ -173,6 +173,7 @@ def test_doctor_names_an_injected_fault_and_shows_the_flight_recorder(tmp_path, 
     status = contract.read_status(status_path)
     status.faults = [contract.StruckFault(spec="worker.load_model:crash@Worker_DP0_PP0_TP0",
                                           stage="worker.load_model", kind="crash", struck_at=now - 19)]  # fmt: skip
+    status.runs_as = {"device": "cpu", "dtype": "float32", "compile": "eager", "attention": "TORCH_SDPA"}
     contract.write_status(status_path, status)
     steps = [{"step_id": i, "started_at": now - 25 + i, "duration_ms": 12.5, "num_decode_tokens": 3,
               "num_prefill_tokens": 61, "token_budget": 64, "num_running": 3, "num_waiting": 1, "kv_usage": 0.25}
@@ -188,6 +189,8 @@ def test_doctor_names_an_injected_fault_and_shows_the_flight_recorder(tmp_path, 
     )
     (core,) = [p for p in report["processes"] if p["role"] == "EngineCore_DP0"]
     assert [s["step_id"] for s in core["flight"]] == list(range(4, 12))  # the last 8, oldest first
+    (worker,) = [p for p in report["processes"] if p["role"] == "Worker_DP0_PP0_TP0"]
+    assert worker["runs_as"] == "cpu float32, eager, attention TORCH_SDPA"  # how it ran its model
     assert main(["doctor", "--run-dir", str(run_dir)]) == 1
     text = capsys.readouterr().out
     assert "injected fault struck: worker.load_model:crash@Worker_DP0_PP0_TP0 in worker.load_model" in text

@@ -70,6 +70,7 @@ class ProcessInfo:
         faults: injected faults that struck it (status file), as ``"SPEC in STAGE"``.
         placement: where a cluster scheduler put it (a Ray actor: ``node_id``, ``node_ip``,
             ``actor_id``; status file), else empty.
+        runs_as: how a worker runs its model once warm (status file; ``runs_as_text``).
         uptime_s, rss_mib, threads: from psutil (seconds, MiB, count); None when not alive.
         depth: nesting under the frontend among the rows shown (for indenting).
     """
@@ -90,6 +91,7 @@ class ProcessInfo:
     last_finished: str | None = None
     faults: list[str] = field(default_factory=list)
     placement: dict[str, str] = field(default_factory=dict)
+    runs_as: dict[str, str] = field(default_factory=dict)
     uptime_s: float | None = None
     rss_mib: float | None = None
     threads: int | None = None
@@ -314,6 +316,24 @@ def _title(proc: psutil.Process) -> str | None:
         return None
 
 
+def runs_as_text(runs_as: dict[str, str]) -> str:
+    """A worker's ``ProcessStatus.runs_as`` in one line: ``cpu bfloat16, compiled (inductor,
+    1 graph), attention CPU_PAGED_CPP, 2 of 2 CPU threads``; "" when it recorded none."""
+    order = ("device", "dtype", "compile", "attention", "cpu_threads")
+    parts = []
+    head = " ".join(runs_as[k] for k in ("device", "dtype") if runs_as.get(k))
+    if head:
+        parts.append(head)
+    if runs_as.get("compile"):
+        parts.append(runs_as["compile"])
+    if runs_as.get("attention"):
+        parts.append(f"attention {runs_as['attention']}")
+    if runs_as.get("cpu_threads"):
+        parts.append(f"{runs_as['cpu_threads']} CPU threads")
+    parts += [f"{k} {v}" for k, v in sorted(runs_as.items()) if k not in order]
+    return ", ".join(parts)
+
+
 def placement_text(placement: dict[str, str]) -> str:
     """``"Ray actor 1a2b3c4d on node 10.0.0.5 (5f3e9a0c)"`` for a process a Ray cluster placed
     (``ProcessStatus.placement``); "" for one its parent spawned."""
@@ -333,6 +353,7 @@ def _fill_status(row: ProcessInfo, status: run_dirs.ProcessStatus | None, now: f
     row.last_finished = last.name if last is not None else None
     row.faults = [f"{f.spec} in {f.stage}" for f in status.faults]
     row.placement = dict(status.placement)
+    row.runs_as = dict(status.runs_as)
     since = status.entered_at if row.stage else (last.finished_at if last is not None else None)
     row.time_in_stage_s = max(0.0, now - since) if since else None
 

@@ -191,6 +191,8 @@ class ProcessStatus(msgspec.Struct):
         faults: injected faults that struck this process (``StruckFault``), oldest first.
         placement: where a cluster scheduler put this process, when one did (a Ray actor:
             ``node_id``, ``node_ip``, ``actor_id``); empty for a process its parent spawned.
+        runs_as: how a worker runs its model once warm (``device``, ``dtype``, ``compile``,
+            ``attention``, ``cpu_threads``), as short texts; empty for other processes.
     """
 
     role: str | None = None
@@ -203,6 +205,7 @@ class ProcessStatus(msgspec.Struct):
     last_finished: FinishedStage | None = None
     faults: list[StruckFault] = msgspec.field(default_factory=list)
     placement: dict[str, str] = msgspec.field(default_factory=dict)
+    runs_as: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class CrashReport(msgspec.Struct):

@@ -98,6 +98,7 @@ _stacks_lock = threading.Lock()
 _last_finished: dict[str, Any] | None = None
 _faults: list[dict[str, Any]] = []  # injected faults that struck here (record_fault)
 _placement: dict[str, str] = {}  # where a cluster scheduler put this process (set_placement)
+_runs_as: dict[str, str] = {}  # how a worker runs its model (set_runs_as)
 
 
 def _thread_stack() -> list[OpenStage]:
@@ -139,6 +140,7 @@ def _write_status(handle: setup.TracingHandle) -> None:
             "last_finished": _last_finished,
             "faults": list(_faults),
             "placement": dict(_placement),
+            "runs_as": dict(_runs_as),
         }
     )
 
@@ -149,6 +151,16 @@ def set_placement(placement: dict[str, str]) -> None:
     ``glassbox doctor``. Never raises."""
     _placement.clear()
     _placement.update({k: str(v) for k, v in placement.items()})
+    handle = setup._handle
+    if handle is not None:
+        _write_status(handle)
+
+
+def set_runs_as(runs_as: dict[str, object]) -> None:
+    """Record how this worker runs its model (device, dtype, compile mode, attention
+    backend, CPU threads) in its status file, for ``glassbox ps`` and ``glassbox doctor``;
+    later calls update the keys they name. Never raises."""
+    _runs_as.update({k: str(v) for k, v in runs_as.items()})
     handle = setup._handle
     if handle is not None:
         _write_status(handle)

@@ -45,7 +45,7 @@ from engine.utils import run_dir as run_dirs
 from tracing import hints
 from tracing import run_dir as contract
 from tracing import stacks as stack_dumps
-from tracing.instances import InstanceInfo, placement_text
+from tracing.instances import InstanceInfo, placement_text, runs_as_text
 from tracing.telemetry.state import IDLE_POLL_WAIT_S
 
 DESCRIPTION = """Diagnose a Glassbox instance: its process tree against the plan, each
@@ -93,6 +93,7 @@ class ProcessReport:
     faults: list[str] = field(default_factory=list)
     flight: list[dict[str, Any]] = field(default_factory=list)
     placed: str = ""  # where a Ray cluster placed it (tracing.instances.placement_text)
+    runs_as: str = ""  # how a worker runs its model (tracing.instances.runs_as_text)
 
     @property
     def main_top(self) -> str | None:
@@ -178,6 +179,7 @@ def _gather(run_dir: Path, watch_s: float, want_stacks: bool, stack_timeout_s: f
             rep.time_in_stage_s = round(rep.time_in_stage_s, 2)
         rep.faults = list(p.faults)
         rep.placed = placement_text(p.placement)
+        rep.runs_as = runs_as_text(p.runs_as)
         if lp is not None:
             rep.faults += [
                 f"{f.spec} in {f.stage}" for f in lp.faults if f"{f.spec} in {f.stage}" not in rep.faults
@@ -413,6 +415,8 @@ def render_text(report: Report, out, max_frames: int = 6) -> None:
         w(f"{indent}{p.role:<24} pid {p.pid or '-':<7} {p.state:<10} {stage:<44} {beat}\n")
         if p.placed:
             w(f"{indent}    placed as {p.placed}\n")
+        if p.runs_as:
+            w(f"{indent}    runs as {p.runs_as}\n")
         if p.note and p.state in ("dead", "not started"):
             w(f"{indent}    {p.note}\n")
         for wait in p.waits:

@@ -33,9 +33,10 @@ TITLE_PREFIX = topology.TITLE_PREFIX
 
 DESCRIPTION = """List the running Glassbox instances (one per run directory) and, for each,
 its process tree: role, pid, state, current lifecycle stage and time in it, uptime, RSS and
-threads. Compares the processes found with the count the manifest expects and names the
-missing roles. Helper processes (e.g. multiprocessing's resource tracker) are shown apart
-and not counted."""
+threads, and how each warm worker runs its model (device, dtype, compiled or eager,
+attention backend, CPU threads now / its share). Compares the processes found with the count
+the manifest expects and names the missing roles. Helper processes (e.g. multiprocessing's
+resource tracker) are shown apart and not counted."""
 
 
 # ------------------------------------------------------------------------ data
@@ -134,6 +135,9 @@ def render_table(instances: list[InstanceInfo], console) -> None:
             table.add_row(role, _or_dash(p.pid), _or_dash(p.ppid), state, stage, _duration(p.time_in_stage_s),
                           _duration(p.uptime_s), rss, _or_dash(p.threads))  # fmt: skip
         console.print(table)
+        for p in inst.processes:  # how each worker runs its model, once warm
+            if p.alive and (runs := collector.runs_as_text(p.runs_as)):
+                console.print(f"{escape(p.role or '?')} runs as: [dim]{escape(runs)}[/dim]")
         console.print(escape(count_line(inst)))
         if inst.missing:
             console.print(

@@ -58,6 +58,7 @@ from engine.sched.output import SchedulerOutput
 from engine.worker.cpu_thread_governor import CpuThreadGovernor
 from engine.worker.model_runner import ModelRunner
 from tracing import catalogue, stage
+from tracing.stage import set_runs_as
 from tracing.telemetry import events
 from tracing.telemetry.publisher import get_publisher
 
@@ -419,6 +420,31 @@ class Worker:
             st.set(catalogue.ATTR_COMPILE_NUM_GRAPHS, compiled["graphs"])
             st.set(catalogue.ATTR_COMPILE_SECONDS, round(compiled["seconds"], 3))
             torch.manual_seed(self.config.model_config.seed)
+        set_runs_as(self.runs_as(compiled))
+
+    def runs_as(self, compiled: dict[str, Any]) -> dict[str, str]:
+        """How this worker runs its model, for its status file (``glassbox ps``, ``doctor``):
+        device, dtype, compile mode (with ``compiled``: ``warm_up``'s answer), attention
+        backend, and on a CPU its threads (now / its share)."""
+        assert self.model_runner is not None and self.device is not None and self.dtype is not None
+        if compiled["mode"] == "eager":
+            mode = "eager"
+        else:
+            mode = (
+                f"compiled ({compiled['mode']}, {compiled['graphs']} graph{'s' * (compiled['graphs'] != 1)})"
+            )
+        facts = {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."), "compile": mode,
+                 "attention": str(self.model_runner.attention_backend)}  # fmt: skip
+        if self.device.type == "cpu":
+            facts["cpu_threads"] = self._threads_text()
+        return facts
+
+    def _threads_text(self) -> str:
+        from engine.model.op_threads import get_op_threads
+
+        if self._governor is None:
+            return str(get_op_threads())
+        return f"{get_op_threads()} of {self._governor.max_threads}"
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         assert self.model_runner is not None
@@ -442,7 +468,10 @@ class Worker:
             pp.send_tensor_dict(output.tensors)  # on to the next stage; nothing for the engine core
             output = None
         if self._governor is not None:
+            changes = self._governor.changes
             self._governor.step_finished()
+            if self._governor.changes != changes:
+                set_runs_as({"cpu_threads": self._threads_text()})
         elapsed = time.perf_counter() - start
         self._execute_model_s += elapsed
         self._num_steps += 1
