@@ -118,6 +118,7 @@ def test_status_file_is_the_contracts_typed_record(traced, caplog):
         "role": "TestRole", "rank": 3, "pid": os.getpid(), "stage": None, "stage_stack": [],
         "entered_at": None, "updated_at": run_dirs.read_status(traced.status_file).updated_at,
         "last_finished": tracing.read_status_file(traced.status_file)["last_finished"], "faults": [], "placement": {},
+        "runs_as": {},
     }  # fmt: skip
     assert tracing.read_status_file(Path(traced.status_file).parent / "none.status.json") is None
     # A field of the wrong type is a caller's bug: logged, the file left as it was, no raise.
