@@ -91,6 +91,8 @@ class TracingHandle:
             them, so stages skip the span (about 20 µs each) and keep only the stack,
             status file and hooks.
         otlp: where and how spans go over OTLP (``resolve_otlp``), or None.
+        runs_as: how this process's worker runs its model (``tracing.stage.set_runs_as``),
+            kept with the handle so a new setup starts without an old engine's record.
     """
 
     role: str
@@ -105,6 +107,7 @@ class TracingHandle:
     unavailable: list[ExporterHealth] = field(default_factory=list)
     recording: bool = False
     otlp: OtlpTarget | None = None
+    runs_as: dict[str, str] = field(default_factory=dict)
     _status_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def get_finished_spans(self) -> tuple[ReadableSpan, ...]:

@@ -98,7 +98,6 @@ _stacks_lock = threading.Lock()
 _last_finished: dict[str, Any] | None = None
 _faults: list[dict[str, Any]] = []  # injected faults that struck here (record_fault)
 _placement: dict[str, str] = {}  # where a cluster scheduler put this process (set_placement)
-_runs_as: dict[str, str] = {}  # how a worker runs its model (set_runs_as)
 
 
 def _thread_stack() -> list[OpenStage]:
@@ -140,7 +139,7 @@ def _write_status(handle: setup.TracingHandle) -> None:
             "last_finished": _last_finished,
             "faults": list(_faults),
             "placement": dict(_placement),
-            "runs_as": dict(_runs_as),
+            "runs_as": dict(handle.runs_as),
         }
     )
 
@@ -159,10 +158,11 @@ def set_placement(placement: dict[str, str]) -> None:
 def set_runs_as(runs_as: dict[str, object]) -> None:
     """Record how this worker runs its model (device, dtype, compile mode, attention
     backend, CPU threads) in its status file, for ``glassbox ps`` and ``glassbox doctor``;
-    later calls update the keys they name. Never raises."""
-    _runs_as.update({k: str(v) for k, v in runs_as.items()})
+    later calls update the keys they name; kept with this process's tracing handle (none:
+    nothing recorded). Never raises."""
     handle = setup._handle
     if handle is not None:
+        handle.runs_as.update({k: str(v) for k, v in runs_as.items()})
         _write_status(handle)
 
 
