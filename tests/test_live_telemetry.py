@@ -57,6 +57,10 @@ def test_serving_tree_publishes_steps_requests_gauges_and_deaths(short_base, def
             assert all(state.processes[r].state == "running" for r in roles), state.to_json()["processes"]
 
             model = httpx.get(server.base_url + "/v1/models").json()["data"][0]["id"]
+            # First one long prompt alone, on an idle engine: its chunked prefill steps are
+            # published whole (step records are sampled once over 50 a second, and a fast
+            # engine's later chunks could be sampled away).
+            assert _complete(server.base_url, model, "word " * 150, 2) == 200
             codes: list[int] = []
             threads = [
                 threading.Thread(target=lambda i=i: codes.append(
