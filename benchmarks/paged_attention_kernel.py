@@ -17,12 +17,19 @@ Both are checked to agree first. Then, for float32 and bfloat16:
   which another process's load on the machine does not inflate;
 - ``torch.get_num_threads()`` threads (all cores by default): wall seconds per call.
 
+With ``--baseline-source FILE`` (another version of ``paged_attention_cpu.cpp``, e.g. the
+last commit's), that source is built too and timed in the same loop, interleaved with the
+current one: a change to the kernel is measured against what it replaces, on the same
+machine and load.
+
 Each figure is the median of ``--repeats`` timings of ``--inner`` calls each. The load
 average (``os.getloadavg()``) is printed before and after: above the core count, the
 wall-time figures are not to be trusted.
 
     .venv/bin/python benchmarks/paged_attention_kernel.py
     .venv/bin/python benchmarks/paged_attention_kernel.py --repeats 50 --num-decodes 64
+    git show HEAD~1:engine/model/csrc/paged_attention_cpu.cpp > /tmp/before.cpp
+    .venv/bin/python benchmarks/paged_attention_kernel.py --baseline-source /tmp/before.cpp
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import functools
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -40,7 +48,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.model.attention import Attention, AttentionMetadata  # noqa: E402
-from engine.model.paged_attention_cpu import kernel_path, load_kernel, paged_decode_attention_cpu  # noqa: E402
+from engine.model.paged_attention_cpu import (  # noqa: E402
+    build_kernel,
+    kernel_path,
+    load_kernel,
+    open_kernel,
+    paged_decode_attention_cpu,
+)
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 4, 64, 16
 
@@ -66,17 +80,20 @@ def make_case(args: argparse.Namespace, dtype: torch.dtype):
     return q, k_cache, v_cache, meta
 
 
-def median_seconds(fn, repeats: int, inner: int, clock) -> float:
-    """Median over ``repeats`` of (``clock`` time of ``inner`` calls) / ``inner``."""
-    for _ in range(3):
-        fn()  # warm caches, allocator and thread pool
-    times = []
+def median_seconds(fns: list, repeats: int, inner: int, clock) -> list[float]:
+    """For each of ``fns``: the median over ``repeats`` of (``clock`` time of ``inner``
+    calls) / ``inner``; the functions take turns, so a change of load hits them alike."""
+    for fn in fns:
+        for _ in range(3):
+            fn()  # warm caches, allocator and thread pool
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        start = clock()
-        for _ in range(inner):
-            fn()
-        times.append((clock() - start) / inner)
-    return statistics.median(times)
+        for fn, series in zip(fns, times):
+            start = clock()
+            for _ in range(inner):
+                fn()
+            series.append((clock() - start) / inner)
+    return [statistics.median(series) for series in times]
 
 
 def main() -> None:
@@ -86,9 +103,20 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=700)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--inner", type=int, default=10)
+    parser.add_argument(
+        "--baseline-source",
+        type=Path,
+        help="another version of paged_attention_cpu.cpp to build and time beside the current one",
+    )
     args = parser.parse_args()
 
     load_kernel()
+    baseline = None
+    if args.baseline_source:
+        so = Path(tempfile.mkdtemp(prefix="glassbox-kernel-")) / "baseline.so"
+        build_kernel(args.baseline_source, so)
+        baseline = open_kernel(so)
+        print(f"baseline kernel: built from {args.baseline_source}")
     threads = torch.get_num_threads()
     layer = Attention(HEADS, HEAD_DIM, KV_HEADS, HEAD_DIM**-0.5)
     print(f"kernel: {kernel_path()}")
@@ -101,23 +129,30 @@ def main() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         q, k_cache, v_cache, meta = make_case(args, dtype)
         sdpa = functools.partial(layer._decode, q, (k_cache, v_cache), meta)
-        cpp = functools.partial(
+        call = functools.partial(
             paged_decode_attention_cpu, q, k_cache, v_cache, meta.block_table, meta.seq_lens, layer.scale
         )
+        fns = [sdpa, call]
+        if baseline is not None:
+            fns.append(functools.partial(call, kernel=baseline))
         with torch.inference_mode():
-            diff = (sdpa().float() - cpp().float()).abs().max().item()
+            diff = (sdpa().float() - call().float()).abs().max().item()
             for label, n, clock in (("1 thread, CPU ms", 1, time.process_time), (f"{threads} threads, wall ms", threads, time.perf_counter)):  # fmt: skip
                 torch.set_num_threads(n)
-                t_sdpa = median_seconds(sdpa, args.repeats, args.inner, clock)
-                t_cpp = median_seconds(cpp, args.repeats, args.inner, clock)
-                rows.append((str(dtype).removeprefix("torch."), label, t_sdpa * 1e3, t_cpp * 1e3, diff))
+                times = median_seconds(fns, args.repeats, args.inner, clock)
+                rows.append((str(dtype).removeprefix("torch."), label, [t * 1e3 for t in times], diff))
             torch.set_num_threads(threads)
     print(f"load average after: {os.getloadavg()}")
     print()
-    print("| dtype | timing | TORCH_SDPA _decode | CPU_PAGED_CPP | speed-up | max abs diff |")
-    print("|---|---|---|---|---|---|")
-    for dtype, label, a, b, diff in rows:
-        print(f"| {dtype} | {label} | {a:.3f} | {b:.3f} | {a / b:.2f}x | {diff:.1e} |")
+    extra = " | baseline CPU_PAGED_CPP | speed-up over it" if baseline is not None else ""
+    print(f"| dtype | timing | TORCH_SDPA _decode | CPU_PAGED_CPP | speed-up | max abs diff{extra} |")
+    print("|---|---|---|---|---|---|" + ("---|---|" if baseline is not None else ""))
+    for dtype, label, times, diff in rows:
+        a, b = times[0], times[1]
+        line = f"| {dtype} | {label} | {a:.3f} | {b:.3f} | {a / b:.2f}x | {diff:.1e}"
+        if baseline is not None:
+            line += f" | {times[2]:.3f} | {times[2] / b:.2f}x"
+        print(line + " |")
 
 
 if __name__ == "__main__":

@@ -58,21 +58,28 @@ def test_matches_gather_and_sdpa(dtype, tol, heads, kv_heads, window, lens):
 
 
 @pytest.mark.parametrize(
-    "head_dim", [24, 128]
-)  # the generic loop (not a multiple of 16) and another template
-def test_other_head_sizes(head_dim):
+    "head_dim, heads, kv_heads",
+    [
+        (24, 6, 2),  # the generic loop (not a multiple of 16)
+        (128, 6, 2),  # AVX-512: 2 query heads per pass over the values, then 1
+        (64, 6, 2),  # a group of 3 in one pass
+        (64, 10, 2),  # a group of 5: a pass of 4, then 1
+        (256, 4, 1),  # one head per pass, 4 passes
+    ],
+)
+def test_other_head_sizes(head_dim, heads, kv_heads):
     lens = [1, 40, 17, 3 * BS]
     g = torch.Generator().manual_seed(1)
-    k_cache, v_cache = torch.randn(2, 30, BS, 2, head_dim, generator=g)
+    k_cache, v_cache = torch.randn(2, 30, BS, kv_heads, head_dim, generator=g)
     table = (torch.randperm(29, generator=g) + 1)[:16].view(4, 4).int()
-    q = torch.randn(4, 6, head_dim, generator=g)
+    q = torch.randn(4, heads, head_dim, generator=g)
     meta = AttentionMetadata(
         num_reqs=4, num_decodes=4, slot_mapping=torch.zeros(0, dtype=torch.long),
         query_start_loc=torch.arange(5, dtype=torch.int32), seq_lens=torch.tensor(lens, dtype=torch.int32),
         block_table=table, query_start_loc_cpu=list(range(5)), seq_lens_cpu=lens,
         num_computed_tokens_cpu=[n - 1 for n in lens], max_decode_seq_len=max(lens), block_size=BS,
     )  # fmt: skip
-    expected = Attention(6, head_dim, 2, 0.3)._decode(q, (k_cache, v_cache), meta)
+    expected = Attention(heads, head_dim, kv_heads, 0.3)._decode(q, (k_cache, v_cache), meta)
     got = paged_decode_attention_cpu(q, k_cache.contiguous(), v_cache.contiguous(), table, meta.seq_lens, 0.3)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
@@ -86,6 +93,21 @@ def test_block_table_rows_of_a_larger_table():
     ref = paged_decode_attention_cpu(q, k_cache, v_cache, meta.block_table, meta.seq_lens, 0.125)
     got = paged_decode_attention_cpu(q, k_cache, v_cache, wide[:3], meta.seq_lens, 0.125)
     torch.testing.assert_close(got, ref, atol=0, rtol=0)
+
+
+# float32: scores of a few hundred carry ~1e-5 of rounding whatever the summation order
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_peaked_scores_softmax_underflows_to_zero_not_nan(dtype, tol):
+    """Scores hundreds apart: most exp(score - max) underflow (the kernel's exp polynomial
+    must give 0 there, not NaN or garbage), and the output is the top keys' values."""
+    q, k_cache, v_cache, meta = _case(len(LENS_13), LENS_13, 8, 2, dtype, seed=3)
+    q = (q.float() * 60).to(dtype)
+    reference = Attention(8, DIM, 2, DIM**-0.5)
+    with torch.inference_mode():
+        expected = reference._decode(q.float(), (k_cache.float(), v_cache.float()), meta)
+        got = paged_decode_attention_cpu(q, k_cache, v_cache, meta.block_table, meta.seq_lens, DIM**-0.5)
+    assert torch.isfinite(got.float()).all()
+    assert (got.float() - expected).abs().max().item() < tol
 
 
 def test_malformed_inputs_raise():

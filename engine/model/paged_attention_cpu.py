@@ -83,12 +83,70 @@ def kernel_path() -> Path:
     )
 
 
-def load_kernel() -> ctypes.CDLL:
-    """Build the kernel unless it is cached, load it, and return the library.
+def build_kernel(source: Path, so: Path) -> None:
+    """Compile ``source`` into the shared library ``so`` with ``$CXX`` and ``FLAGS``.
+
+    Builds into a temporary file of ``so``'s directory, then renames it: two processes
+    building at once each write their own file, and the rename is atomic.
 
     Raises:
         RuntimeError: no C++ compiler, or the build failed (the message holds the command
             and the compiler's stderr).
+    """
+    why = cpp_kernel_unavailable() if not so.exists() else None
+    if why:
+        raise RuntimeError(f"cannot build the CPU_PAGED_CPP attention kernel: {why}")
+    so.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=so.stem + "-", suffix=".so.tmp", dir=so.parent)
+    os.close(fd)
+    cmd = [_compiler(), *FLAGS, str(source), "-o", tmp]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(
+                f"building the CPU_PAGED_CPP attention kernel failed: {' '.join(cmd)}\n{done.stderr.strip()}"
+            )
+        os.replace(tmp, so)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def open_kernel(so: Path) -> ctypes.CDLL:
+    """Load a built kernel and declare its C signature (ctypes then converts and checks
+    each argument). Raises ``OSError`` when ``so`` cannot be loaded."""
+    lib = ctypes.CDLL(str(so))
+    fn = lib.glassbox_paged_decode_attention
+    p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    fn.argtypes = [
+        i32,  # dtype: 0 float32, 1 bfloat16
+        p,  # q
+        p,  # k_cache
+        p,  # v_cache
+        p,  # block_table (int32)
+        i64,  # block_table_stride: elements between two rows
+        i32,  # block_table_width: entries in a row
+        i32,  # num_blocks in each cache
+        p,  # seq_lens (int32)
+        i32,  # num_decodes
+        i32,  # num_heads
+        i32,  # num_kv_heads
+        i32,  # head_dim
+        i32,  # block_size
+        i32,  # sliding_window (0: none)
+        ctypes.c_float,  # scale
+        p,  # out
+        i32,  # num_threads
+    ]
+    fn.restype = i32
+    return lib
+
+
+def load_kernel() -> ctypes.CDLL:
+    """Build the kernel unless it is cached (``kernel_path``), load it, and return the library.
+
+    Raises:
+        RuntimeError: no C++ compiler, or the build failed (see ``build_kernel``).
     """
     global _lib
     with _lock:
@@ -96,52 +154,9 @@ def load_kernel() -> ctypes.CDLL:
             return _lib
         so = kernel_path()
         if not so.exists():
-            why = cpp_kernel_unavailable()
-            if why:
-                raise RuntimeError(f"cannot build the CPU_PAGED_CPP attention kernel: {why}")
-            so.parent.mkdir(parents=True, exist_ok=True)
-            # Build into a temporary file of the same directory, then rename: two processes
-            # building at once each write their own file, and the rename is atomic.
-            fd, tmp = tempfile.mkstemp(prefix=so.stem + "-", suffix=".so.tmp", dir=so.parent)
-            os.close(fd)
-            cmd = [_compiler(), *FLAGS, str(SOURCE), "-o", tmp]
-            try:
-                done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-                if done.returncode != 0:
-                    raise RuntimeError(
-                        f"building the CPU_PAGED_CPP attention kernel failed: {' '.join(cmd)}\n{done.stderr.strip()}"
-                    )
-                os.replace(tmp, so)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-        lib = ctypes.CDLL(str(so))
-        fn = lib.glassbox_paged_decode_attention
-        p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-        # The C signature, argument by argument (ctypes converts and checks each one):
-        fn.argtypes = [
-            i32,  # dtype: 0 float32, 1 bfloat16
-            p,  # q
-            p,  # k_cache
-            p,  # v_cache
-            p,  # block_table (int32)
-            i64,  # block_table_stride: elements between two rows
-            i32,  # block_table_width: entries in a row
-            i32,  # num_blocks in each cache
-            p,  # seq_lens (int32)
-            i32,  # num_decodes
-            i32,  # num_heads
-            i32,  # num_kv_heads
-            i32,  # head_dim
-            i32,  # block_size
-            i32,  # sliding_window (0: none)
-            ctypes.c_float,  # scale
-            p,  # out
-            i32,  # num_threads
-        ]
-        fn.restype = i32
-        _lib = lib
-        return lib
+            build_kernel(SOURCE, so)
+        _lib = open_kernel(so)
+        return _lib
 
 
 def paged_decode_attention_cpu(
@@ -152,6 +167,7 @@ def paged_decode_attention_cpu(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    kernel: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
     """One query token per request, attending to K/V read in place from the paged cache.
 
@@ -167,6 +183,8 @@ def paged_decode_attention_cpu(
         seq_lens: ``(num_decodes,)`` int32, the keys each request has (the query is the last).
         scale: multiplier of ``q·k``.
         sliding_window: when set, a request sees only its last ``sliding_window`` keys.
+        kernel: another build of the kernel (``build_kernel`` + ``open_kernel``: a benchmark
+            comparing two versions of the source); by default the cached one (``load_kernel``).
 
     Returns ``(num_decodes, num_heads, head_dim)`` in ``q``'s dtype. Scores, softmax and the
     weighted sum are float32; a bfloat16 output is rounded to nearest, ties to even.
@@ -181,7 +199,7 @@ def paged_decode_attention_cpu(
     vLLM: ``paged_attention_v1`` (one block-table walk per request and head, logits kept
     whole, then the softmax and the weighted sum of values).
     """
-    fn = load_kernel().glassbox_paged_decode_attention
+    fn = (kernel if kernel is not None else load_kernel()).glassbox_paged_decode_attention
     _check(q, k_cache, v_cache, block_table, seq_lens, sliding_window)
     nd, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape

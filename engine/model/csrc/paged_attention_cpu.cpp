@@ -221,6 +221,197 @@ void paged_decode_attention(const scalar_t* q, const scalar_t* k_cache, const sc
   }
 }
 
+#ifdef __AVX512F__
+// ---- the AVX-512 path: head sizes that are a multiple of 16 -----------------------------
+// The loop above is written for clarity; on a CPU with AVX-512 (where g++ -march=native
+// defines __AVX512F__) this version does the same arithmetic faster, for the head sizes
+// models use (benchmarks/paged_attention_kernel.py, 32 decodes of 300-700 keys, one
+// thread: 1.5x the loop above in float32, 2.4x in bfloat16). What it changes:
+//   - Pages are walked one at a time (for_each_row): one division per page, not per key.
+//   - Rows are widened to float32 in registers (no round trip through a scratch row).
+//   - The weighted sum of values lives in registers (up to 16 of the 32 AVX-512 registers),
+//     not in memory: acc += p * v no longer waits, key after key, on its own last store.
+//   - The softmax's exp is a 16-lane polynomial (below), not one libm call per score.
+// One register holds 16 float32 lanes; a row of HEAD_DIM elements is HEAD_DIM / 16 of them.
+
+// 16 elements from memory as float32 lanes (bfloat16: zero-extend to 32 bits, shift up 16).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+}
+
+// e^x in each lane, for x <= 0 (a score minus its maximum). Cody-Waite range reduction
+// x = n ln2 + r with |r| <= ln2 / 2, then e^r by Cephes' degree-7 polynomial (relative error
+// about 1e-7, float32's own), then scale by 2^n (scalef also makes tiny results 0 smoothly).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));  // e^-104 is 0 in float32: avoid a huge n
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln2, split in two parts
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);      // so n ln2 is exact enough
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 e_r = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(e_r, n);
+}
+
+// Calls visit(t, row) for the keys p = start .. seq_len - 1 of one request and KV head, in
+// order (t = p - start), walking its pages: row points at that key's row in `cache`. The
+// page and the row within it come from one division per page, not one per key (an integer
+// division costs tens of cycles, as much as the arithmetic on a whole row). Each page's
+// rows are prefetched while the page before is read, row by row.
+template <typename scalar_t, typename Visit>
+inline void for_each_row(const scalar_t* cache, const int32_t* blocks, int start, int seq_len,
+                         int block_size, int64_t block_stride, int64_t token_stride,
+                         int64_t head_offset, int head_dim, Visit visit) {
+  int p = start;
+  int b = start / block_size;
+  int offset = start - b * block_size;
+  while (p < seq_len) {
+    const scalar_t* page = cache + blocks[b] * block_stride + head_offset;
+    const int rows = std::min(block_size - offset, seq_len - p);
+    // Rows of the next page to ask for, one with each row read here: a page's worth of
+    // prefetches issued at once would fill the core's few line-fill buffers and stall.
+    const int next_rows = p + rows < seq_len ? std::min(block_size, seq_len - p - rows) : 0;
+    const scalar_t* next = next_rows ? cache + blocks[b + 1] * block_stride + head_offset : page;
+    for (int r = 0; r < rows; ++r) {
+      if (r < next_rows) prefetch_row(next + r * token_stride, head_dim);
+      visit(p - start + r, page + (offset + r) * token_stride);
+    }
+    p += rows;
+    ++b;
+    offset = 0;
+  }
+}
+
+// acc[g] += sum_t prob[g][t] * v_t for G query heads (G a compile-time constant, so the
+// G * NV accumulators stay in registers).
+template <typename scalar_t, int NV, int G, typename Walk>
+inline void weighted_values(const float* probs, int64_t len, Walk walk, int head_dim, float* out_acc) {
+  __m512 acc[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int r = 0; r < NV; ++r) acc[g][r] = _mm512_setzero_ps();
+  walk([&](int64_t t, const scalar_t* v) {
+    __m512 row[NV];
+    for (int r = 0; r < NV; ++r) row[r] = load16(v + 16 * r);
+    for (int g = 0; g < G; ++g) {
+      const __m512 w = _mm512_set1_ps(probs[g * len + t]);
+      for (int r = 0; r < NV; ++r) acc[g][r] = _mm512_fmadd_ps(w, row[r], acc[g][r]);
+    }
+  });
+  for (int g = 0; g < G; ++g)
+    for (int r = 0; r < NV; ++r) _mm512_storeu_ps(out_acc + g * head_dim + 16 * r, acc[g][r]);
+}
+
+template <typename scalar_t, int HEAD_DIM>
+void paged_decode_attention_avx512(const scalar_t* q, const scalar_t* k_cache,
+                                   const scalar_t* v_cache, const int32_t* block_table,
+                                   int64_t block_table_stride, const int32_t* seq_lens,
+                                   int num_decodes, int num_heads, int num_kv_heads,
+                                   int block_size, int sliding_window, float scale,
+                                   scalar_t* out, int num_threads) {
+  static_assert(HEAD_DIM % 16 == 0, "the AVX-512 path takes whole registers");
+  constexpr int NV = HEAD_DIM / 16;                  // registers per row
+  constexpr int GC = NV >= 8 ? 16 / NV : 4;  // query heads per pass over the values (<= 16 registers, at most 4)
+  const int group = num_heads / num_kv_heads;
+  const int64_t token_stride = static_cast<int64_t>(num_kv_heads) * HEAD_DIM;
+  const int64_t block_stride = block_size * token_stride;
+
+  int max_len = 0;
+  for (int i = 0; i < num_decodes; ++i) max_len = seq_lens[i] > max_len ? seq_lens[i] : max_len;
+
+#pragma omp parallel num_threads(num_threads)
+  {
+    std::vector<float> q_f(static_cast<size_t>(group) * HEAD_DIM);
+    std::vector<float> logits(static_cast<size_t>(group) * (max_len > 0 ? max_len : 1));
+    std::vector<float> acc(static_cast<size_t>(group) * HEAD_DIM);
+
+#pragma omp for collapse(2) schedule(dynamic, 1)
+    for (int i = 0; i < num_decodes; ++i) {
+      for (int kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+        const int seq_len = seq_lens[i];
+        int start = 0;
+        if (sliding_window > 0 && seq_len > sliding_window) start = seq_len - sliding_window;
+        const int64_t len = seq_len - start;
+        const int32_t* blocks = block_table + i * block_table_stride;
+        const int64_t head_offset = static_cast<int64_t>(kv_head) * HEAD_DIM;
+        auto walk = [&](const scalar_t* cache) {
+          return [=](auto visit) {
+            for_each_row(cache, blocks, start, seq_len, block_size, block_stride, token_stride,
+                         head_offset, HEAD_DIM, visit);
+          };
+        };
+
+        // 1. Queries, float32, scaled.
+        for (int g = 0; g < group; ++g) {
+          const scalar_t* q_row = q + (static_cast<int64_t>(i) * num_heads + kv_head * group + g) * HEAD_DIM;
+          for (int d = 0; d < HEAD_DIM; ++d) q_f[g * HEAD_DIM + d] = to_float(q_row[d]) * scale;
+        }
+
+        // 2. Scores, each key row read once for the whole group.
+        float* L = logits.data();
+        float max_logit[64];
+        for (int g = 0; g < group; ++g) max_logit[g] = -std::numeric_limits<float>::infinity();
+        walk(k_cache)([&](int64_t t, const scalar_t* k) {
+          __m512 row[NV];
+          for (int r = 0; r < NV; ++r) row[r] = load16(k + 16 * r);
+          for (int g = 0; g < group; ++g) {
+            const float* qg = &q_f[g * HEAD_DIM];
+            __m512 sum16 = _mm512_mul_ps(_mm512_loadu_ps(qg), row[0]);
+            for (int r = 1; r < NV; ++r) sum16 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * r), row[r], sum16);
+            const float s = _mm512_reduce_add_ps(sum16);
+            L[g * len + t] = s;
+            max_logit[g] = s > max_logit[g] ? s : max_logit[g];
+          }
+        });
+
+        // 3. Softmax, 16 scores at a time (the last few under a mask).
+        float inv_sum[64];
+        for (int g = 0; g < group; ++g) {
+          float* lg = &L[g * len];
+          const __m512 m = _mm512_set1_ps(max_logit[g]);
+          __m512 sum16 = _mm512_setzero_ps();
+          for (int64_t t = 0; t < len; t += 16) {
+            const __mmask16 lanes = len - t >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                                  : static_cast<__mmask16>((1u << (len - t)) - 1);
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, lg + t), m));
+            _mm512_mask_storeu_ps(lg + t, lanes, e);
+            sum16 = _mm512_mask_add_ps(sum16, lanes, sum16, e);
+          }
+          inv_sum[g] = len > 0 ? 1.0f / _mm512_reduce_add_ps(sum16) : 0.0f;
+        }
+
+        // 4. Weighted sum of values: up to GC heads per pass, each value row read once per
+        //    pass (the count is a template argument, so every case keeps its sums in registers).
+        for (int g0 = 0; g0 < group;) {
+          const int n = std::min(GC, group - g0);
+          const float* probs = &L[g0 * len];
+          float* out_acc = &acc[g0 * HEAD_DIM];
+          switch (n) {
+            case 1: weighted_values<scalar_t, NV, 1>(probs, len, walk(v_cache), HEAD_DIM, out_acc); break;
+            case 2: weighted_values<scalar_t, NV, 2 <= GC ? 2 : 1>(probs, len, walk(v_cache), HEAD_DIM, out_acc); break;
+            case 3: weighted_values<scalar_t, NV, 3 <= GC ? 3 : 1>(probs, len, walk(v_cache), HEAD_DIM, out_acc); break;
+            default: weighted_values<scalar_t, NV, 4 <= GC ? 4 : 1>(probs, len, walk(v_cache), HEAD_DIM, out_acc); break;
+          }
+          g0 += n;
+        }
+
+        // 5. Normalise and write in the input's dtype.
+        for (int g = 0; g < group; ++g) {
+          scalar_t* o = out + (static_cast<int64_t>(i) * num_heads + kv_head * group + g) * HEAD_DIM;
+          for (int d = 0; d < HEAD_DIM; ++d) from_float(acc[g * HEAD_DIM + d] * inv_sum[g], &o[d]);
+        }
+      }
+    }
+  }
+}
+#endif  // __AVX512F__
+
 // One compiled copy per common head size (the models Glassbox runs use 64 or 128), and a
 // generic one for the rest.
 template <typename scalar_t>
@@ -229,16 +420,29 @@ void dispatch_head_dim(const scalar_t* q, const scalar_t* k_cache, const scalar_
                        const int32_t* seq_lens, int num_decodes, int num_heads, int num_kv_heads,
                        int head_dim, int block_size, int sliding_window, float scale,
                        scalar_t* out, int num_threads) {
+#ifdef __AVX512F__
+#define GLASSBOX_CALL(D)                                                                        \
+  paged_decode_attention_avx512<scalar_t, D>(q, k_cache, v_cache, block_table,                  \
+                                             block_table_stride, seq_lens, num_decodes,         \
+                                             num_heads, num_kv_heads, block_size,               \
+                                             sliding_window, scale, out, num_threads)
+#else
 #define GLASSBOX_CALL(D)                                                                      \
   paged_decode_attention<scalar_t, D>(q, k_cache, v_cache, block_table, block_table_stride,   \
                                       seq_lens, num_decodes, num_heads, num_kv_heads,         \
                                       head_dim, block_size, sliding_window, scale, out,       \
                                       num_threads)
+#endif
   switch (head_dim) {
     case 64: GLASSBOX_CALL(64); break;
     case 128: GLASSBOX_CALL(128); break;
     case 256: GLASSBOX_CALL(256); break;
-    default: GLASSBOX_CALL(0); break;
+    default:  // any other size: the plain loop
+      paged_decode_attention<scalar_t, 0>(q, k_cache, v_cache, block_table, block_table_stride,
+                                          seq_lens, num_decodes, num_heads, num_kv_heads,
+                                          head_dim, block_size, sliding_window, scale, out,
+                                          num_threads);
+      break;
   }
 #undef GLASSBOX_CALL
 }
