@@ -10,6 +10,8 @@ checked against delays we chose. Route prefixes change its behaviour:
 - ``/nousage/v1/completions`` sends no usage chunk;
 - ``/blank/v1/completions`` sends its first ``BLANK_CHUNKS`` tokens with empty text (as a
   real server does for a byte that completes no character yet);
+- ``/raw/v1/completions`` sends each token as ``"x\u2028\x85"`` written raw (JSON need not
+  escape them, and a real server does not), its lines ended with CRLF;
 - a chat stream opens with the role chunk, sent with the first token as vLLM does;
 - without ``ignore_eos`` it "meets EOS" after ``EOS_AFTER`` tokens.
 """
@@ -37,6 +39,7 @@ from engine.bench.serve import (
     load_tokenizer,
     percentile,
     sample_random_requests,
+    sse_data,
 )
 from engine.cli.main import main
 
@@ -44,6 +47,7 @@ TTFT_S = 0.2  # long enough that a loaded machine still gets every allowed reque
 ITL_S = 0.01
 EOS_AFTER = 3
 BLANK_CHUNKS = 3
+RAW_TOKEN = "x\u2028\x85"  # line separators to str.splitlines, not to the SSE format
 MODEL = "peer-model"
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -100,6 +104,8 @@ def _build_app(peer: Peer):
         def event(piece: str, delta: dict | None = None) -> str:
             delta = delta or {"content": piece}
             choice = {"index": 0, "delta": delta} if chat else {"index": 0, "text": piece}
+            if mode == "raw":
+                return f"data: {json.dumps({'choices': [choice]}, ensure_ascii=False)}\r\n\r\n"
             return f"data: {json.dumps({'choices': [choice]})}\n\n"
 
         async def stream():
@@ -111,7 +117,9 @@ def _build_app(peer: Peer):
                     if sent:
                         await asyncio.sleep(ITL_S)
                     blank = mode == "blank" and sent < BLANK_CHUNKS
-                    yield event("" if blank else "x" * min(per_chunk, tokens - sent))
+                    yield event(
+                        "" if blank else RAW_TOKEN if mode == "raw" else "x" * min(per_chunk, tokens - sent)
+                    )
                 if mode != "nousage":
                     usage = {"prompt_tokens": 0, "completion_tokens": tokens, "total_tokens": tokens}
                     yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
@@ -361,6 +369,32 @@ def test_ttft_is_the_first_chunk_even_with_empty_text(peer, tmp_path):
         assert r["generated_text"] == "xxx" and r["output_tokens"] == 6
         assert TTFT_S * 1000 <= r["ttft_ms"] < TTFT_S * 1000 + 500
         assert len(r["itl_ms"]) == 5 and sum(r["itl_ms"]) == pytest.approx(r["latency_ms"] - r["ttft_ms"])
+
+
+def test_line_separators_inside_a_chunk_do_not_cut_it(peer, tmp_path):
+    # U+2028 and U+0085 end a line for str.splitlines (and so for httpx's aiter_lines), not
+    # for SSE; a server writes them raw in a chunk's JSON when a token's text holds one.
+    _, url = peer
+    flags = ["--endpoint", "/raw/v1/completions", "--num-prompts", "2", "--random-output-len", "3"]
+    result = _bench(url, tmp_path, *flags)
+    assert result["completed"] == 2
+    for r in result["requests"]:
+        assert r["generated_text"] == RAW_TOKEN * 3 and r["output_tokens"] == 3 and len(r["itl_ms"]) == 2
+
+
+@pytest.mark.parametrize("cut", [1, 2, 3, 7, 1000])
+def test_sse_payloads_are_whole_however_the_reads_cut_the_stream(cut):
+    body = 'data: {"a": 1}\r\n\r\n: a comment\nevent: x\ndata:{"b":"\u2028"}\n\rdata: [DONE]\r\n'.encode()
+
+    class Response:
+        async def aiter_bytes(self):
+            for i in range(0, len(body), cut):
+                yield body[i : i + cut]
+
+    async def payloads() -> list[bytes]:
+        return [data async for data in sse_data(Response())]
+
+    assert asyncio.run(payloads()) == [b'{"a": 1}', '{"b":"\u2028"}'.encode(), b"[DONE]"]
 
 
 def test_chat_role_chunk_times_ttft_but_is_not_a_token(peer, tmp_path, default_model_dir):

@@ -87,3 +87,43 @@ def test_the_streamed_text_is_the_whole_text(route):
     chunks, _ = _chunks(route)
     key = (lambda c: c["delta"].get("content") or "") if route == "chat" else (lambda c: c["text"])
     assert "".join(key(c["choices"][0]) for c in chunks) == "é x"
+
+
+# Texts a token can decode to: JSON escapes, control characters, characters JSON leaves raw
+# (U+0085, U+2028, U+2029, DEL), multi-byte characters, the replacement character.
+TEXTS = ["", "x", ' "quoted" ', "back\\slash", "\n\r\t\b\f", "\x00\x01\x1f\x7f", "\x85\u2028\u2029",
+         "é日本🙂", "\ufffd", "</script>"]  # fmt: skip
+ENDINGS = [(None, None), ("length", None), ("stop", None), ("stop", 2), ("stop", "\n\n"), ("abort", None)]
+
+
+@pytest.mark.parametrize("finish_reason, stop_reason", ENDINGS)
+def test_a_completion_chunk_is_the_pydantic_models_json_byte_for_byte(finish_reason, stop_reason):
+    # The stream writes its chunks with msgspec (a chunk per token); what a client reads must
+    # stay what the pydantic models say — every field, in order, None written as null.
+    from engine.entrypoints.openai.serving_engine import StreamChunks, sse_event
+
+    envelope = dict(id="cmpl-1", created=1700000000, model='a "model" /x')
+    chunks = StreamChunks(protocol.CompletionStreamResponse(**envelope, choices=[]))
+    for index, text in enumerate(TEXTS):
+        wire = protocol.CompletionStreamChoiceWire(index, text, None, finish_reason, stop_reason)
+        choice = protocol.CompletionResponseStreamChoice(index=index, text=text, finish_reason=finish_reason,
+                                                         stop_reason=stop_reason)  # fmt: skip
+        expected = sse_event(protocol.CompletionStreamResponse(**envelope, choices=[choice]))
+        assert chunks.event(wire) == expected
+
+
+@pytest.mark.parametrize("finish_reason, stop_reason", ENDINGS)
+def test_a_chat_chunk_is_the_pydantic_models_json_byte_for_byte(finish_reason, stop_reason):
+    from engine.entrypoints.openai.serving_engine import StreamChunks, sse_event
+
+    envelope = dict(id="chatcmpl-1", created=1700000000, model="m")
+    chunks = StreamChunks(protocol.ChatCompletionStreamResponse(**envelope, choices=[]))
+    # The role chunk, a delta with no content (written as null), then content deltas.
+    deltas = [dict(role="assistant", content=""), dict(content=None)] + [dict(content=text) for text in TEXTS]
+    for index, fields in enumerate(deltas):
+        wire = protocol.ChatStreamChoiceWire(index, protocol.DeltaMessageWire(**fields), None, finish_reason,
+                                             stop_reason)  # fmt: skip
+        choice = protocol.ChatCompletionResponseStreamChoice(index=index, delta=protocol.DeltaMessage(**fields),
+                                                             finish_reason=finish_reason, stop_reason=stop_reason)  # fmt: skip
+        expected = sse_event(protocol.ChatCompletionStreamResponse(**envelope, choices=[choice]))
+        assert chunks.event(wire) == expected

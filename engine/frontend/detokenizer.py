@@ -188,7 +188,8 @@ class IncrementalDetokenizer:
         before = self._window_text
         self._ids.append(token_id)
         text = self._decode(self._ids[self._prefix_offset :])
-        common = len(os.path.commonprefix([before, text]))
+        # Mostly the token only appends text: no character-by-character comparison then.
+        common = len(before) if text.startswith(before) else len(os.path.commonprefix([before, text]))
         while common and text[common - 1] == REPLACEMENT_CHAR and not text[common:].strip(REPLACEMENT_CHAR):
             common -= 1
         start = common - len(self._prefix_text)

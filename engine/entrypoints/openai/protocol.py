@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -339,6 +340,45 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseStreamChoice]
     usage: UsageInfo | None = None
+
+
+# ---------------------------------------------------------------------------- stream chunks on the wire
+
+
+class CompletionStreamChoiceWire(msgspec.Struct):
+    """One ``CompletionResponseStreamChoice`` with no logprobs, as msgspec writes it.
+
+    A stream writes one choice per request per step; msgspec writes it in well under a
+    microsecond where building and dumping the pydantic models takes several. The JSON is
+    the pydantic model's, byte for byte — same fields, same order, ``logprobs: null`` —
+    which ``tests/test_stream_chunks.py`` checks. The envelope around it (id, created,
+    model, ``usage: null``) is written once per stream (``serving_engine.StreamChunks``).
+    """
+
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class DeltaMessageWire(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """``DeltaMessage`` as msgspec writes it: ``role`` left out when None (as the pydantic
+    model's serializer does), ``content`` always written (``null`` when None)."""
+
+    role: str | None = None
+    content: str | None
+
+
+class ChatStreamChoiceWire(msgspec.Struct):
+    """One ``ChatCompletionResponseStreamChoice`` with no logprobs, as msgspec writes it
+    (the pydantic model's JSON, byte for byte; see ``CompletionStreamChoiceWire``)."""
+
+    index: int
+    delta: DeltaMessageWire
+    logprobs: None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 # ---------------------------------------------------------------------------- models

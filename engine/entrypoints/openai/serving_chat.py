@@ -31,7 +31,9 @@ from engine.entrypoints.openai.protocol import (
     ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse,
     ChatMessage,
+    ChatStreamChoiceWire,
     DeltaMessage,
+    DeltaMessageWire,
     UsageInfo,
 )
 from engine.entrypoints.openai.serving_engine import (
@@ -39,6 +41,7 @@ from engine.entrypoints.openai.serving_engine import (
     SSE_DONE,
     OpenAIError,
     OpenAIServing,
+    StreamChunks,
     bad_request_from_value_error,
     engine_dead_event,
     error_response,
@@ -160,6 +163,8 @@ class OpenAIServingChat(OpenAIServing):
         outputs: AsyncIterator[tuple[int, RequestOutput]],
     ) -> AsyncIterator[str]:
         created = int(time.time())
+        chunks = StreamChunks(ChatCompletionStreamResponse(id=request_id, created=created,
+                                                           model=self.served_model_name, choices=[]))  # fmt: skip
 
         def chunk(choices: list[ChatCompletionResponseStreamChoice], usage: UsageInfo | None = None) -> str:
             return sse_event(ChatCompletionStreamResponse(id=request_id, created=created, model=self.served_model_name,
@@ -176,8 +181,9 @@ class OpenAIServingChat(OpenAIServing):
                         # chunk marks its first token (and an error before it comes alone).
                         role_sent = True
                         for index in range(request.n):
-                            delta = DeltaMessage(role="assistant", content="")
-                            yield chunk([ChatCompletionResponseStreamChoice(index=index, delta=delta)])
+                            yield chunks.event(
+                                ChatStreamChoiceWire(index, DeltaMessageWire(role="assistant", content=""))
+                            )
                     for out in output.outputs:
                         completion_tokens += len(out.token_ids)
                         logprobs = None
@@ -187,6 +193,14 @@ class OpenAIServingChat(OpenAIServing):
                             )
                         if not out.text and not out.token_ids and out.finish_reason is None:
                             continue  # nothing new for this choice (vLLM: "don't return empty chunks")
+                        if logprobs is None:  # the common chunk: msgspec writes the same JSON
+                            delta = DeltaMessageWire(content=out.text)
+                            yield chunks.event(
+                                ChatStreamChoiceWire(
+                                    out.index, delta, None, out.finish_reason, out.stop_reason
+                                )
+                            )
+                            continue
                         choice = ChatCompletionResponseStreamChoice(
                             index=out.index,
                             delta=DeltaMessage(content=out.text),

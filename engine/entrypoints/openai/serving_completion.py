@@ -34,6 +34,7 @@ from engine.entrypoints.openai.protocol import (
     CompletionResponse,
     CompletionResponseChoice,
     CompletionResponseStreamChoice,
+    CompletionStreamChoiceWire,
     CompletionStreamResponse,
     UsageInfo,
 )
@@ -42,6 +43,7 @@ from engine.entrypoints.openai.serving_engine import (
     SSE_DONE,
     OpenAIError,
     OpenAIServing,
+    StreamChunks,
     bad_request_from_value_error,
     engine_dead_event,
     error_response,
@@ -241,6 +243,8 @@ class OpenAIServingCompletion(OpenAIServing):
         """SSE chunks, one per choice that moved; usage last (``include_usage``); ``[DONE]``."""
         n = request.n
         created = int(time.time())
+        chunks = StreamChunks(CompletionStreamResponse(id=request_id, created=created, model=self.served_model_name,
+                                                       choices=[]))  # fmt: skip
         num_choices = len(prompts) * n
         want_logprobs = request.logprobs is not None
         # Per choice, a detokenizer replaying its tokens: the offsets of ``text_offset``.
@@ -284,6 +288,11 @@ class OpenAIServingCompletion(OpenAIServing):
                             logprobs = self.create_logprobs(token_ids, top, request.logprobs, offsets)
                         if not text and not token_ids and out.finish_reason is None:
                             continue  # nothing new for this choice (vLLM: "don't return empty chunks")
+                        if logprobs is None:  # the common chunk: msgspec writes the same JSON
+                            yield chunks.event(
+                                CompletionStreamChoiceWire(i, text, None, out.finish_reason, out.stop_reason)
+                            )
+                            continue
                         choice = CompletionResponseStreamChoice(
                             index=i,
                             text=text,
