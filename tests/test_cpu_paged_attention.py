@@ -38,6 +38,16 @@ def _case(nd: int, lens: list[int], heads: int, kv_heads: int, dtype: torch.dtyp
     return q, k_cache, v_cache, meta
 
 
+@pytest.fixture
+def two_threads():
+    """torch (and so the kernel) on 2 threads, whatever the machine: with 4 decodes a task
+    takes a whole request, with 1 a single KV head."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
 LENS_13 = [1, BS, 3 * BS + 5, 7, 2 * BS, 100, 1, 5 * BS - 1, 33, BS + 1, 250, 2, 64]
 
 
@@ -67,16 +77,18 @@ def test_matches_gather_and_sdpa(dtype, tol, heads, kv_heads, window, lens):
         (256, 4, 1),  # one head per pass, 4 passes
     ],
 )
-def test_other_head_sizes(head_dim, heads, kv_heads):
-    lens = [1, 40, 17, 3 * BS]
+@pytest.mark.parametrize("num_decodes", [1, 4])  # one KV head per task; a request's all per task
+def test_other_head_sizes(head_dim, heads, kv_heads, num_decodes, two_threads):
+    lens = [40, 1, 17, 3 * BS][:num_decodes]
     g = torch.Generator().manual_seed(1)
     k_cache, v_cache = torch.randn(2, 30, BS, kv_heads, head_dim, generator=g)
-    table = (torch.randperm(29, generator=g) + 1)[:16].view(4, 4).int()
-    q = torch.randn(4, heads, head_dim, generator=g)
+    table = (torch.randperm(29, generator=g) + 1)[:16].view(4, 4).int()[:num_decodes]
+    q = torch.randn(num_decodes, heads, head_dim, generator=g)
     meta = AttentionMetadata(
-        num_reqs=4, num_decodes=4, slot_mapping=torch.zeros(0, dtype=torch.long),
-        query_start_loc=torch.arange(5, dtype=torch.int32), seq_lens=torch.tensor(lens, dtype=torch.int32),
-        block_table=table, query_start_loc_cpu=list(range(5)), seq_lens_cpu=lens,
+        num_reqs=num_decodes, num_decodes=num_decodes, slot_mapping=torch.zeros(0, dtype=torch.long),
+        query_start_loc=torch.arange(num_decodes + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32), block_table=table,
+        query_start_loc_cpu=list(range(num_decodes + 1)), seq_lens_cpu=lens,
         num_computed_tokens_cpu=[n - 1 for n in lens], max_decode_seq_len=max(lens), block_size=BS,
     )  # fmt: skip
     expected = Attention(heads, head_dim, kv_heads, 0.3)._decode(q, (k_cache, v_cache), meta)

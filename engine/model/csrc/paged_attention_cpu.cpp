@@ -225,12 +225,17 @@ void paged_decode_attention(const scalar_t* q, const scalar_t* k_cache, const sc
 // ---- the AVX-512 path: head sizes that are a multiple of 16 -----------------------------
 // The loop above is written for clarity; on a CPU with AVX-512 (where g++ -march=native
 // defines __AVX512F__) this version does the same arithmetic faster, for the head sizes
-// models use (benchmarks/paged_attention_kernel.py, 32 decodes of 300-700 keys, one
-// thread: 1.5x the loop above in float32, 2.4x in bfloat16). What it changes:
-//   - Pages are walked one at a time (for_each_row): one division per page, not per key.
+// models use (benchmarks/paged_attention_kernel.py; figures in docs/performance.md). What
+// it changes:
+//   - One task may take all the KV heads of a request (when there are requests enough to
+//     keep every thread busy), and walks its pages one at a time, every KV head of a page
+//     before the next page: a page's rows of all KV heads lie side by side in the cache, so
+//     memory is read in long contiguous runs, and the next page is prefetched whole while
+//     this one is used. One division per page, not per key.
 //   - Rows are widened to float32 in registers (no round trip through a scratch row).
-//   - The weighted sum of values lives in registers (up to 16 of the 32 AVX-512 registers),
-//     not in memory: acc += p * v no longer waits, key after key, on its own last store.
+//   - The weighted sum of values lives in registers while a page is read (up to 16 of the
+//     32 AVX-512 registers), not in memory: acc += p * v does not wait, key after key, on
+//     its own last store.
 //   - The softmax's exp is a 16-lane polynomial (below), not one libm call per score.
 // One register holds 16 float32 lanes; a row of HEAD_DIM elements is HEAD_DIM / 16 of them.
 
@@ -260,52 +265,80 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(e_r, n);
 }
 
-// Calls visit(t, row) for the keys p = start .. seq_len - 1 of one request and KV head, in
-// order (t = p - start), walking its pages: row points at that key's row in `cache`. The
-// page and the row within it come from one division per page, not one per key (an integer
-// division costs tens of cycles, as much as the arithmetic on a whole row). Each page's
-// rows are prefetched while the page before is read, row by row.
+// One page of one request, as a task reads it: `rows` keys from `first_row` of page `page`
+// (a pointer already offset to the task's first KV head), which are keys t0 .. t0 + rows - 1
+// of the request's visible ones.
+template <typename scalar_t>
+struct PageRows {
+  const scalar_t* page;
+  int first_row;
+  int rows;
+  int64_t t0;
+};
+
+// Calls visit(page_rows, next) for the pages holding keys start .. seq_len - 1 of one
+// request, in order; `next` is where the following page starts (nullptr after the last), for
+// the visitor to prefetch while it reads this one (see Prefetcher).
 template <typename scalar_t, typename Visit>
-inline void for_each_row(const scalar_t* cache, const int32_t* blocks, int start, int seq_len,
-                         int block_size, int64_t block_stride, int64_t token_stride,
-                         int64_t head_offset, int head_dim, Visit visit) {
+inline void for_each_page(const scalar_t* cache, const int32_t* blocks, int start, int seq_len,
+                          int block_size, int64_t block_stride, int64_t head_offset, Visit visit) {
   int p = start;
   int b = start / block_size;
   int offset = start - b * block_size;
   while (p < seq_len) {
-    const scalar_t* page = cache + blocks[b] * block_stride + head_offset;
     const int rows = std::min(block_size - offset, seq_len - p);
-    // Rows of the next page to ask for, one with each row read here: a page's worth of
-    // prefetches issued at once would fill the core's few line-fill buffers and stall.
-    const int next_rows = p + rows < seq_len ? std::min(block_size, seq_len - p - rows) : 0;
-    const scalar_t* next = next_rows ? cache + blocks[b + 1] * block_stride + head_offset : page;
-    for (int r = 0; r < rows; ++r) {
-      if (r < next_rows) prefetch_row(next + r * token_stride, head_dim);
-      visit(p - start + r, page + (offset + r) * token_stride);
-    }
+    visit(PageRows<scalar_t>{cache + blocks[b] * block_stride + head_offset, offset, rows, p - start},
+          p + rows < seq_len ? cache + blocks[b + 1] * block_stride + head_offset : nullptr);
     p += rows;
     ++b;
     offset = 0;
   }
 }
 
-// acc[g] += sum_t prob[g][t] * v_t for G query heads (G a compile-time constant, so the
-// G * NV accumulators stay in registers).
-template <typename scalar_t, int NV, int G, typename Walk>
-inline void weighted_values(const float* probs, int64_t len, Walk walk, int head_dim, float* out_acc) {
+// Prefetches a page's rows — `rows` rows of `row_bytes` bytes, `row_stride` bytes apart
+// (contiguous when a task has every KV head) — spread evenly over `steps` calls of step().
+struct Prefetcher {
+  const char* row;  // the row being prefetched
+  int64_t row_lines, row_stride, lines_left, per_step;
+  int64_t line = 0;  // next line of `row` to ask for
+  Prefetcher(const void* next_page, int64_t row_bytes, int64_t row_stride_bytes, int rows, int64_t steps)
+      : row(static_cast<const char*>(next_page)),
+        row_lines((row_bytes + 63) / 64),
+        row_stride(row_stride_bytes),
+        lines_left(next_page ? row_lines * rows : 0),
+        per_step(steps > 0 ? (lines_left + steps - 1) / steps : lines_left) {}
+  inline void step() {
+    for (int64_t i = 0; i < per_step && lines_left > 0; ++i, --lines_left) {
+      __builtin_prefetch(row + 64 * line);
+      if (++line == row_lines) {
+        line = 0;
+        row += row_stride;
+      }
+    }
+  }
+};
+
+// acc[g] += sum_r prob[g][t0 + r] * v_r over one page's rows, for G query heads (G a
+// compile-time constant, so the G * NV sums stay in registers while the page is read).
+template <typename scalar_t, int NV, int G>
+inline void accumulate_page(const float* probs, int64_t len, const PageRows<scalar_t>& pg,
+                            int64_t token_stride, float* acc_mem, Prefetcher& prefetch) {
+  constexpr int D = 16 * NV;
   __m512 acc[G][NV];
   for (int g = 0; g < G; ++g)
-    for (int r = 0; r < NV; ++r) acc[g][r] = _mm512_setzero_ps();
-  walk([&](int64_t t, const scalar_t* v) {
-    __m512 row[NV];
-    for (int r = 0; r < NV; ++r) row[r] = load16(v + 16 * r);
+    for (int r = 0; r < NV; ++r) acc[g][r] = _mm512_loadu_ps(acc_mem + g * D + 16 * r);
+  for (int row = 0; row < pg.rows; ++row) {
+    prefetch.step();
+    const scalar_t* v = pg.page + (pg.first_row + row) * token_stride;
+    __m512 x[NV];
+    for (int r = 0; r < NV; ++r) x[r] = load16(v + 16 * r);
     for (int g = 0; g < G; ++g) {
-      const __m512 w = _mm512_set1_ps(probs[g * len + t]);
-      for (int r = 0; r < NV; ++r) acc[g][r] = _mm512_fmadd_ps(w, row[r], acc[g][r]);
+      const __m512 w = _mm512_set1_ps(probs[g * len + pg.t0 + row]);
+      for (int r = 0; r < NV; ++r) acc[g][r] = _mm512_fmadd_ps(w, x[r], acc[g][r]);
     }
-  });
+  }
   for (int g = 0; g < G; ++g)
-    for (int r = 0; r < NV; ++r) _mm512_storeu_ps(out_acc + g * head_dim + 16 * r, acc[g][r]);
+    for (int r = 0; r < NV; ++r) _mm512_storeu_ps(acc_mem + g * D + 16 * r, acc[g][r]);
 }
 
 template <typename scalar_t, int HEAD_DIM>
@@ -316,97 +349,117 @@ void paged_decode_attention_avx512(const scalar_t* q, const scalar_t* k_cache,
                                    int block_size, int sliding_window, float scale,
                                    scalar_t* out, int num_threads) {
   static_assert(HEAD_DIM % 16 == 0, "the AVX-512 path takes whole registers");
-  constexpr int NV = HEAD_DIM / 16;                  // registers per row
-  constexpr int GC = NV >= 8 ? 16 / NV : 4;  // query heads per pass over the values (<= 16 registers, at most 4)
+  constexpr int NV = HEAD_DIM / 16;               // registers per row
+  constexpr int GC = NV >= 8 ? 16 / NV : 4;       // query heads per value pass (<= 16 registers)
   const int group = num_heads / num_kv_heads;
   const int64_t token_stride = static_cast<int64_t>(num_kv_heads) * HEAD_DIM;
   const int64_t block_stride = block_size * token_stride;
+  // A task: one request and `kv_per_task` of its KV heads — all of them when there are at
+  // least two requests per thread (contiguous reads, enough tasks to share), else one (so
+  // a few long requests still spread over every thread).
+  const int kv_per_task = num_decodes >= 2 * num_threads ? num_kv_heads : 1;
+  const int tasks_per_request = num_kv_heads / kv_per_task;
+  const int heads_per_task = kv_per_task * group;
 
   int max_len = 0;
   for (int i = 0; i < num_decodes; ++i) max_len = seq_lens[i] > max_len ? seq_lens[i] : max_len;
 
 #pragma omp parallel num_threads(num_threads)
   {
-    std::vector<float> q_f(static_cast<size_t>(group) * HEAD_DIM);
-    std::vector<float> logits(static_cast<size_t>(group) * (max_len > 0 ? max_len : 1));
-    std::vector<float> acc(static_cast<size_t>(group) * HEAD_DIM);
+    std::vector<float> q_f(static_cast<size_t>(heads_per_task) * HEAD_DIM);
+    std::vector<float> logits(static_cast<size_t>(heads_per_task) * (max_len > 0 ? max_len : 1));
+    std::vector<float> acc(static_cast<size_t>(heads_per_task) * HEAD_DIM);
+    std::vector<float> max_logit(heads_per_task);
+    std::vector<float> inv_sum(heads_per_task);
 
-#pragma omp for collapse(2) schedule(dynamic, 1)
-    for (int i = 0; i < num_decodes; ++i) {
-      for (int kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
-        const int seq_len = seq_lens[i];
-        int start = 0;
-        if (sliding_window > 0 && seq_len > sliding_window) start = seq_len - sliding_window;
-        const int64_t len = seq_len - start;
-        const int32_t* blocks = block_table + i * block_table_stride;
-        const int64_t head_offset = static_cast<int64_t>(kv_head) * HEAD_DIM;
-        auto walk = [&](const scalar_t* cache) {
-          return [=](auto visit) {
-            for_each_row(cache, blocks, start, seq_len, block_size, block_stride, token_stride,
-                         head_offset, HEAD_DIM, visit);
-          };
-        };
+#pragma omp for schedule(dynamic, 1)
+    for (int task = 0; task < num_decodes * tasks_per_request; ++task) {
+      const int i = task / tasks_per_request;
+      const int kv0 = (task % tasks_per_request) * kv_per_task;  // the task's first KV head
+      const int seq_len = seq_lens[i];
+      int start = 0;
+      if (sliding_window > 0 && seq_len > sliding_window) start = seq_len - sliding_window;
+      const int64_t len = seq_len - start;
+      const int32_t* blocks = block_table + i * block_table_stride;
+      const int64_t head_offset = static_cast<int64_t>(kv0) * HEAD_DIM;
+      const int64_t row_bytes = static_cast<int64_t>(kv_per_task) * HEAD_DIM * sizeof(scalar_t);
+      const int64_t row_stride = token_stride * static_cast<int64_t>(sizeof(scalar_t));
+      float* L = logits.data();  // (heads_per_task, len): row h holds head h's scores
 
-        // 1. Queries, float32, scaled.
-        for (int g = 0; g < group; ++g) {
-          const scalar_t* q_row = q + (static_cast<int64_t>(i) * num_heads + kv_head * group + g) * HEAD_DIM;
-          for (int d = 0; d < HEAD_DIM; ++d) q_f[g * HEAD_DIM + d] = to_float(q_row[d]) * scale;
-        }
+      // 1. The task's queries (heads kv0 * group ..), float32, scaled.
+      const scalar_t* q_task = q + (static_cast<int64_t>(i) * num_heads + kv0 * group) * HEAD_DIM;
+      for (int e = 0; e < heads_per_task * HEAD_DIM; ++e) q_f[e] = to_float(q_task[e]) * scale;
+      for (int h = 0; h < heads_per_task; ++h) max_logit[h] = -std::numeric_limits<float>::infinity();
 
-        // 2. Scores, each key row read once for the whole group.
-        float* L = logits.data();
-        float max_logit[64];
-        for (int g = 0; g < group; ++g) max_logit[g] = -std::numeric_limits<float>::infinity();
-        walk(k_cache)([&](int64_t t, const scalar_t* k) {
-          __m512 row[NV];
-          for (int r = 0; r < NV; ++r) row[r] = load16(k + 16 * r);
-          for (int g = 0; g < group; ++g) {
-            const float* qg = &q_f[g * HEAD_DIM];
-            __m512 sum16 = _mm512_mul_ps(_mm512_loadu_ps(qg), row[0]);
-            for (int r = 1; r < NV; ++r) sum16 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * r), row[r], sum16);
-            const float s = _mm512_reduce_add_ps(sum16);
-            L[g * len + t] = s;
-            max_logit[g] = s > max_logit[g] ? s : max_logit[g];
+      // 2. Scores, page by page; in a page, KV head by KV head, each key row read once for
+      //    its group of query heads.
+      for_each_page(k_cache, blocks, start, seq_len, block_size, block_stride, head_offset,
+                    [&](const PageRows<scalar_t>& pg, const scalar_t* next) {
+        Prefetcher prefetch(next, row_bytes, row_stride, block_size, static_cast<int64_t>(kv_per_task) * pg.rows);
+        for (int kv = 0; kv < kv_per_task; ++kv) {
+          for (int row = 0; row < pg.rows; ++row) {
+            prefetch.step();
+            const scalar_t* k = pg.page + (pg.first_row + row) * token_stride + kv * HEAD_DIM;
+            __m512 x[NV];
+            for (int r = 0; r < NV; ++r) x[r] = load16(k + 16 * r);
+            for (int g = 0; g < group; ++g) {
+              const int h = kv * group + g;
+              const float* qh = &q_f[h * HEAD_DIM];
+              __m512 sum16 = _mm512_mul_ps(_mm512_loadu_ps(qh), x[0]);
+              for (int r = 1; r < NV; ++r) sum16 = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * r), x[r], sum16);
+              const float s = _mm512_reduce_add_ps(sum16);
+              L[h * len + pg.t0 + row] = s;
+              max_logit[h] = s > max_logit[h] ? s : max_logit[h];
+            }
           }
-        });
-
-        // 3. Softmax, 16 scores at a time (the last few under a mask).
-        float inv_sum[64];
-        for (int g = 0; g < group; ++g) {
-          float* lg = &L[g * len];
-          const __m512 m = _mm512_set1_ps(max_logit[g]);
-          __m512 sum16 = _mm512_setzero_ps();
-          for (int64_t t = 0; t < len; t += 16) {
-            const __mmask16 lanes = len - t >= 16 ? static_cast<__mmask16>(0xFFFF)
-                                                  : static_cast<__mmask16>((1u << (len - t)) - 1);
-            const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, lg + t), m));
-            _mm512_mask_storeu_ps(lg + t, lanes, e);
-            sum16 = _mm512_mask_add_ps(sum16, lanes, sum16, e);
-          }
-          inv_sum[g] = len > 0 ? 1.0f / _mm512_reduce_add_ps(sum16) : 0.0f;
         }
+      });
 
-        // 4. Weighted sum of values: up to GC heads per pass, each value row read once per
-        //    pass (the count is a template argument, so every case keeps its sums in registers).
-        for (int g0 = 0; g0 < group;) {
-          const int n = std::min(GC, group - g0);
-          const float* probs = &L[g0 * len];
-          float* out_acc = &acc[g0 * HEAD_DIM];
-          switch (n) {
-            case 1: weighted_values<scalar_t, NV, 1>(probs, len, walk(v_cache), HEAD_DIM, out_acc); break;
-            case 2: weighted_values<scalar_t, NV, 2 <= GC ? 2 : 1>(probs, len, walk(v_cache), HEAD_DIM, out_acc); break;
-            case 3: weighted_values<scalar_t, NV, 3 <= GC ? 3 : 1>(probs, len, walk(v_cache), HEAD_DIM, out_acc); break;
-            default: weighted_values<scalar_t, NV, 4 <= GC ? 4 : 1>(probs, len, walk(v_cache), HEAD_DIM, out_acc); break;
-          }
-          g0 += n;
+      // 3. Softmax of each head's scores, 16 at a time (the last few under a mask).
+      for (int h = 0; h < heads_per_task; ++h) {
+        float* lg = &L[h * len];
+        const __m512 m = _mm512_set1_ps(max_logit[h]);
+        __m512 sum16 = _mm512_setzero_ps();
+        for (int64_t t = 0; t < len; t += 16) {
+          const __mmask16 lanes = len - t >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                                : static_cast<__mmask16>((1u << (len - t)) - 1);
+          const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, lg + t), m));
+          _mm512_mask_storeu_ps(lg + t, lanes, e);
+          sum16 = _mm512_mask_add_ps(sum16, lanes, sum16, e);
         }
-
-        // 5. Normalise and write in the input's dtype.
-        for (int g = 0; g < group; ++g) {
-          scalar_t* o = out + (static_cast<int64_t>(i) * num_heads + kv_head * group + g) * HEAD_DIM;
-          for (int d = 0; d < HEAD_DIM; ++d) from_float(acc[g * HEAD_DIM + d] * inv_sum[g], &o[d]);
-        }
+        inv_sum[h] = len > 0 ? 1.0f / _mm512_reduce_add_ps(sum16) : 0.0f;
       }
+
+      // 4. Weighted sum of values, page by page; in a page, KV head by KV head and up to GC
+      //    query heads per pass (a template argument, so each case keeps its sums in registers).
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for_each_page(v_cache, blocks, start, seq_len, block_size, block_stride, head_offset,
+                    [&](const PageRows<scalar_t>& pg, const scalar_t* next) {
+        Prefetcher prefetch(next, row_bytes, row_stride, block_size,
+                            static_cast<int64_t>(kv_per_task) * ((group + GC - 1) / GC) * pg.rows);
+        for (int kv = 0; kv < kv_per_task; ++kv) {
+          PageRows<scalar_t> head_rows = pg;
+          head_rows.page += kv * HEAD_DIM;
+          for (int g0 = 0; g0 < group;) {
+            const int n = std::min(GC, group - g0);
+            const int h = kv * group + g0;
+            const float* probs = &L[h * len];
+            float* a = &acc[h * HEAD_DIM];
+            switch (n) {
+              case 1: accumulate_page<scalar_t, NV, 1>(probs, len, head_rows, token_stride, a, prefetch); break;
+              case 2: accumulate_page<scalar_t, NV, 2 <= GC ? 2 : 1>(probs, len, head_rows, token_stride, a, prefetch); break;
+              case 3: accumulate_page<scalar_t, NV, 3 <= GC ? 3 : 1>(probs, len, head_rows, token_stride, a, prefetch); break;
+              default: accumulate_page<scalar_t, NV, 4 <= GC ? 4 : 1>(probs, len, head_rows, token_stride, a, prefetch); break;
+            }
+            g0 += n;
+          }
+        }
+      });
+
+      // 5. Normalise and write in the input's dtype.
+      scalar_t* o = out + (static_cast<int64_t>(i) * num_heads + kv0 * group) * HEAD_DIM;
+      for (int h = 0; h < heads_per_task; ++h)
+        for (int d = 0; d < HEAD_DIM; ++d) from_float(acc[h * HEAD_DIM + d] * inv_sum[h], &o[h * HEAD_DIM + d]);
     }
   }
 }
