@@ -665,36 +665,3 @@ def test_a_compiler_that_does_not_work_falls_back_to_eager_and_says_why(tiny_dir
     )
     tokens = json.loads(done.stdout.strip().splitlines()[-1])
     assert tokens == hf_greedy(path, list(range(3, 20)), 8)
-
-
-def _anon_huge_kib(lo: int, hi: int) -> int:
-    """KiB of transparent huge pages backing this process's mappings that overlap [lo, hi)."""
-    total, inside = 0, False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            fields = line.split()
-            if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line: "start-end perms ..."
-                start, end = (int(x, 16) for x in fields[0].split("-"))
-                inside = start < hi and lo < end
-            elif inside and fields[0] == "AnonHugePages:":
-                total += int(fields[1])
-    return total
-
-
-def _thp_mode() -> str | None:
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            return f.read().split("[")[1].split("]")[0]
-    except (OSError, IndexError):
-        return None
-
-
-@pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason="no transparent huge pages here")
-def test_kv_cache_memory_is_zero_and_on_huge_pages():
-    from engine.worker.model_runner import zeros_on_huge_pages
-
-    cache = zeros_on_huge_pages((1024, 16, 4, 64), torch.bfloat16, torch.device("cpu"))  # 8 MiB
-    assert cache.shape == (1024, 16, 4, 64) and cache.dtype == torch.bfloat16
-    assert not cache.any()
-    lo = cache.data_ptr()
-    assert _anon_huge_kib(lo, lo + cache.numel() * cache.element_size()) >= 2048  # at least one 2 MiB page

@@ -29,10 +29,8 @@ async scheduling, speculative decoding, multimodal inputs, pooling.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import subprocess
-import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -117,36 +115,6 @@ class _Batch:
     logits_indices: torch.Tensor  # (len(sample_rows),) token index of each one's last token
     # (batch index, index of the first token, its position, count) per prompt-logprobs request
     prompt_logprob_spans: list[tuple[int, int, int, int]]
-
-
-_HUGE_PAGE = 2 << 20  # bytes of an x86-64 / arm64 transparent huge page
-_MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
-
-
-def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``torch.zeros(shape)``, whose memory, on a CPU under Linux, asks for transparent huge
-    pages (``madvise(MADV_HUGEPAGE)`` before the first touch) where the system leaves them
-    to each program (``/sys/kernel/mm/transparent_hugepage/enabled`` = ``madvise``).
-
-    Why: a decode reads its requests' pages of the KV cache, each a few KB lying anywhere
-    in a cache of a GiB or more; with 4 KiB pages nearly every one costs a TLB miss and a
-    page-table walk, with 2 MiB pages few do. Measured in a real step (the small model,
-    64 decodes of ~400 keys, bfloat16): the attention kernel ~10 % faster. Elsewhere (not
-    Linux, not a CPU, a refusal) this is plain ``torch.zeros``: huge pages are a hint.
-    """
-    if device.type != "cpu" or not sys.platform.startswith("linux"):
-        return torch.zeros(shape, dtype=dtype, device=device)
-    tensor = torch.empty(shape, dtype=dtype, device=device)
-    start = -(-tensor.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE  # whole huge pages inside the tensor
-    end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // _HUGE_PAGE * _HUGE_PAGE
-    if end > start:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE) != 0:
-                logger.debug("madvise(MADV_HUGEPAGE) on the KV cache: errno %d", ctypes.get_errno())
-        except (OSError, AttributeError) as e:
-            logger.debug("madvise(MADV_HUGEPAGE) on the KV cache: %s", e)
-    return tensor.zero_()
 
 
 def _is_compile_failure(error: BaseException) -> bool:
@@ -283,7 +251,6 @@ class ModelRunner:
 
         Zero-filled: a padded position is masked out of attention, but its value still meets
         a zero weight in the matmul, and uninitialised memory could hold NaN (NaN × 0 = NaN).
-        On a CPU under Linux the caches ask for transparent huge pages (``zeros_on_huge_pages``).
         """
         spec = kv_cache_config.spec
         if spec.block_size != self.block_size:
@@ -293,8 +260,8 @@ class ModelRunner:
         shape = (kv_cache_config.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
         self.kv_caches = [
             (
-                zeros_on_huge_pages(shape, self.dtype, self.device),
-                zeros_on_huge_pages(shape, self.dtype, self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
             )
             for _ in range(spec.num_layers)
         ]
