@@ -17,7 +17,8 @@ by ``--attention-backend`` (vLLM: ``VLLM_ATTENTION_BACKEND``):
   the model runner): decodes go to a hand-written C++ kernel
   (``engine/model/csrc/paged_attention_cpu.cpp``, built with g++ at start-up and called
   through ctypes; ``engine/model/paged_attention_cpu.py``) that walks each request's block
-  table and reads K/V rows in place, one OpenMP task per (request, KV head), all query heads
+  table and reads K/V rows in place, one OpenMP task per request (all its KV heads, page by
+  page) when there are two or more per thread, else per (request, KV head); all query heads
   of a KV head together — vLLM's CPU ``paged_attention_v1``. Prefill chunks as in
   ``TORCH_SDPA``.
 
