@@ -75,6 +75,9 @@ def test_matches_gather_and_sdpa(dtype, tol, heads, kv_heads, window, lens):
         (64, 6, 2),  # a group of 3 in one pass
         (64, 10, 2),  # a group of 5: a pass of 4, then 1
         (256, 4, 1),  # one head per pass, 4 passes
+        (32, 8, 2),  # the bundled default model's head size
+        (80, 6, 2),  # 5 registers a row
+        (96, 4, 4),  # 6 registers a row, no grouping
     ],
 )
 @pytest.mark.parametrize("num_decodes", [1, 4])  # one KV head per task; a request's all per task

@@ -465,8 +465,7 @@ void paged_decode_attention_avx512(const scalar_t* q, const scalar_t* k_cache,
 }
 #endif  // __AVX512F__
 
-// One compiled copy per common head size (the models Glassbox runs use 64 or 128), and a
-// generic one for the rest.
+// One compiled copy per common head size, and a generic one for the rest.
 template <typename scalar_t>
 void dispatch_head_dim(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
                        const int32_t* block_table, int64_t block_table_stride,
@@ -486,8 +485,11 @@ void dispatch_head_dim(const scalar_t* q, const scalar_t* k_cache, const scalar_
                                       head_dim, block_size, sliding_window, scale, out,       \
                                       num_threads)
 #endif
-  switch (head_dim) {
+  switch (head_dim) {  // the head sizes of common models (the bundled default's is 32)
+    case 32: GLASSBOX_CALL(32); break;
     case 64: GLASSBOX_CALL(64); break;
+    case 80: GLASSBOX_CALL(80); break;
+    case 96: GLASSBOX_CALL(96); break;
     case 128: GLASSBOX_CALL(128); break;
     case 256: GLASSBOX_CALL(256); break;
     default:  // any other size: the plain loop
