@@ -321,7 +321,8 @@ def test_failed_requests_are_counted_with_their_error(peer, tmp_path, capsys):
     failed = [r for r in result["requests"] if not r["success"]]
     assert all(r["error"].startswith("HTTP 500") and "injected failure" in r["error"] for r in failed)
     assert result["total_output_tokens"] == 3 * 4
-    assert "HTTP 500" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "error (1 of 1 distinct, 3 requests): HTTP 500" in out, out
 
 
 def test_all_failed_exits_nonzero(peer, tmp_path, capsys):

@@ -55,6 +55,7 @@ import math
 import random
 import statistics
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -680,6 +681,9 @@ def format_table(result: BenchmarkResult) -> str:
         lines.append(_row(f"Median {name} (ms):", stats.median_ms))
         lines.append(_row(f"P99 {name} (ms):", stats.p99_ms))
     lines.append("=" * _WIDTH)
-    errors = list(dict.fromkeys(o.error for o in result.outputs if not o.success))
-    lines += [f"error ({i + 1} of {len(errors)} distinct): {e}" for i, e in enumerate(errors[:3])]
+    errors = Counter(o.error for o in result.outputs if not o.success)  # first seen first
+    lines += [
+        f"error ({i + 1} of {len(errors)} distinct, {n} request{'s' if n != 1 else ''}): {e}"
+        for i, (e, n) in enumerate(list(errors.items())[:3])
+    ]
     return "\n".join(lines)
