@@ -31,7 +31,11 @@ from tracing.telemetry.events import (
     Dropped,
     Gauges,
     Heartbeat,
+    StageEntered,
+    StageLeft,
     StepRecord,
+    WaitEnded,
+    WaitStarted,
     decode_event,
     read_recording,
 )
@@ -431,3 +435,40 @@ def test_live_state_json_is_plain_data(run_dir):
     data = msgspec.json.decode(msgspec.json.encode(st.to_json()))
     assert data["steps"]["0"][0]["tokens_scheduled"] == 64
     assert data["processes"][ROLE]["role"] == ROLE
+
+
+def test_ends_of_rate_limited_stages_and_waits_follow_a_heartbeat_that_listed_them(run_dir):
+    """A stage or wait whose start was rate-limited away still shows in a heartbeat (every
+    open one does); its end must then be published too, or engine-top shows it open and
+    aging until the next heartbeat — under load, an EngineCore "waiting for execute_model"
+    that read as a stuck step. Without a heartbeat in between, the end stays unpublished."""
+    what = "execute_model from Worker_X"
+    with TelemetryPublisher(run_dir, ROLE, hook=True, heartbeat=False, stage_rate=0) as pub:
+        ctx, sock = _sub(pub.address)
+        try:
+            _attach(pub, sock)
+            with stage(catalogue.SCHEDULER_SCHEDULE):  # rate-limited away, no heartbeat meanwhile
+                pass
+            release = threading.Event()
+            waiter = threading.Thread(target=lambda: wait_for(what, release.is_set, timeout_s=30))
+            with stage(catalogue.SCHEDULER_SCHEDULE):  # rate-limited away, then listed by a heartbeat
+                waiter.start()
+                deadline = time.monotonic() + 5
+                while not pub._waits and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                pub.beat(snapshot=False)
+                release.set()
+                waiter.join(5)
+            events = _read_all(sock)
+        finally:
+            sock.close(0)
+            ctx.term()
+    beats = [e for e in events if isinstance(e, Heartbeat)]
+    assert [s.name for s in beats[0].stages] == [catalogue.SCHEDULER_SCHEDULE]
+    assert [w.what for w in beats[0].waits] == [what]
+    assert [e.name for e in events if isinstance(e, StageEntered)] == []  # both enters rate-limited
+    assert [e.name for e in events if isinstance(e, StageLeft)] == [
+        catalogue.SCHEDULER_SCHEDULE
+    ]  # the listed one
+    assert [e.what for e in events if isinstance(e, WaitStarted)] == []
+    assert [e.what for e in events if isinstance(e, WaitEnded)] == [what]

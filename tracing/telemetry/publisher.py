@@ -9,8 +9,8 @@ dir>/<role>.tel``; the run directory is 0700) and publishes the events of
 - ``StageEntered``/``StageLeft``/``WaitStarted``/``WaitEnded`` from a stage hook
   (``tracing.stage.add_stage_hook``; no second instrumentation path). Lifecycle stages and
   waits are always published; ``step`` and ``request`` level stages at most
-  ``stage_rate`` per second per name (an exit is published exactly when its enter was);
-  the rest are counted as dropped ``stage``.
+  ``stage_rate`` per second per name (an exit is published when its enter was, or when a
+  heartbeat listed the stage as open); the rest are counted as dropped ``stage``.
 - ``Heartbeat`` every ``interval_s`` (≤ 1 s) from a daemon thread of its own, so a busy
   loop that stopped shows as an old ``last_step_at`` while heartbeats go on, and a frozen
   process as heartbeats that stop; then ``Gauges`` from the gauge providers, ``Dropped``
@@ -51,6 +51,7 @@ import math
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -213,6 +214,11 @@ class TelemetryPublisher:
         self._levels: dict[str, str] = {}
         self._windows: dict[str, _Window] = {}
         self._local = threading.local()
+        # Each thread's stack of "was this open stage's enter published?" flags, also
+        # reachable from the heartbeat thread (see beat).
+        self._flag_stacks: weakref.WeakKeyDictionary[threading.Thread, list[bool]] = (
+            weakref.WeakKeyDictionary()
+        )
         self._waits: dict[tuple[int, str], OpenWaitInfo] = {}
         self._waits_skipped: set[tuple[int, str]] = set()  # open waits whose start was not published
         self._request_window = _Window(DEFAULT_REQUEST_RATE)
@@ -389,6 +395,7 @@ class TelemetryPublisher:
                         flags = self._local.flags
                     except AttributeError:
                         flags = self._local.flags = []
+                        self._flag_stacks[threading.current_thread()] = flags
                     if event == "enter":
                         window = self._windows.get(name)
                         if window is None:
@@ -510,6 +517,17 @@ class TelemetryPublisher:
                 threads = self._proc.num_threads()
         except psutil.Error:
             cpu, rss, threads = 0.0, 0, threading.active_count()
+        # Every open stage and wait goes into the heartbeat, also those whose start was
+        # rate-limited away; so from now on their ends are published, or a subscriber would
+        # show them open — and aging — until the next heartbeat (a fresh user read an
+        # EngineCore "waiting for execute_model: 0.6s" under load as a stuck step).
+        for flags in list(self._flag_stacks.values()):
+            for i in range(len(flags)):
+                try:
+                    flags[i] = True
+                except IndexError:  # the thread left a stage meanwhile
+                    break
+        self._waits_skipped.clear()
         stages = [
             OpenStageInfo(name=s.name, level=s.level, thread=s.thread, entered_at=s.entered_at)
             for s in open_stages()
