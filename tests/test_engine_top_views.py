@@ -384,6 +384,19 @@ def test_requests_panel_filters_by_engine_and_sorts():
     assert only0.index("cmpl-a1") < only0.index("cmpl-c3")
 
 
+def test_requests_in_flight_come_before_the_recently_finished():
+    """Found by a fresh user under load: finished requests (kept a few seconds, oldest first)
+    filled the panel and pushed the ones still running out of sight."""
+    state = make_state()
+    for i in range(6):
+        rid = f"cmpl-done{i}"
+        state.requests[rid] = RequestLive(rid, "finished", 0, 64, 128, 64, 0, NOW - 9.0 + i, NOW - 1.0)
+    text = render(views.render_requests(state, engine=None, sort="age", max_rows=5))
+    assert "cmpl-b2" in text and "cmpl-a1" in text and "cmpl-c3" in text  # every live one shows
+    assert text.index("cmpl-c3") < text.index("cmpl-done0")  # live ones first, then the finished
+    assert "more" in text  # the finished ones that did not fit are counted
+
+
 def test_stuck_stage_alert_with_its_hint():
     text = render(views.render_alerts(make_state()), width=200)
     assert "EngineCore_DP1: stage executor.execute_model open for 41.5s" in text

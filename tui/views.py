@@ -52,6 +52,7 @@ from tracing.telemetry.state import (
     GAUGE_MQ_LAG,
     HEARTBEAT_STALE_S,
     IDLE_POLL_WAIT_S,
+    TERMINAL_REQUEST_STATES,
     LiveState,
     ProcessLive,
     RequestLive,
@@ -561,8 +562,13 @@ def _sort_key(sort: str, now: float):
 
 
 def visible_requests(state: LiveState, engine: int | None, sort: str) -> list[RequestLive]:
+    """The requests of ``engine`` (all when None): those in flight first, then the ones
+    finished or aborted in the last few seconds, each part sorted by ``sort`` — under load
+    the recently finished would otherwise fill the panel (oldest first) and push the live
+    ones out of sight."""
     reqs = [r for r in state.requests.values() if engine is None or r.engine_index == engine]
-    return sorted(reqs, key=_sort_key(sort, state.now))
+    key = _sort_key(sort, state.now)
+    return sorted(reqs, key=lambda r: (r.state in TERMINAL_REQUEST_STATES, key(r)))
 
 
 def render_requests(
