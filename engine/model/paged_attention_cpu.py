@@ -51,6 +51,11 @@ def cpp_kernel_unavailable() -> str | None:
     None. Builds nothing."""
     if _lib is not None or kernel_path().exists():
         return None
+    return _missing_compiler()
+
+
+def _missing_compiler() -> str | None:
+    """Why nothing can be built here (no C++ compiler on PATH), or None."""
     cxx = _compiler()
     if shutil.which(cxx) is None:
         return (
@@ -93,7 +98,7 @@ def build_kernel(source: Path, so: Path) -> None:
         RuntimeError: no C++ compiler, or the build failed (the message holds the command
             and the compiler's stderr).
     """
-    why = cpp_kernel_unavailable() if not so.exists() else None
+    why = _missing_compiler()
     if why:
         raise RuntimeError(f"cannot build the CPU_PAGED_CPP attention kernel: {why}")
     so.parent.mkdir(parents=True, exist_ok=True)
