@@ -591,7 +591,7 @@ def render_requests(
     table.add_column("age", justify="right", no_wrap=True)
     shown = reqs if max_rows is None or len(reqs) <= max_rows else reqs[: max(1, max_rows - 1)]
     for r in shown:
-        done = r.state in ("finished", "aborted")
+        done = r.state in TERMINAL_REQUEST_STATES
         state_style = {
             "preempted": "bold yellow",
             "aborted": "red",
