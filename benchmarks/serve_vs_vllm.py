@@ -223,7 +223,8 @@ def main() -> None:
             print(f"| vLLM, RECORDED {rec['date_text']} on {rec['cpu_model']} | {span(rec['output_tok_s'])} "
                   f"| {span(rec['ttft_p99_ms'])} ms | | | |")  # fmt: skip
             print(f"\nNOTE: vLLM did not run here (no --vllm-python); its figures are from {rec['date_text']}, "
-                  f"{rec['cpu_model']}: a ratio to them is only indicative.")  # fmt: skip
+                  f"{rec['cpu_model']}, {rec['cores']} cores, on this workload: {rec['workload']}. A ratio to them "
+                  f"is only indicative.")  # fmt: skip
 
 
 def lohi(values: list[float], digits: int = 0) -> list[float]:
