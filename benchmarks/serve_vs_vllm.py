@@ -46,9 +46,11 @@ from vs_vllm import (  # noqa: E402
     VLLM_DEFAULT_ENV,
     _kill,
     _sigterm,
+    check_vllm_python,
     cpu_model,
     cpu_ranges,
     load_average,
+    positive_int,
     read_recorded,
 )
 
@@ -90,11 +92,12 @@ class Server:
                 except (httpx.HTTPError, KeyError, IndexError, ValueError):
                     pass
                 time.sleep(0.25)
-        code = self.proc.poll()
+        code, waited = self.proc.poll(), time.perf_counter() - t0
         self.stop()
         tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-30:])
-        raise SystemExit(f"{self.name}: no served completion within {timeout:.0f} s (exit code "
-                         f"{code}); last lines of its log:\n{tail}")  # fmt: skip
+        what = (f"exited with code {code} after {waited:.1f} s" if code is not None
+                else f"served no completion within {timeout:.0f} s")  # fmt: skip
+        raise SystemExit(f"{self.name}'s server {what}; last lines of its log:\n{tail}")
 
     def stop(self) -> None:
         if self.proc is None:
@@ -146,12 +149,14 @@ def main() -> None:
     p.add_argument("--model", help="checkpoint to serve (default: the 'small' random Llama, built once)")
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--runs", type=int, default=2, help="server starts per engine (default 2)")
-    p.add_argument("--bench-runs", type=int, default=3, help="client runs per server start (default 3)")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--max-concurrency", type=int, default=16)
+    p.add_argument("--runs", type=positive_int, default=2, help="server starts per engine (default 2)")
+    p.add_argument(
+        "--bench-runs", type=positive_int, default=3, help="client runs per server start (default 3)"
+    )
+    p.add_argument("--num-prompts", type=positive_int, default=64)
+    p.add_argument("--input-len", type=positive_int, default=128)
+    p.add_argument("--output-len", type=positive_int, default=64)
+    p.add_argument("--max-concurrency", type=positive_int, default=16)
     p.add_argument(
         "--start-timeout", type=float, default=300, help="seconds for a server to serve (default 300)"
     )
@@ -160,8 +165,10 @@ def main() -> None:
     args = p.parse_args()
     if args.record and not args.vllm_python:
         p.error("--record needs --vllm-python")
-    if args.vllm_python and not Path(args.vllm_python).exists():
-        p.error(f"--vllm-python: no {args.vllm_python}")
+    if args.model and not Path(args.model).is_dir():
+        p.error(f"--model {args.model}: no such directory")
+    if args.vllm_python:
+        args.vllm_python = check_vllm_python(p, args.vllm_python)
     signal.signal(signal.SIGTERM, _sigterm)
 
     cores = sorted(os.sched_getaffinity(0))
@@ -219,12 +226,20 @@ def main() -> None:
             record(args, results, starts, len(cores))
     else:
         rec = read_recorded().get("serving")
-        if rec:
-            print(f"| vLLM, RECORDED {rec['date_text']} on {rec['cpu_model']} | {span(rec['output_tok_s'])} "
-                  f"| {span(rec['ttft_p99_ms'])} ms | | | |")  # fmt: skip
+        if rec and all(rec.get(k) == v for k, v in workload_key(args).items()):
+            print(f"| vLLM, RECORDED {rec['date_text']} on {rec['cpu_model']} | {rec['output_tok_s_median']} "
+                  f"({span(rec['output_tok_s'])}) | {rec['ttft_p99_ms_median']} ms | | | |")  # fmt: skip
             print(f"\nNOTE: vLLM did not run here (no --vllm-python); its figures are from {rec['date_text']}, "
-                  f"{rec['cpu_model']}, {rec['cores']} cores, on this workload: {rec['workload']}. A ratio to them "
-                  f"is only indicative.")  # fmt: skip
+                  f"{rec['cpu_model']}, {rec['cores']} cores: a ratio to them is only indicative.")  # fmt: skip
+        elif rec:
+            print(f"\n(no recorded vLLM serving figures for this workload; those recorded are for: "
+                  f"{rec['workload']})")  # fmt: skip
+
+
+def workload_key(args) -> dict:
+    """What a recorded serving figure must share with this run to be shown beside it."""
+    return {"dtype": args.dtype, "num_prompts": args.num_prompts, "input_len": args.input_len,
+            "output_len": args.output_len, "max_concurrency": args.max_concurrency}  # fmt: skip
 
 
 def lohi(values: list[float], digits: int = 0) -> list[float]:
@@ -250,11 +265,16 @@ def record(args, results: dict, starts: dict, ncores: int) -> None:
         "workload": f"{args.dtype}, {args.num_prompts} prompts, input {args.input_len} / output "
         f"{args.output_len}, concurrency {args.max_concurrency}, `glassbox bench serve` against each engine's "
         f"own server; {args.runs} server starts × {args.bench_runs} client runs, alternated",
+        **workload_key(args),
+        "output_tok_s_median": round(median(v, "output_throughput")),
         "output_tok_s": lohi([r["output_throughput"] for r in v]),
+        "ttft_p99_ms_median": round(median(v, "p99_ttft_ms")),
         "ttft_p99_ms": lohi([r["p99_ttft_ms"] for r in v]),
         "startup_to_served_s": lohi(starts["vllm"], 1),
         "glassbox_same_run": {
+            "output_tok_s_median": round(median(gb, "output_throughput")),
             "output_tok_s": lohi([r["output_throughput"] for r in gb]),
+            "ttft_p99_ms_median": round(median(gb, "p99_ttft_ms")),
             "ttft_p99_ms": lohi([r["p99_ttft_ms"] for r in gb]),
             "startup_to_served_s": lohi(starts["glassbox"], 1),
         },
@@ -264,4 +284,8 @@ def record(args, results: dict, starts: dict, ncores: int) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopping the servers this script started", file=sys.stderr)
+        sys.exit(130)

@@ -141,9 +141,17 @@ if __name__ == "__main__":
 _LIVE: set[subprocess.Popen] = set()
 
 
-def _kill(proc: subprocess.Popen) -> None:
-    """Kill ``proc`` and its process group (it was started in a session of its own)."""
+def _kill(proc: subprocess.Popen, grace: float = 5.0) -> None:
+    """Stop ``proc`` and its process group (it was started in a session of its own): SIGTERM,
+    up to ``grace`` seconds for the engines' own shutdown (vLLM's and Glassbox's remove their
+    shared-memory files then), then SIGKILL for whatever is left."""
+    deadline = time.monotonic() + grace
     try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        while time.monotonic() < deadline:
+            os.killpg(proc.pid, 0)  # raises ProcessLookupError once the whole group is gone
+            proc.poll()  # reap the leader, or the group never empties
+            time.sleep(0.05)
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
@@ -319,6 +327,28 @@ def fmt_range(values: list[float]) -> str:
     return f"{lo:.1f} s" if f"{lo:.1f}" == f"{hi:.1f}" else f"{lo:.1f}–{hi:.1f} s"
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: must be at least 1")
+    return value
+
+
+def check_vllm_python(ap: argparse.ArgumentParser, path: str) -> str:
+    """``--vllm-python``, checked before any work: an executable file that imports vllm."""
+    exe = Path(path).expanduser()
+    if not exe.is_file() or not os.access(exe, os.X_OK):
+        ap.error(f"--vllm-python {path}: not an executable file")
+    try:
+        done = subprocess.run([str(exe), "-c", "import vllm"], capture_output=True, text=True, timeout=180)
+    except subprocess.TimeoutExpired:
+        ap.error(f"--vllm-python {path}: `import vllm` took over 180 s")
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        ap.error(f"--vllm-python {path}: cannot import vllm: {last}")
+    return str(exe)
+
+
 def read_recorded() -> dict:
     try:
         return json.loads(RECORDED.read_text())
@@ -330,12 +360,14 @@ def read_recorded() -> dict:
 def main() -> None:
     signal.signal(signal.SIGTERM, _sigterm)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--num-prompts", type=positive_int, default=32)
     ap.add_argument("--input-len", type=int, nargs=2, default=(32, 512))
     ap.add_argument("--output-len", type=int, nargs=2, default=(32, 256))
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "both"), default="both")
-    ap.add_argument("--runs", type=int, default=3, help="runs per engine and dtype; figures are medians")
+    ap.add_argument(
+        "--runs", type=positive_int, default=3, help="runs per engine and dtype; figures are medians"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--vllm-python", help="python of a virtualenv with vLLM's CPU build (omit: Glassbox only)"
@@ -355,10 +387,8 @@ def main() -> None:
         ap.error(str(e))
     if args.record and not args.vllm_python:
         ap.error("--record needs --vllm-python (it records a vLLM measurement)")
-    if args.vllm_python and not Path(args.vllm_python).expanduser().exists():
-        ap.error(f"--vllm-python {args.vllm_python}: no such file")
     if args.vllm_python:
-        args.vllm_python = str(Path(args.vllm_python).expanduser())
+        args.vllm_python = check_vllm_python(ap, args.vllm_python)
 
     cores = sorted(os.sched_getaffinity(0))
     model_name = cpu_model()
@@ -507,7 +537,7 @@ def print_recorded(recorded: dict, args, summary: Summary, model_name: str, ncor
         for e in (e for e in summary.engines if not e.is_vllm):
             ratios = " | ".join(f"{summary.tok_s(e.name, d) / figures[d]:.2f}× (indicative)" if d in figures
                                 else "—" for d in dtypes)  # fmt: skip
-            print(f"| ratio {e.name} ÷ recorded vLLM | {ratios} | | |")
+            print(f"| ratio {e.name} ÷ recorded vLLM, {args.num_prompts} prompts | {ratios} | | |")
     else:
         print(f"(no ratio: no vLLM figures recorded for this workload — {args.num_prompts} prompts, input "
               f"{args.input_len[0]}–{args.input_len[1]}, output {args.output_len[0]}–{args.output_len[1]}, "
@@ -574,4 +604,8 @@ def write_recorded(args, summary: Summary, model_name: str, ncores: int, workloa
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopping the engines this script started", file=sys.stderr)
+        sys.exit(130)
