@@ -52,6 +52,7 @@ from vs_vllm import (  # noqa: E402
     load_average,
     positive_int,
     read_recorded,
+    run_main,
 )
 
 METRICS = ("output_throughput", "p99_ttft_ms", "median_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
@@ -284,8 +285,4 @@ def record(args, results: dict, starts: dict, ncores: int) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except KeyboardInterrupt:
-        print("\ninterrupted: stopping the servers this script started", file=sys.stderr)
-        sys.exit(130)
+    run_main(main, "servers")

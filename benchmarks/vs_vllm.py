@@ -603,9 +603,15 @@ def write_recorded(args, summary: Summary, model_name: str, ncores: int, workloa
     print(f"\nrecorded the vLLM figures in {RECORDED}")
 
 
-if __name__ == "__main__":
+def run_main(main, started: str) -> None:
+    """Run a benchmark's ``main``; Ctrl-C ends with one line (exit 130), and ``atexit`` stops
+    the ``started`` processes (engines, servers)."""
     try:
         main()
     except KeyboardInterrupt:
-        print("\ninterrupted: stopping the engines this script started", file=sys.stderr)
+        print(f"\ninterrupted: stopping the {started} this script started", file=sys.stderr)
         sys.exit(130)
+
+
+if __name__ == "__main__":
+    run_main(main, "engines")
