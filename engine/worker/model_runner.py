@@ -620,6 +620,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ dummy runs
 
+    @torch.inference_mode()
     def execute_dummy_batch(self) -> None:
         """One decode-sized dummy step (vLLM: ``_dummy_run(1, uniform_decode=True)``); each
         pipeline stage runs on zeros, so no stage waits for another."""
