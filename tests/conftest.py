@@ -13,10 +13,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Engines in tests run eagerly (the readable reference; a cold torch.compile costs seconds
-# per model shape); tests/test_compiled_forward.py turns compile on and checks it against
-# eager and transformers. Servers the tests start inherit this.
-os.environ.setdefault("GLASSBOX_TORCH_COMPILE", "0")
+# Tests run what users run: engines and servers start on their defaults (the compiled step,
+# the default attention backend). Tests about the eager path or about model math ask for it
+# (``--enforce-eager``, ``enforce_eager=True``, or the ``eager`` fixture below). The compile
+# cache (GLASSBOX_CACHE_ROOT) is shared by every start, so a graph shape compiles once.
 
 
 @pytest.fixture(scope="session")
@@ -38,6 +38,13 @@ def tiny_dir(tmp_path_factory, default_model_dir):
         )
 
     return build
+
+
+@pytest.fixture
+def eager(monkeypatch):
+    """Engines started by this test (and servers it spawns) run their model eagerly: for tests
+    about the eager path or about model math on many tiny checkpoints (each would compile)."""
+    monkeypatch.setenv("GLASSBOX_TORCH_COMPILE", "0")
 
 
 @pytest.fixture

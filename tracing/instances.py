@@ -318,8 +318,9 @@ def _title(proc: psutil.Process) -> str | None:
 
 def runs_as_text(runs_as: dict[str, str]) -> str:
     """A worker's ``ProcessStatus.runs_as`` in one line: ``cpu bfloat16, compiled (inductor,
-    1 graph), attention CPU_PAGED_CPP, 2 of 2 CPU threads``; "" when it recorded none."""
-    order = ("device", "dtype", "compile", "attention", "cpu_threads")
+    1 graph), attention CPU_PAGED_CPP, 2 of 2 CPU threads``; "" when it recorded none.
+    ``graphs_after_warm_up`` (a count for scripts) is already in ``compile``'s text."""
+    order = ("device", "dtype", "compile", "attention", "cpu_threads", "graphs_after_warm_up")
     parts = []
     head = " ".join(runs_as[k] for k in ("device", "dtype") if runs_as.get(k))
     if head:

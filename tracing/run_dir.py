@@ -192,7 +192,8 @@ class ProcessStatus(msgspec.Struct):
         placement: where a cluster scheduler put this process, when one did (a Ray actor:
             ``node_id``, ``node_ip``, ``actor_id``); empty for a process its parent spawned.
         runs_as: how a worker runs its model once warm (``device``, ``dtype``, ``compile``,
-            ``attention``, ``cpu_threads``), as short texts; empty for other processes.
+            ``attention``, ``cpu_threads``; ``graphs_after_warm_up`` once torch.compile made a
+            graph after warm-up), as short texts; empty for other processes.
     """
 
     role: str | None = None

@@ -97,9 +97,10 @@ class CompiledModel:
     model's forward returns; call it inside ``set_forward_context`` (the attention op reads
     its metadata and caches there). ``num_graphs``: graphs compiled so far (1 once warm);
     ``compile_s``: seconds of the calls that made them (Dynamo's tracing, Inductor's compile
-    or its cache load, and that one forward). After ``seal()``
-    (end of warm-up), a new graph is logged as a warning: it means a guard failed and a
-    request paid seconds of compile.
+    or its cache load, and that one forward). After ``seal()`` (end of warm-up), a new graph
+    is logged as a warning and counted in ``graphs_after_warm_up``: it means a guard failed
+    and a request paid seconds of compile (the worker reports the count in its status file,
+    ``glassbox ps``, so a test or a user can see it; 0 on a healthy server).
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -121,6 +122,7 @@ class CompiledModel:
         self.model = model
         self.num_graphs = 0
         self.compile_s = 0.0
+        self.graphs_after_warm_up = 0
         self._sealed = False
         self._forward = torch.compile(model, backend=self._backend, fullgraph=True)
 
@@ -129,6 +131,7 @@ class CompiledModel:
 
         self.num_graphs += 1
         if self._sealed:
+            self.graphs_after_warm_up += 1
             logger.warning("torch.compile is making graph #%d after warm-up (a guard failed): this "
                            "step pays the compile", self.num_graphs)  # fmt: skip
         return compile_fx(gm, example_inputs)

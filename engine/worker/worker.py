@@ -234,6 +234,7 @@ class Worker:
         self.model_runner: ModelRunner | None = None
         self._execute_model_s = 0.0  # total time in execute_model (get_comm_stats)
         self._num_steps = 0  # execute_model calls (live telemetry)
+        self._graphs_after_warm_up = 0  # graphs torch.compile made after warm-up (status file)
         self._last_forward_ms = 0.0
         self._governor: CpuThreadGovernor | None = None  # a CPU worker's adaptive thread count
 
@@ -427,17 +428,29 @@ class Worker:
         device, dtype, compile mode (with ``compiled``: ``warm_up``'s answer), attention
         backend, and on a CPU its threads (now / its share)."""
         assert self.model_runner is not None and self.device is not None and self.dtype is not None
-        if compiled["mode"] == "eager":
-            mode = "eager"
-        else:
-            mode = (
-                f"compiled ({compiled['mode']}, {compiled['graphs']} graph{'s' * (compiled['graphs'] != 1)})"
-            )
-        facts = {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."), "compile": mode,
+        facts = {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
+                 "compile": self._compile_text(compiled["mode"], compiled["graphs"]),
                  "attention": str(self.model_runner.attention_backend)}  # fmt: skip
         if self.device.type == "cpu":
             facts["cpu_threads"] = self._threads_text()
         return facts
+
+    def _compile_text(self, mode: str, graphs: int) -> str:
+        """``eager``, ``compiled (inductor, 1 graph)``, or with graphs made after warm-up (a
+        failed guard: each cost a step seconds of compile) ``compiled (inductor, 2 graphs, 1
+        after warm-up)``."""
+        if mode == "eager":
+            return "eager"
+        late = self._graphs_after_warm_up
+        return f"compiled ({mode}, {graphs} graph{'s' * (graphs != 1)}" + (f", {late} after warm-up)" if late else ")")
+
+    def _note_late_graphs(self) -> None:
+        """After a step: a graph compiled after warm-up goes into the status file at once."""
+        compiled = self.model_runner.compiled if self.model_runner is not None else None
+        if compiled is not None and compiled.graphs_after_warm_up != self._graphs_after_warm_up:
+            self._graphs_after_warm_up = compiled.graphs_after_warm_up
+            set_runs_as({"compile": self._compile_text("inductor", compiled.num_graphs),
+                         "graphs_after_warm_up": self._graphs_after_warm_up})  # fmt: skip
 
     def _threads_text(self) -> str:
         from engine.model.op_threads import get_op_threads
@@ -472,6 +485,7 @@ class Worker:
             self._governor.step_finished()
             if self._governor.changes != changes:
                 set_runs_as({"cpu_threads": self._threads_text()})
+        self._note_late_graphs()
         elapsed = time.perf_counter() - start
         self._execute_model_s += elapsed
         self._num_steps += 1
@@ -502,6 +516,7 @@ class Worker:
         assert self.model_runner is not None
         with stage(catalogue.WORKER_EXECUTE_DUMMY_BATCH, **self._attrs()):
             self.model_runner.execute_dummy_batch()
+        self._note_late_graphs()
 
     def check_health(self) -> None:
         return None
