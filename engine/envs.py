@@ -172,8 +172,8 @@ ENV_VARS: dict[str, EnvVar] = {
             _bool,
             True,
             "0 runs the model eagerly, as --enforce-eager does, in every engine started from this "
-            "environment (tests do: a cold compile costs seconds per model). 1: the model forward "
-            "is compiled with torch.compile (Inductor) unless --enforce-eager; see "
+            "environment (the tests about model math do, on their many tiny checkpoints). 1: the "
+            "model forward is compiled with torch.compile (Inductor) unless --enforce-eager; see "
             "GLASSBOX_CACHE_ROOT for the compile cache.",
         ),
         EnvVar(
