@@ -172,8 +172,8 @@ def make_state() -> LiveState:
     )  # fmt: skip
 
 
-def render(renderable, width: int = 160) -> str:
-    console = Console(record=True, width=width, color_system=None, force_terminal=False)
+def render(renderable, width: int = 160, height: int | None = None) -> str:
+    console = Console(record=True, width=width, height=height, color_system=None, force_terminal=False)
     console.print(renderable)
     return console.export_text()
 
@@ -393,8 +393,180 @@ def test_requests_in_flight_come_before_the_recently_finished():
         state.requests[rid] = RequestLive(rid, "finished", 0, 64, 128, 64, 0, NOW - 9.0 + i, NOW - 1.0)
     text = render(views.render_requests(state, engine=None, sort="age", max_rows=5))
     assert "cmpl-b2" in text and "cmpl-a1" in text and "cmpl-c3" in text  # every live one shows
-    assert text.index("cmpl-c3") < text.index("cmpl-done0")  # live ones first, then the finished
-    assert "more" in text  # the finished ones that did not fit are counted
+    assert text.index("cmpl-c3") < text.index("finished in the last 5s: 6 (5 not shown)")
+    assert "cmpl-done0" in text  # the one finished row that fits
+
+
+def loaded_state() -> LiveState:
+    """Under a 16-request load, at 2,000 request events a second: real request ids; live
+    requests in every state; five just finished; one aborted as the engine died (its reason
+    as an older API server recorded it: a Python repr, root cause and all)."""
+    state = make_state()
+    state.requests = {}
+    live = [
+        "first_token",
+        "scheduled",
+        "running",
+        "waiting",
+        "preempted",
+        "running",
+        "first_token",
+        "arrived",
+    ]
+    for i in range(16):
+        rid = f"cmpl-{i:02d}8e7d6c5b4a39281706f5e4d3c2b1a0-0"
+        st = live[i % len(live)]
+        computed = {"arrived": -1, "waiting": 0, "preempted": 0}.get(st, 128 + i)
+        state.requests[rid] = RequestLive(rid, st, i % 2, 128, computed, i, 9, NOW - 20.0 + i, NOW - 0.2,
+                                          "KV cache full" if st == "preempted" else None)  # fmt: skip
+    for i in range(5):
+        rid = f"cmpl-f{i}8e7d6c5b4a39281706f5e4d3c2b1a0-0"
+        state.requests[rid] = RequestLive(
+            rid, "finished", 0, 128, 143, 16, 0, NOW - 3.0, NOW - 1.0 + i / 10, "length"
+        )
+    dead = "EngineDeadError('The engine died; see the root cause below.\\n=== EngineCore_DP0 (pid 2000) ===')"
+    state.requests["cmpl-dead"] = RequestLive(
+        "cmpl-dead", "aborted", 0, 128, 131, 3, 9, NOW - 2.0, NOW - 0.5, dead
+    )
+    return state
+
+
+STATE_WORDS = (
+    "first_token",
+    "scheduled",
+    "running",
+    "waiting",
+    "preempted",
+    "arrived",
+    "finished",
+    "aborted",
+)
+
+
+def _requests_lines(text: str) -> list[str]:
+    """The requests panel's lines (the right half of a side-by-side screen), border cut off."""
+    out = []
+    for line in text.splitlines():
+        for part in line.split("││"):
+            part = part.strip("│ ")
+            if part.startswith(("cmpl-", "request ", "finished in the last")):
+                out.append(part)
+    return out
+
+
+@pytest.mark.parametrize("width", [100, 120])
+@pytest.mark.parametrize("where", ["screen", "expanded", "once"])
+def test_requests_panel_reads_whole_at_100_and_120_columns(width, where):
+    """Found by a user at 120 columns: the requests panel cut its headers to "computed/t…"
+    and "b…" and its states to "fini…". Headers, state words and token counts must read
+    whole at 100-120 columns (only an id, from its end, or a reason is ever cut)."""
+    state = loaded_state()
+    if where == "once":
+        text = render(views.panel("requests", state, views.ViewOptions(), width=width, wrap=True), width)
+    else:
+        opts = views.ViewOptions(expanded="requests" if where == "expanded" else None)
+        text = render(views.render_screen(state, opts, width, 50), width, 50)
+    lines = _requests_lines(text)
+    (head,) = [ln for ln in lines if ln.startswith("request ")]
+    words = head.split()
+    assert "…" not in head and words[:2] == ["request", "state"], head
+    assert words[-1] == "age" and ("computed" in words or "computed/total" in words), head
+    assert "KV" in words or "blocks" in words, head
+    rows = [ln for ln in lines if ln.startswith("cmpl-")]
+    assert len(rows) >= 4, text
+    for row in rows:
+        cells = row.split()
+        assert any(w in row for w in STATE_WORDS), row  # the state word whole
+        assert any(re.fullmatch(r"(—|\d+)/\d+", c) for c in cells), row  # computed/total whole
+        assert re.fullmatch(r"[\dsmh.]+", cells[-1]), row  # the age whole
+    first = next(r for r in rows if "first_token" in r)
+    assert re.search(r"\b1\d\d/1\d\d\b", first), first
+
+
+def test_finished_requests_stand_apart_from_those_in_flight():
+    """Found by a user under load: a panel titled "in flight" listed finished rows while
+    the API server's "HTTP in flight" said 16. The title counts the ones in flight; the
+    finished come after them, under a line of their own, newest first."""
+    state = loaded_state()
+    text = render(views.panel("requests", state, views.ViewOptions(), width=120, wrap=True), 120)
+    assert "requests · 16 in flight, 6 finished" in text
+    lines = text.splitlines()
+    section = next(i for i, ln in enumerate(lines) if "finished in the last 5s: 6" in ln)
+    above, below = "\n".join(lines[:section]), "\n".join(lines[section:])
+    assert "finished" not in above.replace("6 finished", "") and "aborted" not in above
+    assert below.count("finished: length") == 5 and "aborted" in below
+    assert not any(w in below for w in STATE_WORDS[:6])  # nothing in flight down there
+    ids = [ln.split("│")[1].split()[0] for ln in lines[section + 1 :] if "cmpl-f" in ln]
+    assert ids[0].startswith("cmpl-f4") and ids[-1].startswith("cmpl-f0")  # newest first
+
+
+def test_an_aborted_request_after_the_engine_died_reads_in_plain_words():
+    """Found by a user: after an engine death rows showed raw Python, "aborted
+    (EngineDeadError('The engine died; see the root cause below.\\n=". The API server now
+    says "engine died", and a recording with the old repr reads the same."""
+    from engine.frontend.async_llm import abort_reason
+    from engine.utils.processes import EngineDeadError
+
+    assert (
+        abort_reason(EngineDeadError("=== EngineCore_DP0 (pid 2000) ===\nkilled by SIGKILL")) == "engine died"
+    )
+    assert abort_reason(ValueError("bad\nsecond line")) == "ValueError: bad"
+    state = loaded_state()
+    state.requests["cmpl-dead2"] = RequestLive("cmpl-dead2", "aborted", 0, 128, 0, 0, 0, NOW - 1.0, NOW - 0.4,
+                                               abort_reason(EngineDeadError("root cause")))  # fmt: skip
+    for width in (100, 120):
+        text = render(views.panel("requests", state, views.ViewOptions(), width=width, wrap=True), width)
+        assert line_of(text, "cmpl-dead ").count("aborted: engine died") == 1
+        assert "aborted: engine died" in line_of(text, "cmpl-dead2")
+        assert "EngineDeadError" not in text and "\\n" not in text and "root cause" not in text
+
+
+def test_finished_and_first_token_rows_show_their_true_computed_counts():
+    """Found by a user: finished and first-token rows showed 0/128 computed — the counts of
+    the scheduled event, as the once-a-second snapshot never saw a short request. The
+    finished event carries the final counts, first_token the prompt computed; events from
+    the API server and the engine core arrive in any order, and a late one never undoes
+    the end."""
+    from tracing.telemetry.events import RequestEvent
+
+    def ev(role: str, seq: int, rid: str, event: str, **kw) -> RequestEvent:
+        return RequestEvent(role=role, pid=1000 if role.startswith("API") else 2000, seq=seq, t=NOW - 1 + seq / 100,
+                            request_id=rid, event=event, **kw)  # fmt: skip
+
+    state = LiveState(now=NOW)
+    for e in (
+        ev("APIServer_0", 0, "cmpl-a", "arrived", num_prompt_tokens=128),
+        ev("APIServer_0", 1, "cmpl-b", "arrived", num_prompt_tokens=128),
+        ev("EngineCore_DP0", 0, "cmpl-a", "scheduled", engine_index=0, num_prompt_tokens=128,
+           num_computed_tokens=0, num_blocks=8),
+        ev("EngineCore_DP0", 1, "cmpl-b", "scheduled", engine_index=0, num_prompt_tokens=128,
+           num_computed_tokens=0, num_blocks=8),
+        ev("EngineCore_DP0", 2, "cmpl-a", "finished", engine_index=0, reason="length", num_prompt_tokens=128,
+           num_computed_tokens=143, num_output_tokens=16, num_blocks=0),
+        # the API server's first_token for cmpl-a comes after the engine's finished
+        ev("APIServer_0", 2, "cmpl-a", "first_token", num_prompt_tokens=128, num_computed_tokens=128,
+           num_output_tokens=1),
+        ev("APIServer_0", 3, "cmpl-b", "first_token", num_prompt_tokens=128, num_computed_tokens=128,
+           num_output_tokens=1),
+        ev("EngineCore_DP0", 3, "cmpl-b", "preempted", engine_index=0, reason="KV cache full",
+           num_computed_tokens=0),
+    ):  # fmt: skip
+        state.apply(e)
+    a, b = state.requests["cmpl-a"], state.requests["cmpl-b"]
+    assert (a.state, a.num_computed_tokens, a.num_output_tokens, a.reason) == ("finished", 143, 16, "length")
+    assert (b.state, b.num_computed_tokens, b.num_output_tokens) == ("preempted", 0, 1)
+    text = render(views.panel("requests", state, views.ViewOptions(), width=120, wrap=True), 120)
+    assert "143/144" in line_of(text, "cmpl-a") and "finished: length" in line_of(text, "cmpl-a")
+    assert "0/129" in line_of(text, "cmpl-b")  # preempted: it recomputes from 0
+    state.apply(ev("APIServer_0", 4, "cmpl-c", "arrived", num_prompt_tokens=64))
+    state.apply(ev("EngineCore_DP0", 4, "cmpl-c", "scheduled", engine_index=0, num_prompt_tokens=64,
+                   num_computed_tokens=0))  # fmt: skip
+    state.apply(ev("APIServer_0", 5, "cmpl-c", "first_token", num_prompt_tokens=64, num_computed_tokens=64,
+                   num_output_tokens=1))  # fmt: skip
+    row = line_of(
+        render(views.panel("requests", state, views.ViewOptions(), width=120, wrap=True), 120), "cmpl-c"
+    )
+    assert "first_token" in row and "64/65" in row
 
 
 def test_stuck_stage_alert_with_its_hint():
@@ -441,16 +613,35 @@ def test_header_expected_vs_found_and_links():
     assert "Qwen/Qwen3-0.6B" in text
     assert "uptime 1m37s" in text
     assert "7 live" in text and "1 stale" in text
-    assert "LIVE" in text and "dropped 7" in text
+    assert "LIVE" in text and "events 12,345" in text
     paused = render(views.render_header(state, views.ViewOptions(paused=True)))
     assert "PAUSED" in paused
     state.source = "replay"
     assert "REPLAY" in render(views.render_header(state, views.ViewOptions()))
 
 
+def test_header_tells_sampled_out_events_from_lost_ones():
+    """Found by a user: "events 5795 (dropped 33013)" read as a fault, though it was sampling.
+    The publishers' Dropped reports split it: sampled out on purpose (dim) and truly lost (a
+    full socket), each counted apart."""
+    from tracing.telemetry.events import Dropped
+
+    state = make_state()
+    state.events_received = 5_795
+    state.apply(Dropped(role="EngineCore_DP0", pid=2000, seq=10, t=NOW, counts={"step": 33_000, "stage": 13},
+                        sampled={"step": 33_000, "stage": 13}))  # fmt: skip
+    line = line_of(render(views.render_header(state, views.ViewOptions())), "processes")
+    assert "events 5,796 · sampled out 33,013" in line and "lost" not in line and "dropped" not in line
+    state.apply(Dropped(role="APIServer_0", pid=1000, seq=10, t=NOW, counts={"request": 12, "stage": 4},
+                        refused={"request": 12}, sampled={"stage": 4}))  # fmt: skip
+    line = line_of(render(views.render_header(state, views.ViewOptions())), "processes")
+    assert "events 5,797 · sampled out 33,017 · lost 12" in line
+    assert (state.events_refused, state.processes["APIServer_0"].lost_events) == (12, 12)
+
+
 def test_once_screen_has_every_panel():
     text = render(views.render_once(make_state()), width=140)
-    for title in ("processes", "queues", "scheduler steps", "requests in flight", "alerts (2)"):
+    for title in ("processes", "queues", "scheduler steps", "requests · 3 in flight", "alerts (2)"):
         assert title in text
     assert "█ decode" in text and "▒ prefill" in text
 

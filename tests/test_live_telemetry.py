@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -91,6 +92,14 @@ def test_serving_tree_publishes_steps_requests_gauges_and_deaths(short_base, def
                 assert st.schedule_ms + st.execute_ms + st.update_ms <= st.duration_ms + 0.01
             finished = [r for r in state.requests.values() if r.state == "finished"]
             assert {r.reason for r in finished} == {"length"} and all(r.engine_index == 0 for r in finished)
+            # Each carries its final counts (its finished event's, not a snapshot's taken up
+            # to a second before): the prompt and every output token but the last computed.
+            assert {r.num_output_tokens for r in finished} <= {2, 24}, [
+                dataclasses.asdict(r) for r in finished
+            ]
+            assert all(
+                r.num_computed_tokens == r.num_prompt_tokens + r.num_output_tokens - 1 for r in finished
+            )
 
             engine = state.processes["EngineCore_DP0"].gauges
             assert engine[events.GAUGE_KV_TOTAL] > 0 and engine[events.GAUGE_KV_USED] >= 0

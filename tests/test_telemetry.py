@@ -197,6 +197,7 @@ def test_slow_subscriber_never_blocks_and_drops_are_counted(run_dir):
     dropped = [e for e in received if isinstance(e, Dropped)]
     assert len(dropped) == 1
     assert dropped[0].counts["step"] == refused == dropped[0].refused["step"]
+    assert dropped[0].sampled == {}  # refused is a real loss, not sampling
     assert len(steps) + refused == n
     # Every refused event took a seq number: between two received steps, the gap in seq is
     # exactly the gap in step ids.
@@ -217,7 +218,36 @@ def test_fast_steps_are_sampled_and_the_count_published(run_dir):
     assert st.processes[ROLE].dropped_by_kind["step"] == 450
     assert st.processes[ROLE].dropped_events == 450  # seq gaps seen by the collector
     assert st.processes[ROLE].refused_events == 0  # sampled on purpose, nothing refused
+    assert (st.processes[ROLE].sampled_events, st.processes[ROLE].lost_events) == (450, 0)
+    assert (st.events_sampled, st.events_lost) == (450, 0)
     assert st.processes[ROLE].last_step_at is not None
+
+
+def test_over_the_request_rate_a_requests_end_is_never_sampled_away(run_dir):
+    """Found under load: above 2,000 request events a second the rest were sampled away,
+    ends too, so a request's final counts (and its end) could be lost; its finished and
+    aborted events always go out, and the sampling is reported as sampled, not lost."""
+    with TelemetryPublisher(run_dir, ROLE, hook=False, heartbeat=False) as pub:
+        ctx, sock = _sub(pub.address, rcvhwm=10_000)
+        try:
+            _attach(pub, sock)
+            pub._request_window.limit = 50  # the rate limit, reached at once
+            for i in range(60):
+                pub.publish_request_event(f"r{i}", "scheduled", engine_index=0)
+            assert pub.publish_request_event("r1", "finished", engine_index=0, reason="stop",
+                                             num_prompt_tokens=8, num_computed_tokens=11, num_output_tokens=4)  # fmt: skip
+            assert pub.publish_request_event("r2", "aborted", reason="client disconnected")
+            pub.beat(snapshot=False)
+            received = _read_all(sock)
+        finally:
+            sock.close(0)
+            ctx.term()
+    ends = [(e.request_id, e.event, e.num_computed_tokens) for e in received if getattr(e, "event", "") in ("finished", "aborted")]  # fmt: skip
+    assert ends == [("r1", "finished", 11), ("r2", "aborted", -1)]
+    (dropped,) = [e for e in received if isinstance(e, Dropped)]
+    scheduled = sum(1 for e in received if getattr(e, "event", "") == "scheduled")
+    assert 0 < dropped.sampled["request"] == dropped.counts["request"] == 60 - scheduled
+    assert not dropped.refused
 
 
 def test_gauges_providers_pushes_and_a_failing_provider(run_dir, caplog):

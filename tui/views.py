@@ -10,7 +10,7 @@ Panels (``docs/engine-top.md`` explains how to read each one):
 - processes  the tree: API servers, each engine core with its workers, the coordinator
 - queues     each queue's depth now, with a sparkline of its recent samples
 - steps      the scheduler's recent steps: the token budget as a decode/prefill bar
-- requests   requests in flight: state, engine, tokens, KV blocks, age
+- requests   requests in flight (state, engine, tokens, KV blocks, age), then those just finished
 - alerts     what a person should look at, with a hint of what it usually means
 """
 
@@ -49,6 +49,7 @@ from tracing.telemetry.events import (
     StepRecord,
 )
 from tracing.telemetry.state import (
+    FINISHED_KEEP_S,
     GAUGE_MQ_LAG,
     HEARTBEAT_STALE_S,
     IDLE_POLL_WAIT_S,
@@ -561,54 +562,188 @@ def _sort_key(sort: str, now: float):
     return keys.get(sort, keys["age"])
 
 
-def visible_requests(state: LiveState, engine: int | None, sort: str) -> list[RequestLive]:
-    """The requests of ``engine`` (all when None): those in flight first, then the ones
-    finished or aborted in the last few seconds, each part sorted by ``sort`` — under load
-    the recently finished would otherwise fill the panel (oldest first) and push the live
-    ones out of sight."""
+def visible_requests(
+    state: LiveState, engine: int | None, sort: str
+) -> tuple[list[RequestLive], list[RequestLive]]:
+    """The requests of ``engine`` (all when None), in two parts: those in flight, sorted by
+    ``sort``, and those finished or aborted in the last ``FINISHED_KEEP_S`` seconds, newest
+    first — apart, so the finished never read as in flight (under load they outnumber the
+    live ones and once filled an "in flight" panel while the API server said 16)."""
     reqs = [r for r in state.requests.values() if engine is None or r.engine_index == engine]
-    key = _sort_key(sort, state.now)
-    return sorted(reqs, key=lambda r: (r.state in TERMINAL_REQUEST_STATES, key(r)))
+    live = sorted((r for r in reqs if r.state not in TERMINAL_REQUEST_STATES), key=_sort_key(sort, state.now))
+    done = [r for r in reqs if r.state in TERMINAL_REQUEST_STATES]
+    done.sort(key=lambda r: -(r.updated_at or 0.0))
+    return live, done
+
+
+_REASON_STATES = ("preempted", "aborted", "finished")
+# A reason recorded as a Python repr by an older API server: "EngineDeadError('The engine died; ...".
+_REPR_REASON = re.compile(r"^(\w+)\((['\"])(.*?)(\2\))?$")
+
+
+def reason_words(reason: str | None) -> str | None:
+    """A request's reason in plain words, one line: "engine died" for an ``EngineDeadError``
+    (also one recorded as its repr, root cause and all), ``Type: message`` for another
+    exception's repr, else the reason's first line."""
+    if not reason or not reason.strip():
+        return None
+    if reason.startswith("EngineDeadError"):
+        return "engine died"
+    line = reason.strip().replace("\\n", "\n").splitlines()[0].strip()
+    m = _REPR_REASON.match(line)
+    if m:
+        line = f"{m.group(1)}: {m.group(3)}".rstrip(": ") if m.group(3) else m.group(1)
+    return line
+
+
+def request_state(r: RequestLive) -> str:
+    """The state column: the state, and for a preempted, aborted or finished request why
+    ("aborted: engine died", "finished: length", "preempted: KV cache full")."""
+    reason = reason_words(r.reason) if r.state in _REASON_STATES else None
+    return f"{r.state}: {reason}" if reason else r.state
+
+
+_REQUEST_STATE_STYLE = {
+    "preempted": "bold yellow",
+    "aborted": "red",
+    "first_token": "green",
+    "scheduled": "green",
+}
+_LONGEST_STATE_WORD = len("first_token")
+REQUESTS_COMPACT_BELOW = 90  # a requests table narrower than this drops the out column
+
+
+def _request_columns(
+    rows: list[RequestLive], now: float, show_dp: bool, compact: bool, width: int | None
+) -> list[tuple[str, str, int]]:
+    """(key, header, width) of each column of the requests tables, so the in-flight and
+    the finished tables line up and nothing but an id (from its end) or a reason is ever
+    cut: the numbers keep their width, the state word keeps at least ``first_token``'s, and
+    the request id gets what is left (at least 8 cells). ``width``: the table's width in
+    cells (None: each column as wide as its content)."""
+    fixed: list[tuple[str, str, list[str]]] = []
+    if show_dp:
+        fixed.append(("dp", "DP", [_known(r.engine_index) for r in rows]))
+    fixed.append(("tokens", "computed" if compact else "computed/total", [_tokens(r) for r in rows]))
+    if not compact:
+        fixed.append(("out", "out", [_known(r.num_output_tokens) for r in rows]))
+    fixed.append(("blocks", "KV" if compact else "blocks", [_known(r.num_blocks) for r in rows]))
+    fixed.append(("age", "age", [_age(r, now) for r in rows]))
+    widths = {key: max(len(header), *(len(c) for c in cells)) for key, header, cells in fixed}
+    states = [request_state(r) for r in rows]
+    s_need = max(len("state"), *(len(s) for s in states)) if states else len("state")
+    s_min = min(s_need, max(len("state"), _LONGEST_STATE_WORD))
+    q_need = max(len("request"), *(len(r.request_id) for r in rows)) if rows else len("request")
+    if width is None:
+        s, q = s_need, q_need
+    else:
+        gaps = (len(fixed) + 1) * _gap(compact)
+        avail = width - sum(widths.values()) - gaps
+        s, q = s_min, min(q_need, 8)
+        rest = avail - s - q
+        if rest < 0:
+            q = max(4, q + rest)
+        else:
+            for grow in ("q14", "s", "q"):  # a distinguishable id, then the whole state, then the id
+                if grow == "q14":
+                    add = min(rest, max(0, min(q_need, 14) - q))
+                    q += add
+                elif grow == "s":
+                    add = min(rest, s_need - s)
+                    s += add
+                else:
+                    add = rest
+                    q += add
+                rest -= add
+    columns = [("request", "request", q), ("state", "state", s)]
+    columns += [(key, header, widths[key]) for key, header, _ in fixed]
+    return columns
+
+
+def _gap(compact: bool) -> int:
+    """Cells between two columns of a requests table: the box's separator, and padding 1 on
+    either side unless compact."""
+    return 1 if compact else 3
+
+
+def _tokens(r: RequestLive) -> str:
+    return f"{_known(r.num_computed_tokens)}/{_known(_total_tokens(r))}"
+
+
+def _age(r: RequestLive, now: float) -> str:
+    return fmt_age(None if r.arrived_at is None else now - r.arrived_at)
+
+
+def _requests_table(
+    rows: list[RequestLive], columns: list[tuple[str, str, int]], now: float, compact: bool, header: bool
+) -> Table:
+    # Both tables (in flight, finished) draw the same box so that their columns line up.
+    table = Table(box=box.SIMPLE_HEAD, show_header=header, pad_edge=False, show_edge=False,
+                  padding=(0, 0) if compact else (0, 1))  # fmt: skip
+    for key, title, w in columns:
+        right = key not in ("request", "state")
+        table.add_column(
+            title, width=w, no_wrap=True, overflow="ellipsis", justify="right" if right else "left"
+        )
+    for r in rows:
+        done = r.state in TERMINAL_REQUEST_STATES
+        values = {
+            "request": r.request_id,
+            "state": Text(request_state(r), style=_REQUEST_STATE_STYLE.get(r.state, "")),
+            "dp": _known(r.engine_index),
+            "tokens": _tokens(r),
+            "out": _known(r.num_output_tokens),
+            "blocks": _known(r.num_blocks),
+            "age": _age(r, now),
+        }
+        table.add_row(*(values[key] for key, _, _ in columns), style="dim" if done else "")
+    return table
 
 
 def render_requests(
-    state: LiveState, engine: int | None, sort: str, max_rows: int | None = None, compact: bool = False
+    state: LiveState,
+    engine: int | None,
+    sort: str,
+    max_rows: int | None = None,
+    compact: bool = False,
+    width: int | None = None,
 ) -> RenderableType:
-    """Requests of ``engine`` (all when None) sorted by ``sort`` (``REQUEST_SORTS``).
-    ``compact`` (a narrow panel): no output-token column and no reasons."""
-    reqs = visible_requests(state, engine, sort)
-    if not reqs:
-        which = "" if engine is None else f" on engine DP{engine}"
+    """Requests of ``engine`` (all when None): those in flight sorted by ``sort``
+    (``REQUEST_SORTS``), then, under a line of their own, those finished in the last
+    ``FINISHED_KEEP_S`` seconds (newest first), in at most ``max_rows`` lines (None: all).
+    ``compact`` (a narrow panel): no output-token column, shorter headers. ``width``: the
+    cells the tables may take (None: as wide as their content). The DP column shows with
+    more than one engine, when all are shown."""
+    live, done = visible_requests(state, engine, sort)
+    which = "" if engine is None else f" on engine DP{engine}"
+    if not live and not done:
         return Text(f"no request in flight{which}", style="dim")
-    table = Table(box=box.SIMPLE_HEAD, expand=True, pad_edge=False, show_edge=False)
-    table.add_column("request", no_wrap=True, overflow="ellipsis", min_width=8, max_width=28)
-    table.add_column("state", no_wrap=True, overflow="ellipsis")
-    table.add_column("DP", justify="right", no_wrap=True)
-    table.add_column("computed/total", justify="right", no_wrap=True)
-    if not compact:
-        table.add_column("out", justify="right", no_wrap=True)
-    table.add_column("blocks", justify="right", no_wrap=True)
-    table.add_column("age", justify="right", no_wrap=True)
-    shown = reqs if max_rows is None or len(reqs) <= max_rows else reqs[: max(1, max_rows - 1)]
-    for r in shown:
-        done = r.state in TERMINAL_REQUEST_STATES
-        state_style = {
-            "preempted": "bold yellow",
-            "aborted": "red",
-            "first_token": "green",
-            "scheduled": "green",
-        }
-        state_text = Text(r.state, style=state_style.get(r.state, ""))
-        if r.reason and not compact and r.state in ("preempted", "aborted", "finished"):
-            state_text.append(f" ({r.reason})", style="dim")
-        age = None if r.arrived_at is None else state.now - r.arrived_at
-        cells = [r.request_id, state_text, _known(r.engine_index)]
-        cells.append(f"{_known(r.num_computed_tokens)}/{_known(_total_tokens(r))}")
-        cells += [] if compact else [_known(r.num_output_tokens)]
-        table.add_row(*cells, _known(r.num_blocks), fmt_age(age), style="dim" if done else "")
-    if len(shown) < len(reqs):
-        table.add_row(Text(f"… {len(reqs) - len(shown)} more", style="dim"))
-    return table
+    live_shown, done_shown = live, done
+    if max_rows is not None:
+        budget = max(1, max_rows - (1 if done else 0))  # the finished part's title line
+        if len(live) > budget:
+            live_shown = live[: max(1, budget - 1)]
+        left = max(0, budget - len(live_shown) - (1 if len(live_shown) < len(live) else 0))
+        done_shown = done[:left]  # the part's title says how many are not shown
+    show_dp = engine is None and (
+        state.data_parallel_size > 1 or any(r.engine_index > 0 for r in live + done)
+    )
+    columns = _request_columns(live_shown + done_shown, state.now, show_dp, compact, width)
+    parts: list[RenderableType] = []
+    if live:
+        parts.append(_requests_table(live_shown, columns, state.now, compact, header=True))
+        if len(live_shown) < len(live):
+            parts.append(Text(f"… {len(live) - len(live_shown)} more in flight (e: expand)", style="dim"))
+    else:
+        parts.append(Text(f"no request in flight{which}", style="dim"))
+    if done:
+        title = Text(f"finished in the last {FINISHED_KEEP_S:g}s: {len(done)}", style="bold")
+        if len(done_shown) < len(done):
+            title.append(f" ({len(done) - len(done_shown)} not shown)", style="dim")
+        parts.append(title)
+        if done_shown:
+            parts.append(_requests_table(done_shown, columns, state.now, compact, header=False))
+    return Group(*parts)
 
 
 # ------------------------------------------------------------------------------ alerts
@@ -656,6 +791,20 @@ def _links_summary(state: LiveState) -> Text:
     return t
 
 
+def events_text(state: LiveState) -> Text:
+    """The header's telemetry count: ``events 5,795 · sampled out 33,013 · lost 12``, as
+    the publishers' ``Dropped`` reports split what was not received. Sampled out: left out
+    on purpose (steps above 50/s, step stages above 10/s per name ...; dim, not a fault).
+    Lost: not sent for real (refused by a full socket: a subscriber reading too slowly, or
+    failed; red)."""
+    t = Text(f"events {state.events_received:,}", style="dim")
+    if state.events_sampled:
+        t.append(f" · sampled out {state.events_sampled:,}", style="dim")
+    if state.events_lost:
+        t.append(f" · lost {state.events_lost:,}", style="bold red")
+    return t
+
+
 def render_header(state: LiveState, opts: ViewOptions) -> RenderableType:
     grid = Table.grid(expand=True, padding=(0, 2))
     grid.add_column(ratio=1, no_wrap=True, overflow="ellipsis")
@@ -691,10 +840,7 @@ def render_header(state: LiveState, opts: ViewOptions) -> RenderableType:
     count.append(fmt_age(None if state.started_at is None else state.now - state.started_at))
     count.append("   links ")
     count.append_text(_links_summary(state))
-    events = Text(f"events {state.events_received}", style="dim")
-    if state.events_dropped:
-        events.append(f" (dropped {state.events_dropped})", style="yellow")
-    grid.add_row(count, events)
+    grid.add_row(count, events_text(state))
 
     focus = "all engines" if opts.engine is None else f"engine DP{opts.engine}"
     where = state.mode or "?"
@@ -827,11 +973,15 @@ def panel(
             budget_legend().markup,
         )
     if name == "requests":
-        return _panel(
-            render_requests(state, opts.engine, opts.request_sort, rows, compact=width < 90),
-            f"requests in flight · {_engine_label(opts)}",
-            f"sort: {opts.request_sort}",
-        )
+        live, done = visible_requests(state, opts.engine, opts.request_sort)
+        body = render_requests(state, opts.engine, opts.request_sort, rows, compact=width < REQUESTS_COMPACT_BELOW,
+                               width=width - 4)  # fmt: skip
+        title = f"requests · {len(live)} in flight"  # as the API server's "HTTP in flight" counts
+        if done:
+            title += f", {len(done)} finished"
+        if opts.engine is not None:
+            title += f" · DP{opts.engine}"
+        return _panel(body, title, f"sort: {opts.request_sort}")
     if name == "alerts":
         n = len(state.alerts)
         return _panel(render_alerts(state, rows), f"alerts ({n})" if n else "alerts")

@@ -180,6 +180,9 @@ class EngineCore:
             with stage(catalogue.EXECUTOR_EXECUTE_MODEL, **step_id):
                 model_output = self.model_executor.execute_model(scheduler_output)
             t2 = time.perf_counter()
+            # update_from_output forgets the requests it finishes; live telemetry's finished
+            # events carry their final counts, so keep this step's requests at hand.
+            held = self._scheduled_requests(scheduler_output) if get_publisher() is not None else {}
             with stage(catalogue.SCHEDULER_UPDATE_FROM_OUTPUT, **step_id) as update_span:
                 outputs = self.scheduler.update_from_output(scheduler_output, model_output)
                 if update_span.span is not None:
@@ -216,14 +219,28 @@ class EngineCore:
             "kv_usage": kv_usage,
         }
         self.flight_recorder.append(self.last_step)
-        self._after_step(scheduler_output, outputs)
+        self._after_step(scheduler_output, outputs, held)
         if self.step_delay_s:
             time.sleep(self.step_delay_s)  # --step-delay-ms: slow motion for a class
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
 
-    def _after_step(self, scheduler_output: SchedulerOutput, outputs: dict[int, EngineCoreOutputs]) -> None:
+    def _scheduled_requests(self, scheduler_output: SchedulerOutput) -> dict[str, Request]:
+        """This step's scheduled requests by id (read before ``update_from_output`` frees the
+        finished ones)."""
+        requests = self.scheduler.requests
+        return {
+            rid: r for rid in scheduler_output.num_scheduled_tokens if (r := requests.get(rid)) is not None
+        }
+
+    def _after_step(
+        self,
+        scheduler_output: SchedulerOutput,
+        outputs: dict[int, EngineCoreOutputs],
+        held: dict[str, Request] | None = None,
+    ) -> None:
         """Live telemetry, when this process publishes it: the step's record and its
-        requests' changes (scheduled, preempted, finished)."""
+        requests' changes (scheduled, preempted, finished). ``held``: this step's requests
+        (``_scheduled_requests``), for the final token counts of those that finished."""
         publisher = get_publisher()
         if publisher is None:
             return
@@ -235,13 +252,19 @@ class EngineCore:
                 new.req_id, "scheduled", engine_index=rank, num_prompt_tokens=len(new.prompt_token_ids),
                 num_computed_tokens=new.num_computed_tokens, num_blocks=len(new.block_ids[0]) if new.block_ids else 0,
             )  # fmt: skip
-        for req_id in scheduler_output.preempted_req_ids:
-            publisher.publish_request_event(req_id, "preempted", engine_index=rank, reason="KV cache full")
+        for req_id in scheduler_output.preempted_req_ids:  # its KV freed: it recomputes from 0
+            publisher.publish_request_event(req_id, "preempted", engine_index=rank, reason="KV cache full",
+                                            num_computed_tokens=0)  # fmt: skip
         for client_outputs in outputs.values():
             for out in client_outputs.outputs:
-                if out.finish_reason is not None:
-                    publisher.publish_request_event(out.request_id, "finished", engine_index=rank,
-                                                    reason=str(out.finish_reason))  # fmt: skip
+                if out.finish_reason is None:
+                    continue
+                counts = {}
+                if held and (r := held.get(out.request_id)) is not None:
+                    counts = dict(num_prompt_tokens=r.num_prompt_tokens, num_computed_tokens=r.num_computed_tokens,
+                                  num_output_tokens=r.num_output_tokens, num_blocks=0)  # fmt: skip
+                publisher.publish_request_event(out.request_id, "finished", engine_index=rank,
+                                                reason=str(out.finish_reason), **counts)  # fmt: skip
 
     def telemetry_requests(self) -> list[RequestProgress]:
         """The requests this engine holds now, with their progress, for live telemetry's

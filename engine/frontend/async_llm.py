@@ -42,6 +42,19 @@ from tracing.telemetry.publisher import get_publisher
 logger = init_logger(__name__)
 
 
+def abort_reason(error: BaseException) -> str:
+    """Why a request ended unfinished, in plain words for live telemetry's ``aborted`` event
+    (engine-top shows "aborted: engine died"): "client disconnected", "engine died", else the
+    exception's type and the first line of its message, at most 80 characters."""
+    if isinstance(error, (GeneratorExit, asyncio.CancelledError)):
+        return "client disconnected"
+    if isinstance(error, EngineDeadError):
+        return "engine died"
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    text = f"{type(error).__name__}: {first}" if first else type(error).__name__
+    return text if len(text) <= 80 else text[:79] + "…"
+
+
 class AsyncLLM:
     """The asynchronous engine client used by the API server.
 
@@ -157,16 +170,18 @@ class AsyncLLM:
                     raise item
                 if request_id in self.first_output_pending:
                     self.first_output_pending.discard(request_id)
-                    if publisher is not None:
-                        publisher.publish_request_event(request_id, "first_token")
+                    if publisher is not None:  # a first token means its whole prompt was computed
+                        n_prompt = len(item.prompt_token_ids)
+                        publisher.publish_request_event(
+                            request_id, "first_token", num_prompt_tokens=n_prompt, num_computed_tokens=n_prompt,
+                            num_output_tokens=sum(len(o.token_ids) for o in item.outputs),
+                        )  # fmt: skip
                 finished = item.finished
                 yield item
                 if finished:
                     return
         except BaseException as e:
-            stop_reason = (
-                "client disconnected" if isinstance(e, (GeneratorExit, asyncio.CancelledError)) else repr(e)
-            )
+            stop_reason = abort_reason(e)
             raise
         finally:
             self.queues.pop(request_id, None)

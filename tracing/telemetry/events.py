@@ -232,8 +232,12 @@ RequestEventKind = Literal["arrived", "scheduled", "first_token", "preempted", "
 
 class RequestEvent(_Event, tag="request"):
     """A request changed state. ``reason``: the finish reason (stop, length, abort) or why it
-    was aborted / preempted. Token counts and ``num_blocks`` (KV blocks held) as of now;
-    -1 when the emitter does not know (the API server knows no blocks)."""
+    was aborted / preempted, in plain words ("client disconnected", "engine died"). Token
+    counts and ``num_blocks`` (KV blocks held) as of now; -1 when the emitter does not know
+    (the API server knows no blocks). An engine core's ``finished`` carries the request's
+    final prompt / computed / output counts, ``first_token`` (API server) its prompt as
+    computed, ``preempted`` its computed count (0). ``finished``/``aborted`` are never
+    sampled away."""
 
     request_id: str
     event: RequestEventKind
@@ -246,13 +250,15 @@ class RequestEvent(_Event, tag="request"):
 
 
 class Dropped(_Event, tag="dropped"):
-    """Events this publisher dropped since its previous ``Dropped`` (never a silent drop):
-    by event kind (``step``, ``request`` ...), sampled away or refused by a full socket.
-    ``refused``: the part of ``counts`` refused by a full socket (a subscriber reading too
-    slowly), by kind; the rest was sampled or rate-limited away on purpose."""
+    """Events this publisher did not send since its previous ``Dropped`` (never a silent
+    drop), by event kind (``step``, ``request`` ...). ``counts``: all of them. ``sampled``:
+    the part sampled or rate-limited away on purpose (steps above 50/s, step stages above
+    10/s per name ...). ``refused``: the part refused by a full socket (a subscriber reading
+    too slowly). ``counts - sampled`` are real losses: refused, or failed to encode."""
 
     counts: dict[str, int]
     refused: dict[str, int] = {}
+    sampled: dict[str, int] = {}
 
 
 class RequestProgress(msgspec.Struct, kw_only=True, array_like=True):

@@ -17,14 +17,16 @@ dir>/<role>.tel``; the run directory is 0700) and publishes the events of
   when anything was dropped, and a ``Snapshot`` every second for late subscribers.
 - ``StepRecord`` (``publish_step``), sampled when steps come faster than
   ``max_steps_per_s``: every k-th is kept, the others counted as dropped ``step``.
-- ``RequestEvent`` (``publish_request_event``) and immediate gauge pushes
-  (``publish_gauges``, coalesced to ≤ 10 per second, latest value wins).
+- ``RequestEvent`` (``publish_request_event``; over 2000 a second sampled, except a
+  request's ``finished``/``aborted``) and immediate gauge pushes (``publish_gauges``,
+  coalesced to ≤ 10 per second, latest value wins).
 
 Never blocking, never silent: every send is ``zmq.NOBLOCK`` on an XPUB socket with
 ``XPUB_NODROP`` (so a full subscriber pipe *refuses* the frame instead of ZMQ dropping it
 unseen), ``SNDHWM`` bounded and ``LINGER`` 0. A refused, sampled-away or rate-limited event
 still takes a ``seq`` number (so a subscriber sees the gap) and is counted; the counts go
-out in the next ``Dropped`` (kept until one is delivered). With ``XPUB_NODROP`` a
+out in the next ``Dropped`` (kept until one is delivered), the sampled-away (on purpose)
+apart from the refused (a real loss). With ``XPUB_NODROP`` a
 subscriber that stops reading makes the publisher refuse frames for every subscriber until
 its pipe drains: a stuck engine-top costs events, never engine time.
 
@@ -100,6 +102,7 @@ CLOSE_LINGER_MS = 300  # at close, queued frames get this long to leave
 _TICK_S = 0.1  # the heartbeat thread's wake-up period (flushes coalesced gauge pushes)
 
 _ALWAYS_LEVELS = frozenset({catalogue.LIFECYCLE})
+_TERMINAL_REQUEST_EVENTS = frozenset({"finished", "aborted"})  # never sampled away
 
 
 def _exporter_statuses() -> list[ExporterStatus]:
@@ -199,6 +202,7 @@ class TelemetryPublisher:
         self._seq = 0
         self._dropped: dict[str, int] = {}
         self._refused: dict[str, int] = {}
+        self._sampled: dict[str, int] = {}
         self._closed = False
         # steps
         self.max_steps_per_s = max_steps_per_s
@@ -263,10 +267,12 @@ class TelemetryPublisher:
             logger.warning("telemetry: could not publish a %s event (%s); counting such drops", kind, error)
 
     def _skip(self, kind: str, n: int = 1) -> None:
-        """Count ``n`` events sampled or rate-limited away (they still take seq numbers)."""
+        """Count ``n`` events sampled or rate-limited away (they still take seq numbers):
+        in ``Dropped.counts`` and ``Dropped.sampled``, apart from real drops."""
         with self._lock:
             self._seq += n
             self._dropped[kind] = self._dropped.get(kind, 0) + n
+            self._sampled[kind] = self._sampled.get(kind, 0) + n
 
     def publish(self, cls: type[Event], /, **fields: Any) -> bool:
         """Publish one event of type ``cls`` (e.g. ``RequestEvent``) from its own fields; the
@@ -329,10 +335,12 @@ class TelemetryPublisher:
         """A request changed state: ``event`` is arrived, scheduled, first_token, preempted,
         finished or aborted; ``fields``: ``RequestEvent``'s optional ones (``engine_index``,
         ``reason``, ``num_prompt_tokens``, ``num_computed_tokens``, ``num_output_tokens``,
-        ``num_blocks``). Over 2000 a second the rest are counted as dropped ``request``."""
+        ``num_blocks``). Over 2000 a second the rest are sampled away (counted as dropped
+        ``request``), except ``finished`` and ``aborted``: one per request, they carry its
+        final counts and take it out of the in-flight list, so they are always sent."""
         if self._closed:
             return False
-        if not self._request_window.allow(time.monotonic()):
+        if event not in _TERMINAL_REQUEST_EVENTS and not self._request_window.allow(time.monotonic()):
             self._skip("request")
             return False
         with self._lock:
@@ -597,14 +605,14 @@ class TelemetryPublisher:
     def _send_dropped_locked(self) -> None:
         if not self._dropped:
             return
-        counts, refused = self._dropped, self._refused
-        self._dropped, self._refused = {}, {}
-        if not self._send_locked(Dropped, "dropped", {"counts": counts, "refused": refused}):
+        counts, refused, sampled = self._dropped, self._refused, self._sampled
+        self._dropped, self._refused, self._sampled = {}, {}, {}
+        fields = {"counts": counts, "refused": refused, "sampled": sampled}
+        if not self._send_locked(Dropped, "dropped", fields):
             # Not delivered: keep the counts (the failed Dropped itself was counted) for next time.
-            for kind, n in counts.items():
-                self._dropped[kind] = self._dropped.get(kind, 0) + n
-            for kind, n in refused.items():
-                self._refused[kind] = self._refused.get(kind, 0) + n
+            for kept, now in ((counts, self._dropped), (refused, self._refused), (sampled, self._sampled)):
+                for kind, n in kept.items():
+                    now[kind] = now.get(kind, 0) + n
 
     def _drain_subscriptions(self) -> None:
         """Read (and forget) the XPUB's subscription messages so they never pile up."""

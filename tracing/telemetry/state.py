@@ -126,6 +126,11 @@ class ProcessLive:
     faults: list[StruckFaultInfo] = field(default_factory=list)
     # placement: where a Ray cluster put it (node_id, node_ip, actor_id), from its status file.
     placement: dict[str, str] = field(default_factory=dict)
+    # sampled_events: what its publisher reported sampled or rate-limited away on purpose
+    # (``Dropped.sampled``); lost_events: what it reported not sent for real (refused by a
+    # full socket, or failed): ``Dropped.counts`` minus the sampled.
+    sampled_events: int = 0
+    lost_events: int = 0
 
     def copy(self) -> ProcessLive:
         return dataclasses.replace(
@@ -224,6 +229,12 @@ class LiveState:
     port: int | None = None
     events_refused: int = 0
     stage_stats: dict[str, StageStat] = field(default_factory=dict)
+    # events_dropped counts seq gaps: every event not received, whatever the cause. The
+    # publishers' ``Dropped`` reports split it: events_sampled (sampled or rate-limited away
+    # on purpose: steps above 50/s ...) and events_lost (real losses: refused by a full
+    # socket, which events_refused also counts, or failed to encode).
+    events_sampled: int = 0
+    events_lost: int = 0
 
     # ------------------------------------------------------------------ folding events
 
@@ -348,7 +359,12 @@ class LiveState:
             req.arrived_at = ev.t
         if ev.event == "arrived":
             req.arrived_at = ev.t if req.arrived_at is None else min(req.arrived_at, ev.t)
-        if req.state not in TERMINAL_REQUEST_STATES or ev.event in TERMINAL_REQUEST_STATES:
+        # Events of one request come from two processes (the API server, its engine core),
+        # so one can arrive after a later one: an event from before the request's end only
+        # fills in what is unknown, and first_token's counts (the API server's: the prompt
+        # computed, the outputs streamed) only ever raise what the engine already said.
+        stale = req.state in TERMINAL_REQUEST_STATES and ev.event not in TERMINAL_REQUEST_STATES
+        if not stale:
             req.state = ev.event
         for name in (
             "engine_index",
@@ -358,11 +374,18 @@ class LiveState:
             "num_blocks",
         ):
             value = getattr(ev, name)
-            if value != -1:
-                setattr(req, name, value)
-        if ev.reason is not None:
+            if value == -1:
+                continue
+            old = getattr(req, name)
+            if stale and old != -1:
+                continue
+            if ev.event == "first_token" and name != "engine_index":
+                value = max(value, old)
+            setattr(req, name, value)
+        if ev.reason is not None and not stale:
             req.reason = ev.reason
-        req.updated_at = ev.t
+        if not stale:
+            req.updated_at = ev.t
 
     def _on_dropped(self, proc: ProcessLive, ev: Dropped) -> None:
         for kind, n in ev.counts.items():
@@ -370,6 +393,12 @@ class LiveState:
         refused = sum(ev.refused.values())
         proc.refused_events += refused
         self.events_refused += refused
+        sampled = sum(ev.sampled.values())
+        lost = max(0, sum(ev.counts.values()) - sampled)
+        proc.sampled_events += sampled
+        proc.lost_events += lost
+        self.events_sampled += sampled
+        self.events_lost += lost
 
     def _on_snapshot(self, proc: ProcessLive, ev: Snapshot) -> None:
         proc.stages = list(ev.stages)
