@@ -442,7 +442,9 @@ class Worker:
         if mode == "eager":
             return "eager"
         late = self._graphs_after_warm_up
-        return f"compiled ({mode}, {graphs} graph{'s' * (graphs != 1)}" + (f", {late} after warm-up)" if late else ")")
+        return f"compiled ({mode}, {graphs} graph{'s' * (graphs != 1)}" + (
+            f", {late} after warm-up)" if late else ")"
+        )
 
     def _note_late_graphs(self) -> None:
         """After a step: a graph compiled after warm-up goes into the status file at once."""
