@@ -76,14 +76,18 @@ def run_transformers(path: Path, prompts, out_lens, dtype: torch.dtype, batch_si
 
 
 class StepTimer:
-    """Time spent in ``EngineCore.step`` and, inside it, in the model forward (+ logits)."""
+    """Time spent in ``EngineCore.step`` and, inside it, in the model forward (+ logits).
+
+    The forward is timed around the model runner's ``_run_model`` (the call of the compiled
+    callable, or of the eager model), never inside the module's ``forward``: torch.compile
+    traces that, and cannot trace ``time.perf_counter``."""
 
     def __init__(self, llm) -> None:
         core = llm.engine_core.engine_core
         runner = core.model_executor.driver_worker.worker.model_runner
         self.step_s = 0.0
         self.forward_s = 0.0
-        step, forward, logits = core.step, runner.model.forward, runner.model.compute_logits
+        step, forward, logits = core.step, runner._run_model, runner.model.compute_logits
 
         def timed_step():
             t = time.perf_counter()
@@ -103,7 +107,7 @@ class StepTimer:
             return wrapper
 
         core.step = timed_step
-        runner.model.forward = timed(forward)
+        runner._run_model = timed(forward)
         runner.model.compute_logits = timed(logits)
 
 

@@ -7,6 +7,7 @@ each, their ratio (target: the tree ≥ 90 % of in-process), and the time from `
 to ready for each. The shared-memory broadcast latency is ``broadcast_latency.py``.
 
     .venv/bin/python benchmarks/process_tree_overhead.py [--runs 3] [--num-prompts 32]
+    .venv/bin/python benchmarks/process_tree_overhead.py --runs 1 --num-prompts 2 --input-len 8 16 --output-len 2 4
 """
 
 from __future__ import annotations
@@ -47,18 +48,23 @@ def measure(path: Path, multiprocess: bool, prompts, out_lens, runs: int, dtype:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--input-len", type=int, nargs=2, default=(32, 512))
+    ap.add_argument("--output-len", type=int, nargs=2, default=(32, 256))
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    prompts, out_lens = make_workload(args.num_prompts, args.seed, (32, 512), (32, 256))
+    prompts, out_lens = make_workload(
+        args.num_prompts, args.seed, tuple(args.input_len), tuple(args.output_len)
+    )
     total = sum(out_lens)
     with tempfile.TemporaryDirectory() as tmp:
         path = build_small_model(Path(tmp) / "small")
         inproc_s, inproc_ready = measure(path, False, prompts, out_lens, args.runs, args.dtype)
         tree_s, tree_ready = measure(path, True, prompts, out_lens, args.runs, args.dtype)
     print(
-        f"\nworkload: {args.num_prompts} prompts, {total} output tokens, {args.dtype}, median of {args.runs} runs"
+        f"\nworkload: {args.num_prompts} prompts, input {args.input_len[0]}-{args.input_len[1]}, "
+        f"{total} output tokens, {args.dtype}, median of {args.runs} runs"
     )
     print(f"{'client':<28}{'output tok/s':>14}{'LLM() to ready':>17}")
     print(f"{'InprocClient (1 process)':<28}{total / inproc_s:>14.1f}{inproc_ready:>16.2f}s")

@@ -15,6 +15,7 @@ It prints serving tok/s against offline tok/s (target: ≥ 70 % at concurrency 1
 latency HTTP adds per request at concurrency 1.
 
     .venv/bin/python benchmarks/serve_vs_offline.py --model small
+    .venv/bin/python benchmarks/serve_vs_offline.py --model default --num-prompts 2 --input-len 8 16 --output-len 2 4
 """
 
 from __future__ import annotations
@@ -96,6 +97,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=("small", "default"), default="small")
     ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--input-len", type=int, nargs=2, default=(32, 512))
+    ap.add_argument("--output-len", type=int, nargs=2, default=(32, 256))
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     from engine.config import DEFAULT_MODEL
@@ -104,7 +107,9 @@ def main() -> None:
         tmp_path = Path(tmp)
         model = build_small_model(tmp_path / "small") if args.model == "small" else Path(DEFAULT_MODEL)
         vocab = 8192 if args.model == "small" else 4096
-        prompts, out_lens = make_workload(args.num_prompts, args.seed, (32, 512), (32, 256))
+        prompts, out_lens = make_workload(
+            args.num_prompts, args.seed, tuple(args.input_len), tuple(args.output_len)
+        )
         prompts = [[t % vocab for t in p] for p in prompts]
         proc, url, ready_s = start_server(model, tmp_path / "run")
         try:
@@ -116,10 +121,12 @@ def main() -> None:
             proc.wait(10)
         offline_tps, offline_single_s = offline_run(model, prompts, out_lens)
 
-    print(f"\nmodel: {args.model}; workload: {args.num_prompts} prompts, input 32-512, output 32-256, greedy")
+    print(f"\nmodel: {args.model}; workload: {args.num_prompts} prompts, input {args.input_len[0]}-"
+          f"{args.input_len[1]}, output {args.output_len[0]}-{args.output_len[1]}, greedy")  # fmt: skip
     print(f"start-up to first answered request: {ready_s:.2f} s; API server RSS: {rss_mib:.0f} MiB")
     print(f"{'run':<34}{'output tok/s':>13}{'TTFT ms (mean/p99)':>22}{'TPOT ms (mean/p99)':>22}")
-    for name, m in (("bench serve, concurrency 16", c16), ("bench serve, concurrency 1 (8 req)", c1)):
+    c1_name = f"bench serve, concurrency 1 ({min(8, len(prompts))} req)"
+    for name, m in (("bench serve, concurrency 16", c16), (c1_name, c1)):
         print(f"{name:<34}{m.output_throughput:>13.1f}{m.ttft.mean_ms:>12.0f} / {m.ttft.p99_ms:<8.0f}"
               f"{m.tpot.mean_ms:>12.1f} / {m.tpot.p99_ms:<8.1f}")  # fmt: skip
     print(f"{'offline LLM.generate, all at once':<34}{offline_tps:>13.1f}")

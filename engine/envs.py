@@ -256,11 +256,11 @@ ENV_VARS: dict[str, EnvVar] = {
             "GLASSBOX_HEARTBEAT_TIMEOUT_S",
             _non_negative_float,
             30.0,
-            "Seconds a running child process may go without a heartbeat (its telemetry thread "
-            "touches its status file each second) before its parent reports it frozen by name "
-            "and stops the tree: a native call holding the GIL or a deadlock stops every Python "
-            "thread while the OS shows the process running. 0 turns the check off; so does "
-            "GLASSBOX_TELEMETRY=0 (no heartbeat to miss).",
+            "Seconds a running child process may go without a heartbeat (its liveness thread "
+            "touches its status file each second, whatever GLASSBOX_TELEMETRY says) before its "
+            "parent reports it frozen by name and stops the tree: a native call holding the GIL "
+            "or a deadlock stops every Python thread while the OS shows the process running. "
+            "0 turns the check off.",
         ),
         EnvVar(
             "GLASSBOX_TELEMETRY",

@@ -1,8 +1,8 @@
 """Entry point of every Glassbox child process: ``python -m engine.utils.process_entry ROLE``.
 
 Reads the payload from stdin (see ``engine.utils.processes``), names the process, starts the
-lifeline watcher, and runs the target. Kept tiny so a child starts fast: torch is imported by
-the target, not here.
+lifeline watcher and the liveness beat, and runs the target. Kept tiny so a child starts
+fast: torch is imported by the target, not here.
 """
 
 from __future__ import annotations
@@ -71,6 +71,11 @@ def main() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
     processes.watch_lifeline(stdin_fd, on_parent_death)
+    # The status file's mtime, set each second: the parent's frozen check reads it
+    # (GLASSBOX_HEARTBEAT_TIMEOUT_S). Its own thread, so telemetry being off changes nothing.
+    from tracing import run_dir as run_dirs
+
+    processes.start_liveness_beat(run_dirs.status_path(run_dir, role))
     # `glassbox doctor` asks for every thread's stack with SIGUSR1 (written to <role>.stacks).
     from tracing.stacks import enable_stack_dumps
 

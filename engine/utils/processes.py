@@ -428,9 +428,10 @@ class StoppedWatch:
         """Seconds since ``pid`` last beat, once over ``GLASSBOX_HEARTBEAT_TIMEOUT_S``, while
         the OS shows it running; else None.
 
-        The heartbeat is ``status_file``'s mtime, touched each second by the child's telemetry
-        thread. A child is only judged once it has been seen to beat (its mtime moved), so a
-        tree with telemetry off, or a child not yet publishing, is never called frozen.
+        The heartbeat is ``status_file``'s mtime, touched each second by the child's liveness
+        thread (``start_liveness_beat``, telemetry on or off). A child is only judged once it
+        has been seen to beat (its mtime moved), so a child that has not written its status
+        file yet, or one started some other way (no liveness thread), is never called frozen.
         """
         if self.heartbeat_timeout_s <= 0:
             return None
@@ -537,6 +538,41 @@ def watch_lifeline(fd: int, on_parent_death: Callable[[], None]) -> threading.Th
 
     _lifeline_fd = fd
     thread = threading.Thread(target=run, name="lifeline_watcher", daemon=True)
+    thread.start()
+    return thread
+
+
+# Seconds between two liveness beats (the status file's mtime, see ``start_liveness_beat``).
+LIVENESS_INTERVAL_S = 1.0
+
+
+def start_liveness_beat(
+    status_file: Path, interval_s: float = LIVENESS_INTERVAL_S, stop: threading.Event | None = None
+) -> threading.Thread:
+    """Start a daemon thread that sets ``status_file``'s mtime to now every ``interval_s`` (s).
+
+    This is the heartbeat a parent reads without subscribing to anything
+    (``StoppedWatch.frozen_for``, ``GLASSBOX_HEARTBEAT_TIMEOUT_S``): every child started by
+    ``spawn_process`` runs one from ``process_entry``, whatever ``GLASSBOX_TELEMETRY`` says.
+    It is a Python thread on purpose: a native call holding the GIL, or a deadlock in the
+    interpreter, stops it too, which is what "frozen" means. Before the child writes its
+    status file (``tracing.setup_tracing``) and after the run directory is removed there is
+    nothing to touch; the thread waits for the next beat. ``stop`` ends it (tests); a child
+    never stops it (a daemon thread, it ends with the process).
+
+    vLLM counterpart: none (vLLM has no frozen-process check).
+    """
+    stop = stop or threading.Event()
+
+    def run() -> None:
+        while not stop.is_set():
+            try:
+                os.utime(status_file)
+            except OSError:  # no status file (yet), or the run directory is being removed
+                pass
+            stop.wait(interval_s)
+
+    thread = threading.Thread(target=run, name="liveness_beat", daemon=True)
     thread.start()
     return thread
 

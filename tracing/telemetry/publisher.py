@@ -62,7 +62,6 @@ import psutil
 import zmq
 
 from tracing import catalogue
-from tracing import run_dir as run_dirs
 from tracing.stage import add_stage_hook, open_stages
 from tracing.telemetry.events import (
     MAX_SNAPSHOT_REQUESTS,
@@ -484,21 +483,11 @@ class TelemetryPublisher:
                 if now >= next_beat:
                     next_beat = now + self.interval_s
                     self.beat(snapshot=now >= next_snapshot)
-                    self._touch_status_file()
                     if now >= next_snapshot:
                         next_snapshot = now + SNAPSHOT_INTERVAL_S
             except Exception:  # the heartbeat must outlive any one bad tick
                 logger.exception("telemetry heartbeat failed")
             self._stop.wait(min(_TICK_S, self.interval_s))
-
-    def _touch_status_file(self) -> None:
-        """The heartbeat a parent can see without subscribing: the status file's mtime, set
-        each beat (``engine.utils.processes.StoppedWatch`` reports a child whose mtime stopped
-        while it runs: a native call holding the GIL stops this thread too)."""
-        try:
-            os.utime(run_dirs.status_path(self.run_dir, self.role))
-        except OSError:  # no status file (yet), or the run directory is being removed
-            pass
 
     def _collect_gauges(self) -> dict[str, float]:
         values: dict[str, float] = {}
