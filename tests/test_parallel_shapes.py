@@ -134,9 +134,22 @@ def _stop(proc: LoggedProcess, timeout: float = 60) -> None:
         proc.proc.send_signal(signal.SIGTERM)
         code = proc.proc.wait(timeout)
         assert code == 0, proc.log()[-4000:]
-        assert wait_gone(session_members(sid), timeout=10) == []
+        left = wait_gone(session_members(sid), timeout=10)
+        assert left == [], _describe(left) + proc.log()[-3000:]
     finally:
         proc.kill_group()
+
+
+def _describe(pids: list[int]) -> str:
+    import psutil
+
+    out = []
+    for pid in pids:
+        try:
+            out.append(f"{pid}: {' '.join(psutil.Process(pid).cmdline())[:120]}")
+        except psutil.Error:
+            out.append(f"{pid}: gone")
+    return "left behind:\n" + "\n".join(out) + "\n"
 
 
 def _serve_and_check(base: Path, reference: dict[str, str], args: list[str], workers: int,
