@@ -33,6 +33,13 @@ shared-memory queues are files in the run directory, and on a disk-backed one th
 would write their pages back to disk. Paths stay short: an ipc socket path is limited to
 107 characters.
 
+A run directory goes with its tree. After a failure, what a post-mortem needs is first
+copied to ``<cache root>/post_mortem/<run-dir name>/`` (``keep_post_mortem``; bounded, see
+"post-mortems" below), where ``glassbox doctor --last`` finds it (``list_post_mortems``,
+``find_post_mortem``, ``read_post_mortem``). The engine passes its validated
+``GLASSBOX_CACHE_ROOT``; ``post_mortem_root`` reads the variable itself only for readers
+without the engine.
+
 vLLM has no run directory (its ipc sockets are loose files in the temp dir, found by
 nobody); this contract is ours.
 """

@@ -1,8 +1,10 @@
 """``glassbox doctor``: what is wrong with a running, hung or dead instance, in plain words.
 
 It attaches to the one running instance (or ``--run-dir DIR``: any run directory, also one
-left behind by an instance that died; with several running it lists them) and puts together
-everything the tree already writes down:
+left behind by an instance that died, or one removed after a failure whose post-mortem is
+kept; ``--last``: the newest kept post-mortem or stale run directory, said to be gone and
+when it ended; with several running it lists them) and puts together everything the tree
+already writes down:
 
 - the tree against the expected count and each process's OS state (``tracing.instances``,
   as ``glassbox ps``);

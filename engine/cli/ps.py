@@ -36,7 +36,10 @@ its process tree: role, pid, state, current lifecycle stage and time in it, upti
 threads, and how each warm worker runs its model (device, dtype, compiled or eager,
 attention backend, CPU threads now / its share). Compares the processes found with the count
 the manifest expects and names the missing roles. Helper processes (e.g. multiprocessing's
-resource tracker) are shown apart and not counted."""
+resource tracker) are shown apart and not counted. --all also lists stale run directories
+(creator and every process dead: a tree killed all at once) and, on a terminal, offers to
+remove them; --clean removes them without asking. Their post-mortems are kept for
+glassbox doctor --last."""
 
 
 # ------------------------------------------------------------------------ data
@@ -247,7 +250,9 @@ def _offer_clean(console, *, clean: bool) -> None:
             )
             return
         try:
-            answer = input(f"remove {'it' if n == 1 else 'them'} (keeping the post-mortems)? [y/N] ")
+            answer = input(
+                f"remove {'it (keeping its' if n == 1 else 'them (keeping their'} post-mortem)? [y/N] "
+            )
         except EOFError:
             answer = ""
         if answer.strip().lower() not in ("y", "yes"):

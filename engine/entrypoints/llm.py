@@ -113,8 +113,8 @@ class LLM:
         except BaseException as e:
             restore_fault_env()
             _stop_telemetry(self.recorder)
-            # A bad setting or Ctrl-C is no failure to keep a post-mortem of.
-            quiet = isinstance(e, (ConfigError, KeyboardInterrupt, SystemExit))
+            # A bad setting, Ctrl-C or SystemExit is no failure to keep a post-mortem of.
+            quiet = isinstance(e, ConfigError) or not isinstance(e, Exception)
             run_dirs.close_run_dir(self.run_dir, failure=None if quiet else f"LLM start-up failed: {type(e).__name__}",
                                    root_cause=getattr(e, "root_cause", None) or f"{type(e).__name__}: {e}",
                                    telemetry_record=obs.telemetry_record)  # fmt: skip

@@ -243,7 +243,7 @@ def run_server(config: EngineConfig, args: ServerArgs, sock: socket.socket | Non
         from engine.config import ConfigError
 
         # A bad setting is one line naming the flag (exit 2): nothing to keep for it.
-        if not isinstance(e, (ConfigError, SystemExit)):
+        if isinstance(e, Exception) and not isinstance(e, ConfigError):
             failure = f"{role.name} failed: {type(e).__name__}: {e}"
         raise
     finally:
