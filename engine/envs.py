@@ -184,7 +184,9 @@ ENV_VARS: dict[str, EnvVar] = {
             "torch.compile's compiled graphs are kept in its torch_compile_cache/ (unless "
             "TORCHINDUCTOR_CACHE_DIR is set), so a second start of the same model and settings "
             "loads them instead of compiling; the C++ paged-attention kernel (CPU_PAGED_CPP) is "
-            "built into its kernels/.",
+            "built into its kernels/; a tree that ends after a failure keeps its post-mortem (manifest, "
+            "status files, crash reports, root cause; the newest 10) in its post_mortem/, read by "
+            "glassbox doctor --last.",
         ),
         EnvVar(
             "GLASSBOX_TRACE_FILE",

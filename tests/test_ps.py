@@ -339,6 +339,7 @@ def test_new_run_dir_sweeps_away_dead_ones_and_keeps_live_ones(tmp_path, monkeyp
     from engine.utils import run_dir as run_dirs
 
     monkeypatch.setenv("GLASSBOX_RUN_DIR_BASE", str(tmp_path))
+    monkeypatch.setenv("GLASSBOX_CACHE_ROOT", str(tmp_path / "cache"))  # where the post-mortem goes
     dead = sp.run([_sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_pid = int(dead.stdout)
     stale = tmp_path / f"glassbox-{dead_pid}-stale"
@@ -349,6 +350,9 @@ def test_new_run_dir_sweeps_away_dead_ones_and_keeps_live_ones(tmp_path, monkeyp
     fresh = run_dirs.create_run_dir()
     assert not stale.exists()
     assert live.exists() and fresh.exists()
+    # What a post-mortem needs of the swept one is kept first (glassbox doctor --last reads it).
+    kept = tmp_path / "cache" / "post_mortem" / stale.name
+    assert (kept / "EngineCore_DP0.status.json").read_text() == f'{{"pid": {dead_pid}}}'
 
 
 def test_a_glassbox_process_the_plan_does_not_name_is_listed_as_extra(base, spawn_tree, capsys):

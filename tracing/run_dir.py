@@ -33,6 +33,13 @@ shared-memory queues are files in the run directory, and on a disk-backed one th
 would write their pages back to disk. Paths stay short: an ipc socket path is limited to
 107 characters.
 
+A run directory goes with its tree. After a failure, what a post-mortem needs is first
+copied to ``<cache root>/post_mortem/<run-dir name>/`` (``keep_post_mortem``; bounded, see
+"post-mortems" below), where ``glassbox doctor --last`` finds it (``list_post_mortems``,
+``find_post_mortem``, ``read_post_mortem``). The engine passes its validated
+``GLASSBOX_CACHE_ROOT``; ``post_mortem_root`` reads the variable itself only for readers
+without the engine.
+
 vLLM has no run directory (its ipc sockets are loose files in the temp dir, found by
 nobody); this contract is ours.
 """
@@ -45,6 +52,7 @@ import re
 import shutil
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import TypeVar
 
@@ -402,11 +410,12 @@ def run_dir_base(base: str | os.PathLike[str] | None = None) -> Path:
     return Path(chosen or tempfile.gettempdir())
 
 
-def make_run_dir(base: str | os.PathLike[str]) -> Path:
+def make_run_dir(base: str | os.PathLike[str], post_mortems: str | os.PathLike[str] | None = None) -> Path:
     """Make a fresh run directory (mode 0700) under ``base`` and return its path.
 
-    First sweeps away run directories that nothing owns any more (``sweep_stale_run_dirs``),
-    so a tree that was killed all at once leaves no litter.
+    First sweeps away run directories that nothing owns any more (``sweep_stale_run_dirs``,
+    keeping each one's post-mortem under ``post_mortems`` when given), so a tree that was
+    killed all at once leaves no litter.
 
     Raises:
         OSError: ``base`` cannot be created or written.
@@ -415,7 +424,7 @@ def make_run_dir(base: str | os.PathLike[str]) -> Path:
     if not base.is_dir():
         base.mkdir(parents=True, exist_ok=True)
         os.chmod(base, 0o700)  # whatever the umask: run directories hold sockets and queues
-    sweep_stale_run_dirs(base)
+    sweep_stale_run_dirs(base, post_mortems)
     return Path(tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-", dir=base))
 
 
@@ -452,22 +461,37 @@ def pid_alive(pid: int | None) -> bool:
     return True
 
 
-def sweep_stale_run_dirs(base: str | os.PathLike[str]) -> list[Path]:
+def is_stale(run_dir: str | os.PathLike[str]) -> bool:
+    """Whether ``run_dir``'s creator and every process with a status file are dead (nothing
+    can still use or clean it)."""
+    pids = [creator_pid(run_dir)]
+    for path in status_paths(run_dir).values():
+        status = read_status(path)
+        if status is not None:
+            pids.append(status.pid)
+    return not any(pid_alive(pid) for pid in pids)
+
+
+def stale_run_dirs(base: str | os.PathLike[str] | None = None) -> list[Path]:
+    """The run directories under ``base`` (default ``run_dir_base()``) that ``is_stale``, by name."""
+    return [d for d in list_run_dirs(base) if is_stale(d)]
+
+
+def sweep_stale_run_dirs(
+    base: str | os.PathLike[str], post_mortems: str | os.PathLike[str] | None = None
+) -> list[Path]:
     """Remove run directories whose creator and every process with a status file are dead.
 
     A tree normally cleans up after itself (the last survivor removes the directory); this
     catches the rest — e.g. a whole process group SIGKILLed at once. A directory with any
-    live pid is left alone. Returns the removed paths.
+    live pid is left alone. ``post_mortems``: the post-mortem directory
+    (``post_mortem_root``); each removed directory's post-mortem is kept there first
+    (``keep_post_mortem``), None keeps nothing. Returns the removed paths.
     """
     removed = []
-    for run_dir in list_run_dirs(base):
-        pids = [creator_pid(run_dir)]
-        for path in status_paths(run_dir).values():
-            status = read_status(path)
-            if status is not None:
-                pids.append(status.pid)
-        if any(pid_alive(pid) for pid in pids):
-            continue
+    for run_dir in stale_run_dirs(base):
+        if post_mortems is not None:
+            keep_post_mortem(run_dir, post_mortems, reason=STALE_REASON, ended_at=last_written_at(run_dir))
         remove_run_dir(run_dir)
         removed.append(run_dir)
     return removed
@@ -478,6 +502,188 @@ def remove_run_dir(run_dir: str | os.PathLike[str]) -> None:
     shutil.rmtree(run_dir, ignore_errors=True)
 
 
+# --------------------------------------------------------------------------- post-mortems
+#
+# A run directory lives in memory (/dev/shm) and is removed when its tree ends; after a
+# failure, what a post-mortem needs is first copied to a persistent directory,
+# ``<cache root>/post_mortem/<run-dir name>/``: the manifest, status files, crash reports,
+# flight recorders, the root-cause text the frontend printed (``root_cause.txt``), the
+# telemetry recording when there is one, and ``post_mortem.json`` (a ``PostMortem``) saying
+# where it lived, when and why it ended and what was kept or skipped. Bounded: the newest
+# POST_MORTEMS_KEPT are kept, a file over POST_MORTEM_FILE_CAP is skipped (named in
+# ``skipped``), and one post-mortem holds at most POST_MORTEM_TOTAL_CAP bytes.
+
+ENV_CACHE_ROOT = "GLASSBOX_CACHE_ROOT"
+DEFAULT_CACHE_ROOT = "~/.cache/glassbox"
+POST_MORTEM_DIR = "post_mortem"
+POST_MORTEM_META = "post_mortem.json"
+ROOT_CAUSE = "root_cause.txt"
+FLIGHT_SUFFIX = ".flight.json"
+POST_MORTEMS_KEPT = 10
+POST_MORTEM_FILE_CAP = 1 << 20  # bytes
+POST_MORTEM_TOTAL_CAP = 8 << 20  # bytes, one post-mortem
+STALE_REASON = (
+    "stale: its creator and every process died without removing the run directory (killed all at once?)"
+)
+_KEPT_SUFFIXES = (STATUS_SUFFIX, CRASH_SUFFIX, FLIGHT_SUFFIX)
+
+
+class PostMortem(msgspec.Struct, omit_defaults=True):
+    """``post_mortem.json``: what was kept of one run directory after its tree ended.
+
+    Attributes:
+        run_dir: where the run directory lived (it is gone).
+        ended_at: Unix time (s) the tree ended (for a stale directory: its last file write).
+        kept_at: Unix time (s) the post-mortem was written.
+        reason: why it ended (``the engine died``, ``start-up timed out``, ``stale: ...``).
+        files: the names kept, beside this file.
+        skipped: ``"<name>: <why>"`` for each file not kept (over the size caps, unreadable).
+        telemetry_record: the telemetry recording's path (``--telemetry-record``) when the
+            tree had one; kept here too as ``telemetry_record_file`` when small enough.
+        telemetry_record_file: its copy's name beside this file, when kept.
+    """
+
+    run_dir: str
+    ended_at: float
+    kept_at: float
+    reason: str
+    files: list[str] = msgspec.field(default_factory=list)
+    skipped: list[str] = msgspec.field(default_factory=list)
+    telemetry_record: str | None = None
+    telemetry_record_file: str | None = None
+
+
+def post_mortem_root(cache_root: str | os.PathLike[str] | None = None) -> Path:
+    """Where post-mortems are kept: ``<cache_root>/post_mortem``; ``cache_root`` when given
+    (the engine passes its validated ``GLASSBOX_CACHE_ROOT``), else ``$GLASSBOX_CACHE_ROOT``,
+    else ``~/.cache/glassbox``."""
+    root = os.fspath(cache_root) if cache_root else os.environ.get(ENV_CACHE_ROOT) or DEFAULT_CACHE_ROOT
+    return Path(os.path.expanduser(root)) / POST_MORTEM_DIR
+
+
+def write_root_cause(run_dir: str | os.PathLike[str], text: str) -> None:
+    """Save the root-cause text the frontend prints as ``root_cause.txt`` in ``run_dir``
+    (best effort: no error when the directory is gone)."""
+    with contextlib.suppress(OSError):
+        Path(run_dir, ROOT_CAUSE).write_text(text if text.endswith("\n") else text + "\n")
+
+
+def last_written_at(run_dir: str | os.PathLike[str]) -> float | None:
+    """The newest modification time (Unix s) of ``run_dir`` and its files: for a stale
+    directory, about when its tree ended. None when it is gone."""
+    try:
+        times = [os.stat(run_dir).st_mtime]
+        times += [p.stat().st_mtime for p in Path(run_dir).iterdir()]
+    except OSError:
+        return None
+    return max(times)
+
+
+def _kept_names(run_dir: Path) -> list[str]:
+    try:
+        names = sorted(p.name for p in run_dir.iterdir() if p.is_file())
+    except OSError:
+        return []
+    # The root cause and the crash reports first: when the total cap bites, they are kept.
+    order = {ROOT_CAUSE: 0, MANIFEST: 1}
+    wanted = [n for n in names if n in order or n.endswith(_KEPT_SUFFIXES)]
+    return sorted(wanted, key=lambda n: (order.get(n, 2 if n.endswith(CRASH_SUFFIX) else 3), n))
+
+
+def keep_post_mortem(
+    run_dir: str | os.PathLike[str],
+    root: str | os.PathLike[str],
+    *,
+    reason: str,
+    ended_at: float | None = None,
+    telemetry_record: str | os.PathLike[str] | None = None,
+    keep: int = POST_MORTEMS_KEPT,
+) -> Path | None:
+    """Copy what a post-mortem needs from ``run_dir`` to ``<root>/<run-dir name>/`` (see
+    above), then prune ``root`` to the newest ``keep``. Returns the kept directory, or None
+    when nothing could be kept (``run_dir`` gone or empty, ``root`` not writable: a
+    post-mortem never stops a tree from ending). Written into a temp directory first and
+    renamed, so a reader never sees half of one; an existing one for the same name stays.
+    """
+    run_dir, root = Path(run_dir), Path(root)
+    names = _kept_names(run_dir)
+    if not names:
+        return None
+    target = root / run_dir.name
+    tmp = root / f".{run_dir.name}.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):
+            os.chmod(root, 0o700)  # crash reports hold tracebacks: as private as the run dir
+        if target.exists():
+            return target
+        tmp.mkdir(mode=0o700)
+        kept, skipped, total = [], [], 0
+        sources = [(n, run_dir / n) for n in names]
+        if telemetry_record:
+            sources.append(("telemetry.rec", Path(telemetry_record)))
+        for name, src in sources:
+            try:
+                size = src.stat().st_size
+                if size > POST_MORTEM_FILE_CAP:
+                    skipped.append(f"{name}: {size} bytes, over the {POST_MORTEM_FILE_CAP} byte cap")
+                    continue
+                if total + size > POST_MORTEM_TOTAL_CAP:
+                    skipped.append(f"{name}: {size} bytes, over the {POST_MORTEM_TOTAL_CAP} byte total")
+                    continue
+                shutil.copyfile(src, tmp / name)
+            except OSError as e:
+                skipped.append(f"{name}: {e.strerror or e}")
+                continue
+            total += size
+            kept.append(name)
+        record = PostMortem(
+            run_dir=str(run_dir), ended_at=ended_at or time.time(), kept_at=time.time(), reason=reason,
+            files=[n for n in kept if n != "telemetry.rec"], skipped=skipped,
+            telemetry_record=os.fspath(telemetry_record) if telemetry_record else None,
+            telemetry_record_file="telemetry.rec" if "telemetry.rec" in kept else None,
+        )  # fmt: skip
+        write_record(tmp / POST_MORTEM_META, record)
+        os.rename(tmp, target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return target if (target / POST_MORTEM_META).is_file() else None
+    prune_post_mortems(root, keep)
+    return target
+
+
+def read_post_mortem(path: str | os.PathLike[str]) -> PostMortem | None:
+    """The ``PostMortem`` of a kept directory, or None when it is not one (or unreadable)."""
+    try:
+        return load_record(Path(path) / POST_MORTEM_META, PostMortem)
+    except (OSError, RecordError):
+        return None
+
+
+def list_post_mortems(root: str | os.PathLike[str]) -> list[tuple[Path, PostMortem]]:
+    """Every kept post-mortem under ``root``, newest ``ended_at`` first (empty when none)."""
+    try:
+        entries = [p for p in Path(root).iterdir() if _RUN_DIR_NAME.match(p.name)]
+    except OSError:
+        return []
+    found = [(p, pm) for p in entries if (pm := read_post_mortem(p)) is not None]
+    return sorted(found, key=lambda item: (item[1].ended_at, item[0].name), reverse=True)
+
+
+def find_post_mortem(run_dir: str | os.PathLike[str], root: str | os.PathLike[str]) -> Path | None:
+    """The kept post-mortem of ``run_dir`` (found by its name) under ``root``, or None."""
+    kept = Path(root) / Path(run_dir).name
+    return kept if _RUN_DIR_NAME.match(kept.name) and read_post_mortem(kept) is not None else None
+
+
+def prune_post_mortems(root: str | os.PathLike[str], keep: int = POST_MORTEMS_KEPT) -> list[Path]:
+    """Remove all but the newest ``keep`` post-mortems under ``root``. Returns the removed."""
+    removed = [p for p, _ in list_post_mortems(root)[keep:]]
+    for p in removed:
+        shutil.rmtree(p, ignore_errors=True)
+    return removed
+
+
 __all__ = [
     "CRASH_SUFFIX",
     "ENV_RUN_DIR_BASE",
@@ -486,6 +692,21 @@ __all__ = [
     "STATUS_SUFFIX",
     "TITLE_PREFIX",
     "CrashReport",
+    "POST_MORTEMS_KEPT",
+    "POST_MORTEM_FILE_CAP",
+    "POST_MORTEM_TOTAL_CAP",
+    "PostMortem",
+    "ROOT_CAUSE",
+    "find_post_mortem",
+    "is_stale",
+    "keep_post_mortem",
+    "last_written_at",
+    "list_post_mortems",
+    "post_mortem_root",
+    "prune_post_mortems",
+    "read_post_mortem",
+    "stale_run_dirs",
+    "write_root_cause",
     "FinishedStage",
     "Manifest",
     "PlannedProcess",

@@ -1,8 +1,10 @@
 """``glassbox doctor``: what is wrong with a running, hung or dead instance, in plain words.
 
 It attaches to the one running instance (or ``--run-dir DIR``: any run directory, also one
-left behind by an instance that died; with several running it lists them) and puts together
-everything the tree already writes down:
+left behind by an instance that died, or one removed after a failure whose post-mortem is
+kept; ``--last``: the newest kept post-mortem or stale run directory, said to be gone and
+when it ended; with several running it lists them) and puts together everything the tree
+already writes down:
 
 - the tree against the expected count and each process's OS state (``tracing.instances``,
   as ``glassbox ps``);
@@ -117,6 +119,9 @@ class Report:
     hint: str = ""
     culprit: str | None = None
     now: float = 0.0  # Unix time (s) the report describes
+    # The tree is gone (a kept post-mortem, or a stale run directory): where it lived, when
+    # and why it ended, the root cause it printed (``_gone``); None for a live one.
+    gone: dict[str, Any] | None = None
 
 
 # ------------------------------------------------------------------------ gathering
@@ -481,7 +486,16 @@ def add_subparser(sub: argparse._SubParsersAction) -> None:
         formatter_class=DefaultsHelpFormatter,
     )
     p.add_argument(
-        "--run-dir", metavar="DIR", help="Diagnose this run directory (also one left by a dead instance)."
+        "--run-dir",
+        metavar="DIR",
+        help="Diagnose this run directory (also one left by a dead instance, or one removed after a failure "
+        "whose post-mortem is kept).",
+    )
+    p.add_argument(
+        "--last",
+        action="store_true",
+        help="Diagnose the instance that ended last after a failure: the newest kept post-mortem "
+        "(<GLASSBOX_CACHE_ROOT>/post_mortem) or stale run directory, whichever is newer.",
     )
     p.add_argument("--json", action="store_true", help="Print the report as JSON.")
     p.add_argument(
@@ -498,10 +512,30 @@ def add_subparser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.watch < 0 or args.watch > 60:
         parser.error(f"--watch: {args.watch:g} is out of range (0 to 60 s)")
-    if args.run_dir:
+    gone: dict[str, Any] | None = None
+    if args.last and args.run_dir:
+        parser.error("--last: give --last or --run-dir DIR, not both")
+    if args.last:
+        found = _last_ended()
+        if found is None:
+            msg = (f"no post-mortem under {run_dirs.post_mortem_root()} and no stale run directory under "
+                   f"{run_dirs.run_dir_base()}: nothing ended after a failure")  # fmt: skip
+            if args.json:
+                print(json.dumps({"run_dir": None, "healthy": False, "verdict": "none", "diagnosis": msg}))
+            else:
+                print(msg)
+            return EXIT_SICK
+        run_dir, gone = found
+    elif args.run_dir:
         run_dir = Path(args.run_dir)
         if not run_dir.is_dir():
-            parser.error(f"--run-dir: {run_dir} is not a directory")
+            kept = contract.find_post_mortem(run_dir, run_dirs.post_mortem_root())
+            if kept is None:
+                parser.error(f"--run-dir: {run_dir} is not a directory (and no post-mortem of it is kept in "
+                             f"{run_dirs.post_mortem_root()})")  # fmt: skip
+            run_dir, gone = kept, _kept_facts(kept)
+        elif contract.read_post_mortem(run_dir) is not None:  # a kept post-mortem named directly
+            gone = _kept_facts(run_dir)
     else:
         from tracing.telemetry.collector import list_instances
 
@@ -514,6 +548,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 msg += (f"\n{len(stale)} run director{'y' if len(stale) == 1 else 'ies'} left by instances that "
                         f"are gone (glassbox doctor --run-dir DIR diagnoses one):\n"
                         + "\n".join(f"  {d}" for d in stale))  # fmt: skip
+            kept = contract.list_post_mortems(run_dirs.post_mortem_root())
+            if kept:
+                msg += (f"\n{len(kept)} post-mortem{'' if len(kept) == 1 else 's'} of instances that ended after "
+                        f"a failure kept in {run_dirs.post_mortem_root()}; the newest ended "
+                        f"{_when(kept[0][1].ended_at)} (glassbox doctor --last diagnoses it)")  # fmt: skip
             if args.json:
                 print(json.dumps({"run_dir": None, "healthy": False, "verdict": "none", "diagnosis": msg}))
             else:
@@ -530,10 +569,103 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 print(msg)
             return EXIT_USAGE
         run_dir = running[0]
-    report = _gather(run_dir, args.watch, not args.no_stacks, stack_timeout_s=1.0)
+    if gone is not None:  # nothing of the tree is alive: no telemetry to wait for, no stack to ask
+        report = _gather(run_dir, 0.0, False, stack_timeout_s=1.0)
+    else:
+        report = _gather(run_dir, args.watch, not args.no_stacks, stack_timeout_s=1.0)
+    report.gone = gone
     diagnose(report)
+    _name_existing_files(report, run_dir)
     if args.json:
         print(json.dumps(to_json(report), indent=2))
     else:
+        if gone is not None:
+            _render_gone_head(gone, sys.stdout)
         render_text(report, sys.stdout)
+        if gone is not None and gone.get("root_cause"):
+            sys.stdout.write(f"\nroot cause, as the instance printed it ({gone['root_cause_file']}):\n"
+                             + "".join(f"  {line}\n" for line in gone["root_cause"].splitlines()))  # fmt: skip
     return EXIT_HEALTHY if report.healthy else EXIT_SICK
+
+
+# ------------------------------------------------------------------------ a tree that is gone
+
+
+def _when(t: float | None) -> str:
+    if t is None:
+        return "at an unknown time"
+    return (
+        f"at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(t))} ({_age(max(0.0, time.time() - t))} ago)"
+    )
+
+
+def _kept_facts(kept: Path) -> dict[str, Any]:
+    """What ``Report.gone`` says of a kept post-mortem (``tracing.run_dir.PostMortem``)."""
+    pm = contract.read_post_mortem(kept)
+    assert pm is not None  # the caller found it by its post_mortem.json
+    cause_file = kept / contract.ROOT_CAUSE
+    try:
+        cause = cause_file.read_text(errors="replace")
+    except OSError:
+        cause = None
+    return {"kept_in": str(kept), "run_dir": pm.run_dir, "ended_at": pm.ended_at, "reason": pm.reason,
+            "root_cause": cause, "root_cause_file": str(cause_file) if cause is not None else None,
+            "skipped": list(pm.skipped), "telemetry_record": pm.telemetry_record,
+            "telemetry_record_file": str(kept / pm.telemetry_record_file) if pm.telemetry_record_file else None}  # fmt: skip
+
+
+def _last_ended() -> tuple[Path, dict[str, Any]] | None:
+    """The newest of the kept post-mortems and the stale run directories (by when each
+    ended), with its ``Report.gone``; None when there is neither."""
+    candidates: list[tuple[float, Path, dict[str, Any] | None]] = []
+    kept = contract.list_post_mortems(run_dirs.post_mortem_root())
+    if kept:
+        candidates.append((kept[0][1].ended_at, kept[0][0], None))
+    for stale in contract.stale_run_dirs(run_dirs.run_dir_base()):
+        ended = contract.last_written_at(stale)
+        if ended is not None:
+            facts = {"kept_in": None, "run_dir": str(stale), "ended_at": ended, "reason": contract.STALE_REASON,
+                     "root_cause": None, "root_cause_file": None, "skipped": []}  # fmt: skip
+            candidates.append((ended, stale, facts))
+    if not candidates:
+        return None
+    _, path, facts = max(candidates, key=lambda c: c[0])
+    return path, facts if facts is not None else _kept_facts(path)
+
+
+def _render_gone_head(gone: dict[str, Any], out) -> None:
+    out.write(f"the tree is gone: it ended {_when(gone.get('ended_at'))}: {gone.get('reason')}\n")
+    if gone.get("kept_in"):
+        out.write(f"its run directory {gone['run_dir']} was removed; read from the post-mortem kept in "
+                  f"{gone['kept_in']}\n")  # fmt: skip
+    else:
+        out.write(
+            f"read from its stale run directory {gone['run_dir']} (glassbox ps --all --clean removes it)\n"
+        )
+    for line in gone.get("skipped") or []:
+        out.write(f"  not kept: {line}\n")
+    if gone.get("telemetry_record_file"):
+        out.write(f"its telemetry recording: engine-top --replay {gone['telemetry_record_file']}\n")
+    out.write("\n")
+
+
+# Where doctor's words name a file of the run directory by pattern (hints.DEAD does).
+_CRASH_FILE_PATTERN = f"<role>{contract.CRASH_SUFFIX}"
+NO_CRASH_REPORT = ("it wrote no crash report: it was killed from outside (SIGKILL, the OOM killer: see dmesg) or "
+                   "died before it could; the exit status in the log says how; the rest of the tree stops with it")  # fmt: skip
+
+
+def _name_existing_files(report: Report, run_dir: Path) -> None:
+    """Doctor names only files that exist: each crash report's path (``crash["file"]``), and
+    the hint's ``<role>.crash.json`` made the culprit's real path, or, when it wrote none,
+    words saying so."""
+    for rep in report.processes:
+        if rep.crash is not None:
+            path = contract.crash_path(run_dir, rep.role)
+            rep.crash["file"] = str(path) if path.is_file() else None
+    if _CRASH_FILE_PATTERN in report.hint:
+        path = contract.crash_path(run_dir, report.culprit) if report.culprit else None
+        if path is not None and path.is_file():
+            report.hint = report.hint.replace(_CRASH_FILE_PATTERN, str(path))
+        else:
+            report.hint = NO_CRASH_REPORT

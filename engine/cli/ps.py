@@ -36,7 +36,10 @@ its process tree: role, pid, state, current lifecycle stage and time in it, upti
 threads, and how each warm worker runs its model (device, dtype, compiled or eager,
 attention backend, CPU threads now / its share). Compares the processes found with the count
 the manifest expects and names the missing roles. Helper processes (e.g. multiprocessing's
-resource tracker) are shown apart and not counted."""
+resource tracker) are shown apart and not counted. --all also lists stale run directories
+(creator and every process dead: a tree killed all at once) and, on a terminal, offers to
+remove them; --clean removes them without asking. Their post-mortems are kept for
+glassbox doctor --last."""
 
 
 # ------------------------------------------------------------------------ data
@@ -177,6 +180,12 @@ def add_subparser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--all", action="store_true", help="Also show stale run directories (frontend gone).")
     p.add_argument("--json", action="store_true", help="Print the same data as JSON.")
     p.add_argument("--run-dir", metavar="DIR", help="Show only this run directory (stale or not).")
+    p.add_argument(
+        "--clean",
+        action="store_true",
+        help="Remove the stale run directories (creator and every process dead) without asking, keeping "
+        "each one's post-mortem for glassbox doctor --last. With --all on a terminal, ps asks instead.",
+    )
     p.set_defaults(func=run)
 
 
@@ -194,7 +203,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         instances = [i for i in everything if args.all or not i.stale]
         hidden = len(everything) - len(instances)
     if args.json:
-        print(json.dumps(to_json(instances), indent=2))
+        data = to_json(instances)
+        if args.clean:  # removed without asking, as the flag says; listed under "cleaned"
+            swept = run_dirs.sweep_stale_run_dirs(run_dirs.run_dir_base(), run_dirs.post_mortem_root())
+            data["cleaned"] = [str(d) for d in swept]
+        print(json.dumps(data, indent=2))
         return 0
     # Piped output keeps Rich's plain text but must not be squeezed to 80 columns.
     console = Console(file=sys.stdout, highlight=False, width=None if sys.stdout.isatty() else 200)
@@ -210,4 +223,41 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         console.print(
             f"[dim]({hidden} stale run director{'y' if hidden == 1 else 'ies'} hidden; --all shows them)[/dim]"
         )
+    if args.all or args.clean:
+        _offer_clean(console, clean=args.clean)
     return 0
+
+
+def _offer_clean(console, *, clean: bool) -> None:
+    """List the stale run directories (``tracing.run_dir.is_stale``: creator and every process
+    dead) and remove them: at once with ``clean``; else after a y/N question when stdin is a
+    terminal; else (CI, a pipe) only say which flag does."""
+    base = run_dirs.run_dir_base()
+    stale = run_dirs.stale_run_dirs(base)
+    if not stale:
+        if clean:
+            console.print(f"no stale run directories under {base}", soft_wrap=True)
+        return
+    n = len(stale)
+    words = f"{n} stale run director{'y' if n == 1 else 'ies'}"
+    console.print(f"{words} (creator and every process dead):", soft_wrap=True)
+    for d in stale:
+        console.print(f"  {d}", soft_wrap=True, highlight=False, markup=False)
+    if not clean:
+        if not (sys.stdin is not None and sys.stdin.isatty()):
+            console.print(
+                "glassbox ps --all --clean removes them (keeping their post-mortems)", soft_wrap=True
+            )
+            return
+        try:
+            answer = input(
+                f"remove {'it (keeping its' if n == 1 else 'them (keeping their'} post-mortem)? [y/N] "
+            )
+        except EOFError:
+            answer = ""
+        if answer.strip().lower() not in ("y", "yes"):
+            return
+    kept = run_dirs.post_mortem_root()
+    removed = run_dirs.sweep_stale_run_dirs(base, kept)  # each checked again as it goes
+    console.print(f"removed {len(removed)} of {n}; post-mortems kept in {kept} (glassbox doctor --last)",
+                  soft_wrap=True)  # fmt: skip

@@ -349,8 +349,9 @@ class EngineCoreProc(EngineCore):
                 head_link.close()
             if os.getppid() != parent_pid:
                 # Our parent (the frontend, which owns the run directory) is gone and our
-                # workers are stopped: we are the last of the tree, so we clean up.
-                run_dirs.remove_run_dir(run_dir)
+                # workers are stopped: we are the last of the tree, so we clean up, keeping
+                # the post-mortem (a frontend that leaves its tree behind did not end well).
+                run_dirs.close_run_dir(run_dir, failure=f"the frontend died before {role}")
 
     # ------------------------------------------------------------------ busy loop
 

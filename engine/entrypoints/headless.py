@@ -102,6 +102,9 @@ def run_headless(config: EngineConfig) -> int:
     except _Stop as stop:
         logger.info("%s: stopping this node's engine cores", signal.Signals(stop.args[0]).name)
         code = EXIT_OK
+    except BaseException as e:
+        root = root or f"{role.name} failed: {type(e).__name__}: {e}"
+        raise
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -111,7 +114,8 @@ def run_headless(config: EngineConfig) -> int:
         for child in children:
             child.stop(timeout=max(deadline - time.monotonic(), 0.1))
         if run_dir is not None:
-            run_dirs.remove_run_dir(run_dir)
+            run_dirs.close_run_dir(run_dir, failure="an engine core of this node died" if root else None,
+                                   root_cause=root)  # fmt: skip
     if root:  # last, after the node's own stop lines
         print(root, file=sys.stderr, flush=True)
     return code

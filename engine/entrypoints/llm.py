@@ -110,10 +110,14 @@ class LLM:
                 self.output_processor = OutputProcessor(self.tokenizer, log_stats=False)
                 self.engine_core = EngineCoreClient.make_client(self.config, self.run_dir, multiprocess)
                 self._init_stats_log()
-        except BaseException:
+        except BaseException as e:
             restore_fault_env()
             _stop_telemetry(self.recorder)
-            run_dirs.remove_run_dir(self.run_dir)
+            # A bad setting, Ctrl-C or SystemExit is no failure to keep a post-mortem of.
+            quiet = isinstance(e, ConfigError) or not isinstance(e, Exception)
+            run_dirs.close_run_dir(self.run_dir, failure=None if quiet else f"LLM start-up failed: {type(e).__name__}",
+                                   root_cause=getattr(e, "root_cause", None) or f"{type(e).__name__}: {e}",
+                                   telemetry_record=obs.telemetry_record)  # fmt: skip
             raise
         restore_fault_env()
         if self.telemetry is not None and isinstance(self.engine_core, InprocClient):
@@ -318,7 +322,10 @@ def _shutdown_engine(engine_core: EngineCoreClient, run_dir, recorder: Recorder 
         engine_core.shutdown()
     finally:
         _stop_telemetry(recorder)
-        run_dirs.remove_run_dir(run_dir)
+        dead = getattr(engine_core, "dead", None)  # an MPClient's EngineDeadError, once its engine died
+        run_dirs.close_run_dir(run_dir, failure="the engine died" if dead is not None else None,
+                               root_cause=dead.root_cause if dead is not None else None,
+                               telemetry_record=str(recorder.path) if recorder is not None else None)  # fmt: skip
 
 
 def _set_fault_env(spec: str | None) -> Callable[[], None]:

@@ -32,15 +32,20 @@ from typing import Any
 import msgspec
 
 from engine.distributed.topology import ProcessRole, RoleKind, TopologyPlan
+from engine.logger import init_logger
 from tracing import run_dir as contract
 from tracing.run_dir import (  # noqa: F401 - re-exported for the engine's callers
     MANIFEST,
     RUN_DIR_PREFIX,
     creator_pid,
+    is_stale,
     list_run_dirs,
     remove_run_dir,
+    stale_run_dirs,
     sweep_stale_run_dirs,
 )
+
+logger = init_logger(__name__)
 
 
 def run_dir_base() -> Path:
@@ -70,7 +75,48 @@ def create_run_dir() -> Path:
             "fit (Unix socket paths inside it are limited to 107 bytes): choose a shorter directory",
             flag="GLASSBOX_RUN_DIR_BASE",
         )
-    return contract.make_run_dir(base)
+    return contract.make_run_dir(base, post_mortem_root())
+
+
+def post_mortem_root() -> Path:
+    """Where this engine keeps post-mortems: ``<GLASSBOX_CACHE_ROOT>/post_mortem``
+    (``tracing.run_dir.post_mortem_root``)."""
+    from engine import envs
+
+    return contract.post_mortem_root(envs.GLASSBOX_CACHE_ROOT)
+
+
+def close_run_dir(
+    run_dir: Path,
+    *,
+    failure: str | None = None,
+    root_cause: str | None = None,
+    telemetry_record: str | None = None,
+) -> Path | None:
+    """Remove ``run_dir`` at the end of its tree, first keeping its post-mortem when the tree
+    ended after a failure.
+
+    ``failure``: why it ended (``the engine died``, ``start-up timed out``), None for a clean
+    end (nothing is kept). ``root_cause``: the root-cause text the frontend printed, saved
+    as ``root_cause.txt`` beside the crash reports. ``telemetry_record``: the telemetry
+    recording (``--telemetry-record``), kept too when small. Call it after the tree stopped
+    (its crash reports and flight recorders are written). Returns the kept post-mortem's
+    directory (``tracing.run_dir.keep_post_mortem``), or None. Never raises for the keeping:
+    a tree always ends.
+    """
+    kept = None
+    if failure is not None:
+        if root_cause:
+            contract.write_root_cause(run_dir, root_cause)
+        try:
+            kept = contract.keep_post_mortem(run_dir, post_mortem_root(), reason=failure,
+                                             telemetry_record=telemetry_record)  # fmt: skip
+        except Exception:  # noqa: BLE001 - a post-mortem is a bonus, never a second failure
+            logger.debug("keeping the post-mortem of %s failed", run_dir, exc_info=True)
+        if kept is not None:
+            logger.info("Post-mortem kept in %s (glassbox doctor --last reads it)", kept)
+    contract.remove_run_dir(run_dir)
+    return kept
 
 
 def status_file(run_dir: Path, role: str | ProcessRole) -> Path:

@@ -186,6 +186,8 @@ def run_server(config: EngineConfig, args: ServerArgs, sock: socket.socket | Non
     engine = None
     recorder = None
     run_dir: Path | None = None
+    failure: str | None = None  # why the tree ended, when it ended after a failure
+    root_cause: str | None = None
     loop = _new_event_loop()
     asyncio.set_event_loop(loop)
     try:
@@ -234,7 +236,16 @@ def run_server(config: EngineConfig, args: ServerArgs, sock: socket.socket | Non
         if isinstance(e, processes.EngineStartupTimeout):
             logger.error("%s", e)
         print(e.root_cause, file=sys.stderr, flush=True)
+        timeout = isinstance(e, processes.EngineStartupTimeout)
+        failure, root_cause = "start-up timed out" if timeout else "the engine died", e.root_cause
         return EXIT_ENGINE_DEAD
+    except BaseException as e:
+        from engine.config import ConfigError
+
+        # A bad setting is one line naming the flag (exit 2): nothing to keep for it.
+        if isinstance(e, Exception) and not isinstance(e, ConfigError):
+            failure = f"{role.name} failed: {type(e).__name__}: {e}"
+        raise
     finally:
         # Cleanup must finish even if a second signal arrives meanwhile.
         signal.signal(signal.SIGTERM, _ignore_signal)
@@ -246,8 +257,14 @@ def run_server(config: EngineConfig, args: ServerArgs, sock: socket.socket | Non
         if sock is not None:
             sock.close()
         loop.close()
+        if engine is not None and engine.dead_error is not None and failure is None:
+            # Died while serving (_serve printed the root cause), or stayed up after it
+            # (GLASSBOX_KEEP_ALIVE_ON_ENGINE_DEATH) until stopped.
+            failure, root_cause = "the engine died", engine.dead_error.root_cause
         if run_dir is not None:
-            run_dirs.remove_run_dir(Path(run_dir))
+            # After a failure, what a post-mortem needs outlives the run directory.
+            run_dirs.close_run_dir(Path(run_dir), failure=failure, root_cause=root_cause,
+                                   telemetry_record=config.observability_config.telemetry_record)  # fmt: skip
 
 
 def _setup_multiprocess_metrics(run_dir: Path) -> None:
