@@ -43,7 +43,8 @@ BLOCK_SIZES = (1, 8, 16, 32, 64, 128)
 SCHEDULING_POLICIES = ("fcfs", "priority")
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 # What `--distributed-executor-backend ray` needs and is not installed by default.
-RAY_INSTALL_HINT = "pip install glassbox-engine[ray]"
+# Glassbox is not on PyPI: the extra is installed from the checkout.
+RAY_INSTALL_HINT = 'pip install -e ".[ray]" in the Glassbox checkout'
 TOKENIZER_MODES = ("auto", "hf")  # both load the fast tokenizer (tokenizer.json); the only kind here
 KV_CACHE_DTYPES = ("auto",)  # the KV cache is kept in the model's dtype; fp8 caches are left out
 # vLLM's default --max-logprobs (the OpenAI API's limit of top logprobs per token).

@@ -21,6 +21,7 @@ from engine.config import (
     DEVICES,
     DTYPES,
     EXECUTOR_BACKENDS,
+    RAY_INSTALL_HINT,
     SCHEDULING_POLICIES,
     CacheConfig,
     ConfigError,
@@ -485,7 +486,7 @@ class EngineArgs:
             default=None,
             choices=EXECUTOR_BACKENDS,
             help="mp: each worker in its own process; uni: the one worker inside the engine core; "
-            "ray: each worker a Ray actor (pip install glassbox-engine[ray]; docs/multi-node.md) "
+            f"ray: each worker a Ray actor ({RAY_INSTALL_HINT}; docs/multi-node.md) "
             "(default: mp, or uni when GLASSBOX_ENABLE_MULTIPROCESSING=0 and tp × pp = 1).",
         )
         g = parser.add_argument_group("DeviceConfig / LoadConfig")

@@ -77,3 +77,29 @@ def generate_killing_on_first_finish(llm, pid: int):
     with pytest.raises(EngineDeadError) as err:
         llm.generate(["a", "b"], params, use_tqdm=kill_on_first_finish)
     return err.value, time.monotonic() - start
+
+
+def write_every_way(payload: bytes, *, run_dir, role: str) -> None:
+    """A process-harness target (``spawn_process(role, "proc_utils:write_every_way", ...)``):
+    writes to stdout and stderr the ways code in a worker does, each line tagged with ``payload``."""
+    import logging
+    import sys
+    import warnings
+
+    from engine.logger import init_logger
+
+    tag = payload.decode()
+    print(f"{tag} print")
+    print(f"{tag} print two lines, first", f"{tag} print two lines, second", sep="\n")
+    sys.stdout.write(f"{tag} written ")  # one line written in three pieces
+    sys.stdout.write("in ")
+    sys.stdout.write("pieces\n")
+    sys.stdout.flush()
+    warnings.warn(f"{tag} warnings.warn", UserWarning, stacklevel=1)
+    logging.getLogger("thirdparty_bare").warning("%s third-party logger, no handler", tag)
+    library = logging.getLogger("thirdparty_lib")  # a library that adds its own handler, as transformers does
+    library.addHandler(logging.StreamHandler())
+    library.propagate = False
+    library.warning("%s third-party logger with its own handler", tag)
+    init_logger("engine.test_child").warning("%s glassbox logger", tag)
+    sys.stderr.flush()

@@ -185,3 +185,22 @@ def test_readme_and_model_card_quote_the_real_greedy_continuation():
     expected = flat(f'`"{GREEDY_PROMPT}"` → `"{shown}"`')
     assert expected in flat((REPO / "README.md").read_text())
     assert str(HELDOUT_PERPLEXITY_BOUND).rstrip("0").rstrip(".") in (MODEL_DIR / "README.md").read_text()
+
+
+def test_the_card_and_the_load_log_state_the_same_weights_and_say_what_they_measure():
+    """The card gives the file's size; the worker's load line the same weights plus, on a CPU,
+    the oneDNN-packed copies it keeps in memory (which once read as "30.5 MiB of weights")."""
+    from engine.config import EngineConfig
+    from engine.worker.model_runner import ModelRunner
+
+    card = " ".join((MODEL_DIR / "README.md").read_text().split())
+    size_mib = (MODEL_DIR / "model.safetensors").stat().st_size / 2**20
+    runner = ModelRunner(EngineConfig(ModelConfig()), torch.device("cpu"), torch.float32)
+    runner.load_model()
+    weights = f"{runner.model_num_params / 1e6:.1f} M parameters, {size_mib:.1f} MiB of float32 weights"
+    assert f"{weights}: the size of `model.safetensors`" in card
+    line = runner.describe_model_memory()
+    assert line.startswith(weights)
+    if runner.model_packed_bytes:  # a CPU whose oneDNN packs the weights (this one, in CI)
+        assert f"Loaded LlamaForCausalLM: {line}`" in card
+        assert line.endswith(f"= {(runner.model_memory_usage) / 2**20:.1f} MiB in memory")

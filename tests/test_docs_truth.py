@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -100,3 +101,67 @@ def test_generate_help_lists_its_exit_codes_and_a_bad_setting_found_by_the_worke
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].startswith("glassbox generate: error: --device:")
     assert "Traceback" not in proc.stderr and "root cause" not in proc.stderr
+
+
+_FAKE_PYTHON = """#!/bin/sh
+# Stands in for python, glassbox and ruff: records each call; `-m venv DIR` makes DIR/bin of copies.
+echo "$(basename "$0") $*" >> "$GLASSBOX_MAKE_LOG"
+if [ "$1" = "-m" ] && [ "$2" = "venv" ]; then
+  mkdir -p "$3/bin"; for b in python glassbox ruff; do cp "$0" "$3/bin/$b"; done
+fi
+"""
+
+
+@pytest.mark.skipif(not shutil.which("make"), reason="needs make")
+def test_make_run_installs_glassbox_alone_and_make_test_adds_the_test_extras_once(tmp_path):
+    """README: `make run` installs what serving needs; `make test` the test extras too. Run with
+    an interpreter that records its calls instead of installing (the real install is GBs)."""
+    fake, log = tmp_path / "python3", tmp_path / "calls.log"
+    fake.write_text(_FAKE_PYTHON)
+    fake.chmod(0o755)
+
+    def make(target: str, venv: Path) -> tuple[list[str], list[str]]:
+        log.write_text("")
+        proc = subprocess.run(["make", "-s", target, f"PYTHON={fake}", f"VENV={venv}"], cwd=ROOT, text=True,
+                              capture_output=True, timeout=60, env={**os.environ, "GLASSBOX_MAKE_LOG": str(log)})  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        pips = [
+            c.split(" -e ", 1)[1] for c in log.read_text().splitlines() if " pip install --quiet -e " in c
+        ]
+        return pips, [ln for ln in proc.stdout.splitlines() if ln.startswith("glassbox: ")]
+
+    venv = tmp_path / "run-first"
+    pips, steps = make("run", venv)
+    assert pips == ["."]
+    assert steps[2] == 'glassbox: [3/3] installing glassbox and its dependencies (pip install -e ".")'
+    assert make("test", venv) == (
+        [".[test]"],
+        ['glassbox: installing the test extras (pip install -e ".[test]")'],
+    )
+    assert make("test", venv) == ([], [])
+    assert make("run", venv) == ([], [])
+
+    venv = tmp_path / "test-first"
+    pips, steps = make("test", venv)
+    assert pips == [".[test]"]
+    assert [s.split("]")[0] for s in steps[:3]] == ["glassbox: [1/3", "glassbox: [2/3", "glassbox: [3/3"]
+    assert steps[2].endswith('(pip install -e ".[test]")') and len(steps) == 4, steps
+    assert make("run", venv) == ([], [])  # the extras include everything serving needs
+
+
+def test_the_ray_install_hint_is_one_that_works_from_the_checkout():
+    """Glassbox is not on PyPI, so ``pip install glassbox-engine[...]`` finds nothing: the error
+    and docs/multi-node.md give the checkout's ``pip install -e ".[ray]"``, the same words."""
+    from engine.config import RAY_INSTALL_HINT, ConfigError, ParallelConfig
+
+    assert RAY_INSTALL_HINT.startswith('pip install -e ".[ray]"')
+    multi_node = (ROOT / "docs" / "multi-node.md").read_text()
+    assert 'pip install -e ".[ray]"\n' in multi_node
+    assert f"Ray is not installed: {RAY_INSTALL_HINT})" in multi_node
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        with pytest.raises(ConfigError, match=re.escape(RAY_INSTALL_HINT)):
+            ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="ray")
+    texts = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "engine").rglob("*.py")]
+    assert not [p for p in texts if "pip install glassbox-engine" in p.read_text()]

@@ -121,6 +121,10 @@ def test_the_environment_variable_and_the_config_refuse_a_bad_spec(monkeypatch):
          "did you mean Worker_DP0_PP0_TP1?"),
         (["generate", "hi"], {"GLASSBOX_FAULT": "engine_core.init:crash@EngineCore_DP1"},
          "this tree has no process EngineCore_DP1 (it has LLM, EngineCore_DP0, Worker_DP0_PP0_TP0)"),
+        # a role the tree has, but which never enters the stage: it would never strike either
+        (["serve", "-dp", "2", "--inject-fault", "engine_core.init:hang@DPCoordinator"], {},
+         "--inject-fault: fault engine_core.init:hang@DPCoordinator: DPCoordinator never enters "
+         "engine_core.init, so it would never strike; in this tree only EngineCore_DP0, EngineCore_DP1 enter it"),
     ],
 )  # fmt: skip
 def test_cli_refuses_a_bad_fault_in_one_line_with_exit_2(argv, env, names, tmp_path):

@@ -248,6 +248,17 @@ def test_exporter_health_is_in_the_scrape(tmp_path):
     assert _value(s, "glassbox:tracing_spans_dropped_total", role="APIServer_0", exporter="jsonl") == 0
 
 
+def test_exporter_counters_show_zero_when_no_exporter_is_set_up():
+    tracing.setup_tracing("APIServer_0")  # no trace file, no OTLP endpoint: no exporter
+    try:
+        text = StatLoggerManager("m", EngineStatsTable([0]), 64).render()[0].decode()
+    finally:
+        tracing.shutdown_tracing()
+    samples = {(n, dict(ls).get("exporter")): v for (n, ls), v in _samples(text).items()}
+    for name in ("glassbox:tracing_spans_exported_total", "glassbox:tracing_spans_dropped_total"):
+        assert samples.get((name, "none")) == 0, text  # a sample, not only a "# TYPE" line
+
+
 _MP_CHILD = """
 import json, sys, time
 from engine.metrics.prometheus import setup_multiprocess_prometheus

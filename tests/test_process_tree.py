@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -174,5 +175,22 @@ def test_ready_deadline_names_the_late_process_and_its_stage(tiny, monkeypatch):
     assert "GLASSBOX_ENGINE_READY_TIMEOUT_S=1.5" in message
     assert ("EngineCore_DP0" in message) or ("Worker_DP0_PP0_TP0" in message)
     assert ("in stage" in message) or ("has not started" in message)
+    leftovers = [p.pid for p in set(psutil.Process().children(recursive=True)) - before]
+    assert wait_gone(leftovers) == []
+
+
+def test_an_engine_that_never_said_hello_is_named_with_its_pid(tiny, monkeypatch):
+    # 0.2 s: the engine core is still importing torch, before its status file exists; the
+    # client that spawned it knows its pid all the same.
+    monkeypatch.setenv("GLASSBOX_ENABLE_MULTIPROCESSING", "1")
+    monkeypatch.setenv("GLASSBOX_ENGINE_READY_TIMEOUT_S", "0.2")
+    before = set(psutil.Process().children(recursive=True))
+    with pytest.raises(TimeoutError) as err:
+        LLM(str(tiny), max_model_len=128)
+    root = err.value.root_cause
+    assert "never said HELLO" in root and "process:   EngineCore_DP0" in root, root
+    pid = re.search(r"^pid:\s+(\S+)$", root, re.M)[1]
+    assert pid.isdigit() and int(pid) != os.getpid(), root
+    assert f"EngineCore_DP0 (pid {pid})" in str(err.value), root
     leftovers = [p.pid for p in set(psutil.Process().children(recursive=True)) - before]
     assert wait_gone(leftovers) == []

@@ -38,7 +38,7 @@ def test_ray_backend_without_ray_is_one_line_naming_the_flag_and_the_extra(monke
     assert err.value.flag == "--distributed-executor-backend"
     assert "\n" not in message
     assert message.startswith("--distributed-executor-backend: ")
-    assert "pip install glassbox-engine[ray]" in message
+    assert 'pip install -e ".[ray]" in the Glassbox checkout' in message
 
 
 def _generate(llm: LLM) -> list[list[int]]:

@@ -205,6 +205,42 @@ def test_plan_counts_and_titles(shape, kwargs, count, kinds, names):
     assert list(p.engine_processes()) == expected
 
 
+@pytest.mark.parametrize(
+    ("shape", "kwargs", "stage", "roles"),
+    [
+        (_shape(dp=2), SERVE, "engine_core.init", ["EngineCore_DP0", "EngineCore_DP1"]),
+        (_shape(tp=2), SERVE, "worker.load_model", ["Worker_DP0_PP0_TP0", "Worker_DP0_PP0_TP1"]),
+        (_shape(dp=2), SERVE, "dp_coordinator.wave", ["DPCoordinator"]),
+        # the uni executor's worker runs in the engine core; an inproc engine core in the LLM
+        (_shape(backend="uni"), SERVE, "worker.load_model", ["EngineCore_DP0"]),
+        (_shape(backend="uni"), {"multiprocess": False}, "worker.load_model", ["LLM"]),
+        (_shape(tp=2), {"multiprocess": False}, "engine_core.init", ["LLM"]),
+        (_shape(tp=2), {"multiprocess": False}, "worker.load_model", ["Worker_DP0_PP0_TP0", "Worker_DP0_PP0_TP1"]),
+    ],
+)  # fmt: skip
+def test_roles_entering_a_stage_are_where_its_code_runs(shape, kwargs, stage, roles):
+    assert [r.name for r in topology.plan(shape, **kwargs).roles_entering(stage)] == roles
+
+
+def test_a_fault_for_a_role_that_never_enters_its_stage_is_refused():
+    p = topology.plan(_shape(dp=2), frontend="serve")
+    with pytest.raises(ValueError) as err:
+        p.check_fault_targets("engine_core.init:hang@DPCoordinator")
+    assert str(err.value) == (
+        "fault engine_core.init:hang@DPCoordinator: DPCoordinator never enters engine_core.init, so it "
+        "would never strike; in this tree only EngineCore_DP0, EngineCore_DP1 enter it"
+    )
+    with pytest.raises(
+        ValueError, match=r"no process of this tree enters it \(only api_server processes do\)"
+    ):
+        topology.plan(_shape()).check_fault_targets("api_server.attach:crash@EngineCore_DP0")
+    # what can strike is accepted: a role that enters the stage, or no role (whoever enters it)
+    p.check_fault_targets("engine_core.init:hang@EngineCore_DP1,worker.load_model:crash")
+    topology.plan(_shape(backend="uni"), frontend="serve").check_fault_targets(
+        "worker.load_model:crash@EngineCore_DP0"
+    )
+
+
 def test_plan_lookups_for_tp2_dp4():
     p = topology.plan(_shape(tp=2, dp=4), frontend="serve")
     assert p.describe() == "4 API servers + 4 engine cores + 8 workers + 1 coordinator = 17"

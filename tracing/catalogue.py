@@ -16,8 +16,13 @@ Each span has a *level*, which decides what it costs:
   a span and an in-memory stage record, never file I/O of its own.
 - ``request``: one span per request (vLLM's ``llm_request``), recorded when the request ends.
 
-Adding a name: call ``_span`` (or ``_attr``) below with a one-line doc, bind the result to
-a constant, and regenerate ``docs/spans.md`` (a test fails until you do).
+Each span also names the kinds of process that enter it (``entered_by``: ``engine_core``,
+``worker``, ...), so a fault aimed at a role that never enters its stage is refused before
+anything starts (``TopologyPlan.check_fault_targets``).
+
+Adding a name: call ``_span`` (or ``_attr``) below with the kinds of process that enter it
+and a one-line doc, bind the result to a constant, and regenerate ``docs/spans.md`` (a test
+fails until you do).
 
 Mirrors vLLM's ``vllm/tracing.py`` ``SpanAttributes`` for the ``gen_ai.*`` keys (OpenTelemetry
 GenAI conventions, as vLLM spells them). vLLM has no catalogue of start-up spans; the
@@ -32,6 +37,22 @@ LIFECYCLE = "lifecycle"
 STEP = "step"
 REQUEST = "request"
 LEVELS = (LIFECYCLE, STEP, REQUEST)
+
+# Process kinds: the manifest's ``kind`` strings (``engine/distributed/topology.py``'s ``RoleKind``).
+KIND_FRONTEND = "frontend"  # the offline LLM's process (the user's)
+KIND_API_SERVER = "api_server"
+KIND_ENGINE_CORE = "engine_core"
+KIND_WORKER = "worker"
+KIND_DP_COORDINATOR = "dp_coordinator"
+KIND_HEADLESS = "headless"
+PROCESS_KINDS = (
+    KIND_FRONTEND,
+    KIND_API_SERVER,
+    KIND_ENGINE_CORE,
+    KIND_WORKER,
+    KIND_DP_COORDINATOR,
+    KIND_HEADLESS,
+)
 
 
 @dataclass(frozen=True)
@@ -50,10 +71,19 @@ class AttrDef:
 
 @dataclass(frozen=True)
 class SpanDef:
-    """One span name: its level, what it covers, and the attributes it usually carries."""
+    """One span name: its level, which kinds of process enter it, what it covers, and the
+    attributes it usually carries.
+
+    ``entered_by``: the process kinds (``PROCESS_KINDS``) whose code enters (or records) the
+    span. A kind's code can run in another kind's process: a worker's under the ``uni``
+    executor runs in the engine core's, an engine core's in the ``LLM``'s process with
+    ``GLASSBOX_ENABLE_MULTIPROCESSING=0``; ``TopologyPlan.roles_entering`` resolves that
+    for one tree (and so which ``--inject-fault`` ``@ROLE`` can ever strike a stage).
+    """
 
     name: str
     level: str
+    entered_by: tuple[str, ...]
     doc: str
     attributes: tuple[str, ...] = ()
 
@@ -68,12 +98,15 @@ def _attr(key: str, type_: str, doc: str) -> str:
     return key
 
 
-def _span(name: str, level: str, doc: str, attributes: tuple[str, ...] = ()) -> str:
+def _span(
+    name: str, level: str, entered_by: tuple[str, ...], doc: str, attributes: tuple[str, ...] = ()
+) -> str:
     assert name not in SPANS, f"span {name!r} defined twice"
     assert level in LEVELS, level
+    assert entered_by and set(entered_by) <= set(PROCESS_KINDS), f"span {name!r}: entered_by {entered_by}"
     unknown = [a for a in attributes if a not in ATTRIBUTES]
     assert not unknown, f"span {name!r} lists unknown attributes {unknown}"
-    SPANS[name] = SpanDef(name, level, doc, attributes)
+    SPANS[name] = SpanDef(name, level, entered_by, doc, attributes)
     return name
 
 
@@ -214,29 +247,36 @@ _STEP_BATCH = (
 # ---------------------------------------------------------------------------------------
 
 CLI_VALIDATE_CONFIG = _span(
-    "cli.validate_config", LIFECYCLE, "Build and validate the whole EngineConfig before anything is spawned."
+    "cli.validate_config",
+    LIFECYCLE,
+    (KIND_FRONTEND, KIND_API_SERVER),
+    "Build and validate the whole EngineConfig before anything is spawned.",
 )
 LLM_INIT = _span(
     "llm.init",
     LIFECYCLE,
+    (KIND_FRONTEND,),
     "The offline LLM constructor: config, tokenizer, engine (vLLM: LLM.__init__).",
     (ATTR_MODEL_NAME,),
 )
 PROCESS_SPAWN = _span(
     "process.spawn",
     LIFECYCLE,
+    (KIND_FRONTEND, KIND_API_SERVER, KIND_ENGINE_CORE, KIND_HEADLESS),
     "Start one child process (engine core or worker): a fresh interpreter titled glassbox::<role>.",
     (ATTR_ROLE, ATTR_PID),
 )
 ENGINE_CORE_HANDSHAKE = _span(
     "engine_core.handshake",
     LIFECYCLE,
+    (KIND_FRONTEND, KIND_API_SERVER),
     "Frontend side of start-up: spawn the engine core, wait for HELLO then READY (one deadline).",
     (ATTR_KV_NUM_BLOCKS,),
 )
 API_SERVER_START_OTHERS = _span(
     "api_server.start_api_servers",
     LIFECYCLE,
+    (KIND_API_SERVER,),
     "APIServer_0 with --api-server-count A > 1: spawn APIServer_1..A-1 on the shared listening "
     "socket and wait until each is serving (one deadline).",
     (ATTR_ROLE,),
@@ -244,6 +284,7 @@ API_SERVER_START_OTHERS = _span(
 API_SERVER_ATTACH = _span(
     "api_server.attach",
     LIFECYCLE,
+    (KIND_API_SERVER,),
     "APIServer_<i> (i > 0): attach to the engine cores APIServer_0 launched (their CONNECTED on its "
     "own input socket), then build its app.",
     (ATTR_ROLE,),
@@ -251,6 +292,7 @@ API_SERVER_ATTACH = _span(
 ENGINE_CORE_JOIN_HEAD = _span(
     "engine_core.join_head",
     LIFECYCLE,
+    (KIND_ENGINE_CORE,),
     "A headless node's engine core (multi-node DP): HELLO on the head's join socket, then wait for "
     "the addresses of its engine sockets (GLASSBOX_DP_JOIN_TIMEOUT_S).",
     (),
@@ -258,60 +300,74 @@ ENGINE_CORE_JOIN_HEAD = _span(
 ENGINE_CORE_INIT = _span(
     "engine_core.init",
     LIFECYCLE,
+    (KIND_ENGINE_CORE,),
     "EngineCore.__init__: executor, KV-cache sizing, scheduler.",
     (ATTR_RANK,),
 )
 EXECUTOR_INIT = _span(
-    "executor.init", LIFECYCLE, "Executor start-up: build the workers, init_device and load_model on each."
+    "executor.init",
+    LIFECYCLE,
+    (KIND_ENGINE_CORE,),
+    "Executor start-up: build the workers, init_device and load_model on each.",
 )
 WORKER_WRAPPER_INIT = _span(
     "worker.wrapper_init",
     LIFECYCLE,
+    (KIND_WORKER,),
     "WorkerWrapperBase.__init__: keep config and rpc rank; nothing heavy.",
     _WORKER,
 )
 WORKER_INIT_WORKER = _span(
-    "worker.init_worker", LIFECYCLE, "Resolve the worker class and build the Worker.", _WORKER
+    "worker.init_worker", LIFECYCLE, (KIND_WORKER,), "Resolve the worker class and build the Worker.", _WORKER
 )
 WORKER_INIT_DEVICE = _span(
     "worker.init_device",
     LIFECYCLE,
+    (KIND_WORKER,),
     "Pick device and dtype, seed the RNGs, set up distributed groups.",
     (ATTR_RANK, ATTR_DEVICE, ATTR_MODEL_DTYPE),
 )
 WORKER_LOAD_MODEL = _span(
     "worker.load_model",
     LIFECYCLE,
+    (KIND_WORKER,),
     "Build the model and load (this rank's shard of) the weights.",
     (ATTR_RANK, ATTR_MODEL_NAME),
 )
 WORKER_DETERMINE_AVAILABLE_MEMORY = _span(
     "worker.determine_available_memory",
     LIFECYCLE,
+    (KIND_WORKER,),
     "Profile run at the largest batch; report the bytes left for the KV cache.",
     (ATTR_RANK, ATTR_KV_AVAILABLE_BYTES),
 )
 ENGINE_CORE_INITIALIZE_KV_CACHE = _span(
     "engine_core.initialize_kv_cache",
     LIFECYCLE,
+    (KIND_ENGINE_CORE,),
     "Size the KV cache: num_blocks = available bytes / bytes per block, then tell the workers.",
     (ATTR_KV_AVAILABLE_BYTES, ATTR_KV_NUM_BLOCKS, ATTR_KV_BLOCK_SIZE),
 )
 WORKER_INITIALIZE_KV_CACHE = _span(
     "worker.initialize_kv_cache",
     LIFECYCLE,
+    (KIND_WORKER,),
     "Allocate the KV-cache tensors and bind them to the layers.",
     (ATTR_RANK, ATTR_KV_NUM_BLOCKS),
 )
 WORKER_COMPILE_OR_WARM_UP_MODEL = _span(
     "worker.compile_or_warm_up_model",
     LIFECYCLE,
+    (KIND_WORKER,),
     "Compile the model forward (torch.compile; from the cache when warm) and run warm-up steps, "
     "so the first request pays no one-time cost.",
     (ATTR_RANK, ATTR_COMPILE_MODE, ATTR_COMPILE_NUM_GRAPHS, ATTR_COMPILE_SECONDS),
 )
 ENGINE_CORE_SHUTDOWN = _span(
-    "engine_core.shutdown", LIFECYCLE, "Stop the busy loop, shut the executor and workers down."
+    "engine_core.shutdown",
+    LIFECYCLE,
+    (KIND_ENGINE_CORE,),
+    "Stop the busy loop, shut the executor and workers down.",
 )
 
 # ---------------------------------------------------------------------------------------
@@ -321,21 +377,28 @@ ENGINE_CORE_SHUTDOWN = _span(
 ENGINE_CORE_STEP = _span(
     "engine_core.step",
     STEP,
+    (KIND_ENGINE_CORE,),
     "One engine step (parent of the three below).",
     (*_STEP_BATCH, ATTR_STEP_NUM_RUNNING, ATTR_STEP_NUM_WAITING, ATTR_KV_USAGE),
 )
 SCHEDULER_SCHEDULE = _span(
     "scheduler.schedule",
     STEP,
+    (KIND_ENGINE_CORE,),
     "Scheduler.schedule(): pick requests and tokens under the token budget.",
     _STEP_BATCH,
 )
 EXECUTOR_EXECUTE_MODEL = _span(
-    "executor.execute_model", STEP, "Run the forward pass and sampling on the workers.", (ATTR_STEP_ID,)
+    "executor.execute_model",
+    STEP,
+    (KIND_ENGINE_CORE,),
+    "Run the forward pass and sampling on the workers.",
+    (ATTR_STEP_ID,),
 )
 ENGINE_CORE_DUMMY_STEP = _span(
     "engine_core.dummy_step",
     STEP,
+    (KIND_ENGINE_CORE,),
     "Data parallelism: a dummy batch on an engine with no requests while its wave runs (vLLM: "
     "execute_dummy_batch), so every engine steps while any has work.",
     (ATTR_DP_WAVE,),
@@ -343,12 +406,14 @@ ENGINE_CORE_DUMMY_STEP = _span(
 WORKER_EXECUTE_DUMMY_BATCH = _span(
     "worker.execute_dummy_batch",
     STEP,
+    (KIND_WORKER,),
     "One forward of a one-token dummy request into the null block, and a sampler run.",
     _WORKER,
 )
 SCHEDULER_UPDATE_FROM_OUTPUT = _span(
     "scheduler.update_from_output",
     STEP,
+    (KIND_ENGINE_CORE,),
     "Append sampled tokens, check stop conditions, free finished requests.",
     (ATTR_STEP_ID, ATTR_STEP_NUM_RUNNING, ATTR_STEP_NUM_WAITING, ATTR_KV_USAGE),
 )
@@ -357,6 +422,7 @@ SCHEDULER_UPDATE_FROM_OUTPUT = _span(
 ENGINE_CORE_OUTPUT_SEND = _span(
     "engine_core.output_send",
     STEP,
+    (KIND_ENGINE_CORE,),
     "The output thread: one step's outputs for one client taken off output_queue (wait as an "
     "attribute), encoded and pushed to that client's socket. Child of the step that made them.",
     (ATTR_QUEUE_WAIT_MS,),
@@ -364,11 +430,13 @@ ENGINE_CORE_OUTPUT_SEND = _span(
 EXECUTOR_BROADCAST = _span(
     "executor.broadcast",
     STEP,
+    (KIND_ENGINE_CORE,),
     "The engine core writes one RPC (e.g. execute_model) into the shared-memory broadcast queue.",
 )
 WORKER_EXECUTE_MODEL = _span(
     "worker.execute_model",
     STEP,
+    (KIND_WORKER,),
     "A worker runs one step (--collect-detailed-traces worker|all): the RPC waited in the broadcast "
     "queue (attribute), then forward and sampling; child of the engine core's executor.execute_model.",
     (ATTR_RANK, ATTR_QUEUE_WAIT_MS),
@@ -376,12 +444,14 @@ WORKER_EXECUTE_MODEL = _span(
 MODEL_RUNNER_FORWARD = _span(
     "model_runner.forward",
     STEP,
+    (KIND_WORKER,),
     "The model's forward pass for one step (--collect-detailed-traces model|worker|all).",
     (ATTR_STEP_NUM_SCHEDULED_TOKENS,),
 )
 MODEL_RUNNER_SAMPLE = _span(
     "model_runner.sample",
     STEP,
+    (KIND_WORKER,),
     "Logits to next tokens for one step: the sampler (--collect-detailed-traces model|worker|all).",
 )
 
@@ -392,6 +462,7 @@ MODEL_RUNNER_SAMPLE = _span(
 LLM_REQUEST = _span(
     "llm_request",
     REQUEST,
+    (KIND_FRONTEND, KIND_API_SERVER),
     "One finished request, from arrival to its last token (vLLM's span name).",
     (
         ATTR_GEN_AI_REQUEST_ID,
@@ -418,6 +489,7 @@ LLM_REQUEST = _span(
 DP_COORDINATOR_WAVE = _span(
     "dp_coordinator.wave",
     REQUEST,
+    (KIND_DP_COORDINATOR,),
     "A data-parallel request wave, from the request that started it (its trace) to the moment "
     "every engine was back at zero waiting and running.",
     (ATTR_DP_WAVE,),
@@ -425,6 +497,7 @@ DP_COORDINATOR_WAVE = _span(
 API_SERVER_REQUEST = _span(
     "api_server.request",
     REQUEST,
+    (KIND_API_SERVER,),
     "One HTTP request in the API server, from its arrival to its last streamed byte: the root of a "
     "request's trace (or a child of the caller's traceparent). Everything below joins it.",
     (ATTR_GEN_AI_REQUEST_ID,),
@@ -432,30 +505,35 @@ API_SERVER_REQUEST = _span(
 API_SERVER_PROCESS_INPUTS = _span(
     "api_server.process_inputs",
     REQUEST,
+    (KIND_API_SERVER,),
     "Tokenize the prompt (chat template first for chat) and validate it against max_model_len.",
     (ATTR_GEN_AI_REQUEST_ID,),
 )
 ENGINE_CORE_INPUT = _span(
     "engine_core.input",
     REQUEST,
+    (KIND_ENGINE_CORE,),
     "The engine core's input thread receives and decodes one request from its client's socket.",
     (ATTR_GEN_AI_REQUEST_ID, ATTR_MESSAGE_TYPE),
 )
 ENGINE_CORE_INPUT_QUEUE = _span(
     "engine_core.input_queue",
     REQUEST,
+    (KIND_ENGINE_CORE,),
     "The request waited in input_queue until the busy loop took it.",
     (ATTR_GEN_AI_REQUEST_ID, ATTR_QUEUE_WAIT_MS),
 )
 SCHEDULER_WAITING = _span(
     "scheduler.waiting",
     REQUEST,
+    (KIND_ENGINE_CORE,),
     "The request waited in the scheduler's WAITING queue until first scheduled (vLLM: time in queue).",
     (ATTR_GEN_AI_REQUEST_ID,),
 )
 REQUEST_PREFILL = _span(
     "request.prefill",
     REQUEST,
+    (KIND_ENGINE_CORE,),
     "From first scheduled to the first token: the prompt's prefill, in one or more chunks (links: "
     "the engine_core.step spans that computed it).",
     (ATTR_GEN_AI_REQUEST_ID, ATTR_NUM_CHUNKS),
@@ -463,6 +541,7 @@ REQUEST_PREFILL = _span(
 REQUEST_DECODE = _span(
     "request.decode",
     REQUEST,
+    (KIND_ENGINE_CORE,),
     "From the first token to the last: the decode phase (links: its first and last engine_core.step).",
     (ATTR_GEN_AI_REQUEST_ID, ATTR_NUM_STEPS),
 )
@@ -511,15 +590,24 @@ def render_markdown() -> str:
         "status file), **step** phases (every engine step; kept cheap, no file I/O) and",
         "**request** spans (one per finished request). Every span's resource carries",
         "`service.name=glassbox`, `glassbox.role`, `glassbox.pid` and, where set, `glassbox.rank`.",
+        "*Entered by* names the kinds of process whose code enters the span (`frontend` is an",
+        "offline `LLM`'s process, which also runs the engine core's stages with",
+        "`GLASSBOX_ENABLE_MULTIPROCESSING=0`; under the `uni` executor the engine core runs the",
+        "worker's); `--inject-fault` refuses a `@ROLE` that never enters its stage.",
         "",
     ]
     titles = {LIFECYCLE: "Lifecycle spans", STEP: "Step spans", REQUEST: "Request spans"}
     for level in LEVELS:
-        lines += [f"## {titles[level]}", "", "| span | what it covers | attributes |", "|---|---|---|"]
+        lines += [
+            f"## {titles[level]}",
+            "",
+            "| span | entered by | what it covers | attributes |",
+            "|---|---|---|---|",
+        ]
         for s in SPANS.values():
             if s.level == level:
                 attrs = ", ".join(f"`{a}`" for a in s.attributes) or "—"
-                lines.append(f"| `{s.name}` | {s.doc} | {attrs} |")
+                lines.append(f"| `{s.name}` | {', '.join(s.entered_by)} | {s.doc} | {attrs} |")
         lines.append("")
     lines += [
         "## Attributes",

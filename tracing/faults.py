@@ -23,7 +23,9 @@ A fault spec is ``STAGE:KIND[@ROLE][#N]``; several are separated by ``,``::
   no clean-up, no crash report), ``kill:<signal>`` (send the signal, by name or number, to
   itself), ``slow:<seconds>`` (sleep, then go on).
 - ``@ROLE``: a whole role name (``Worker_DP0_PP0_TP1``, ``EngineCore_DP0``, ``APIServer_0``,
-  ``DPCoordinator``, ``LLM``); without it, every process that enters the stage.
+  ``DPCoordinator``, ``LLM``); without it, every process that enters the stage. The first
+  process refuses a role its tree does not have, or one that never enters the stage (the
+  catalogue's ``entered_by``; ``TopologyPlan.check_fault_targets``).
 - ``#N``: strike the N-th time this process enters the stage (default 1, the first);
   ``#*``: every time.
 

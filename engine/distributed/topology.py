@@ -269,23 +269,63 @@ class TopologyPlan(msgspec.Struct, frozen=True):
     data_parallel_start_rank: int = 0
     data_parallel_size_local: int | None = None
 
-    def check_fault_targets(self, spec: str | None) -> None:
-        """Refuse a fault (``tracing.faults`` spec) whose ``@ROLE`` is no process of this plan
-        (a typo, or a rank the tree does not have): it would never strike, silently.
+    def kinds_run_by(self, role: ProcessRole) -> frozenset[str]:
+        """The process kinds whose code runs in ``role``'s process: its own kind, plus the
+        worker's under the ``uni`` executor (in the engine core) and the engine core's (and
+        then a ``uni`` worker's) in an ``LLM``'s process in ``inproc`` mode."""
+        kinds = {role.kind.value}
+        if role.kind is RoleKind.ENGINE_CORE and not self.workers_in_processes:
+            kinds.add(RoleKind.WORKER.value)
+        if role.kind is RoleKind.FRONTEND and self.mode == "inproc":
+            kinds.add(RoleKind.ENGINE_CORE.value)
+            if not self.workers_in_processes:
+                kinds.add(RoleKind.WORKER.value)
+        return frozenset(kinds)
+
+    def roles_entering(self, stage: str) -> tuple[ProcessRole, ...]:
+        """The processes of this plan that can enter span ``stage`` (the span catalogue's
+        ``entered_by`` kinds, ``tracing/catalogue.py``), in plan order.
 
         Raises:
-            ValueError: one line naming the fault, the role and this plan's processes (with
-                the closest name when there is one).
+            KeyError: ``stage`` is not in the catalogue.
         """
+        from tracing import catalogue
+
+        entered_by = set(catalogue.span_def(stage).entered_by)
+        return tuple(r for r in self.roles if entered_by & self.kinds_run_by(r))
+
+    def check_fault_targets(self, spec: str | None) -> None:
+        """Refuse a fault (``tracing.faults`` spec) whose ``@ROLE`` would never strike, silently:
+        no process of this plan (a typo, or a rank the tree does not have), or a process that
+        never enters the fault's stage (``engine_core.init:hang@DPCoordinator``).
+
+        Raises:
+            ValueError: one line naming the fault, the role, and this plan's processes (with
+                the closest name when there is one) or those that do enter the stage.
+        """
+        from tracing import catalogue
         from tracing.faults import parse_faults
 
         names = [r.name for r in self.roles]
         for fault in parse_faults(spec or ""):
-            if fault.role is not None and fault.role not in names:
+            if fault.role is None:
+                continue
+            if fault.role not in names:
                 close = difflib.get_close_matches(fault.role, names, n=1)
                 hint = f"; did you mean {close[0]}?" if close else ""
                 raise ValueError(
                     f"fault {fault}: this tree has no process {fault.role} (it has {', '.join(names)}){hint}"
+                )
+            entering = [r.name for r in self.roles_entering(fault.stage)]
+            if fault.role not in entering:
+                kinds = catalogue.span_def(fault.stage).entered_by
+                who = (
+                    f"in this tree only {', '.join(entering)} {'enters' if len(entering) == 1 else 'enter'} it"
+                    if entering
+                    else f"no process of this tree enters it (only {' or '.join(kinds)} processes do)"
+                )
+                raise ValueError(
+                    f"fault {fault}: {fault.role} never enters {fault.stage}, so it would never strike; {who}"
                 )
 
     @property

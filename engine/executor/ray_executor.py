@@ -225,7 +225,7 @@ class RayDistributedExecutor(Executor):
     """Workers as Ray actors (``--distributed-executor-backend ray``).
 
     Raises:
-        ConfigError: Ray is not installed (``pip install glassbox-engine[ray]``).
+        ConfigError: Ray is not installed (``pip install -e ".[ray]"`` in the checkout).
         EngineDeadError: an actor died (root cause names the worker and quotes Ray's death
             cause), or a worker failed in an RPC (its crash report).
         TimeoutError: the placement group was not placed, or a worker did not answer, within

@@ -648,13 +648,19 @@ class MPClient(EngineCoreClient):
         deepest one in a stage, else the first that never started), with its state."""
         laggard = find_laggard(self.run_dir)
         role, pid = laggard if laggard is not None else (self.engine_role.name, None)
+        if pid is None:  # no status file yet (still importing, say): this client spawned it
+            pid = self._spawned_pids().get(role)
         state = _os_state(pid) if pid else None
         if state == "stopped":
             state = "stopped by a signal (SIGSTOP?)"
         return processes.format_root_cause(self.run_dir, role, pid, None, note=message, state=state)
 
+    def _spawned_pids(self) -> dict[str, int]:
+        """Role name → pid of each child this client spawned (engine cores, coordinator)."""
+        return {p.role: p.pid for p in self._children()}
+
     def _startup_timeout_message(self, timeout: float, seen: dict[int, dict[str, EngineHandshake]]) -> str:
-        late = describe_laggard(self.run_dir)
+        late = describe_laggard(self.run_dir, spawned=self._spawned_pids())
         if len(seen) == 1:
             said = "it said HELLO" if "HELLO" in seen[self.engine_role.dp_rank] else "it never said HELLO"
             return f"The engine did not become ready within GLASSBOX_ENGINE_READY_TIMEOUT_S={timeout:g} s ({said}). {late}"
@@ -1146,12 +1152,13 @@ def _os_state(pid: int) -> str | None:
         return None
 
 
-def describe_laggard(run_dir: Path) -> str:
+def describe_laggard(run_dir: Path, spawned: dict[str, int] | None = None) -> str:
     """Name the process that holds start-up back, and the stage it is in (from status files).
 
     The engine core starts its workers, so the deepest process that is inside a stage is the
     one everybody waits for: a worker in a stage wins over the engine core. When no process
-    reports a stage, the first planned one without a status file has not started.
+    reports a stage, the first planned one without a status file has not started — or, when
+    ``spawned`` (role name → pid of the caller's children) has it, has not set up yet.
     """
     from tracing import read_status_file
 
@@ -1171,5 +1178,10 @@ def describe_laggard(run_dir: Path) -> str:
         )
     for role in engine_roles:
         if statuses[role] is None:
+            if role in (spawned or {}):
+                return (
+                    f"{role} (pid {spawned[role]}) was started but has not set up yet (no status file in "
+                    f"{run_dir}: its interpreter is still starting or importing)."
+                )
             return f"{role} has not started yet (no status file in {run_dir})."
     return "No process reports a stage; see the log above."

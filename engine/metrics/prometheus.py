@@ -314,9 +314,15 @@ class TracingHealthCollector:
         self.share_dir = share_dir
 
     def rows(self) -> list[dict[str, Any]]:
-        """This process's exporters as plain rows."""
+        """This process's exporters as plain rows; with none (tracing off), one row of zeros
+        for ``exporter="none"``, so the counters show a sample (0) rather than a bare
+        ``# TYPE`` line."""
+        health = self.health()
+        if not health:
+            return [{"role": self.role, "exporter": "none", "exported": 0, "dropped": 0, "queued": None,
+                     "last_error_at": None}]  # fmt: skip
         rows = []
-        for h in self.health():
+        for h in health:
             rows.append({
                 "role": self.role,
                 "exporter": h.name,

@@ -1,8 +1,9 @@
 """Entry point of every Glassbox child process: ``python -m engine.utils.process_entry ROLE``.
 
-Reads the payload from stdin (see ``engine.utils.processes``), names the process, starts the
-lifeline watcher and the liveness beat, and runs the target. Kept tiny so a child starts
-fast: torch is imported by the target, not here.
+Reads the payload from stdin (see ``engine.utils.processes``), names the process (its title,
+and a ``(Role pid=N)`` prefix on every line it writes to stdout and stderr:
+``engine.logger.decorate_logs``), starts the lifeline watcher and the liveness beat, and runs
+the target. Kept tiny so a child starts fast: torch is imported by the target, not here.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def continue_on_parent_death() -> None:
 
 def main() -> None:
     continue_on_parent_death()
-    from engine.logger import init_logger, set_process_role
+    from engine.logger import decorate_logs, init_logger, set_process_role
     from engine.utils import processes
 
     stdin_fd = sys.stdin.fileno()
@@ -53,6 +54,8 @@ def main() -> None:
     role, run_dir = spec.role, Path(spec.run_dir)
     processes.set_process_title(role)
     set_process_role(role)
+    # Every line this process writes, print() and warnings included, starts with its role.
+    decorate_logs(role)
     logger = init_logger("engine.process")
     # The user's terminal Ctrl-C reaches the whole foreground group; the parent decides
     # when children stop (it closes their lifeline), so children ignore SIGINT.

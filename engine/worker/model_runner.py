@@ -169,7 +169,13 @@ class ModelRunner:
         # --collect-detailed-traces: forward and sampling spans in each step's trace.
         self.collect_model_spans = config.observability_config.collect_model_forward_time
         self.model: torch.nn.Module | None = None
-        self.model_memory_usage = 0  # bytes of weights and buffers
+        # Bytes in memory: the weights (parameters and buffers, ``model_weight_bytes``, what the
+        # checkpoint holds for this rank) plus, on a CPU, their oneDNN-packed copies
+        # (``model_packed_bytes``); ``model_memory_usage`` is the sum (vLLM's name).
+        self.model_memory_usage = 0
+        self.model_weight_bytes = 0
+        self.model_packed_bytes = 0
+        self.model_num_params = 0
         self.kv_caches: list[KVCache] = []
         self.compiled: CompiledModel | None = None  # set by warm_up unless the model runs eagerly
         self.attention_layers: list = []  # this stage's Attention modules, by local layer index
@@ -185,15 +191,19 @@ class ModelRunner:
     def load_model(self) -> None:
         """Build the model on the device and load its weights; sets ``model_memory_usage`` (bytes)."""
         self.model = load_model(self.model_config, self.device, self.dtype)
-        tensors = list(self.model.parameters()) + list(self.model.buffers())
+        params = list(self.model.parameters())  # a tied table once (parameters() dedups)
+        weights = params + list(self.model.buffers())
         # The CPU's oneDNN copies of the linear weights (engine/model/layers.py) count too.
-        tensors += [
-            packed
+        packed = [
+            t
             for m in self.model.modules()
-            for packed in (getattr(m, "packed_weight", None), getattr(m, "packed_weight_f32", None))
-            if packed is not None
+            for t in (getattr(m, "packed_weight", None), getattr(m, "packed_weight_f32", None))
+            if t is not None
         ]
-        self.model_memory_usage = sum(t.numel() * t.element_size() for t in tensors)
+        self.model_num_params = sum(p.numel() for p in params)
+        self.model_weight_bytes = sum(t.numel() * t.element_size() for t in weights)
+        self.model_packed_bytes = sum(t.numel() * t.element_size() for t in packed)
+        self.model_memory_usage = self.model_weight_bytes + self.model_packed_bytes
         self.attention_layers = [layer.self_attn.attn for layer in self.model.local_layers]
         logger.debug(
             "model %s loaded on %s as %s: %.1f MiB",
@@ -202,6 +212,20 @@ class ModelRunner:
             self.dtype,
             self.model_memory_usage / 2**20,
         )
+
+    def describe_model_memory(self) -> str:
+        """What the loaded weights take, in words (the worker's load log line): e.g. ``4.0 M
+        parameters, 15.3 MiB of float32 weights + 15.3 MiB of oneDNN-packed copies = 30.5 MiB
+        in memory``. The weights' bytes are the checkpoint's for a float32 one loaded as float32
+        (``model.safetensors``' size, for one unsharded rank)."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        text = f"{self.model_num_params / 1e6:.1f} M parameters, {self.model_weight_bytes / 2**20:.1f} MiB of {dtype} weights"
+        if self.model_packed_bytes:
+            text += (
+                f" + {self.model_packed_bytes / 2**20:.1f} MiB of oneDNN-packed copies (CPU) = "
+                f"{self.model_memory_usage / 2**20:.1f} MiB in memory"
+            )
+        return text
 
     def get_kv_cache_spec(self) -> FullAttentionSpec:
         """The page shape of one layer's KV cache (``load_model`` first)."""

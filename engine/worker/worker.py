@@ -347,9 +347,9 @@ class Worker:
             self.model_runner.load_model()
             st.set(catalogue.ATTR_MODEL_NAME, self.config.model_config.served_model_name)
             logger.info(
-                "Loaded %s: %.1f MiB of weights",
+                "Loaded %s: %s",
                 self.config.model_config.architecture,
-                self.model_runner.model_memory_usage / (1 << 20),
+                self.model_runner.describe_model_memory(),
             )
 
     def get_kv_cache_spec(self) -> FullAttentionSpec:
