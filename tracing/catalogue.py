@@ -3,7 +3,7 @@
 Code never spells a span name or attribute key as a string literal: it uses the constants
 here (``catalogue.WORKER_LOAD_MODEL``, ``catalogue.ATTR_RANK``), and the stage helper
 (``tracing.stage``) refuses names that are not in the catalogue. So this file is the
-complete list of what a trace can contain, and ``docs/spans.md`` is generated from it::
+complete list of what a trace can contain (span events too: ``_event``), and ``docs/spans.md`` is generated from it::
 
     python -m tracing.catalogue > docs/spans.md
 
@@ -16,7 +16,7 @@ Each span has a *level*, which decides what it costs:
   a span and an in-memory stage record, never file I/O of its own.
 - ``request``: one span per request (vLLM's ``llm_request``), recorded when the request ends.
 
-Adding a name: call ``_span`` (or ``_attr``) below with a one-line doc, bind the result to
+Adding a name: call ``_span`` (or ``_attr``, ``_event``) below with a one-line doc, bind the result to
 a constant, and regenerate ``docs/spans.md`` (a test fails until you do).
 
 Mirrors vLLM's ``vllm/tracing.py`` ``SpanAttributes`` for the ``gen_ai.*`` keys (OpenTelemetry
@@ -49,6 +49,15 @@ class AttrDef:
 
 
 @dataclass(frozen=True)
+class EventDef:
+    """One span event name: what it marks and the attributes it carries."""
+
+    name: str
+    doc: str
+    attributes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class SpanDef:
     """One span name: its level, what it covers, and the attributes it usually carries."""
 
@@ -60,6 +69,7 @@ class SpanDef:
 
 ATTRIBUTES: dict[str, AttrDef] = {}
 SPANS: dict[str, SpanDef] = {}
+EVENTS: dict[str, EventDef] = {}
 
 
 def _attr(key: str, type_: str, doc: str) -> str:
@@ -74,6 +84,14 @@ def _span(name: str, level: str, doc: str, attributes: tuple[str, ...] = ()) -> 
     unknown = [a for a in attributes if a not in ATTRIBUTES]
     assert not unknown, f"span {name!r} lists unknown attributes {unknown}"
     SPANS[name] = SpanDef(name, level, doc, attributes)
+    return name
+
+
+def _event(name: str, doc: str, attributes: tuple[str, ...] = ()) -> str:
+    assert name not in EVENTS, f"event {name!r} defined twice"
+    unknown = [a for a in attributes if a not in ATTRIBUTES]
+    assert not unknown, f"event {name!r} lists unknown attributes {unknown}"
+    EVENTS[name] = EventDef(name, doc, attributes)
     return name
 
 
@@ -146,6 +164,14 @@ ATTR_MESSAGE_TYPE = _attr(
 )
 ATTR_NUM_CHUNKS = _attr(
     "glassbox.request.num_chunks", "int", "Steps a request's prefill was spread over (chunks)."
+)
+ATTR_REQUEST_IDS = _attr(
+    "glassbox.request.ids", "str[]", "The request ids one message names (an ABORT may name several)."
+)
+ATTR_NUM_CHUNKS_SENT = _attr(
+    "glassbox.response.num_chunks_sent",
+    "int",
+    "SSE chunks sent before the client went away (0: not streamed).",
 )
 ATTR_NUM_STEPS = _attr("glassbox.request.num_steps", "int", "Engine steps a request's decode phase took.")
 ATTR_MODEL_DTYPE = _attr("glassbox.model.dtype", "str", "Resolved dtype of weights and activations.")
@@ -463,12 +489,49 @@ REQUEST_PREFILL = _span(
 REQUEST_DECODE = _span(
     "request.decode",
     REQUEST,
-    "From the first token to the last: the decode phase (links: its first and last engine_core.step).",
-    (ATTR_GEN_AI_REQUEST_ID, ATTR_NUM_STEPS),
+    "From the first token to the last: the decode phase (links: its first and last engine_core.step); "
+    "an abort ends it then.",
+    (ATTR_GEN_AI_REQUEST_ID, ATTR_NUM_STEPS, ATTR_GEN_AI_RESPONSE_FINISH_REASONS),
+)
+ENGINE_CORE_ABORT = _span(
+    "engine_core.abort",
+    REQUEST,
+    "One ABORT message sent in a request's trace (its client went away, or the shutdown timeout ran "
+    "out), from the input thread receiving it to the busy loop having finished its requests as aborted "
+    "and freed their KV blocks (the wait in input_queue as an attribute). A request aborted before its first token ends "
+    "its scheduler.waiting or request.prefill then, with finish reason abort.",
+    (ATTR_REQUEST_IDS, ATTR_QUEUE_WAIT_MS),
+)
+
+# ---------------------------------------------------------------------------------------
+# Span events: a moment inside a span (OpenTelemetry's span events).
+# ---------------------------------------------------------------------------------------
+
+EVENT_CLIENT_DISCONNECTED = _event(
+    "glassbox.client_disconnected",
+    "On api_server.request: the HTTP client went away before the response was complete; the request "
+    "was aborted in the engine (llm_request ends with finish reason abort). Not an error of the server: "
+    "the span's status stays unset.",
+    (ATTR_NUM_CHUNKS_SENT,),
+)
+EVENT_STOPPED_BY_SHUTDOWN = _event(
+    "stopped by shutdown", "On a stage span still open when its process shut down (the stage never finished)."
 )
 
 # Keyword spellings accepted by ``stage(...)``: ``rank=0`` means ``glassbox.rank``.
 ALIASES: dict[str, str] = {a.alias: a.key for a in ATTRIBUTES.values()}
+
+
+def event_def(name: str) -> EventDef:
+    """The definition of span event ``name``.
+
+    Raises:
+        KeyError: ``name`` is not in the catalogue.
+    """
+    try:
+        return EVENTS[name]
+    except KeyError:
+        raise KeyError(f"event {name!r} is not in the catalogue; define it in tracing/catalogue.py") from None
 
 
 def span_def(name: str) -> SpanDef:
@@ -521,6 +584,11 @@ def render_markdown() -> str:
                 attrs = ", ".join(f"`{a}`" for a in s.attributes) or "—"
                 lines.append(f"| `{s.name}` | {s.doc} | {attrs} |")
         lines.append("")
+    lines += ["## Span events", "", "| event | what it marks | attributes |", "|---|---|---|"]
+    for e in EVENTS.values():
+        attrs = ", ".join(f"`{a}`" for a in e.attributes) or "—"
+        lines.append(f"| `{e.name}` | {e.doc} | {attrs} |")
+    lines.append("")
     lines += [
         "## Attributes",
         "",
