@@ -301,6 +301,12 @@ class AsyncLLM:
             raise self.dead_error
         self.engine_core._check_alive()
 
+    def tree_problems(self) -> list[str]:
+        """Why the process tree cannot serve now: one line per process of it that is stopped
+        by a signal, frozen or dead (role, pid, why); empty while all run. ``/health``
+        answers 503 with them, before the supervisor's timeouts tear the tree down."""
+        return self.engine_core.tree_problems()
+
     def shutdown(self) -> None:
         if self.output_handler is not None:
             self.output_handler.cancel()
