@@ -252,7 +252,8 @@ ENV_VARS: dict[str, EnvVar] = {
             5.0,
             "Seconds a child process may stay stopped by a signal (SIGSTOP, Ctrl-Z, a debugger) "
             "before its parent reports it by name and stops the tree: a stopped process answers "
-            "nothing, and an idle tree would otherwise wait for it forever.",
+            "nothing, and an idle tree would otherwise wait for it forever. /health answers 503, "
+            "naming it, as soon as it is seen stopped (200 again after SIGCONT in time).",
         ),
         EnvVar(
             "GLASSBOX_HEARTBEAT_TIMEOUT_S",

@@ -2,7 +2,7 @@
 
 Every attribute key declared in ``tracing/catalogue.py`` is set somewhere — its constant or
 its key appears in the code of ``engine/`` or ``tracing/`` — and every span name is opened
-somewhere. (That each span carries the attributes the catalogue lists for it is
+somewhere, and every span event added somewhere. (That each span carries the attributes the catalogue lists for it is
 checked at run time, on a real tree's trace, in ``test_request_trace.py``.)
 """
 
@@ -24,7 +24,7 @@ def _code() -> str:
 
 def _constants(kind: str) -> dict[str, str]:
     """Constant name → value, for the catalogue's attribute keys or span names."""
-    table = catalogue.ATTRIBUTES if kind == "_attr" else catalogue.SPANS
+    table = {"_attr": catalogue.ATTRIBUTES, "_span": catalogue.SPANS, "_event": catalogue.EVENTS}[kind]
     found = {name: value for name, value in vars(catalogue).items()
              if name.isupper() and isinstance(value, str) and value in table}  # fmt: skip
     assert set(found.values()) == set(table), "every definition is bound to a constant"
@@ -45,3 +45,9 @@ def test_every_declared_span_is_opened_somewhere():
     code = _code()
     unused = [key for name, key in _constants("_span").items() if not re.search(rf"\b{name}\b", code)]
     assert not unused, f"declared in tracing/catalogue.py but never opened: {unused}"
+
+
+def test_every_declared_event_is_added_somewhere():
+    code = _code()
+    unused = [key for name, key in _constants("_event").items() if not re.search(rf"\b{name}\b", code)]
+    assert not unused, f"declared in tracing/catalogue.py but never added: {unused}"

@@ -163,3 +163,72 @@ def test_serve_sends_start_up_and_request_traces_to_an_otlp_collector(default_mo
     (llm_request,) = [s for s in request if s.name == "llm_request"]
     assert llm_request.attributes["gen_ai.usage.input_tokens"] == usage["prompt_tokens"]
     assert llm_request.attributes["gen_ai.usage.output_tokens"] == usage["completion_tokens"]
+
+
+def test_a_stream_closed_by_its_client_is_aborted_in_the_trace_and_the_log(default_model_dir):
+    """A client reads two chunks of a long stream and closes it. The trace file (read once the
+    server has stopped) shows the abort end to end, in the caller's one trace: an
+    ``engine_core.abort`` span for the ABORT message in the engine core, ``llm_request`` with
+    finish reason ``abort``, the engine's ``request.decode`` ended (finish reason ``abort``),
+    and a ``glassbox.client_disconnected`` event on ``api_server.request`` with the chunks the
+    client got. ``--enable-log-requests`` logs ``Aborted request <id>.`` once."""
+    import signal
+
+    base = Path(tempfile.mkdtemp(prefix="gba", dir="/tmp"))
+    trace_file = base / "spans.jsonl"
+    # Slow motion: the request is still decoding when the client goes away.
+    server = start_server(base, "--max-model-len", "256", "--step-delay-ms", "50", "--trace-file", str(trace_file),
+                          "--enable-log-requests", "--disable-log-stats")  # fmt: skip
+    try:
+        headers = {"traceparent": f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"}
+        body = {"prompt": "Hello there", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        chunks = []
+        with httpx.stream("POST", server.base_url + "/v1/completions", json=body, headers=headers,
+                          timeout=60) as response:  # fmt: skip
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    chunks.append(json.loads(line[len("data: ") :]))
+                    if len(chunks) == 2:
+                        break  # leaving the block closes the connection
+        engine_id = f"{chunks[0]['id']}-0"
+        assert chunks[-1]["choices"][0]["finish_reason"] is None
+        # The abort reached the engine core: its span is in the file (spans are written as they end).
+        deadline = time.monotonic() + 60
+        while not any(s["name"] == "engine_core.abort" for s in _spans(trace_file)):
+            assert time.monotonic() < deadline, server.log()[-3000:]
+            time.sleep(0.1)
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(60) == 0, server.log()[-3000:]
+    finally:
+        server.kill_group()
+    try:
+        log = server.log()
+        aborted = [line for line in log.splitlines() if "Aborted request" in line]
+        assert len(aborted) == 1 and aborted[0].endswith(f"Aborted request {engine_id}."), aborted
+        assert "Traceback" not in log, log[-3000:]
+        wanted = {"api_server.request", "llm_request", "request.decode", "engine_core.abort"}
+        spans = [s for s in _spans(trace_file) if s["name"] in wanted]
+        assert sorted(s["name"] for s in spans) == sorted(wanted), "each once"
+        names = {s["name"]: s for s in spans}
+        assert {s["trace_id"] for s in spans} == {CALLER_TRACE}
+        root = names["api_server.request"]
+        assert all(names[n]["parent_span_id"] == root["span_id"] for n in set(names) - {"api_server.request"})
+        assert root["status"] == "UNSET"
+        (event,) = [e for e in root["events"] if e["name"] == "glassbox.client_disconnected"]
+        assert event["attributes"]["glassbox.response.num_chunks_sent"] >= 2
+        llm_request = names["llm_request"]["attributes"]
+        assert llm_request["gen_ai.response.finish_reasons"] == ["abort"]
+        assert 2 <= llm_request["gen_ai.usage.completion_tokens"] < 200
+        decode = names["request.decode"]
+        assert decode["attributes"]["gen_ai.response.finish_reasons"] == ["abort"]
+        assert 1 <= decode["attributes"]["glassbox.request.num_steps"] < 200
+        abort = names["engine_core.abort"]
+        assert abort["resource"]["role"] == "EngineCore_DP0"
+        assert abort["attributes"]["glassbox.request.ids"] == [engine_id]
+        # The API server ends llm_request, then sends ABORT; the engine core ends the decode
+        # while it handles it (after the API server's span may have ended: nobody waits).
+        assert root["start_ns"] <= names["llm_request"]["end_ns"] <= abort["start_ns"] <= decode["end_ns"]
+        assert decode["end_ns"] <= abort["end_ns"]
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

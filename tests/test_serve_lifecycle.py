@@ -253,3 +253,43 @@ def test_ctrl_c_during_start_up_with_a_stopped_worker_leaves_nothing(tmp_path):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGCONT)
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_stopped_worker_makes_health_503_at_once_naming_it_and_sigcont_makes_it_200():
+    """SIGSTOP of the worker while serving: /health answers 503 as soon as the worker is seen
+    stopped — long before GLASSBOX_STOPPED_TIMEOUT_S (60 s here, so the tree stays up) tears
+    the tree down — with an OpenAI-shaped error naming the worker's role and pid. SIGCONT:
+    /health is 200 again and a request is served."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from tracing import run_dir as run_dirs
+
+    base = Path(tempfile.mkdtemp(prefix="gbh", dir="/tmp"))  # short: ipc paths ≤ 107 chars
+    srv = start_server(base, *ARGS, env={"GLASSBOX_STOPPED_TIMEOUT_S": "60"})
+    role = "Worker_DP0_PP0_TP0"
+    pid = run_dirs.read_status(run_dirs.status_path(srv.run_dir, role)).pid
+    try:
+        assert httpx.get(srv.base_url + "/health", timeout=10).status_code == 200
+        os.kill(pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 30  # well under the 60 s after which the tree goes down
+        while (health := httpx.get(srv.base_url + "/health", timeout=10)).status_code != 503:
+            assert time.monotonic() < deadline, "never 503"
+            time.sleep(0.05)
+        error = health.json()["error"]
+        assert error["code"] == 503 and error["type"] == "ServiceUnavailableError", error
+        assert f"{role} (pid {pid}) is stopped by a signal" in error["message"], error
+        assert f"kill -CONT {pid}" in error["message"], error
+        os.kill(pid, signal.SIGCONT)
+        while (health := httpx.get(srv.base_url + "/health", timeout=10)).status_code != 200:
+            assert time.monotonic() < deadline, health.text
+            time.sleep(0.05)
+        done = httpx.post(srv.base_url + "/v1/completions", timeout=60,
+                          json={"prompt": "Hello", "max_tokens": 4, "ignore_eos": True})  # fmt: skip
+        assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 4, done.text
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+        srv.kill_group()
+        shutil.rmtree(base, ignore_errors=True)

@@ -39,6 +39,7 @@ from tracing.setup import (  # noqa: E402
 from tracing.stage import (  # noqa: E402
     OpenStage,
     Stage,
+    add_span_event,
     add_stage_hook,
     current_stage,
     is_recording,
@@ -69,6 +70,7 @@ __all__ = [
     "is_recording",
     "current_stage",
     "open_stages",
+    "add_span_event",
     "add_stage_hook",
     "remove_stage_hook",
     "wait_for",

@@ -3,7 +3,7 @@
 Code never spells a span name or attribute key as a string literal: it uses the constants
 here (``catalogue.WORKER_LOAD_MODEL``, ``catalogue.ATTR_RANK``), and the stage helper
 (``tracing.stage``) refuses names that are not in the catalogue. So this file is the
-complete list of what a trace can contain, and ``docs/spans.md`` is generated from it::
+complete list of what a trace can contain (span events too: ``_event``), and ``docs/spans.md`` is generated from it::
 
     python -m tracing.catalogue > docs/spans.md
 
@@ -20,9 +20,9 @@ Each span also names the kinds of process that enter it (``entered_by``: ``engin
 ``worker``, ...), so a fault aimed at a role that never enters its stage is refused before
 anything starts (``TopologyPlan.check_fault_targets``).
 
-Adding a name: call ``_span`` (or ``_attr``) below with the kinds of process that enter it
-and a one-line doc, bind the result to a constant, and regenerate ``docs/spans.md`` (a test
-fails until you do).
+Adding a name: call ``_span`` (or ``_attr``, ``_event``) below — a span with the kinds of
+process that enter it — and a one-line doc, bind the result to a constant, and regenerate
+``docs/spans.md`` (a test fails until you do).
 
 Mirrors vLLM's ``vllm/tracing.py`` ``SpanAttributes`` for the ``gen_ai.*`` keys (OpenTelemetry
 GenAI conventions, as vLLM spells them). vLLM has no catalogue of start-up spans; the
@@ -70,6 +70,15 @@ class AttrDef:
 
 
 @dataclass(frozen=True)
+class EventDef:
+    """One span event name: what it marks and the attributes it carries."""
+
+    name: str
+    doc: str
+    attributes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class SpanDef:
     """One span name: its level, which kinds of process enter it, what it covers, and the
     attributes it usually carries.
@@ -90,6 +99,7 @@ class SpanDef:
 
 ATTRIBUTES: dict[str, AttrDef] = {}
 SPANS: dict[str, SpanDef] = {}
+EVENTS: dict[str, EventDef] = {}
 
 
 def _attr(key: str, type_: str, doc: str) -> str:
@@ -107,6 +117,14 @@ def _span(
     unknown = [a for a in attributes if a not in ATTRIBUTES]
     assert not unknown, f"span {name!r} lists unknown attributes {unknown}"
     SPANS[name] = SpanDef(name, level, entered_by, doc, attributes)
+    return name
+
+
+def _event(name: str, doc: str, attributes: tuple[str, ...] = ()) -> str:
+    assert name not in EVENTS, f"event {name!r} defined twice"
+    unknown = [a for a in attributes if a not in ATTRIBUTES]
+    assert not unknown, f"event {name!r} lists unknown attributes {unknown}"
+    EVENTS[name] = EventDef(name, doc, attributes)
     return name
 
 
@@ -179,6 +197,14 @@ ATTR_MESSAGE_TYPE = _attr(
 )
 ATTR_NUM_CHUNKS = _attr(
     "glassbox.request.num_chunks", "int", "Steps a request's prefill was spread over (chunks)."
+)
+ATTR_REQUEST_IDS = _attr(
+    "glassbox.request.ids", "str[]", "The request ids one message names (an ABORT may name several)."
+)
+ATTR_NUM_CHUNKS_SENT = _attr(
+    "glassbox.response.num_chunks_sent",
+    "int",
+    "SSE chunks sent before the client went away (0: not streamed).",
 )
 ATTR_NUM_STEPS = _attr("glassbox.request.num_steps", "int", "Engine steps a request's decode phase took.")
 ATTR_MODEL_DTYPE = _attr("glassbox.model.dtype", "str", "Resolved dtype of weights and activations.")
@@ -542,12 +568,50 @@ REQUEST_DECODE = _span(
     "request.decode",
     REQUEST,
     (KIND_ENGINE_CORE,),
-    "From the first token to the last: the decode phase (links: its first and last engine_core.step).",
-    (ATTR_GEN_AI_REQUEST_ID, ATTR_NUM_STEPS),
+    "From the first token to the last: the decode phase (links: its first and last engine_core.step); "
+    "an abort ends it then.",
+    (ATTR_GEN_AI_REQUEST_ID, ATTR_NUM_STEPS, ATTR_GEN_AI_RESPONSE_FINISH_REASONS),
+)
+ENGINE_CORE_ABORT = _span(
+    "engine_core.abort",
+    REQUEST,
+    (KIND_ENGINE_CORE,),
+    "One ABORT message sent in a request's trace (its client went away, or the shutdown timeout ran "
+    "out), from the input thread receiving it to the busy loop having finished its requests as aborted "
+    "and freed their KV blocks (the wait in input_queue as an attribute). A request aborted before its first token ends "
+    "its scheduler.waiting or request.prefill then, with finish reason abort.",
+    (ATTR_REQUEST_IDS, ATTR_QUEUE_WAIT_MS),
+)
+
+# ---------------------------------------------------------------------------------------
+# Span events: a moment inside a span (OpenTelemetry's span events).
+# ---------------------------------------------------------------------------------------
+
+EVENT_CLIENT_DISCONNECTED = _event(
+    "glassbox.client_disconnected",
+    "On api_server.request: the HTTP client went away before the response was complete; the request "
+    "was aborted in the engine (llm_request ends with finish reason abort). Not an error of the server: "
+    "the span's status stays unset.",
+    (ATTR_NUM_CHUNKS_SENT,),
+)
+EVENT_STOPPED_BY_SHUTDOWN = _event(
+    "stopped by shutdown", "On a stage span still open when its process shut down (the stage never finished)."
 )
 
 # Keyword spellings accepted by ``stage(...)``: ``rank=0`` means ``glassbox.rank``.
 ALIASES: dict[str, str] = {a.alias: a.key for a in ATTRIBUTES.values()}
+
+
+def event_def(name: str) -> EventDef:
+    """The definition of span event ``name``.
+
+    Raises:
+        KeyError: ``name`` is not in the catalogue.
+    """
+    try:
+        return EVENTS[name]
+    except KeyError:
+        raise KeyError(f"event {name!r} is not in the catalogue; define it in tracing/catalogue.py") from None
 
 
 def span_def(name: str) -> SpanDef:
@@ -609,6 +673,11 @@ def render_markdown() -> str:
                 attrs = ", ".join(f"`{a}`" for a in s.attributes) or "—"
                 lines.append(f"| `{s.name}` | {', '.join(s.entered_by)} | {s.doc} | {attrs} |")
         lines.append("")
+    lines += ["## Span events", "", "| event | what it marks | attributes |", "|---|---|---|"]
+    for e in EVENTS.values():
+        attrs = ", ".join(f"`{a}`" for a in e.attributes) or "—"
+        lines.append(f"| `{e.name}` | {e.doc} | {attrs} |")
+    lines.append("")
     lines += [
         "## Attributes",
         "",

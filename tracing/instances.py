@@ -39,6 +39,10 @@ COUNTED_KINDS = ("api_server", "engine_core", "worker", "coordinator", "dp_coord
 # The process that owns an instance when it is no engine process itself: an offline LLM's,
 # or a headless node's launcher (glassbox serve --headless). Shown, not counted.
 OWNER_KINDS = ("frontend", "headless")
+# psutil states of a process stopped by a signal (SIGSTOP, Ctrl-Z) or a debugger: alive, but
+# it runs nothing until SIGCONT. The one rule for "stopped": the supervisor's StoppedWatch,
+# /health, glassbox ps / doctor and engine-top read it here.
+STOPPED_STATES = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
 # Slack for comparing a process's start time with a time it wrote (clock granularity).
 _PID_REUSE_SLACK_S = 2.0
 
@@ -397,6 +401,7 @@ def _set_depths(rows: list[ProcessInfo], frontend_pid: int | None) -> None:
 
 
 __all__ = [
+    "STOPPED_STATES",
     "COUNTED_KINDS",
     "OWNER_KINDS",
     "InstanceInfo",

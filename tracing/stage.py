@@ -265,7 +265,7 @@ class Stage:
             # cut short, not failed.
             error, exc = None, None
             if self.span is not None:
-                self.span.add_event("stopped by shutdown")
+                self.span.add_event(catalogue.EVENT_STOPPED_BY_SHUTDOWN)
         span = self.span
         if span is not None:
             if exc is not None:
@@ -345,6 +345,18 @@ def start_span(
     if handle is None:
         return trace.INVALID_SPAN
     return handle.tracer.start_span(name, context=parent, kind=kind, attributes=attrs, start_time=start_ns)
+
+
+def add_span_event(span: trace.Span, name: str, attributes: Mapping[str, Any] | None = None) -> None:
+    """Add the catalogue event ``name`` to ``span`` (now), e.g. ``glassbox.client_disconnected``
+    on ``api_server.request``.
+
+    Raises:
+        KeyError: ``name`` or an attribute key is not in the catalogue.
+    """
+    catalogue.event_def(name)
+    attrs = {catalogue.attr_key(k): v for k, v in (attributes or {}).items() if v is not None}
+    span.add_event(name, attributes=attrs)
 
 
 def _recording_handle(

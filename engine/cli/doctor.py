@@ -47,7 +47,7 @@ from engine.utils import run_dir as run_dirs
 from tracing import hints
 from tracing import run_dir as contract
 from tracing import stacks as stack_dumps
-from tracing.instances import InstanceInfo, placement_text, runs_as_text
+from tracing.instances import STOPPED_STATES, InstanceInfo, placement_text, runs_as_text
 from tracing.telemetry.state import IDLE_POLL_WAIT_S
 
 DESCRIPTION = """Diagnose a Glassbox instance: its process tree against the plan, each
@@ -56,7 +56,6 @@ process's state, stage and time in it, heartbeat age, crash reports and Python s
 check. Exit status 0 when healthy, 1 when not."""
 
 EXIT_HEALTHY, EXIT_SICK, EXIT_USAGE = 0, 1, 2
-STOPPED_STATES = ("stopped", "tracing-stop")
 # The deeper in the tree, the more likely the cause: a worker holds its engine core, which
 # holds the API server.
 _DEPTH = {

@@ -140,7 +140,7 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> None:
         """Stop these requests now and free their KV blocks (unknown ids are ignored)."""
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
-        self.request_tracer.drop(request_ids)
+        self.request_tracer.abort(request_ids)
 
     def step(self) -> tuple[dict[int, EngineCoreOutputs], bool]:
         """One engine step.
@@ -199,7 +199,7 @@ class EngineCore:
                 produced = [o for eco in outputs.values() for o in eco.outputs]
                 self.request_tracer.step(scheduler_output, prefill_ids, step_context,
                                          [o.request_id for o in produced if o.new_token_ids],
-                                         [o.request_id for o in produced if o.finished],
+                                         {o.request_id: str(o.finish_reason) for o in produced if o.finished},
                                          int(started_at * 1e9))  # fmt: skip
         num_running, num_waiting = self.scheduler.get_request_counts()
         # What engine-top's step panel shows (a StepRecord without its header).

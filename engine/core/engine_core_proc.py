@@ -180,7 +180,8 @@ class EngineCoreProc(EngineCore):
         self.head_link = head_link
         self.data_parallel_rank = data_parallel_rank
         self.role = ProcessRole.engine_core(data_parallel_rank).name
-        self.input_queue: queue.Queue[tuple[EngineCoreRequestType, Any]] = queue.Queue()
+        # (request_type, payload) or, for a traced ABORT, (request_type, payload, received_ns).
+        self.input_queue: queue.Queue[tuple[Any, ...]] = queue.Queue()
         # Request id → when the input thread put it on input_queue (traced requests only).
         self._input_queued_ns: dict[str, int] = {}
         if not output_addresses or len(input_addresses) != len(output_addresses):
@@ -488,7 +489,11 @@ class EngineCoreProc(EngineCore):
                 return
             self._handle_input(*item)
 
-    def _handle_input(self, request_type: EngineCoreRequestType, payload: Any) -> None:
+    def _handle_input(
+        self, request_type: EngineCoreRequestType, payload: Any, received_ns: int | None = None
+    ) -> None:
+        """One item of ``input_queue``. ``received_ns``: when the input thread received it, for
+        the messages whose span starts there (a traced ABORT)."""
         if request_type == EngineCoreRequestType.ADD:
             self._check_client_index(payload.client_index, f"request {payload.request_id!r}")
             queued_ns = self._input_queued_ns.pop(payload.request_id, None)
@@ -503,8 +508,13 @@ class EngineCoreProc(EngineCore):
         elif request_type == EngineCoreRequestType.START_DP_WAVE:
             self._on_wave(payload)
         elif request_type == EngineCoreRequestType.ABORT:
-            with attached_trace_context(payload.trace_headers):
-                self.abort_requests(payload.request_ids)
+            taken_ns = time.time_ns()
+            self.abort_requests(payload.request_ids)
+            if received_ns is not None:  # in the caller's trace: received, waited, aborted
+                record_span(catalogue.ENGINE_CORE_ABORT, start_ns=received_ns,
+                            parent=extract_trace_context(payload.trace_headers),
+                            attributes={catalogue.ATTR_REQUEST_IDS: payload.request_ids,
+                                        catalogue.ATTR_QUEUE_WAIT_MS: (taken_ns - received_ns) / 1e6})  # fmt: skip
         elif request_type in (EngineCoreRequestType.EXECUTOR_FAILED, EngineCoreRequestType.PROTOCOL_ERROR,
                               EngineCoreRequestType.HEAD_LOST):  # fmt: skip
             raise payload
@@ -566,6 +576,12 @@ class EngineCoreProc(EngineCore):
                         item = _decode_input(frames, client_of[socket])
                         if item[0] == EngineCoreRequestType.ADD and item[1].trace_headers and is_recording():
                             self._trace_input(item[1], received_ns)
+                        elif (
+                            item[0] == EngineCoreRequestType.ABORT
+                            and item[1].trace_headers
+                            and is_recording()
+                        ):
+                            item = (*item, received_ns)  # engine_core.abort starts here
                         self.input_queue.put(item)
                     except ProtocolError as e:
                         # A frontend that breaks the protocol is a bug: stop with a clear error.

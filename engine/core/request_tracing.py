@@ -9,7 +9,9 @@ the engine core adds, as its children:
   its own trace, shared by every request in the batch, so a request relates to it by a link,
   not as a parent);
 - ``request.decode``: first token → last, over ``glassbox.request.num_steps`` steps, linked
-  to its first and last step.
+  to its first and last step, with the finish reason.
+
+An abort ends the phase the request is in at that moment, with finish reason ``abort``.
 
 Kept cheap: nothing is tracked unless this process records spans and the request came with
 trace context; at most ``MAX_LINKS`` links per prefill. vLLM records one flat ``llm_request``
@@ -22,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.core.messages import FinishReason
 from engine.sched.output import SchedulerOutput
 from tracing import catalogue, is_recording, record_span
 from tracing.propagation import extract_trace_context
@@ -46,7 +49,7 @@ class RequestPhaseTracer:
 
     Call ``add`` when a request arrives, ``step`` after each engine step with its
     ``SchedulerOutput``, the step span's context and the requests that got their first token
-    or finished, and ``drop`` for an abort.
+    or finished, and ``abort`` for an abort.
     """
 
     def __init__(self) -> None:
@@ -58,9 +61,30 @@ class RequestPhaseTracer:
             if context is not None:
                 self._phases[request_id] = _Phases(context=context, queued_ns=time.time_ns())
 
-    def drop(self, request_ids: list[str]) -> None:
+    def abort(self, request_ids: list[str]) -> None:
+        """These requests were aborted: the phase each was in ends now (``scheduler.waiting``,
+        ``request.prefill`` or ``request.decode``), with finish reason ``abort``."""
+        if not self._phases:
+            return
+        now = time.time_ns()
+        reason = [str(FinishReason.ABORT)]
         for request_id in request_ids:
-            self._phases.pop(request_id, None)
+            phases = self._phases.pop(request_id, None)
+            if phases is None:
+                continue
+            attributes = {catalogue.ATTR_GEN_AI_REQUEST_ID: request_id,
+                          catalogue.ATTR_GEN_AI_RESPONSE_FINISH_REASONS: reason}  # fmt: skip
+            if phases.scheduled_ns is None:
+                record_span(catalogue.SCHEDULER_WAITING, start_ns=phases.queued_ns, end_ns=now,
+                            parent=phases.context, attributes=attributes)  # fmt: skip
+            elif phases.first_token_ns is None:
+                attributes[catalogue.ATTR_NUM_CHUNKS] = phases.num_chunks
+                record_span(catalogue.REQUEST_PREFILL, start_ns=phases.scheduled_ns, end_ns=now,
+                            parent=phases.context, links=phases.prefill_links, attributes=attributes)  # fmt: skip
+            else:
+                attributes[catalogue.ATTR_NUM_STEPS] = phases.num_decode_steps
+                record_span(catalogue.REQUEST_DECODE, start_ns=phases.first_token_ns, end_ns=now,
+                            parent=phases.context, links=phases.decode_links, attributes=attributes)  # fmt: skip
 
     def step(
         self,
@@ -68,13 +92,14 @@ class RequestPhaseTracer:
         prefill_ids: set[str],
         step_context: Any,
         token_ids: list[str],
-        finished_ids: list[str],
+        finished: dict[str, str],
         step_started_ns: int,
     ) -> None:
         """One engine step: ``prefill_ids`` computed prompt tokens in it (the rest of the
         scheduled requests decoded); ``token_ids`` got new tokens (the first one ends the
-        prefill); ``finished_ids`` finished. ``step_started_ns``: when the step (its
-        scheduling) began — a request first scheduled in it stopped waiting then."""
+        prefill); ``finished``: request id → finish reason (``stop``, ``length``) of those
+        that finished. ``step_started_ns``: when the step (its scheduling) began — a request
+        first scheduled in it stopped waiting then."""
         if not self._phases:
             return
         now = time.time_ns()
@@ -106,11 +131,12 @@ class RequestPhaseTracer:
                         parent=phases.context, links=phases.prefill_links,
                         attributes={catalogue.ATTR_GEN_AI_REQUEST_ID: request_id,
                                     catalogue.ATTR_NUM_CHUNKS: phases.num_chunks})  # fmt: skip
-        for request_id in finished_ids:
+        for request_id, finish_reason in finished.items():
             phases = self._phases.pop(request_id, None)
             if phases is None or phases.first_token_ns is None:
                 continue
             record_span(catalogue.REQUEST_DECODE, start_ns=phases.first_token_ns, end_ns=now,
                         parent=phases.context, links=phases.decode_links,
                         attributes={catalogue.ATTR_GEN_AI_REQUEST_ID: request_id,
-                                    catalogue.ATTR_NUM_STEPS: phases.num_decode_steps})  # fmt: skip
+                                    catalogue.ATTR_NUM_STEPS: phases.num_decode_steps,
+                                    catalogue.ATTR_GEN_AI_RESPONSE_FINISH_REASONS: [finish_reason]})  # fmt: skip

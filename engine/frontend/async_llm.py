@@ -36,6 +36,7 @@ from engine.frontend.tokenizer import get_tokenizer
 from engine.logger import init_logger
 from engine.sampling_params import SamplingParams
 from engine.utils.processes import EngineDeadError
+from tracing.propagation import attached_trace_context
 from tracing.telemetry import events
 from tracing.telemetry.publisher import get_publisher
 
@@ -189,8 +190,10 @@ class AsyncLLM:
             if not finished and publisher is not None:
                 publisher.publish_request_event(request_id, "aborted", reason=stop_reason)
             if not finished:
-                # Shielded: a cancelled HTTP handler must still get its abort through.
-                await asyncio.shield(self.abort(request_id))
+                # Shielded: a cancelled HTTP handler must still get its abort through. In the
+                # request's trace: the ABORT message carries its context to the engine core.
+                with attached_trace_context(trace_headers):
+                    await asyncio.shield(self.abort(request_id))
 
     def _log_request(
         self, request_id: str, text: str | None, prompt_token_ids: list[int], params: SamplingParams
@@ -214,13 +217,20 @@ class AsyncLLM:
         )
 
     async def abort(self, request_id: str) -> None:
-        """Stop a request (or a parent and all its children) and free its KV blocks."""
+        """Stop a request (or a parent and all its children) and free its KV blocks.
+
+        Each one still in flight ends its ``llm_request`` span with finish reason ``abort``;
+        ``--enable-log-requests`` logs ``Aborted request <id>.`` (vLLM's line). Unknown or
+        finished ids do nothing.
+        """
         child_ids = self.output_processor.abort_requests([request_id])
         if child_ids and self.dead_error is None:
             try:
                 await self.engine_core.abort_requests_async(child_ids)
             except EngineDeadError:
                 pass
+        if child_ids and self.log_requests:
+            logger.info("Aborted request %s.", request_id)
 
     def abort_all(self, error: BaseException) -> int:
         """End every request in flight with ``error`` and refuse new ones with it.
@@ -305,6 +315,12 @@ class AsyncLLM:
         if self.dead_error is not None:
             raise self.dead_error
         self.engine_core._check_alive()
+
+    def tree_problems(self) -> list[str]:
+        """Why the process tree cannot serve now: one line per process of it that is stopped
+        by a signal, frozen or dead (role, pid, why); empty while all run. ``/health``
+        answers 503 with them, before the supervisor's timeouts tear the tree down."""
+        return self.engine_core.tree_problems()
 
     def shutdown(self) -> None:
         if self.output_handler is not None:

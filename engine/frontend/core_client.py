@@ -782,6 +782,12 @@ class MPClient(EngineCoreClient):
                     self._mark_dead(_dead_message(frames))
             self._mark_dead(None, proc)
 
+    def tree_problems(self) -> list[str]:
+        """Each process of this server's tree (the run directory's manifest) that is stopped,
+        frozen or dead right now, by role, pid and why (``StoppedWatch.tree_problems``: the
+        rule that tears the tree down after ``GLASSBOX_STOPPED_TIMEOUT_S``, applied at once)."""
+        return self._stopped.tree_problems(self.run_dir)
+
     def _mark_stopped(self, proc: processes.ChildProcess, state: str) -> None:
         """A child stopped by a signal, or frozen, for too long: the tree is stuck on it;
         report it by name (``state`` says which and for how long)."""

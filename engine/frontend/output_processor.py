@@ -307,13 +307,20 @@ class OutputProcessor:
         """Stop tracking requests; return the engine request ids to abort.
 
         Accepts engine request ids and parent ids (a parent id stands for all of its
-        unfinished children). Unknown ids are ignored. No output is produced for them.
+        unfinished children). Unknown ids are ignored. No output is produced for them; each
+        one's ``llm_request`` span ends now, with finish reason ``abort``.
         """
         to_abort: list[str] = []
+        now = time.time()
         for request_id in request_ids:
             state = self.request_states.pop(request_id, None)
             if state is not None:
                 to_abort.append(request_id)
+                done = metrics_stats.finished_request_stats(
+                    state.req_stats, str(FinishReason.ABORT), len(state.prompt_token_ids),
+                    state.sampling_params.max_tokens, now,
+                )  # fmt: skip
+                _record_request_span(state, done, self.model_name, now)
                 if state.parent_req is not None:
                     state.parent_req.child_requests.discard(request_id)
                     if state.parent_req.finished:

@@ -410,19 +410,26 @@ class StoppedWatch:
         self._first_beat: dict[int, float] = {}  # pid → the first status-file mtime seen
         self._beating: set[int] = set()  # pids seen to beat (their mtime moved)
 
-    def stopped_for(self, pid: int) -> float | None:
+    def stopped_since(self, pid: int) -> float | None:
+        """Seconds ``pid`` has been seen stopped (from the first call that saw it so: 0.0),
+        at once, whatever the timeout; None while it runs (or is gone)."""
         import psutil
 
+        from tracing.instances import STOPPED_STATES
+
         try:
-            stopped = psutil.Process(pid).status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+            stopped = psutil.Process(pid).status() in STOPPED_STATES
         except psutil.Error:
             stopped = False
         if not stopped:
             self._since.pop(pid, None)
             return None
         since = self._since.setdefault(pid, time.monotonic())
-        waited = time.monotonic() - since
-        return waited if waited >= self.timeout_s else None
+        return time.monotonic() - since
+
+    def stopped_for(self, pid: int) -> float | None:
+        waited = self.stopped_since(pid)
+        return waited if waited is not None and waited >= self.timeout_s else None
 
     def frozen_for(self, pid: int, status_file: Path) -> float | None:
         """Seconds since ``pid`` last beat, once over ``GLASSBOX_HEARTBEAT_TIMEOUT_S``, while
@@ -459,6 +466,36 @@ class StoppedWatch:
         except psutil.Error:
             return None
         return age
+
+    def tree_problems(self, run_dir: Path) -> list[str]:
+        """What stops the process tree of ``run_dir`` from serving, now: one line per process
+        of its manifest (the source ``glassbox ps`` reads: ``tracing.instances``) that is
+        stopped by a signal (at once, not after ``GLASSBOX_STOPPED_TIMEOUT_S``), frozen
+        (``frozen_for``) or dead, naming its role, pid and why. Empty while every process runs.
+        A process with no pid known here (not started, or on another node) is not judged.
+        ``/health`` answers 503 with these."""
+        from tracing import run_dir as run_dirs
+        from tracing.instances import collect_instance
+
+        problems = []
+        for p in collect_instance(run_dir).processes:
+            if not p.planned or not p.counted or p.pid is None or p.role is None:
+                continue
+            if not p.alive:
+                problems.append(f"{p.role} (pid {p.pid}) is dead: {p.note or p.state}")
+                continue
+            stopped = self.stopped_since(p.pid)
+            if stopped is not None:
+                problems.append(
+                    f"{p.role} (pid {p.pid}) is stopped by a signal (SIGSTOP, Ctrl-Z or a debugger) for "
+                    f"{stopped:.0f} s; kill -CONT {p.pid} resumes it, else the server stops after "
+                    f"GLASSBOX_STOPPED_TIMEOUT_S={self.timeout_s:g} s"
+                )
+                continue
+            frozen = self.frozen_for(p.pid, run_dirs.status_path(run_dir, p.role))
+            if frozen is not None:
+                problems.append(f"{p.role} (pid {p.pid}) is {self.describe_frozen(frozen)}")
+        return problems
 
     def describe(self, seconds: float) -> str:
         return f"stopped by a signal (SIGSTOP?) for {seconds:.0f} s, over GLASSBOX_STOPPED_TIMEOUT_S={self.timeout_s:g}"

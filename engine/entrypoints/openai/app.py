@@ -237,11 +237,19 @@ _BODY_MODELS = (CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequ
 @router.get("/health", operation_id="health")
 @router.head("/health", operation_id="health_head")
 async def health(raw_request: Request) -> Response:
-    """200 (empty) while the engine is alive, 503 once it is dead."""
+    """200 (empty) while the engine is alive and every process of the tree runs; 503 with an
+    OpenAI-shaped error (``ServiceUnavailableError``) once the engine is dead, or as soon as a
+    process of the tree is stopped by a signal, frozen or dead — its message names the
+    process (role, pid) and why. Every API server answers so (they read the same run
+    directory). A stopped process continued in time (SIGCONT) makes it 200 again."""
+    engine = raw_request.app.state.engine
     try:
-        await raw_request.app.state.engine.check_health()
-    except EngineDeadError:
-        return Response(status_code=503)
+        await engine.check_health()
+    except EngineDeadError as e:
+        return _error(503, f"the engine is dead: {e}")
+    problems = engine.tree_problems()
+    if problems:
+        return _error(503, "; ".join(problems))
     return Response(status_code=200)
 
 

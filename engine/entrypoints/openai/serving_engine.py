@@ -532,11 +532,20 @@ class RequestTrace:
         record_span(catalogue.API_SERVER_PROCESS_INPUTS, start_ns=start_ns, end_ns=end_ns, parent=self.context,
                     attributes={catalogue.ATTR_GEN_AI_REQUEST_ID: self.request_id})  # fmt: skip
 
-    def end(self, error: BaseException | None = None) -> None:
+    def end(self, error: BaseException | None = None, num_chunks_sent: int = 0) -> None:
+        """End the span. ``error``: what ended the request early; a ``CancelledError`` or
+        ``GeneratorExit`` is the client going away (the route cancelled the work, or the
+        stream was closed after ``num_chunks_sent`` chunks): a ``glassbox.client_disconnected``
+        event, not an error status. Anything else is recorded as the span's error."""
         if self.span is None or self._ended:
             return
         self._ended = True
-        if error is not None:
+        if isinstance(error, (GeneratorExit, asyncio.CancelledError)):
+            from tracing import add_span_event, catalogue
+
+            add_span_event(self.span, catalogue.EVENT_CLIENT_DISCONNECTED,
+                           {catalogue.ATTR_NUM_CHUNKS_SENT: num_chunks_sent})  # fmt: skip
+        elif error is not None:
             from opentelemetry.trace import Status, StatusCode
 
             self.span.record_exception(error)
@@ -553,11 +562,15 @@ class RequestTrace:
 
     async def _wrap_stream(self, stream: AsyncIterator[str]) -> AsyncIterator[str]:
         error: BaseException | None = None
+        num_chunks = 0
         try:
-            async for chunk in stream:
-                yield chunk
+            # Closing us closes ``stream`` first (its engine abort runs inside this span).
+            async with contextlib.aclosing(stream):
+                async for chunk in stream:
+                    yield chunk
+                    num_chunks += 1
         except BaseException as e:
             error = e
             raise
         finally:
-            self.end(None if isinstance(error, (GeneratorExit, asyncio.CancelledError)) else error)
+            self.end(error, num_chunks)
