@@ -71,6 +71,8 @@ def main() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
     processes.watch_lifeline(stdin_fd, on_parent_death)
+    # From here a SIGTERM is judged by who sent it (the target installs the same again).
+    processes.install_sigterm_exit(run_dir, role)
     # `glassbox doctor` asks for every thread's stack with SIGUSR1 (written to <role>.stacks).
     from tracing.stacks import enable_stack_dumps
 
