@@ -607,7 +607,7 @@ def install_sigterm_exit(run_dir: Path | None = None, role: str | None = None) -
         origin = sigterm_origin()
         if origin in ("parent stopping", "undecided"):
             return
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        ignore_sigterm()
         if origin == "parent":
             raise SystemExit(0)
         if run_dir is not None and role is not None:
@@ -621,7 +621,15 @@ def install_sigterm_exit(run_dir: Path | None = None, role: str | None = None) -
 def ignore_sigterm() -> None:
     """Call at the start of a shutdown path: a SIGTERM arriving now (the parent stopping us
     while we already exit) must not raise into cleanup code."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for _ in range(2):
+        try:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            return
+        except OSError:
+            # "Signal 15 ignored due to race condition": a second SIGTERM (the parent's, after
+            # the lifeline watcher's own) was pending while SIGTERM was ignored already; it is
+            # consumed now (the check runs before the change), so set it again.
+            continue
 
 
 def watch_lifeline(fd: int, on_parent_death: Callable[[], None]) -> threading.Thread:
