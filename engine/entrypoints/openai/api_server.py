@@ -789,7 +789,9 @@ def _ignore_signal(signum: int, frame: object) -> None:
 
 
 async def _watch_engine(engine) -> None:
-    """Notice a dead engine within a second even when no request is running."""
+    """Notice a dead engine within a second even when no request is running: its last words
+    at once (the output handler reads them), a process gone within half a second."""
+    engine.start_output_handler()
     while True:
         await asyncio.sleep(0.5)
         if engine.errored:
