@@ -3,12 +3,14 @@
 New connections are refused at once; requests in flight may finish within the grace period;
 those still running then end with an SSE error event and ``data: [DONE]``; the server exits
 0 and no process of its tree is left. Each test starts its own server (it stops it) and
-kills its process group on teardown; the SIGTERM follows the first streamed chunk.
+kills its process group on teardown; the SIGTERM follows the first streamed chunk. A SIGTERM
+to the whole process group takes the same path (the children leave it to the server).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import tempfile
@@ -30,12 +32,13 @@ def base():
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _open_stream(server, max_tokens: int):
-    """A streamed completion read up to its first chunk: (client, response, line iterator)."""
+def _open_stream(server, max_tokens: int, usage: bool = False):
+    """A streamed completion read up to its first chunk: (client, response, line iterator).
+    ``usage``: a last chunk carries the usage (``stream_options.include_usage``)."""
     client = httpx.Client(base_url=server.base_url, timeout=60)
     model = client.get("/v1/models").json()["data"][0]["id"]
     body = {"model": model, "prompt": "Return the", "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 0, "stream": True}  # fmt: skip
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": usage}}  # fmt: skip
     response = client.send(client.build_request("POST", "/v1/completions", json=body), stream=True)
     assert response.status_code == 200
     lines = response.iter_lines()
@@ -148,5 +151,36 @@ def test_a_second_ctrl_c_skips_the_drain_but_streams_still_end_with_an_error_and
         log = server.log()
         assert "a second interrupt" in log and "Traceback" not in log, log[-3000:]
         assert wait_gone(session_members(server.proc.pid), timeout=10) == [], "no process is left"
+    finally:
+        server.kill_group()
+
+
+@pytest.mark.parametrize("shape", [(), ("-tp", "2")], ids=["default", "tp2"])
+def test_sigterm_to_the_whole_process_group_drains_like_sigterm_to_the_server(base, tiny_dir, shape):
+    """``kill -TERM -<pgid>`` (pkill, ``docker stop`` of a shell entrypoint, systemd's
+    KillMode=control-group) reaches every process of the tree at once. The children leave it
+    to the server's shutdown: the stream finishes whole, the server exits 0, nobody is blamed."""
+    model = tiny_dir("llama", num_heads=4, num_kv_heads=2)  # splits over TP 2
+    server = start_server(base, str(model), "--max-model-len", "256", "--shutdown-timeout", "60",
+                          "--step-delay-ms", "20", *shape)  # fmt: skip
+    try:
+        pids = session_members(server.proc.pid)
+        assert len(pids) >= (4 if shape else 2), pids  # API server + engine core (+ 2 workers)
+        max_tokens = 100  # >= 2 s of steps after the SIGTERM (--step-delay-ms 20)
+        client, response, lines = _open_stream(server, max_tokens=max_tokens, usage=True)
+        os.killpg(server.proc.pid, signal.SIGTERM)  # it leads its session and process group
+        events = _events(lines)
+        response.close()
+        client.close()
+        assert events[-1] == "[DONE]", events[-3:]
+        assert not any('"error"' in e for e in events), events[-3:]
+        *chunks, usage = [json.loads(e) for e in events[:-1]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length", chunks[-1]
+        assert usage["usage"]["completion_tokens"] == max_tokens, usage
+        assert server.proc.wait(60) == 0, server.log()[-3000:]
+        log = server.log()
+        assert "Glassbox root cause" not in log and "Traceback" not in log, log[-3000:]
+        assert wait_gone(session_members(server.proc.pid), timeout=10) == [], "no process is left"
+        assert not server.run_dir.exists()
     finally:
         server.kill_group()

@@ -13,6 +13,8 @@ engine, two levels below the API server — is SIGKILLed while idle. Then:
 - the run directory is removed, and with it the shared-memory queues (``*.mq`` ring
   files and their wake-up FIFOs) that lived in it.
 
+The same holds on a loaded machine when the dead engine core is slow to stop (the last test).
+
 The server is started here rather than with ``server_utils.start_server`` because that
 helper merges stderr into stdout, and the root cause must be the last thing on *stderr*.
 """
@@ -119,16 +121,33 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.fixture
-def server(tiny_dir):
+def serve_tp2_dp2(tiny_dir):
+    """``serve_tp2_dp2(*extra_args)``: a ``-tp 2 -dp 2`` server of a tiny model, (server, stdout
+    path); every one started is killed (its process group) and its files removed afterwards."""
     model = tiny_dir("llama", num_heads=4, num_kv_heads=2)  # 4 heads, 2 KV heads: splits over TP 2
-    base = Path(tempfile.mkdtemp(prefix="gbk", dir="/tmp"))  # short: ipc paths ≤ 107 characters
-    srv, stdout_path = _start_server(
-        base / "run", str(model), "--max-model-len", "128", "--kv-cache-memory-bytes", str(16 << 20),
-        "--tensor-parallel-size", "2", "--data-parallel-size", "2", "--uvicorn-log-level", "warning",
-    )  # fmt: skip
-    yield srv, stdout_path
-    srv.kill_group()
-    shutil.rmtree(base, ignore_errors=True)
+    started = []
+
+    def start(*extra: str):
+        base = Path(tempfile.mkdtemp(prefix="gbk", dir="/tmp"))  # short: ipc paths ≤ 107 characters
+        started.append(base)
+        srv, stdout_path = _start_server(
+            base / "run", str(model), "--max-model-len", "128", "--kv-cache-memory-bytes", str(16 << 20),
+            "--tensor-parallel-size", "2", "--data-parallel-size", "2", "--uvicorn-log-level", "warning", *extra,
+        )  # fmt: skip
+        started.append(srv)
+        return srv, stdout_path
+
+    yield start
+    for item in started:
+        if isinstance(item, Server):
+            item.kill_group()
+        else:
+            shutil.rmtree(item, ignore_errors=True)
+
+
+@pytest.fixture
+def server(serve_tp2_dp2):
+    return serve_tp2_dp2()
 
 
 def test_sigkill_of_worker_dp1_tp1_takes_the_whole_tp2_dp2_tree_down(server):
@@ -190,3 +209,32 @@ def test_sigkill_of_worker_dp1_tp1_takes_the_whole_tp2_dp2_tree_down(server):
     shm = Path("/dev/shm")
     if shm.is_dir():
         assert not [p for p in shm.iterdir() if run_dir.name in p.name], "shared-memory files of the run left"
+
+
+def test_the_tree_goes_at_once_under_load_though_the_dead_engine_core_is_slow_to_exit(serve_tp2_dp2):
+    """The API server acts on the engine core's last words (``ENGINE_CORE_DEAD``, sent as it
+    starts to stop), not on its exit: the rest of the tree is stopped meanwhile, in parallel.
+    It used to hear of an idle engine's death only when that process had exited, so the tree
+    went down one process after another — over 5 s on a loaded machine. Here EngineCore_DP1
+    takes 30 s to stop (a slow fault in its shutdown) and two busy loops load the CPUs: still,
+    every process goes and the run directory is removed within a liveness bound."""
+    server, _ = serve_tp2_dp2("--inject-fault", "engine_core.shutdown:slow:30@EngineCore_DP1")
+    run_dir = server.run_dir
+    pids = _planned_pids(run_dir)
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        os.kill(pids[VICTIM.name], signal.SIGKILL)
+        left = wait_gone(list(pids.values()), timeout=10.0)
+        survivors = {name: pid for name, pid in pids.items() if pid in left}
+        assert not survivors, f"still alive 10 s after SIGKILL of {VICTIM.name}: {survivors}"
+        deadline = time.monotonic() + 5.0
+        while run_dir.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not run_dir.exists(), "the run directory goes with the tree"
+    finally:
+        for proc in busy:
+            proc.kill()
+            proc.wait(10)
+    assert server.proc.wait(10) == 1
+    block = server.log()[server.log().rindex("Glassbox root cause") :]
+    assert VICTIM.name in block and "SIGKILL" in block, block

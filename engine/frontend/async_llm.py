@@ -251,6 +251,14 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ output handler
 
+    def start_output_handler(self) -> None:
+        """Start reading the engines' outputs now rather than at the first request (needs a
+        running event loop). The API server calls it as it starts serving: an engine core's
+        last words (``ENGINE_CORE_DEAD``) come on the output socket, and an idle server that
+        does not read it learns of the death only once the engine core's process has exited —
+        seconds later under load, with the rest of the tree waiting on it."""
+        self._ensure_output_handler()
+
     def _ensure_output_handler(self) -> None:
         if self.output_handler is None:
             self.output_handler = asyncio.get_running_loop().create_task(self._run_output_handler(),

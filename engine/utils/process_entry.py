@@ -79,6 +79,8 @@ def main() -> None:
     from tracing import run_dir as run_dirs
 
     processes.start_liveness_beat(run_dirs.status_path(run_dir, role))
+    # From here a SIGTERM is judged by who sent it (the target installs the same again).
+    processes.install_sigterm_exit(run_dir, role)
     # `glassbox doctor` asks for every thread's stack with SIGUSR1 (written to <role>.stacks).
     from tracing.stacks import enable_stack_dumps
 

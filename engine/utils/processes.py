@@ -12,7 +12,9 @@ Every child (engine core, worker) is started the same way, by ``spawn_process``:
   that pipe; end-of-file means the parent is gone — however it died, SIGKILL included,
   because the kernel closes a dead process's file descriptors. The child then stops its own
   children (each has its own lifeline to it) and exits within a few seconds. This is the
-  "no orphan ever keeps running" rule. A child stopped by a signal cannot read its lifeline,
+  "no orphan ever keeps running" rule. The one thing the parent writes on it after the
+  envelope is ``PARENT_STOPPING``: "I am stopping; leave a SIGTERM to me"
+  (``announce_stopping``), passed on down the tree. A child stopped by a signal cannot read its lifeline,
   so each child also asks the kernel for a SIGCONT when its parent dies
   (``PR_SET_PDEATHSIG``; ``process_entry.continue_on_parent_death``): woken, it sees the
   end-of-file like any other.
@@ -37,6 +39,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,7 +102,7 @@ def set_process_title(role: str) -> None:
         pass
 
 
-@dataclass
+@dataclass(eq=False)
 class ChildProcess:
     """A child started by ``spawn_process``.
 
@@ -122,6 +125,15 @@ class ChildProcess:
 
     def is_alive(self) -> bool:
         return self.popen.poll() is None
+
+    def announce_stopping(self) -> None:
+        """Tell the child this process is stopping (``PARENT_STOPPING`` on its lifeline): a
+        SIGTERM it gets from now on is left to this process's shutdown. Never raises, never
+        blocks (a raw write of one byte; safe inside a signal handler)."""
+        try:
+            os.write(self.lifeline.fileno(), PARENT_STOPPING)
+        except (OSError, ValueError):  # closed: it is being stopped already, or gone
+            pass
 
     def request_stop(self) -> None:
         """Ask the child to exit (close the lifeline, SIGTERM) without waiting for it."""
@@ -235,7 +247,11 @@ def spawn_process(
         data = msgspec.msgpack.encode(SpawnEnvelope(role, target, payload, str(run_dir)))
         popen.stdin.write(_LEN.pack(len(data)) + data)
         popen.stdin.flush()
-    return ChildProcess(role=role, popen=popen, lifeline=popen.stdin, run_dir=run_dir)
+    child = ChildProcess(role=role, popen=popen, lifeline=popen.stdin, run_dir=run_dir)
+    _children.add(child)
+    if _stopping.is_set():  # spawned while this process stops: it knows from the start
+        child.announce_stopping()
+    return child
 
 
 # --------------------------------------------------------------------- child side
@@ -513,51 +529,150 @@ class TerminatedFromOutside(Exception):
 
 # Exit status of a child stopped by a SIGTERM its parent did not send (128 + SIGTERM).
 EXIT_TERMINATED_FROM_OUTSIDE = 128 + signal.SIGTERM
+# The byte a parent writes on a child's lifeline when it starts stopping (``announce_stopping``).
+PARENT_STOPPING = b"S"
+# How long a child that got a SIGTERM with its lifeline open waits for its parent to say it is
+# stopping (or to close the lifeline) before it takes the SIGTERM as one from outside the tree.
+# A SIGTERM to the whole process group reaches parent and child at once; the parent's handler
+# needs a moment (on a loaded machine, more) to announce.
+STOP_ANNOUNCE_WAIT_S = 5.0
 _lifeline_fd: int | None = None
+_lifeline_eof = threading.Event()  # the watcher read end-of-file: the parent asked us to stop, or died
+_parent_stopping = threading.Event()  # the parent said PARENT_STOPPING
+_stopping = threading.Event()  # this process announced that it stops (to its children)
+_from_outside = threading.Event()  # a SIGTERM was judged to come from outside the tree
+_deciding = threading.Lock()
+_children: weakref.WeakSet[ChildProcess] = weakref.WeakSet()
+
+
+def announce_stopping() -> None:
+    """Tell every live child this process spawned that it is stopping (``PARENT_STOPPING`` on
+    each lifeline, once); children spawned later are told at spawn. Called by the root (the
+    API server) when a SIGTERM or Ctrl-C starts its shutdown, and by a child whose parent
+    announced, so the whole tree leaves a SIGTERM to the root's drain: ``kill -TERM -<pgid>``
+    (pkill, ``docker stop`` of a shell entrypoint, systemd's KillMode=control-group) stops the
+    tree as a SIGTERM to the root alone does. Safe inside a signal handler; never raises.
+
+    vLLM: the engine core and workers ignore SIGTERM/SIGINT while the frontend drives shutdown.
+    """
+    if _stopping.is_set():
+        return
+    _stopping.set()
+    for child in list(_children):
+        child.announce_stopping()
+
+
+def parent_is_stopping() -> bool:
+    """Whether this process's parent announced that it is stopping (``announce_stopping``)."""
+    return _parent_stopping.is_set()
+
+
+def sigterm_origin() -> str:
+    """Who a SIGTERM this process just got is from, as far as it can tell now:
+
+    - ``"parent"``: the parent asked this process to stop (it closes the lifeline first), or
+      died, or there is no lifeline (not a spawned child): stop cleanly.
+    - ``"parent stopping"``: the parent announced it is stopping; the SIGTERM came to the
+      whole group. Leave it to the parent's shutdown, which stops this process in turn (and
+      the lifeline still ends it if the parent dies).
+    - ``"outside"``: a SIGTERM the parent did not send while it keeps running (``kill <pid>``):
+      a death, with blame.
+    - ``"undecided"``: the lifeline is open and the parent has not announced. A thread now
+      waits up to ``STOP_ANNOUNCE_WAIT_S`` for the announcement; if none comes (and the
+      lifeline stays open), it judges the SIGTERM from outside and sends SIGTERM to the main
+      thread again, whose handler then sees ``"outside"``. Carry on meanwhile.
+    """
+    if _lifeline_fd is None or _lifeline_eof.is_set():
+        return "parent"
+    if _from_outside.is_set():
+        return "outside"
+    if _parent_stopping.is_set():
+        return "parent stopping"
+    pending = _lifeline_pending(_lifeline_fd)
+    if pending is None:
+        return "parent"  # end-of-file the watcher has not read yet
+    if pending:
+        return "parent stopping"  # the announcement, not read yet (nothing else comes after the envelope)
+    if _deciding.acquire(blocking=False):
+        threading.Thread(target=_decide_sigterm, name="sigterm_origin", daemon=True).start()
+    return "undecided"
+
+
+def _decide_sigterm() -> None:
+    deadline = time.monotonic() + STOP_ANNOUNCE_WAIT_S
+    try:
+        while time.monotonic() < deadline:
+            if _parent_stopping.wait(0.05) or _lifeline_eof.is_set():
+                return  # left to the parent (announced), or the watcher stops us (EOF)
+        _from_outside.set()
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
+    finally:
+        _deciding.release()
+
+
+def _lifeline_pending(fd: int) -> int | None:
+    """Bytes waiting on the lifeline (0: none), or None at end-of-file; consumes nothing."""
+    import fcntl
+    import select
+    import termios
+
+    try:
+        if not select.select([fd], [], [], 0)[0]:
+            return 0
+        buf = bytearray(4)
+        fcntl.ioctl(fd, termios.FIONREAD, buf)
+        n = int.from_bytes(buf, sys.byteorder)
+    except (OSError, ValueError):
+        return None
+    return n or None
 
 
 def install_sigterm_exit(run_dir: Path | None = None, role: str | None = None) -> None:
-    """Turn the first SIGTERM into ``SystemExit`` in the main thread; ignore later ones
-    (the lifeline watcher and the parent may both send one), so shutdown runs once.
+    """Turn a SIGTERM into ``SystemExit`` in the main thread, by who sent it
+    (``sigterm_origin``); once it raises, later SIGTERMs are ignored (the lifeline watcher
+    and the parent may both send one), so shutdown runs once.
 
     A SIGTERM the parent asked for (it closes the lifeline first) is a clean stop:
-    ``SystemExit(0)``. One from outside the tree (``kill <pid>`` while the lifeline is still
-    open) is not: a crash report says so, and the exit status is
-    ``EXIT_TERMINATED_FROM_OUTSIDE`` (143), so the parent's root cause names the signal.
+    ``SystemExit(0)``. One that reached the whole process group while the parent stops
+    (it announced) is left to the parent's shutdown: nothing is raised. One from outside the
+    tree (``kill <pid>`` while the parent keeps running, judged within
+    ``STOP_ANNOUNCE_WAIT_S``) is not a clean stop: a crash report says so, and the exit
+    status is ``EXIT_TERMINATED_FROM_OUTSIDE`` (143), so the parent's root cause names the
+    signal.
     """
 
     def handler(signum: int, frame: Any) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if _lifeline_fd is None or _lifeline_closed(_lifeline_fd):
+        origin = sigterm_origin()
+        if origin in ("parent stopping", "undecided"):
+            return
+        ignore_sigterm()
+        if origin == "parent":
             raise SystemExit(0)
         if run_dir is not None and role is not None:
-            from engine.logger import get_process_role
-
             error = TerminatedFromOutside("SIGTERM from outside the tree (its parent did not ask it to stop)")
-            write_crash_report(run_dir, role or get_process_role(), error, None)
+            write_crash_report(run_dir, role, error, None)
         raise SystemExit(EXIT_TERMINATED_FROM_OUTSIDE)
 
     signal.signal(signal.SIGTERM, handler)
 
 
-def _lifeline_closed(fd: int) -> bool:
-    """Whether the parent closed the lifeline pipe (EOF pending), without consuming anything."""
-    import select
-
-    try:
-        return bool(select.select([fd], [], [], 0)[0])
-    except (OSError, ValueError):
-        return True
-
-
 def ignore_sigterm() -> None:
     """Call at the start of a shutdown path: a SIGTERM arriving now (the parent stopping us
     while we already exit) must not raise into cleanup code."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for _ in range(2):
+        try:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            return
+        except OSError:
+            # "Signal 15 ignored due to race condition": a second SIGTERM (the parent's, after
+            # the lifeline watcher's own) was pending while SIGTERM was ignored already; it is
+            # consumed now (the check runs before the change), so set it again.
+            continue
 
 
 def watch_lifeline(fd: int, on_parent_death: Callable[[], None]) -> threading.Thread:
-    """Start a daemon thread that calls ``on_parent_death`` when pipe ``fd`` reaches EOF.
+    """Start a daemon thread that calls ``on_parent_death`` when pipe ``fd`` reaches EOF, and
+    notes (and passes on to this process's children) the parent's ``PARENT_STOPPING``.
 
     Reads the raw fd (not ``sys.stdin``), so the blocked thread holds no interpreter lock
     that would stall this process's own exit.
@@ -567,10 +682,13 @@ def watch_lifeline(fd: int, on_parent_death: Callable[[], None]) -> threading.Th
 
     def run() -> None:
         try:
-            while os.read(fd, 65536):
-                pass
+            while data := os.read(fd, 65536):
+                if PARENT_STOPPING in data and not _parent_stopping.is_set():
+                    _parent_stopping.set()
+                    announce_stopping()  # down the tree: our children leave it to us, as we to ours
         except OSError:
             pass
+        _lifeline_eof.set()
         on_parent_death()
 
     _lifeline_fd = fd

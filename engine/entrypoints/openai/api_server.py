@@ -27,7 +27,9 @@ inherit it), so ``/metrics`` sums every server's request metrics whichever serve
 (``engine/metrics/prometheus.py``). Every server logs the periodic stats line every
 ``GLASSBOX_LOG_STATS_INTERVAL`` seconds.
 
-Shutdown (vLLM's ``--shutdown-timeout``): SIGINT/SIGTERM → the listening socket is closed
+Shutdown (vLLM's ``--shutdown-timeout``): SIGINT/SIGTERM → every child is told this server is
+stopping (``processes.announce_stopping``), so a SIGTERM sent to the whole process group
+(``kill -TERM -<pgid>``, pkill, ``docker stop``, systemd) takes this same path → the listening socket is closed
 (new connections are refused) and idle connections are closed → requests in flight may
 finish for up to ``--shutdown-timeout`` seconds (default 0, as vLLM) → those still running are
 ended through the engine client (``AsyncLLM.abort_all``): a stream gets an SSE error event
@@ -170,6 +172,7 @@ def run_server(config: EngineConfig, args: ServerArgs, sock: socket.socket | Non
 
     def on_signal_during_startup(signum: int, frame: object) -> None:
         startup_signal.append(signum)
+        processes.announce_stopping()  # a SIGTERM to the whole group is left to this stop
         # Not KeyboardInterrupt: one raised inside an exec() of generated code (a dataclass
         # being built while a module imports) makes CPython exit by SIGINT (-2) at the end,
         # whatever we return (it flags it as unhandled); our own exception does not.
@@ -350,6 +353,7 @@ async def _serve(
 
         def record_signal(signum: int, frame: object) -> None:
             seen.append(signum)
+            processes.announce_stopping()
 
         signal.signal(signal.SIGTERM, record_signal)
         signal.signal(signal.SIGINT, record_signal)
@@ -357,7 +361,11 @@ async def _serve(
 
         def on_sigterm() -> None:
             nonlocal exit_code
-            if processes._lifeline_fd is not None and not processes._lifeline_closed(processes._lifeline_fd):
+            origin = processes.sigterm_origin()
+            if origin in ("parent stopping", "undecided"):
+                # The whole group got it while APIServer_0 stops: it stops this server in turn.
+                return
+            if origin == "outside":
                 # Not APIServer_0 stopping us (it closes the lifeline first): say so.
                 exit_code = processes.EXIT_TERMINATED_FROM_OUTSIDE
             server.should_exit = True
@@ -442,6 +450,12 @@ def _make_server(config, engine, shutdown_timeout: float, *, signals: bool):
     class GlassboxServer(uvicorn.Server):
         def capture_signals(self):
             return super().capture_signals() if signals else contextlib.nullcontext()
+
+        def handle_exit(self, sig, frame) -> None:
+            # Before anything else: the children that got the same SIGTERM (sent to the whole
+            # process group) leave it to this shutdown, which drains and then stops them.
+            processes.announce_stopping()
+            super().handle_exit(sig, frame)
 
         async def _wait_for_tasks(self, timeout: float, *, until_forced: bool = True) -> None:
             """Until the requests in flight are done, ``timeout`` s pass, or (``until_forced``)
@@ -792,7 +806,9 @@ def _ignore_signal(signum: int, frame: object) -> None:
 
 
 async def _watch_engine(engine) -> None:
-    """Notice a dead engine within a second even when no request is running."""
+    """Notice a dead engine within a second even when no request is running: its last words
+    at once (the output handler reads them), a process gone within half a second."""
+    engine.start_output_handler()
     while True:
         await asyncio.sleep(0.5)
         if engine.errored:
