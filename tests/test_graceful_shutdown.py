@@ -184,3 +184,49 @@ def test_sigterm_to_the_whole_process_group_drains_like_sigterm_to_the_server(ba
         assert not server.run_dir.exists()
     finally:
         server.kill_group()
+
+
+def _accepted(server) -> dict[str, int]:
+    """Completions each API server has started answering (its access-log lines)."""
+    lines = server.log().splitlines()
+    return {s: sum(1 for line in lines if line.startswith(f"({s} pid=") and "POST /v1/completions" in line)
+            for s in ("APIServer_0", "APIServer_1")}  # fmt: skip
+
+
+def _stream_on(server, role: str, max_tokens: int):
+    """A stream (``_open_stream``) that ``role`` serves: the kernel picks which API server
+    accepts a connection, so streams another one took are closed (aborted) and retried."""
+    for _ in range(40):
+        before = _accepted(server)
+        stream = _open_stream(server, max_tokens=max_tokens, usage=True)
+        after = _accepted(server)
+        if after[role] > before[role]:
+            return stream
+        stream[1].close()
+        stream[0].close()
+    raise AssertionError(f"{role} accepted none of 40 connections")
+
+
+def test_sigterm_to_the_group_with_two_api_servers_drains_the_streams_of_both(base):
+    """``-dp 2`` runs two API servers on one port: at APIServer_0's first signal each drains its
+    own streams under the same --shutdown-timeout, and the engines stop after both have left —
+    also when APIServer_1's stream runs longer than every one of APIServer_0's."""
+    server = start_server(base, "-dp", "2", "--max-model-len", "256", "--shutdown-timeout", "60",
+                          "--step-delay-ms", "20")  # fmt: skip
+    try:
+        streams = [(_stream_on(server, "APIServer_0", 20), 20), (_stream_on(server, "APIServer_1", 200), 200)]
+        os.killpg(server.proc.pid, signal.SIGTERM)
+        for (client, response, lines), max_tokens in streams:
+            events = _events(lines)
+            response.close()
+            client.close()
+            assert events[-1] == "[DONE]" and not any('"error"' in e for e in events), events[-3:]
+            *chunks, usage = [json.loads(e) for e in events[:-1]]
+            assert chunks[-1]["choices"][0]["finish_reason"] == "length", chunks[-1]
+            assert usage["usage"]["completion_tokens"] == max_tokens, usage
+        assert server.proc.wait(90) == 0, server.log()[-3000:]
+        log = server.log()
+        assert "Glassbox root cause" not in log and "Traceback" not in log, log[-3000:]
+        assert wait_gone(session_members(server.proc.pid), timeout=10) == [], "no process is left"
+    finally:
+        server.kill_group()

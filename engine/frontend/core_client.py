@@ -320,6 +320,15 @@ class MPClient(EngineCoreClient):
         """Treat ``proc``'s death as the tree's (client 0 watches the other API servers)."""
         self.watched.append(proc)
 
+    def wait_watched_exit(self, timeout: float) -> list[str]:
+        """Client 0, stopping: wait up to ``timeout`` s for the other API servers to finish
+        their own drain and exit; returns the roles still running then (they are stopped with
+        the engines)."""
+        deadline = time.monotonic() + timeout
+        while (alive := [p for p in self.watched if p.is_alive()]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return [p.role for p in alive]
+
     def engines_info(self) -> EnginesInfo:
         """What another client needs to attach to this client's engines (client 0 only)."""
         if not self.engine_procs:
@@ -767,6 +776,8 @@ class MPClient(EngineCoreClient):
                 self._fail_utility_calls()
                 raise self.dead
         for proc in self._children():
+            if proc in self.watched and processes.is_stopping() and proc.popen.poll() == 0:
+                continue  # another API server that drained and left, as this one stops: no death
             if proc.is_alive():
                 stopped = self._stopped.stopped_for(proc.pid)
                 if stopped is not None:

@@ -31,6 +31,7 @@ orphans when the API server is SIGKILLed).
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import struct
@@ -562,6 +563,23 @@ def announce_stopping() -> None:
         child.announce_stopping()
 
 
+_on_parent_stopping: list[Callable[[], None]] = []
+
+
+def on_parent_stopping(callback: Callable[[], None]) -> None:
+    """Call ``callback`` (from the lifeline watcher's thread) once the parent announces that it
+    is stopping; at once if it did already. Another API server uses it to start draining its
+    own requests while APIServer_0 drains its own, so one ``--shutdown-timeout`` covers all."""
+    _on_parent_stopping.append(callback)
+    if _parent_stopping.is_set():
+        callback()
+
+
+def is_stopping() -> bool:
+    """Whether this process announced that it stops (``announce_stopping``)."""
+    return _stopping.is_set()
+
+
 def parent_is_stopping() -> bool:
     """Whether this process's parent announced that it is stopping (``announce_stopping``)."""
     return _parent_stopping.is_set()
@@ -686,6 +704,11 @@ def watch_lifeline(fd: int, on_parent_death: Callable[[], None]) -> threading.Th
                 if PARENT_STOPPING in data and not _parent_stopping.is_set():
                     _parent_stopping.set()
                     announce_stopping()  # down the tree: our children leave it to us, as we to ours
+                    for callback in list(_on_parent_stopping):
+                        try:
+                            callback()
+                        except Exception:  # one bad callback must not stop the watcher
+                            logging.getLogger(__name__).exception("on_parent_stopping callback failed")
         except OSError:
             pass
         _lifeline_eof.set()

@@ -371,6 +371,10 @@ async def _serve(
             server.should_exit = True
 
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_sigterm)
+        # APIServer_0 announces that it stops (a SIGTERM to it or to the whole group, Ctrl-C):
+        # this server drains its own requests meanwhile, under the same --shutdown-timeout.
+        loop = asyncio.get_running_loop()
+        processes.on_parent_stopping(lambda: loop.call_soon_threadsafe(setattr, server, "should_exit", True))
 
     def on_engine_dead(error: EngineDeadError) -> None:
         nonlocal exit_code
@@ -415,6 +419,15 @@ async def _serve(
             raise StartupInterrupted(startup_signal[0])
         logger.info("Glassbox API server ready on http://%s:%d (model %s)", args.host, port, served_name)
         await server.serve(sockets=[sock])
+        if launcher and not dead and getattr(engine.engine_core, "watched", None):
+            # The other API servers drain their requests as this one did (they were told at
+            # its first signal); the engines stop once they have left.
+            wait = 0.0 if server.force_exit else float(args.shutdown_timeout) + SHUTDOWN_FINISH_S + 2.0
+            left = await asyncio.to_thread(engine.engine_core.wait_watched_exit, wait)
+            if left:
+                logger.warning(
+                    "Shutting down: %s still running after the drain; stopping it", ", ".join(left)
+                )
     finally:
         watchdog.cancel()
         stats_log.cancel()
