@@ -4,7 +4,7 @@ Each engine serves the same checkpoint with its own OpenAI-compatible server (``
 serve`` from this virtualenv; vLLM's, ``vllm serve``'s module, with ``--vllm-python``), and
 the same client — ``glassbox bench serve``, run as its own process like a user would —
 sends the same random prompts to each: by default 64 prompts of 128 token ids, 64 output
-tokens each (EOS ignored), at most 16 in flight (issue 13's serving workload). Per start of
+tokens each (EOS ignored), at most 16 in flight. Per start of
 a server the client runs ``--bench-runs`` times (seeds 1, 2, ...); servers are started
 ``--runs`` times each, alternating (run 1: Glassbox, vLLM; run 2: vLLM, Glassbox; ...), and
 each figure is the median over all of an engine's client runs. Also measured: process start

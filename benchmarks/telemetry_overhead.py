@@ -6,7 +6,7 @@ and ``engine-top`` attached to it (in a pseudo-terminal, at its default refresh)
 turns generating the same workload (random token ids, greedy, EOS ignored): off, on, on,
 off, ... (who goes first alternates). Each run's output tok/s is recorded; the medians and
 their ratio are printed, with engine-top's CPU use (% of one core, psutil) over the runs
-with telemetry on and the load average. Targets (issue 9): throughput on / off ≥ 98 %, engine-top ≤ 10 % of one core.
+with telemetry on and the load average. Targets: throughput on / off ≥ 98 %, engine-top ≤ 10 % of one core.
 
     .venv/bin/python benchmarks/telemetry_overhead.py [--repeats 5] [--num-prompts 16]
 """

@@ -12,7 +12,7 @@ thread per worker) are started side by side in this process:
 
 They take turns generating the same workload (random token ids, greedy, EOS ignored), the
 order rotating each round; medians of the output tok/s and the ratios to "off" are printed
-with the load average. Target (issue 10): default ≥ 97 % of off.
+with the load average. Target: default ≥ 97 % of off.
 
     .venv/bin/python benchmarks/tracing_overhead.py [--repeats 5] [--num-prompts 16]
 """

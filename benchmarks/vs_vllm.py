@@ -22,13 +22,13 @@ generates 2 prompts × 4 tokens to warm up, then the whole workload in one ``gen
 prompts as ``{"prompt_token_ids": ids}``), checks that every output has exactly n tokens and
 prints one JSON line. Runs are interleaved — run 1: Glassbox, vLLM; run 2: vLLM, Glassbox;
 ... (with more engines the order rotates) — and each figure is the median of ``--runs``.
-The script prints a table like issue 13's (engine | float32 out tok/s | bfloat16 out tok/s
+The script prints a table like the vLLM comparison's (engine | float32 out tok/s | bfloat16 out tok/s
 | ready), the ratio, the workload, the CPU model, the core count, the load average before
 and after every run, and how many greedy outputs agree with the first engine's.
 
 ``--contention`` runs every engine a second time per run while a ``while True: pass``
 Python process (started and killed by this script) takes one core, and reports
-throughput with the core taken ÷ quiet (issue 13's target for Glassbox: ≥ 0.40).
+throughput with the core taken ÷ quiet.
 
 Without ``--vllm-python`` only Glassbox runs, and the last recorded vLLM figures
 (``benchmarks/vllm_recorded.json``: date, machine, settings) are printed beside its own;

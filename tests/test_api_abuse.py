@@ -1,4 +1,4 @@
-"""The API server under abuse (issue 12): bounded bodies, work off the event loop, no 5xx
+"""The API server under abuse: bounded bodies, work off the event loop, no 5xx
 from undecodable input, every route in the OpenAPI document, no internals to clients, the
 API key's scope and CORS.
 

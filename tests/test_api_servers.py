@@ -1,4 +1,4 @@
-"""Several API servers (issue 8 item 8): ``--api-server-count A``, default the DP size.
+"""Several API servers: ``--api-server-count A``, default the DP size.
 
 APIServer_0 binds the listening socket, launches the engine cores and the coordinator, then
 starts APIServer_1..A-1 on the same socket; each attaches to every engine core with its own

@@ -1,4 +1,4 @@
-"""Slow clients cannot hold the API server's connections (issue 12, item 6).
+"""Slow clients cannot hold the API server's connections.
 
 A client that sends part of its headers and waits, or trickles its body byte by byte, is
 answered 408 and dropped within ``--http-header-timeout`` / ``--http-body-timeout``; a

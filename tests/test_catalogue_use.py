@@ -1,4 +1,4 @@
-"""The span catalogue says nothing the code does not do (issue 10 item 3).
+"""The span catalogue says nothing the code does not do.
 
 Every attribute key declared in ``tracing/catalogue.py`` is set somewhere — its constant or
 its key appears in the code of ``engine/`` or ``tracing/`` — and every span name is opened

@@ -1,4 +1,4 @@
-"""CPU workers' torch threads (issue 13, part 3): ``GLASSBOX_CPU_OMP_THREADS_BIND`` is parsed
+"""CPU workers' torch threads: ``GLASSBOX_CPU_OMP_THREADS_BIND`` is parsed
 and checked in the first process, each worker applies its thread count and CPU affinity in its
 own process before its first torch op, every child starts with OpenMP's passive wait policy
 unless the user chose one, and the engine core never loads torch (it does no math)."""

@@ -1,4 +1,4 @@
-"""Data parallelism (issue 8 item 7): N engine cores, one DPCoordinator, request waves.
+"""Data parallelism: N engine cores, one DPCoordinator, request waves.
 
 Fast tests check the pieces in-process: the coordinator publishes (waiting, running) per
 engine at most every 100 ms while they change and never while they don't; the client scores

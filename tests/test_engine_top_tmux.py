@@ -1,4 +1,4 @@
-"""engine-top for real, in tmux (issue 9): a terminal, a server, load, a kill, ``q``.
+"""engine-top for real, in tmux: a terminal, a server, load, a kill, ``q``.
 
 ``engine-top`` starts first, in a detached tmux session, and shows that no instance runs;
 then ``glassbox serve`` starts and engine-top attaches by itself; the tree is shown running;

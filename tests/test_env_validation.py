@@ -1,5 +1,5 @@
 """Every ``GLASSBOX_*`` variable is checked in the first process, before anything is spawned
-(issue 11 item 3): a bad value is one line naming the variable, exit 2, and no child process
+a bad value is one line naming the variable, exit 2, and no child process
 is ever started."""
 
 from __future__ import annotations

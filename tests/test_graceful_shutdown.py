@@ -1,4 +1,4 @@
-"""SIGTERM while streaming: ``--shutdown-timeout`` (vLLM's flag) — issue 12, item 7.
+"""SIGTERM while streaming: ``--shutdown-timeout`` (vLLM's flag).
 
 New connections are refused at once; requests in flight may finish within the grace period;
 those still running then end with an SSE error event and ``data: [DONE]``; the server exits

@@ -1,4 +1,4 @@
-"""Live telemetry from a real tree (issue 9): what engine-top's collector sees.
+"""Live telemetry from a real tree: what engine-top's collector sees.
 
 - During start-up (a worker held with SIGSTOP while it is in a start-up stage, found from its
   status file): every process is listed with the stage it is in — the API server waiting

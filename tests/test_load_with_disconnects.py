@@ -1,4 +1,4 @@
-"""Load with faults (issue 11): 1,000 streamed requests at concurrency 64, one client in five
+"""Load with faults: 1,000 streamed requests at concurrency 64, one client in five
 leaving mid-stream. Afterwards every KV block is free, no request is left in the scheduler,
 and the only requests that failed are the ones whose client left.
 

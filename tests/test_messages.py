@@ -1,4 +1,4 @@
-"""The process-boundary protocols (issue 8 item 2): one typed module per boundary.
+"""The process-boundary protocols: one typed module per boundary.
 
 - client ↔ engine core: ``engine/core/messages.py``
 - engine core ↔ worker: ``engine/executor/messages.py``

@@ -1,4 +1,4 @@
-"""Multi-node data parallelism (issue 14, parts 3-5): a head and headless nodes, on loopback.
+"""Multi-node data parallelism: a head and headless nodes, on loopback.
 
 vLLM's layout: the head runs ``serve -dp D --data-parallel-size-local K0
 --data-parallel-address HOST --data-parallel-rpc-port P`` (API server, coordinator, ranks

@@ -1,4 +1,4 @@
-"""OTLP out of the box (issue 10 items 4 and 5): protocol and endpoint as the OpenTelemetry
+"""OTLP out of the box: protocol and endpoint as the OpenTelemetry
 spec says, a real receiver (tests/otlp_receiver.py) gets whole start-up traces over HTTP and
 gRPC, an unreachable collector is one warning per process while serving goes on, and exporter
 health (exported, dropped, queued, last error) reaches TracingHandle.health(), the heartbeat,

@@ -1,4 +1,4 @@
-"""Outputs per client, and scheduler stats per engine (issue 8, items 3 and 4).
+"""Outputs per client, and scheduler stats per engine.
 
 - ``OutputRouter`` (engine core): each step's outputs go to the client whose requests they
   are; every client gets the scheduler stats, stamped with the engine's index — on its own

@@ -1,4 +1,4 @@
-"""One request, one trace, across the process tree (issue 10 items 1–4).
+"""One request, one trace, across the process tree.
 
 A real ``glassbox serve --trace-file F --collect-detailed-traces all``; a completion request
 sent with a caller's W3C ``traceparent``. Every process appends its spans to F. Checked:
