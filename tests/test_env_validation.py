@@ -1,4 +1,4 @@
-"""Every ``GLASSBOX_*`` variable is checked in the first process, before anything is spawned
+"""Every ``GLASSBOX_*`` variable is checked in the first process, before anything is spawned:
 a bad value is one line naming the variable, exit 2, and no child process
 is ever started."""
 
