@@ -107,7 +107,9 @@ def test_bash_example_runs(argv, server, tmp_path):
         # for it): doctor says so, in its own cache root, and exits 1 (nothing to diagnose).
         env = {**(env or os.environ), "GLASSBOX_CACHE_ROOT": str(tmp_path / "cache")}
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=180, cwd=tmp_path, env=env)
-        assert proc.returncode == 1 and "nothing ended after a failure" in proc.stdout, proc.stdout + proc.stderr
+        assert proc.returncode == 1 and "nothing ended after a failure" in proc.stdout, (
+            proc.stdout + proc.stderr
+        )
         return
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=180, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
