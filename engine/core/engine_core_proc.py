@@ -628,8 +628,9 @@ class EngineCoreProc(EngineCore):
         if stop is not None:
             stop.set()
             self.output_queue.put(None)
+        super().shutdown()  # the workers stop while the output thread sends what is left
+        if stop is not None:
             self.output_thread.join(timeout=2.0)
-        super().shutdown()
         for socket in self.output_sockets:
             socket.close(linger=1000)
         if getattr(self, "coordinator_socket", None) is not None:

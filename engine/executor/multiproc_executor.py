@@ -369,10 +369,11 @@ class MultiprocExecutor(Executor):
         self._shutting_down = True
         for proc in getattr(self, "workers", []):
             proc.request_stop()  # all at once (and a SIGSTOPped one continued), then wait for each
+        deadline = time.monotonic() + 1.5
         for proc in getattr(self, "workers", []):
-            # Shorter than the frontend's patience with us, so we always get to SIGKILL a
-            # stuck (or SIGSTOPped) worker ourselves before we are killed.
-            proc.stop(timeout=1.5)
+            # One deadline for all, shorter than the frontend's patience with us, so we always
+            # get to SIGKILL a stuck (or SIGSTOPped) worker ourselves before we are killed.
+            proc.stop(timeout=max(deadline - time.monotonic(), 0.05))
         for mq in [getattr(self, "rpc_broadcast_mq", None), *getattr(self, "response_mqs", [])]:
             if mq is not None:
                 mq.close()

@@ -69,8 +69,13 @@ def main() -> None:
         else:
             logger.debug("the parent asked this process to stop")
         # Ask the main thread to stop (SIGTERM runs the target's shutdown path); if it
-        # does not finish in time, leave anyway.
-        threading.Timer(PARENT_DEATH_GRACE_S, lambda: os._exit(1)).start()
+        # does not finish in time, leave anyway — taking this process's own children along,
+        # so none outlives it (an engine core still waiting for a worker to stop).
+        def leave() -> None:
+            processes.kill_children()
+            os._exit(1)
+
+        threading.Timer(PARENT_DEATH_GRACE_S, leave).start()
         os.kill(os.getpid(), signal.SIGTERM)
 
     processes.watch_lifeline(stdin_fd, on_parent_death)

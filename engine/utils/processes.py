@@ -575,6 +575,17 @@ def on_parent_stopping(callback: Callable[[], None]) -> None:
         callback()
 
 
+def kill_children() -> None:
+    """SIGKILL every live child this process spawned: the last thing a process does before it
+    leaves abruptly (``os._exit``), so no child outlives it. Never raises."""
+    for child in list(_children):
+        try:
+            if child.popen.poll() is None:
+                child.popen.kill()
+        except OSError:
+            pass
+
+
 def is_stopping() -> bool:
     """Whether this process announced that it stops (``announce_stopping``)."""
     return _stopping.is_set()
