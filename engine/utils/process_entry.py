@@ -68,6 +68,7 @@ def main() -> None:
             logger.warning("parent process %d is gone; shutting down", parent_pid)
         else:
             logger.debug("the parent asked this process to stop")
+
         # Ask the main thread to stop (SIGTERM runs the target's shutdown path); if it
         # does not finish in time, leave anyway — taking this process's own children along,
         # so none outlives it (an engine core still waiting for a worker to stop).
