@@ -3,7 +3,10 @@
 Tiny random checkpoints (peaked logits, so greedy picks are not near-ties) are built with
 transformers inside the test; transformers runs each prompt alone in float32 and is the
 reference. Our engine runs all prompts together through the real scheduler, KV cache and
-worker, under settings that force chunked prefill, prefix-cache hits and preemption.
+worker, under settings that force chunked prefill, prefix-cache hits and preemption. The
+equivalence tests are model math over several families and run eagerly (the ``eager``
+fixture; tests/test_parallel_shapes.py checks the compiled default against eager); the rest
+run the defaults.
 """
 
 from __future__ import annotations
@@ -74,7 +77,7 @@ def _run(path, prompts, max_model_len=256, **engine_kwargs):
     return [list(o.outputs[0].token_ids) for o in outputs], stats, kv["num_free_blocks"], kv["num_blocks"]
 
 
-def test_greedy_equals_transformers(checkpoint):
+def test_greedy_equals_transformers(checkpoint, eager):
     path, prompts, reference, _, _ = checkpoint
     got, stats, free, total = _run(path, prompts)
     assert got == reference
@@ -83,7 +86,7 @@ def test_greedy_equals_transformers(checkpoint):
     assert free == total - 1, "every block is free again after all requests finished"
 
 
-def test_greedy_equals_transformers_with_chunked_prefill(checkpoint):
+def test_greedy_equals_transformers_with_chunked_prefill(checkpoint, eager):
     path, prompts, reference, _, _ = checkpoint
     # A 16-token budget splits every prompt longer than 16 tokens over several steps.
     got, stats, _, _ = _run(path, prompts, max_num_batched_tokens=16, max_num_seqs=4)
@@ -91,7 +94,7 @@ def test_greedy_equals_transformers_with_chunked_prefill(checkpoint):
     assert stats.step_counter > sum(len(p) for p in prompts) // 16
 
 
-def test_greedy_equals_transformers_under_preemption(checkpoint):
+def test_greedy_equals_transformers_under_preemption(checkpoint, eager):
     path, _, _, prompts, reference = checkpoint
     # All ten requests are admitted with one block each; crossing 16 tokens each needs a
     # second block, but only 11 usable blocks exist: running requests are preempted

@@ -12,6 +12,9 @@ tiny block allocator lives in ``Driver`` below) and checks greedy tokens against
 Also: the sampler's masks, penalties and min_tokens on hand-made logits; seeded sampling;
 logprobs and prompt logprobs against transformers' log-softmax; bfloat16; the loader's
 errors and dtype rules; RoPE parameters in both config.json formats.
+
+Model math on many tiny checkpoints: the runner runs eagerly (the ``eager`` fixture), except
+in the tests that turn the compiled forward on to check it against eager and transformers.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from engine.sampling_params import SamplingParams
 from engine.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from engine.worker.model_runner import ModelRunner
 from tests.tiny_models import build_tiny_checkpoint, hf_greedy, hf_logits
+
+pytestmark = pytest.mark.usefixtures("eager")
 
 BLOCK_SIZE = 8
 NUM_BLOCKS = 48

@@ -245,29 +245,3 @@ def test_head_and_headless_pair_on_defaults_serves_the_pattern_and_stops_cleanly
         node.kill_group()
         if head is not None:
             head.kill_group()
-
-
-def test_a_graph_made_after_warm_up_is_counted():
-    """``CompiledModel`` counts graphs made after ``seal()`` (a failed guard: each cost a step
-    seconds of compile) — the count a worker puts in its status file and the shapes above
-    check is absent; ``glassbox ps`` shows it in the compile text."""
-    import torch
-
-    from engine.model.compile import CompiledModel
-    from tracing.instances import runs_as_text
-
-    class Doubler(torch.nn.Module):
-        def forward(self, input_ids, positions, kv_caches, meta, intermediate_tensors):
-            return input_ids * 3
-
-    compiled = CompiledModel(Doubler())
-    ids = torch.arange(5)
-    assert compiled(ids, ids).tolist() == [0, 3, 6, 9, 12]
-    compiled.seal()
-    assert (compiled.num_graphs, compiled.graphs_after_warm_up) == (1, 0)
-    half = torch.arange(3, dtype=torch.float32)  # a dtype the graph was not made for: a guard fails
-    assert compiled(half, half).tolist() == [0.0, 3.0, 6.0]
-    assert (compiled.num_graphs, compiled.graphs_after_warm_up) == (2, 1)
-    runs_as = {"device": "cpu", "compile": "compiled (inductor, 2 graphs, 1 after warm-up)",
-               "graphs_after_warm_up": "1"}  # fmt: skip
-    assert runs_as_text(runs_as) == "cpu, compiled (inductor, 2 graphs, 1 after warm-up)"

@@ -110,6 +110,14 @@ class CompiledModel:
         self.cache_dir = use_compile_cache_dir()
         # Sizes are not specialised on 0 or 1 when a guard can be avoided (a batch of one).
         fx_config.backed_size_oblivious = True
+        # Every engine of this process compiles its own model instance: one more cache entry
+        # on the same forward code object each time. Dynamo's default limit (8) made the 9th
+        # engine of a process (a notebook, a script comparing settings) fail with "recompile
+        # limit exceeded"; graphs of one engine are still counted and reported (seal()).
+        import torch._dynamo.config as dynamo_config
+
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 1024)
+        dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 4096)
         inductor_config.fx_graph_cache = True
         # Inductor's own kernels (the fused norms, RoPE, SiLU·mul, adds) run on one thread:
         # each would otherwise be an OpenMP parallel region, and with OMP_WAIT_POLICY=PASSIVE

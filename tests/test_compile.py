@@ -1,0 +1,45 @@
+"""The compiled forward (``engine/model/compile.py``) as a process sees it: graphs made after
+warm-up are counted (what ``glassbox ps`` shows and the parallel-shapes tests check is 0), and
+a process may build many engines, each with its own model, without hitting Dynamo's limit."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.model.compile import CompiledModel
+from tracing.instances import runs_as_text
+
+
+class Doubler(torch.nn.Module):
+    """The call shape of a model's forward, with nothing inside."""
+
+    def forward(self, input_ids, positions, kv_caches, meta, intermediate_tensors):
+        return input_ids * 3
+
+
+def test_a_graph_made_after_warm_up_is_counted():
+    """``CompiledModel`` counts graphs made after ``seal()`` (a failed guard: each cost a step
+    seconds of compile) — the count a worker puts in its status file (test_parallel_shapes.py
+    checks it is absent); ``glassbox ps`` shows it in the compile text."""
+    compiled = CompiledModel(Doubler())
+    ids = torch.arange(5)
+    assert compiled(ids, ids).tolist() == [0, 3, 6, 9, 12]
+    compiled.seal()
+    assert (compiled.num_graphs, compiled.graphs_after_warm_up) == (1, 0)
+    half = torch.arange(3, dtype=torch.float32)  # a dtype the graph was not made for: a guard fails
+    assert compiled(half, half).tolist() == [0.0, 3.0, 6.0]
+    assert (compiled.num_graphs, compiled.graphs_after_warm_up) == (2, 1)
+    runs_as = {"device": "cpu", "compile": "compiled (inductor, 2 graphs, 1 after warm-up)",
+               "graphs_after_warm_up": "1"}  # fmt: skip
+    assert runs_as_text(runs_as) == "cpu, compiled (inductor, 2 graphs, 1 after warm-up)"
+
+
+def test_a_process_builds_more_engines_than_dynamos_default_recompile_limit():
+    """Each engine compiles its own model instance, a new entry on the same code object:
+    Dynamo's default limit (8) made the 9th ``LLM(...)`` of one process fail with "recompile
+    limit exceeded" (a notebook, a script comparing settings; the test suite found it)."""
+    ids = torch.arange(4)
+    for n in range(12):
+        compiled = CompiledModel(Doubler())
+        assert compiled(ids, ids).tolist() == [0, 3, 6, 9], n
+        assert compiled.num_graphs == 1
