@@ -224,6 +224,9 @@ class LiveState:
     port: int | None = None
     events_refused: int = 0
     stage_stats: dict[str, StageStat] = field(default_factory=dict)
+    # root_cause: the blame rule's culprit (``tracing.blame``, as the root-cause block and
+    # glassbox doctor name it), as the first alert; None when the rule names no one.
+    root_cause: Alert | None = None
 
     # ------------------------------------------------------------------ folding events
 
