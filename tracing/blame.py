@@ -34,6 +34,7 @@ from pathlib import Path
 from tracing import run_dir as contract
 
 WAITING_S = 1.0  # inside one collective this long: waiting for a peer, not just passing through
+STEP_RPCS = ("execute_model", "execute_dummy_batch")
 _DEPTH = {"worker": 3, "engine_core": 2, "dp_coordinator": 1, "api_server": 1, "frontend": 0}
 
 
@@ -193,13 +194,15 @@ def find_culprit(seen: list[Seen], now: float) -> Blame | None:
             if culprit.crash is not None and culprit.crash.caused_by is None:
                 waited.exception = culprit.crash.exception
         return waited
+    # A report, or an exit status its parent read, first; a process merely gone (its status
+    # unknown here: perhaps stopped with the tree) only when nothing else failed.
     failed = [
-        (t, -_DEPTH.get(s.kind or "", 0), i, s)
+        (0 if s.crash is not None or s.returncode is not None else 1, t, -_DEPTH.get(s.kind or "", 0), i, s)
         for i, s in enumerate(seen)
         if (t := _failed_at(s)) is not None
     ]
     if failed:
-        s = min(failed, key=lambda x: x[:3])[3]
+        s = min(failed, key=lambda x: x[:4])[4]
         if s.crash is not None and s.crash.exception:
             return Blame(s.role, "failed", s.stage, f"{s.role} failed first: {s.crash.exception}", s.pid,
                          s.crash.exception)  # fmt: skip
@@ -244,8 +247,8 @@ def _behind(peer: Seen, step: int, group: str, seq: int) -> bool:
 
 def _waiting(s: Seen, now: float) -> tuple[str, contract.CollectivePosition] | None:
     """The group and collective ``s`` waits in (over ``WAITING_S``), or died in."""
-    if s.comm is None:
-        return None
+    if s.comm is None or s.comm.rpc not in STEP_RPCS:
+        return None  # only a step's collectives are the same on every rank (not a warm-up's)
     for pos in s.comm.groups:
         if pos.inside and pos.entered_at is not None and (not s.alive or now - pos.entered_at >= WAITING_S):
             return pos.group, pos

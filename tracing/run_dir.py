@@ -280,7 +280,7 @@ class CommPosition(msgspec.Struct):
 
     Attributes:
         step: the worker's steps so far (``execute_model`` and ``execute_dummy_batch`` RPCs).
-        rpc: the RPC it runs now ("" between RPCs).
+        rpc: the RPC it runs now, or the one that raised ("" between RPCs).
         rpc_entered_at: Unix time (s) that RPC began.
         groups: one ``CollectivePosition`` per group, ``tp`` then ``pp``.
     """
@@ -349,15 +349,17 @@ class CommBoard:
 
     def rpc_enter(self, method: str) -> None:
         code = COMM_RPCS.index(method) if method in COMM_RPCS else COMM_RPCS.index("other")
-        if code in (1, 2):  # a step: the collectives count from 1 again
+        if code in (1, 2):  # a step
             self._step += 1
-            self._seq = [0] * len(COMM_GROUPS)
             struct.pack_into("<q", self._map, 0, self._step)
-            for g in range(len(COMM_GROUPS)):
-                struct.pack_into("<qqq", self._map, 24 + 32 * g, 0, 0, 0)
+        # Every RPC counts its collectives from 1 again (only steps' counts are compared).
+        self._seq = [0] * len(COMM_GROUPS)
+        for g in range(len(COMM_GROUPS)):
+            struct.pack_into("<qqq", self._map, 24 + 32 * g, 0, 0, 0)
         struct.pack_into("<qd", self._map, 8, code, time.time())
 
     def rpc_exit(self) -> None:
+        """The RPC returned (one that raised keeps its name: where it failed)."""
         struct.pack_into("<q", self._map, 8, 0)
 
     def enter(self, group: int, kind: int) -> None:

@@ -358,9 +358,7 @@ def diagnose(report: Report) -> None:
                     "stopped": hints.STOPPED.replace("<pid>", str(rep.pid)) + ".",
                     "frozen": hints.FROZEN.replace("<pid>", str(rep.pid)) + "."}.get(culprit.verdict, "")  # fmt: skip
             if stage:
-                hint = (
-                    hint + " " if hint else ""
-                ) + f"{stage}: {hints.stage_hint(stage).hint}."
+                hint = (hint + " " if hint else "") + f"{stage}: {hints.stage_hint(stage).hint}."
             settle(verdict, rep, text, hint)
             report.culprit_stage = stage
             return

@@ -416,13 +416,12 @@ def run_worker_rpc(
                     value = wrapper.execute_method(rpc_msg.method, *args, **kwargs)
             else:
                 value = wrapper.execute_method(rpc_msg.method, *args, **kwargs)
+        if board is not None:
+            board.rpc_exit()
         return WorkerReply.success(rank, rpc_msg.method, value)
     except Exception as e:
         processes.write_crash_report(run_dir, role, e, current_stage() or _rpc_stage(rpc_msg.method), rank)
         return WorkerReply.failure(rank, rpc_msg.method, e)
-    finally:
-        if board is not None:
-            board.rpc_exit()
 
 
 def _rpc_stage(method: str) -> str:

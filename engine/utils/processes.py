@@ -400,7 +400,7 @@ def format_root_cause(
     status = run_dirs.read_status(run_dirs.status_path(run_dir, role)) or run_dirs.ProcessStatus()
     stage = (crash.stage if crash is not None else None) or status.stage
     comm = run_dirs.read_comm(run_dir, role)
-    if not stage and comm is not None and comm.rpc:  # a worker inside a step RPC
+    if not stage and comm is not None and comm.rpc in blame.STEP_RPCS:  # a worker inside a step RPC
         stage = f"worker.{comm.rpc} (step {comm.step})"
     if not stage:
         # Step stages are not written to the status file (too frequent), so a process
