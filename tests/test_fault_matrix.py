@@ -562,7 +562,7 @@ def test_a_tp_rank_hung_in_a_step_is_named_by_root_cause_doctor_and_engine_top_n
     engine-top's root-cause alert and the root-cause block all name TP1 in worker.execute_model,
     and say TP0 waits in all_reduce for it."""
     role, stage = "Worker_DP0_PP0_TP1", "worker.execute_model"
-    env = {"GLASSBOX_EXECUTE_MODEL_TIMEOUT_S": "90"}  # also the warm-up's deadline (torch.compile)
+    env = {"GLASSBOX_EXECUTE_MODEL_TIMEOUT_S": "20"}  # then TP0's engine core gives up on the step
     tree = Tree(base, ["-tp", "2", "--inject-fault", f"{stage}:hang@{role}#3"], env=env)
     try:
         thread, out = _stream_in_background(tree, base)

@@ -382,7 +382,7 @@ def format_root_cause(
                     exit_detail = "still running" + (
                         f" ({other.stopped or other.frozen})" if other.stopped or other.frozen else ""
                     )
-            if culprit.verdict == "waited_on":
+            if culprit.victims:  # a peer waits for it: say who, and in which collective
                 reason = culprit.reason
     crash = run_dirs.read_crash_report(run_dir, role)
     if (
