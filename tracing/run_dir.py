@@ -249,6 +249,7 @@ COMM_GROUPS = ("tp", "pp")
 # step, rpc code, rpc entered at, then per group (tp, pp): collectives entered this step, the
 # kind of the last one, 1 while inside it, when it was entered. Little-endian, 8-byte fields.
 _COMM = struct.Struct("<qqd" + "qqqd" * len(COMM_GROUPS))
+_Q, _QD, _QQQ, _QQQD = (struct.Struct(f) for f in ("<q", "<qd", "<qqq", "<qqqd"))  # the writer's parts
 
 
 class CollectivePosition(msgspec.Struct):
@@ -351,25 +352,25 @@ class CommBoard:
         code = COMM_RPCS.index(method) if method in COMM_RPCS else COMM_RPCS.index("other")
         if code in (1, 2):  # a step
             self._step += 1
-            struct.pack_into("<q", self._map, 0, self._step)
+            _Q.pack_into(self._map, 0, self._step)
         # Every RPC counts its collectives from 1 again (only steps' counts are compared).
         self._seq = [0] * len(COMM_GROUPS)
         for g in range(len(COMM_GROUPS)):
-            struct.pack_into("<qqq", self._map, 24 + 32 * g, 0, 0, 0)
-        struct.pack_into("<qd", self._map, 8, code, time.time())
+            _QQQ.pack_into(self._map, 24 + 32 * g, 0, 0, 0)
+        _QD.pack_into(self._map, 8, code, time.time())
 
     def rpc_exit(self) -> None:
         """The RPC returned (one that raised keeps its name: where it failed)."""
-        struct.pack_into("<q", self._map, 8, 0)
+        _Q.pack_into(self._map, 8, 0)
 
     def enter(self, group: int, kind: int) -> None:
         """Entering a collective of ``group`` (index in ``COMM_GROUPS``) of ``kind`` (index in
         ``COMM_KINDS``)."""
         self._seq[group] += 1
-        struct.pack_into("<qqqd", self._map, 24 + 32 * group, self._seq[group], kind, 1, time.time())
+        _QQQD.pack_into(self._map, 24 + 32 * group, self._seq[group], kind, 1, time.time())
 
     def leave(self, group: int) -> None:
-        struct.pack_into("<q", self._map, 24 + 32 * group + 16, 0)
+        _Q.pack_into(self._map, 24 + 32 * group + 16, 0)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
