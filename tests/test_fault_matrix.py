@@ -556,14 +556,16 @@ def _stream_in_background(tree: Tree, base: Path) -> tuple[threading.Thread, dic
     return thread, out
 
 
-def test_a_tp_rank_hung_in_a_step_is_named_by_root_cause_doctor_and_engine_top_not_its_victim(base):
-    """-tp 2, rank 1 blocks in its third execute_model: rank 0 waits in all_reduce for it. The
-    victim (TP0, then its engine core's deadline) is never blamed: doctor's diagnosis,
-    engine-top's root-cause alert and the root-cause block all name TP1 in worker.execute_model,
-    and say TP0 waits in all_reduce for it."""
+@pytest.mark.parametrize("kind", ["hang", "freeze"])
+def test_a_tp_rank_hung_in_a_step_is_named_by_root_cause_doctor_and_engine_top_not_its_victim(base, kind):
+    """-tp 2, rank 1 blocks (hang) or is stopped (freeze) in its third execute_model: rank 0
+    waits in all_reduce for it. The victim (TP0, then its engine core's deadline) is never
+    blamed: doctor's diagnosis, engine-top's root-cause alert and the root-cause block all name
+    TP1 in worker.execute_model, and say TP0 waits in all_reduce for it."""
     role, stage = "Worker_DP0_PP0_TP1", "worker.execute_model"
-    env = {"GLASSBOX_EXECUTE_MODEL_TIMEOUT_S": "20"}  # then TP0's engine core gives up on the step
-    tree = Tree(base, ["-tp", "2", "--inject-fault", f"{stage}:hang@{role}#3"], env=env)
+    # Then TP0's engine core gives up on the step (or on its stopped worker): time for the readers.
+    env = {"GLASSBOX_EXECUTE_MODEL_TIMEOUT_S": "20", "GLASSBOX_STOPPED_TIMEOUT_S": "20"}
+    tree = Tree(base, ["-tp", "2", "--inject-fault", f"{stage}:{kind}@{role}#3"], env=env)
     try:
         thread, out = _stream_in_background(tree, base)
         tree.wait_struck(role)
@@ -576,6 +578,8 @@ def test_a_tp_rank_hung_in_a_step_is_named_by_root_cause_doctor_and_engine_top_n
         assert "TP0 waits in all_reduce #" in doc["diagnosis"] and "for TP1" in doc["diagnosis"], doc[
             "diagnosis"
         ]
+        if kind == "freeze":
+            assert "is stopped" in doc["diagnosis"], doc["diagnosis"]
         (tp0,) = [p for p in doc["processes"] if p["role"] == "Worker_DP0_PP0_TP0"]
         assert tp0["stage"] == stage, "a worker inside execute_model is busy, not idle"
         top = _engine_top(tree)
