@@ -31,6 +31,7 @@ it on the other side.
 
 from __future__ import annotations
 
+import os
 import pickle
 import time
 from collections.abc import Callable
@@ -62,6 +63,19 @@ def set_comm_board(board: run_dirs.CommBoard | None) -> None:
     """Count this process's collectives on ``board`` (None: stop counting)."""
     global _board
     _board = board
+
+
+def open_comm_board(run_dir: str | os.PathLike[str], role: str) -> run_dirs.CommBoard | None:
+    """Create worker ``role``'s ``<role>.comm`` in ``run_dir`` and count this process's
+    collectives on it from now on; None (with a warning) when the file cannot be made: the
+    blame rule then sees stages, not collectives. vLLM has no counterpart."""
+    try:
+        board = run_dirs.CommBoard(run_dir, role)
+    except OSError as e:
+        logger.warning("no comm board for %s: %s", role, e)
+        board = None
+    set_comm_board(board)
+    return board
 
 
 def get_open_port(host: str = "127.0.0.1") -> int:

@@ -454,14 +454,9 @@ class WorkerProc:
         response = MessageQueue.open_writer(payload.response_handle)
         # --collect-detailed-traces worker|all: a worker.execute_model span per step.
         worker_spans = config.observability_config.collect_worker_traces
-        try:
-            board = contract.CommBoard(run_dir, role)
-        except OSError as e:  # the blame rule then only sees stages, not collectives
-            logger.warning("no comm board for %s: %s", role, e)
-            board = None
-        from engine.distributed import parallel_state
+        from engine.distributed import parallel_state  # torch: workers only
 
-        parallel_state.set_comm_board(board)
+        board = parallel_state.open_comm_board(run_dir, role)  # <role>.comm: its step and collective
         try:
             with attached_trace_context(payload.trace_headers):
                 wrapper = WorkerWrapperBase(config, rpc_rank=rank)

@@ -341,6 +341,42 @@ def describe_exit(returncode: int | None) -> str:
     return f"exited with code {returncode}"
 
 
+def _blamed(
+    run_dir: Path, role: str, pid: int | None, returncode: int | None, state: str | None
+) -> tuple | None:
+    """The blame rule's culprit of ``run_dir``'s tree as (``tracing.blame.Blame``, its
+    ``Seen``), told what the caller knows of ``role`` (its exit status, or ``state``:
+    "stopped …" or "frozen …"); None when the rule names no one."""
+    from tracing import blame
+
+    told = blame.Seen(role, pid=pid, returncode=returncode)
+    if state is not None:
+        told.stopped, told.frozen = (state, None) if state.startswith("stopped") else (None, state)
+    seen = blame.observe(run_dir, {role: told})
+    culprit = blame.find_culprit(seen, time.time())
+    if culprit is None:
+        return None
+    return culprit, next(s for s in seen if s.role == culprit.role)
+
+
+def _exit_of(other) -> tuple[int | None, str | None]:
+    """(exit status, exit line's text) of ``other`` (a ``tracing.blame.Seen``), a culprit that
+    is not the caller's process."""
+    if other.returncode is not None:
+        return other.returncode, None
+    if not other.alive:
+        return None, "gone (its exit status is its parent's to read)"
+    trouble = other.stopped or other.frozen
+    return None, "still running" + (f" ({trouble})" if trouble else "")
+
+
+def _no_exception(returncode: int | None, exit_detail: str | None) -> str:
+    """The exception line of a process that wrote no crash report."""
+    if returncode is None and (not exit_detail or exit_detail.startswith("still")):
+        return "none (it was still alive)"
+    return "none recorded (killed from outside, or died before reporting)"
+
+
 def format_root_cause(
     run_dir: Path,
     role: str,
@@ -361,29 +397,18 @@ def format_root_cause(
     from tracing import blame
     from tracing import run_dir as run_dirs
 
-    role = str(role)
-    reason = ""
+    role, reason = str(role), ""
     if exit_detail is None:
         # The one blame rule (tracing/blame.py, as doctor and engine-top): the caller names the
         # process it noticed; the first failure, or the rank a collective waits for, wins.
-        told = blame.Seen(role, pid=pid, returncode=returncode)
-        if state is not None:
-            told.stopped, told.frozen = (state, None) if state.startswith("stopped") else (None, state)
-        seen = blame.observe(run_dir, {role: told})
-        culprit = blame.find_culprit(seen, time.time())
+        culprit = _blamed(run_dir, role, pid, returncode, state)
         if culprit is not None:
-            if culprit.role != role:
-                other = next(s for s in seen if s.role == culprit.role)
-                role, pid, rank, state = culprit.role, culprit.pid, None, None
-                returncode = other.returncode
-                if returncode is None and not other.alive:
-                    exit_detail = "gone (its exit status is its parent's to read)"
-                elif returncode is None:
-                    exit_detail = "still running" + (
-                        f" ({other.stopped or other.frozen})" if other.stopped or other.frozen else ""
-                    )
-            if culprit.victims:  # a peer waits for it: say who, and in which collective
-                reason = culprit.reason
+            found, other = culprit
+            if found.role != role:
+                role, pid, rank, state = found.role, found.pid, None, None
+                returncode, exit_detail = _exit_of(other)
+            if found.victims:  # a peer waits for it: say who, in which collective
+                reason = found.reason
     crash = run_dirs.read_crash_report(run_dir, role)
     if (
         crash is not None
@@ -393,9 +418,9 @@ def format_root_cause(
         and exit_detail is None
     ):
         # It failed and wrote why, then was still exiting when this was written: not "running".
-        alive = run_dirs.pid_alive(pid if pid is not None else crash.pid)
+        gone = not run_dirs.pid_alive(pid if pid is not None else crash.pid)
         exit_detail = "failed (it wrote its crash report" + (
-            "; it was still exiting)" if alive else " and is gone)"
+            " and is gone)" if gone else "; it was still exiting)"
         )
     status = run_dirs.read_status(run_dirs.status_path(run_dir, role)) or run_dirs.ProcessStatus()
     stage = (crash.stage if crash is not None else None) or status.stage
@@ -424,7 +449,7 @@ def format_root_cause(
         f"pid:       {pid if pid is not None else '?'}",
         f"stage:     {stage or 'unknown'}",
         f"exit:      {exit_text}",
-        f"exception: {exception or ('none (it was still alive)' if returncode is None and (not exit_detail or exit_detail.startswith('still')) else 'none recorded (killed from outside, or died before reporting)')}",
+        f"exception: {exception or _no_exception(returncode, exit_detail)}",
     ]
     for fault in status.faults:  # asked for, not found: say so (--inject-fault)
         lines.append(
