@@ -556,16 +556,26 @@ def _stream_in_background(tree: Tree, base: Path) -> tuple[threading.Thread, dic
     return thread, out
 
 
-@pytest.mark.parametrize("kind", ["hang", "freeze"])
-def test_a_tp_rank_hung_in_a_step_is_named_by_root_cause_doctor_and_engine_top_not_its_victim(base, kind):
-    """-tp 2, rank 1 blocks (hang) or is stopped (freeze) in its third execute_model: rank 0
-    waits in all_reduce for it. The victim (TP0, then its engine core's deadline) is never
-    blamed: doctor's diagnosis, engine-top's root-cause alert and the root-cause block all name
-    TP1 in worker.execute_model, and say TP0 waits in all_reduce for it."""
-    role, stage = "Worker_DP0_PP0_TP1", "worker.execute_model"
-    # Then TP0's engine core gives up on the step (or on its stopped worker): time for the readers.
+@pytest.mark.parametrize(
+    ("args", "kind", "role", "victim", "waits"),
+    [
+        (["-tp", "2"], "hang", "Worker_DP0_PP0_TP1", "Worker_DP0_PP0_TP0", "TP0 waits in all_reduce #"),
+        (["-tp", "2"], "freeze", "Worker_DP0_PP0_TP1", "Worker_DP0_PP0_TP0", "TP0 waits in all_reduce #"),
+        (["-pp", "2"], "hang", "Worker_DP0_PP0_TP0", "Worker_DP0_PP1_TP0", "PP1 waits in recv #"),
+    ],
+    ids=["tp1-hang", "tp1-freeze", "pp0-hang"],
+)  # fmt: skip
+def test_a_rank_hung_in_a_step_is_named_by_root_cause_doctor_and_engine_top_not_its_victim(
+    base, args, kind, role, victim, waits
+):
+    """A rank blocks (hang) or is stopped (freeze) in its third execute_model: its peer waits
+    for it in a collective (TP all_reduce, PP recv). The victim (then its engine core's
+    deadline) is never blamed: doctor's diagnosis, engine-top's root-cause alert and the
+    root-cause block all name the rank in worker.execute_model, and say its peer waits for it."""
+    stage, short = "worker.execute_model", "TP1" if "-tp" in args else "PP0"
+    # Then the engine core gives up on the step (or on its stopped worker): time for the readers.
     env = {"GLASSBOX_EXECUTE_MODEL_TIMEOUT_S": "20", "GLASSBOX_STOPPED_TIMEOUT_S": "20"}
-    tree = Tree(base, ["-tp", "2", "--inject-fault", f"{stage}:{kind}@{role}#3"], env=env)
+    tree = Tree(base, [*args, "--inject-fault", f"{stage}:{kind}@{role}#3"], env=env)
     try:
         thread, out = _stream_in_background(tree, base)
         tree.wait_struck(role)
@@ -575,13 +585,11 @@ def test_a_tp_rank_hung_in_a_step_is_named_by_root_cause_doctor_and_engine_top_n
             if doc.get("culprit") == role or time.monotonic() > deadline:
                 break
         assert doc["culprit"] == role and doc["culprit_stage"] == stage, doc["diagnosis"]
-        assert "TP0 waits in all_reduce #" in doc["diagnosis"] and "for TP1" in doc["diagnosis"], doc[
-            "diagnosis"
-        ]
+        assert waits in doc["diagnosis"] and f"for {short}" in doc["diagnosis"], doc["diagnosis"]
         if kind == "freeze":
             assert "is stopped" in doc["diagnosis"], doc["diagnosis"]
-        (tp0,) = [p for p in doc["processes"] if p["role"] == "Worker_DP0_PP0_TP0"]
-        assert tp0["stage"] == stage, "a worker inside execute_model is busy, not idle"
+        (waiting,) = [p for p in doc["processes"] if p["role"] == victim]
+        assert waiting["stage"] == stage, "a worker inside execute_model is busy, not idle"
         top = _engine_top(tree)
         assert top["alerts"][0]["role"] == role and stage in top["alerts"][0]["message"], top["alerts"]
         assert top["alerts"][0]["message"].startswith("root cause: "), top["alerts"]
@@ -590,9 +598,7 @@ def test_a_tp_rank_hung_in_a_step_is_named_by_root_cause_doctor_and_engine_top_n
         assert tree.proc.wait(timeout=30) == 1, tree.log()[-3000:]
         root = _root_cause(tree.log())
         assert f"process:   {role}" in root and f"stage:     {stage}" in root, root
-        assert "why:       TP0 waits in all_reduce #" in root or "TP0 died waiting in all_reduce #" in root, (
-            root
-        )
+        assert f"why:       {waits}" in root or waits.replace("waits", "died waiting") in root, root
         tree.assert_nothing_left()
     finally:
         tree.kill()

@@ -72,12 +72,14 @@ class Seen:
             return f"worker.{self.comm.rpc}"
         return None
 
-    @property
-    def short(self) -> str:
-        """``TP1`` for a worker (``PP1`` across stages), else the role."""
-        if self.kind == "worker" and self.tp_rank is not None:
-            return f"TP{self.tp_rank}" if (self.pp_rank or 0) == 0 else f"PP{self.pp_rank}_TP{self.tp_rank}"
-        return self.role
+    def short(self, group: str) -> str:
+        """A worker's name within its ``group``: ``TP1`` in a TP group (``PP1_TP1`` past the
+        first stage), ``PP1`` in a PP group (``PP1_TP1`` with TP); else the role."""
+        if self.kind != "worker" or self.tp_rank is None or self.pp_rank is None:
+            return self.role
+        if group == "tp":
+            return f"TP{self.tp_rank}" if self.pp_rank == 0 else f"PP{self.pp_rank}_TP{self.tp_rank}"
+        return f"PP{self.pp_rank}" if self.tp_rank == 0 else f"PP{self.pp_rank}_TP{self.tp_rank}"
 
 
 @dataclass
@@ -256,7 +258,7 @@ def _waiting(s: Seen, now: float) -> tuple[str, contract.CollectivePosition] | N
 
 
 def _waited_on(seen: list[Seen], now: float) -> Blame | None:
-    """Rule 3: a worker waiting in collective #k whose peer never reached #k."""
+    """Rule 1: a worker waiting in collective #k whose peer never reached #k."""
     for s in seen:
         waiting = _waiting(s, now)
         if waiting is None:
@@ -285,7 +287,7 @@ def _waited_on(seen: list[Seen], now: float) -> Blame | None:
         if culprit.comm is not None and culprit.comm.step < s.comm.step:
             where = f"still at step {culprit.comm.step}" + (f", in {stage}" if stage else "")
         verb = "waits" if s.alive else "died waiting"
-        reason = (f"{s.short} {verb} in {pos.kind} #{pos.seq} for {culprit.short}, which is {where}"
+        reason = (f"{s.short(group)} {verb} in {pos.kind} #{pos.seq} for {culprit.short(group)}, which is {where}"
                   f" ({now - (pos.entered_at or now):.0f} s)")  # fmt: skip
         return Blame(culprit.role, "waited_on", stage, reason, culprit.pid, victims=chain)
     return None
