@@ -221,7 +221,8 @@ ENV_VARS: dict[str, EnvVar] = {
             _positive_float,
             300.0,
             "Deadline, in seconds, for the workers to answer one execute_model or collective_rpc "
-            "call (vLLM: VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS).",
+            "call once started (start-up's calls, the torch.compile warm-up among them, have "
+            "GLASSBOX_ENGINE_READY_TIMEOUT_S) (vLLM: VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS).",
         ),
         EnvVar(
             "GLASSBOX_MQ_TIMEOUT_S",

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -125,8 +126,8 @@ def _engine_top(tree: Tree) -> dict:
     return json.loads(out.stdout)
 
 
-def _doctor(tree: Tree) -> tuple[int, dict]:
-    out = tree.cli(*CLI, "doctor", "--json")
+def _doctor(tree: Tree, *args: str) -> tuple[int, dict]:
+    out = tree.cli(*CLI, "doctor", "--json", *args)
     return out.returncode, json.loads(out.stdout)
 
 
@@ -534,5 +535,95 @@ def test_an_engine_core_hung_in_its_own_step_is_ended_and_named(base):
             root
         )
         tree.assert_nothing_left()
+    finally:
+        tree.kill()
+
+
+# ------------------------------------------------------------------------ one blame rule, three readers
+
+
+def _stream_in_background(tree: Tree, base: Path) -> tuple[threading.Thread, dict]:
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["events"], out["errored_at"] = _serve_and_stream(tree, base)
+        except Exception as e:  # noqa: BLE001 - reported by the test
+            out["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out
+
+
+@pytest.mark.parametrize(
+    ("args", "kind", "role", "victim", "waits"),
+    [
+        (["-tp", "2"], "hang", "Worker_DP0_PP0_TP1", "Worker_DP0_PP0_TP0", "TP0 waits in all_reduce #"),
+        (["-tp", "2"], "freeze", "Worker_DP0_PP0_TP1", "Worker_DP0_PP0_TP0", "TP0 waits in all_reduce #"),
+        (["-pp", "2"], "hang", "Worker_DP0_PP0_TP0", "Worker_DP0_PP1_TP0", "PP1 waits in recv #"),
+    ],
+    ids=["tp1-hang", "tp1-freeze", "pp0-hang"],
+)  # fmt: skip
+def test_a_rank_hung_in_a_step_is_named_by_root_cause_doctor_and_engine_top_not_its_victim(
+    base, args, kind, role, victim, waits
+):
+    """A rank blocks (hang) or is stopped (freeze) in its third execute_model: its peer waits
+    for it in a collective (TP all_reduce, PP recv). The victim (then its engine core's
+    deadline) is never blamed: doctor's diagnosis, engine-top's root-cause alert and the
+    root-cause block all name the rank in worker.execute_model, and say its peer waits for it."""
+    stage, short = "worker.execute_model", "TP1" if "-tp" in args else "PP0"
+    # Then the engine core gives up on the step (or on its stopped worker): time for the readers.
+    env = {"GLASSBOX_EXECUTE_MODEL_TIMEOUT_S": "20", "GLASSBOX_STOPPED_TIMEOUT_S": "20"}
+    tree = Tree(base, [*args, "--inject-fault", f"{stage}:{kind}@{role}#3"], env=env)
+    try:
+        thread, out = _stream_in_background(tree, base)
+        tree.wait_struck(role)
+        deadline = time.monotonic() + 20
+        while True:  # TP0 counts as waiting once it has been inside all_reduce for a second
+            code, doc = _doctor(tree, "--no-stacks")
+            if doc.get("culprit") == role or time.monotonic() > deadline:
+                break
+        assert doc["culprit"] == role and doc["culprit_stage"] == stage, doc["diagnosis"]
+        assert waits in doc["diagnosis"] and f"for {short}" in doc["diagnosis"], doc["diagnosis"]
+        if kind == "freeze":
+            assert "is stopped" in doc["diagnosis"], doc["diagnosis"]
+        (waiting,) = [p for p in doc["processes"] if p["role"] == victim]
+        assert waiting["stage"] == stage, "a worker inside execute_model is busy, not idle"
+        top = _engine_top(tree)
+        assert top["alerts"][0]["role"] == role and stage in top["alerts"][0]["message"], top["alerts"]
+        assert top["alerts"][0]["message"].startswith("root cause: "), top["alerts"]
+        thread.join(timeout=150)
+        assert out.get("errored_at") is not None, out
+        assert tree.proc.wait(timeout=30) == 1, tree.log()[-3000:]
+        root = _root_cause(tree.log())
+        assert f"process:   {role}" in root and f"stage:     {stage}" in root, root
+        assert f"why:       {waits}" in root or waits.replace("waits", "died waiting") in root, root
+        tree.assert_nothing_left()
+    finally:
+        tree.kill()
+
+
+@pytest.mark.parametrize(
+    ("args", "spec", "role", "stage"),
+    [
+        (["-tp", "2"], "worker.execute_model:crash@Worker_DP0_PP0_TP1#3", "Worker_DP0_PP0_TP1", "worker.execute_model"),
+        (["-dp", "2"], "worker.execute_dummy_batch:crash@Worker_DP1_PP0_TP0", "Worker_DP1_PP0_TP0",
+         "worker.execute_dummy_batch"),
+    ],
+    ids=["tp1-execute-model", "dp1-dummy-batch"],
+)  # fmt: skip
+def test_a_crash_while_serving_names_the_process_its_stage_and_exception(base, args, spec, role, stage):
+    """A worker raising in a serving-time stage: the root cause names it (not a peer, not an
+    engine core that relayed it), the stage the exception escaped and the exception; its exit
+    is never "still running"."""
+    tree = Tree(base, [*args, "--inject-fault", spec])
+    try:
+        thread, out = _stream_in_background(tree, base)
+        assert tree.proc.wait(timeout=150) == 1, tree.log()[-3000:]
+        thread.join(timeout=30)
+        root = _root_cause(tree.log())
+        assert f"process:   {role}" in root and f"stage:     {stage}" in root, root
+        assert "exception: InjectedFault: injected fault" in root and "still running" not in root, root
     finally:
         tree.kill()

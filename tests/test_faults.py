@@ -378,6 +378,23 @@ def test_llm_start_up_fault_ends_in_a_root_cause_naming_process_and_stage(tiny, 
 
 
 @pytest.mark.slow
+def test_a_warm_up_longer_than_the_step_deadline_is_not_cut_short(tiny, monkeypatch):
+    """A cold torch.compile on a loaded machine outlasts a step's deadline: the warm-up RPC is
+    start-up's, bounded by GLASSBOX_ENGINE_READY_TIMEOUT_S, so the engine starts and serves."""
+    from engine import LLM, SamplingParams
+
+    monkeypatch.setenv("GLASSBOX_EXECUTE_MODEL_TIMEOUT_S", "2")
+    monkeypatch.setenv("GLASSBOX_ENABLE_MULTIPROCESSING", "0")
+    monkeypatch.delenv("GLASSBOX_FAULT", raising=False)
+    before = _children()
+    with LLM(str(tiny), max_model_len=128, distributed_executor_backend="mp",
+             inject_fault="worker.compile_or_warm_up_model:slow:5") as llm:  # fmt: skip
+        out = llm.generate(["hello"], SamplingParams(max_tokens=3, temperature=0.0))
+    assert len(out[0].outputs[0].token_ids) == 3
+    assert wait_gone([p.pid for p in _children() - before]) == []
+
+
+@pytest.mark.slow
 def test_serve_hung_start_up_names_the_worker_and_stage_and_leaves_nothing(tiny):
     base = Path(tempfile.mkdtemp(prefix="gbf", dir="/tmp"))  # ipc paths: at most 107 characters
     log_path = base / "server.log"

@@ -9,6 +9,10 @@ small JSON file — JSON because people read them with ``cat`` while a server ha
     <role>.status.json         ProcessStatus   each process's current lifecycle stage
     <role>.crash.json          CrashReport     why a process died, written as it dies
 
+and, for each worker, one small binary file it rewrites in place (an mmap, no system call)::
+
+    <role>.comm                CommPosition    the RPC and the collective it is in (``CommBoard``)
+
 Each is written through one atomic writer (``write_record``: a temp file, then
 ``os.replace``, so a reader never sees half a file) and read by one reader per kind
 (``read_manifest``, ``read_status``, ``read_crash_report``) that returns the typed struct, or
@@ -50,6 +54,7 @@ import contextlib
 import os
 import re
 import shutil
+import struct
 import tempfile
 import threading
 import time
@@ -63,6 +68,7 @@ RUN_DIR_PREFIX = "glassbox-"
 MANIFEST = "manifest.json"
 STATUS_SUFFIX = ".status.json"
 CRASH_SUFFIX = ".crash.json"
+COMM_SUFFIX = ".comm"
 TITLE_PREFIX = "glassbox::"
 # Unix socket paths are limited to 107 bytes: base + "/glassbox-<pid>-<8>" (≤ 26) + a
 # socket name must fit. The engine's own sockets (≤ 17 with the slash) fit a base of up to
@@ -228,6 +234,9 @@ class CrashReport(msgspec.Struct):
         exception: ``"<ExceptionType>: <message>"``.
         traceback: the formatted traceback.
         time: Unix time (s) it was written.
+        caused_by: the role whose failure this death follows (an engine core stopping because
+            its worker died): the report is an echo, and the blame rule
+            (``tracing.blame``) looks at that process instead. None: its own failure.
     """
 
     role: str
@@ -237,6 +246,143 @@ class CrashReport(msgspec.Struct):
     exception: str | None = None
     traceback: str | None = None
     time: float | None = None
+    caused_by: str | None = None
+
+
+# The RPCs and collectives a CommPosition can name, by code (0: none). Appending keeps old
+# files readable; a code past the end reads as "other".
+COMM_RPCS = ("", "execute_model", "execute_dummy_batch", "other")
+COMM_KINDS = ("", "all_reduce", "all_gather", "send", "recv", "broadcast", "barrier")
+COMM_GROUPS = ("tp", "pp")
+# step, rpc code, rpc entered at, then per group (tp, pp): collectives entered this step, the
+# kind of the last one, 1 while inside it, when it was entered. Little-endian, 8-byte fields.
+_COMM = struct.Struct("<qqd" + "qqqd" * len(COMM_GROUPS))
+_Q, _QD, _QQQ, _QQQD = (struct.Struct(f) for f in ("<q", "<qd", "<qqq", "<qqqd"))  # the writer's parts
+
+
+class CollectivePosition(msgspec.Struct):
+    """Where a worker is in one group's collectives (``CommPosition.groups``).
+
+    Attributes:
+        group: ``tp`` or ``pp``.
+        seq: collectives of this group entered in the current step (the k of "all_reduce #k").
+        kind: the last one entered: ``all_reduce``, ``all_gather``, ``send``, ``recv``,
+            ``broadcast`` or ``barrier`` ("" before the first).
+        inside: whether the worker is inside it now (waiting for its peers).
+        entered_at: Unix time (s) it was entered.
+    """
+
+    group: str
+    seq: int = 0
+    kind: str = ""
+    inside: bool = False
+    entered_at: float | None = None
+
+
+class CommPosition(msgspec.Struct):
+    """``<role>.comm``: the RPC a worker is running and where it is in its collectives.
+
+    Rewritten in place by ``CommBoard`` at every RPC and collective (a few hundred
+    nanoseconds: no system call), so a reader can tell a rank waiting in all-reduce #3 from
+    the rank that never reached it. Torn reads are possible (fields are written one by
+    one); each field is consistent on its own.
+
+    Attributes:
+        step: the worker's steps so far (``execute_model`` and ``execute_dummy_batch`` RPCs).
+        rpc: the RPC it runs now, or the one that raised ("" between RPCs).
+        rpc_entered_at: Unix time (s) that RPC began.
+        groups: one ``CollectivePosition`` per group, ``tp`` then ``pp``.
+    """
+
+    step: int = 0
+    rpc: str = ""
+    rpc_entered_at: float | None = None
+    groups: list[CollectivePosition] = msgspec.field(default_factory=list)
+
+    def group(self, name: str) -> CollectivePosition | None:
+        return next((g for g in self.groups if g.group == name), None)
+
+
+def comm_path(run_dir: str | os.PathLike[str], role: str) -> Path:
+    """Where worker ``role`` keeps its ``CommPosition``."""
+    return Path(run_dir) / f"{role}{COMM_SUFFIX}"
+
+
+def _name(table: tuple[str, ...], code: int) -> str:
+    return table[code] if 0 <= code < len(table) else "other"
+
+
+def read_comm(run_dir: str | os.PathLike[str], role: str) -> CommPosition | None:
+    """The ``CommPosition`` of worker ``role``, or None when it keeps none (not a worker,
+    not started, or the file is short)."""
+    try:
+        with open(comm_path(run_dir, role), "rb") as f:
+            data = f.read(_COMM.size)
+    except OSError:
+        return None
+    if len(data) < _COMM.size:
+        return None
+    step, rpc, rpc_at, *rest = _COMM.unpack(data)
+    groups = [
+        CollectivePosition(name, seq, _name(COMM_KINDS, kind), bool(inside), at or None)
+        for name, (seq, kind, inside, at) in zip(
+            COMM_GROUPS, (rest[i : i + 4] for i in range(0, len(rest), 4)), strict=True
+        )
+    ]
+    rpc_name = _name(COMM_RPCS, rpc)
+    return CommPosition(step, rpc_name, rpc_at if rpc_name else None, groups)
+
+
+class CommBoard:
+    """The writer of one worker's ``<role>.comm`` (an mmap of ``CommPosition``'s bytes).
+
+    ``rpc_enter``/``rpc_exit`` around each RPC, ``enter``/``leave`` around each collective;
+    each is a ``struct.pack_into`` on the mapping. Never raises once open.
+
+    Raises:
+        OSError: the file cannot be created (the constructor only).
+    """
+
+    def __init__(self, run_dir: str | os.PathLike[str], role: str) -> None:
+        import mmap
+
+        path = comm_path(run_dir, role)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, _COMM.size)
+            self._map = mmap.mmap(fd, _COMM.size)
+        finally:
+            os.close(fd)
+        self._step = 0
+        self._seq = [0] * len(COMM_GROUPS)
+
+    def rpc_enter(self, method: str) -> None:
+        code = COMM_RPCS.index(method) if method in COMM_RPCS else COMM_RPCS.index("other")
+        if code in (1, 2):  # a step
+            self._step += 1
+            _Q.pack_into(self._map, 0, self._step)
+        # Every RPC counts its collectives from 1 again (only steps' counts are compared).
+        self._seq = [0] * len(COMM_GROUPS)
+        for g in range(len(COMM_GROUPS)):
+            _QQQ.pack_into(self._map, 24 + 32 * g, 0, 0, 0)
+        _QD.pack_into(self._map, 8, code, time.time())
+
+    def rpc_exit(self) -> None:
+        """The RPC returned (one that raised keeps its name: where it failed)."""
+        _Q.pack_into(self._map, 8, 0)
+
+    def enter(self, group: int, kind: int) -> None:
+        """Entering a collective of ``group`` (index in ``COMM_GROUPS``) of ``kind`` (index in
+        ``COMM_KINDS``)."""
+        self._seq[group] += 1
+        _QQQD.pack_into(self._map, 24 + 32 * group, self._seq[group], kind, 1, time.time())
+
+    def leave(self, group: int) -> None:
+        _Q.pack_into(self._map, 24 + 32 * group + 16, 0)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._map.close()
 
 
 Record = TypeVar("Record", Manifest, ProcessStatus, CrashReport)
@@ -685,7 +831,13 @@ def prune_post_mortems(root: str | os.PathLike[str], keep: int = POST_MORTEMS_KE
 
 
 __all__ = [
+    "COMM_SUFFIX",
     "CRASH_SUFFIX",
+    "CollectivePosition",
+    "CommBoard",
+    "CommPosition",
+    "comm_path",
+    "read_comm",
     "ENV_RUN_DIR_BASE",
     "MANIFEST",
     "RUN_DIR_PREFIX",

@@ -121,6 +121,12 @@ def current_stage() -> str | None:
     return stack[-1].name if stack else None
 
 
+def raised_in(exc: BaseException) -> str | None:
+    """The innermost stage ``exc`` escaped (raised inside it), or None when it was raised
+    outside every stage."""
+    return getattr(exc, "__glassbox_stage__", None)
+
+
 def open_stages() -> list[OpenStage]:
     """Every open stage of this process, all threads, oldest first."""
     with _stacks_lock:
@@ -266,6 +272,13 @@ class Stage:
             error, exc = None, None
             if self.span is not None:
                 self.span.add_event(catalogue.EVENT_STOPPED_BY_SHUTDOWN)
+        if exc is not None and getattr(exc, "__glassbox_stage__", None) is None:
+            # The innermost stage an exception escaped: what its crash report names, even
+            # when it is written after every stage has unwound (``raised_in``).
+            try:
+                exc.__glassbox_stage__ = self.name  # type: ignore[union-attr]
+            except AttributeError:  # an exception type with __slots__
+                pass
         span = self.span
         if span is not None:
             if exc is not None:

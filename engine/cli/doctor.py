@@ -44,7 +44,7 @@ from engine.cli.help_formatter import DefaultsHelpFormatter
 from engine.cli.ps import collect_instance
 from engine.utils import processes
 from engine.utils import run_dir as run_dirs
-from tracing import hints
+from tracing import blame, hints
 from tracing import run_dir as contract
 from tracing import stacks as stack_dumps
 from tracing.instances import STOPPED_STATES, InstanceInfo, placement_text, runs_as_text
@@ -95,6 +95,7 @@ class ProcessReport:
     flight: list[dict[str, Any]] = field(default_factory=list)
     placed: str = ""  # where a Ray cluster placed it (tracing.instances.placement_text)
     runs_as: str = ""  # how a worker runs its model (tracing.instances.runs_as_text)
+    collectives: list[str] = field(default_factory=list)  # a worker in a step: "tp all_reduce #3 (inside)"
 
     @property
     def main_top(self) -> str | None:
@@ -117,10 +118,12 @@ class Report:
     diagnosis: str = ""
     hint: str = ""
     culprit: str | None = None
+    culprit_stage: str | None = None  # the stage the culprit failed in or is in (tracing.blame)
     now: float = 0.0  # Unix time (s) the report describes
     # The tree is gone (a kept post-mortem, or a stale run directory): where it lived, when
     # and why it ended, the root cause it printed (``_gone``); None for a live one.
     gone: dict[str, Any] | None = None
+    blame: Any = field(default=None, repr=False)  # tracing.blame.Blame, or None
 
 
 # ------------------------------------------------------------------------ gathering
@@ -165,6 +168,7 @@ def _gather(run_dir: Path, watch_s: float, want_stacks: bool, stack_timeout_s: f
         rep = ProcessReport(role=p.role, kind=p.kind, pid=p.pid, rank=p.rank, os_state=p.state,
                             state="", note=p.note, depth=_DEPTH.get(p.kind, 0))  # fmt: skip
         rep.stage, rep.time_in_stage_s = p.stage, p.time_in_stage_s if p.stage else None
+        comm = contract.read_comm(run_dir, p.role)
         lp = live.processes.get(p.role) if live is not None else None
         if lp is not None and lp.heartbeat_at is not None:
             rep.heartbeat_age_s = round(max(0.0, now - lp.heartbeat_at), 2)
@@ -179,6 +183,12 @@ def _gather(run_dir: Path, watch_s: float, want_stacks: bool, stack_timeout_s: f
                 for w in lp.waits
                 if w.timeout_s >= IDLE_POLL_WAIT_S
             ]
+        if not rep.stage and comm is not None and comm.rpc and p.alive:
+            # Inside a step RPC (no lifecycle stage): busy, not idle.
+            rep.stage = f"worker.{comm.rpc}"
+            rep.time_in_stage_s = max(0.0, now - (comm.rpc_entered_at or now))
+            rep.collectives = [f"{g.group} {g.kind} #{g.seq}" + (" (inside)" if g.inside else "")
+                               for g in comm.groups if g.seq]  # fmt: skip
         if rep.time_in_stage_s is not None:
             rep.time_in_stage_s = round(rep.time_in_stage_s, 2)
         rep.faults = list(p.faults)
@@ -207,7 +217,17 @@ def _gather(run_dir: Path, watch_s: float, want_stacks: bool, stack_timeout_s: f
     if want_stacks:
         _collect_stacks(run_dir, reports, stack_timeout_s)
     alerts = [asdict(a) for a in live.alerts] if live is not None else []
-    return Report(run_dir=str(run_dir), mode=inst.mode, expected=inst.expected_process_count,
+    known = {}
+    for rep in reports:
+        if rep.state in ("stopped", "frozen"):
+            word = (
+                f"stopped by a signal (os state {rep.os_state})"
+                if rep.state == "stopped"
+                else "frozen: no heartbeat"
+            )
+            known[rep.role] = blame.Seen(rep.role, **{rep.state: word})
+    culprit = blame.blame_run_dir(run_dir, now, known)
+    return Report(blame=culprit, run_dir=str(run_dir), mode=inst.mode, expected=inst.expected_process_count,
                   found=inst.found_process_count, live_telemetry=live is not None, processes=reports,
                   alerts=alerts, problems=list(inst.problems), now=now)  # fmt: skip
 
@@ -325,6 +345,27 @@ def diagnose(report: Report) -> None:
         report.culprit = rep.role if rep is not None else None
         report.healthy = verdict == "healthy"
 
+    culprit = report.blame
+    if culprit is not None:
+        # The one blame rule (tracing/blame.py), as the root-cause block and engine-top's alert.
+        rep = next((p for p in procs if p.role == culprit.role), None)
+        if rep is not None:
+            words = {"failed": "failed", "dead": "is dead", "stopped": "is stopped",
+                     "frozen": "is frozen", "waited_on": "holds up its peers", "held": "is held"}  # fmt: skip
+            stage = culprit.stage
+            in_stage = f" in stage {stage}" if stage else ""
+            text = f"{_who(rep)} {words[culprit.verdict]}{in_stage}: {culprit.reason}{at(rep)}."
+            verdict = {"failed": "dead", "waited_on": "stuck", "held": "stuck"}.get(
+                culprit.verdict, culprit.verdict
+            )
+            hint = {"dead": hints.DEAD, "failed": hints.DEAD,
+                    "stopped": hints.STOPPED.replace("<pid>", str(rep.pid)) + ".",
+                    "frozen": hints.FROZEN.replace("<pid>", str(rep.pid)) + "."}.get(culprit.verdict, "")  # fmt: skip
+            if stage:
+                hint = (hint + " " if hint else "") + f"{stage}: {hints.stage_hint(stage).hint}."
+            settle(verdict, rep, text, hint)
+            report.culprit_stage = stage
+            return
     dead = [p for p in deepest_first if p.state == "dead" and (p.kind != "frontend" or p.crash)]
     dead.sort(key=lambda p: p.crash is None)  # one with a crash report explains itself
     if dead:
@@ -399,6 +440,7 @@ def diagnose(report: Report) -> None:
 
 def to_json(report: Report) -> dict[str, Any]:
     data = asdict(report)
+    data.pop("blame", None)
     for entry, rep in zip(data["processes"], report.processes, strict=True):
         entry["main_top"] = rep.main_top
     return data
@@ -425,6 +467,8 @@ def render_text(report: Report, out, max_frames: int = 6) -> None:
             w(f"{indent}    {p.note}\n")
         for wait in p.waits:
             w(f"{indent}    waiting for {wait}\n")
+        if p.collectives:
+            w(f"{indent}    collectives this step: {', '.join(p.collectives)}\n")
         for fault in p.faults:
             w(f"{indent}    injected fault struck: {fault}\n")
         if p.crash:

@@ -328,7 +328,12 @@ class EngineCoreProc(EngineCore):
                 else:
                     logger.error("engine core failed: %s: %s", type(e).__name__, e)
             else:
-                # A worker died: the frontend prints the root-cause block, once.
+                # A worker died: the frontend prints the root-cause block, once. This death is
+                # its echo, and says so (the blame rule then never names this process).
+                culprit = getattr(e, "culprit", None)
+                if culprit and culprit != role:
+                    processes.write_crash_report(run_dir, role, e, current_stage(), payload.data_parallel_rank,
+                                                 caused_by=culprit)  # fmt: skip
                 logger.error(
                     "engine core stopping: a worker died, stopped or froze (the frontend prints the root cause)"
                 )

@@ -31,6 +31,7 @@ it on the other side.
 
 from __future__ import annotations
 
+import os
 import pickle
 import time
 from collections.abc import Callable
@@ -42,11 +43,39 @@ import torch
 import torch.distributed as dist
 
 from engine.logger import init_logger
+from tracing import run_dir as run_dirs
 from tracing.waits import WaitTimeout, wait_for
 
 logger = init_logger(__name__)
 
 _ARRIVED_KEY = "glassbox/arrived/{}"
+
+# This worker's CommPosition writer (``set_comm_board``): every collective of the TP and PP
+# groups is counted on it, so a rank waiting in all-reduce #k can be told from the rank that
+# never reached #k (``tracing.blame``). Two ``struct.pack_into`` on an mmap per collective.
+_board: run_dirs.CommBoard | None = None
+_ALL_REDUCE, _ALL_GATHER, _SEND, _RECV, _BROADCAST, _BARRIER = (
+    run_dirs.COMM_KINDS.index(k) for k in ("all_reduce", "all_gather", "send", "recv", "broadcast", "barrier")
+)
+
+
+def set_comm_board(board: run_dirs.CommBoard | None) -> None:
+    """Count this process's collectives on ``board`` (None: stop counting)."""
+    global _board
+    _board = board
+
+
+def open_comm_board(run_dir: str | os.PathLike[str], role: str) -> run_dirs.CommBoard | None:
+    """Create worker ``role``'s ``<role>.comm`` in ``run_dir`` and count this process's
+    collectives on it from now on; None (with a warning) when the file cannot be made: the
+    blame rule then sees stages, not collectives. vLLM has no counterpart."""
+    try:
+        board = run_dirs.CommBoard(run_dir, role)
+    except OSError as e:
+        logger.warning("no comm board for %s: %s", role, e)
+        board = None
+    set_comm_board(board)
+    return board
 
 
 def get_open_port(host: str = "127.0.0.1") -> int:
@@ -93,6 +122,22 @@ class GroupCoordinator:
     device_group: dist.ProcessGroup
     stats: CommStats = field(default_factory=CommStats)
 
+    def _enter(self, kind: int) -> int | None:
+        """Count one collective of ``kind`` on the comm board; the group's index there (None:
+        not counted: no board, or the world group)."""
+        board = _board
+        if board is None or self.name not in run_dirs.COMM_GROUPS:
+            return None
+        index = run_dirs.COMM_GROUPS.index(self.name)
+        board.enter(index, kind)
+        return index
+
+    @staticmethod
+    def _leave(index: int | None) -> None:
+        board = _board
+        if index is not None and board is not None:
+            board.leave(index)
+
     @property
     def world_size(self) -> int:
         return len(self.ranks)
@@ -110,7 +155,9 @@ class GroupCoordinator:
         if self.world_size == 1:
             return x
         start = time.perf_counter()
+        counted = self._enter(_ALL_REDUCE)
         dist.all_reduce(x, group=self.device_group)
+        self._leave(counted)
         self.stats.all_reduce_s += time.perf_counter() - start
         self.stats.all_reduce_calls += 1
         return x
@@ -122,7 +169,9 @@ class GroupCoordinator:
         start = time.perf_counter()
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        counted = self._enter(_ALL_GATHER)
         dist.all_gather(parts, x, group=self.device_group)
+        self._leave(counted)
         out = torch.cat(parts, dim=dim)
         self.stats.all_gather_s += time.perf_counter() - start
         self.stats.all_gather_calls += 1
@@ -155,10 +204,12 @@ class GroupCoordinator:
         device = next(iter(tensors.values())).device  # NCCL sends device tensors only
         blob = torch.frombuffer(bytearray(pickle.dumps(meta)), dtype=torch.uint8).to(device)
         size = torch.tensor([blob.numel()], dtype=torch.int64, device=device)
+        counted = self._enter(_SEND)  # one hand-off, one count (its messages go together)
         dist.send(size, dst=dst, group=self.device_group)
         dist.send(blob, dst=dst, group=self.device_group)
         for t in tensors.values():
             dist.send(t.contiguous(), dst=dst, group=self.device_group)
+        self._leave(counted)
         self.stats.pp_send_s += time.perf_counter() - start
         self.stats.pp_send_calls += 1
 
@@ -169,6 +220,7 @@ class GroupCoordinator:
         src = self.prev_rank if src is None else src
         start = time.perf_counter()
         size = torch.empty(1, dtype=torch.int64, device=device)
+        counted = self._enter(_RECV)
         dist.recv(size, src=src, group=self.device_group)
         blob = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
         dist.recv(blob, src=src, group=self.device_group)
@@ -176,6 +228,7 @@ class GroupCoordinator:
         for name, shape, dtype in pickle.loads(blob.cpu().numpy().tobytes()):
             out[name] = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
             dist.recv(out[name], src=src, group=self.device_group)
+        self._leave(counted)
         self.stats.pp_recv_s += time.perf_counter() - start
         self.stats.pp_recv_calls += 1
         return out
@@ -183,12 +236,16 @@ class GroupCoordinator:
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """``x`` of group rank ``src`` copied into ``x`` on every rank, in place."""
         if self.world_size > 1:
+            counted = self._enter(_BROADCAST)
             dist.broadcast(x, src=self.ranks[src], group=self.device_group)
+            self._leave(counted)
         return x
 
     def barrier(self) -> None:
         if self.world_size > 1:
+            counted = self._enter(_BARRIER)
             dist.barrier(group=self.device_group)
+            self._leave(counted)
 
 
 _WORLD: GroupCoordinator | None = None

@@ -15,6 +15,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
+from engine import envs
 from engine.config import ConfigError, EngineConfig
 from engine.kv_cache.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 from engine.logger import init_logger
@@ -133,16 +134,22 @@ class Executor(ABC):
     def _start_workers(self, all_kwargs: list[dict[str, Any]]) -> None:
         """The first three lifecycle RPCs, the same for every executor:
         ``init_worker`` (build each Worker) → ``init_device`` → ``load_model``."""
-        self.collective_rpc("init_worker", args=(all_kwargs,))
-        self.device_info = self.collective_rpc("init_device")[0]
-        self.collective_rpc("load_model")
+        self._start_up_rpc("init_worker", args=(all_kwargs,))
+        self.device_info = self._start_up_rpc("init_device")[0]
+        self._start_up_rpc("load_model")
+
+    def _start_up_rpc(self, method: str, args: tuple = ()) -> list[Any]:
+        """A lifecycle RPC of start-up, bounded by ``GLASSBOX_ENGINE_READY_TIMEOUT_S``, not by
+        a step's ``GLASSBOX_EXECUTE_MODEL_TIMEOUT_S``: a cold torch.compile on a loaded
+        machine takes minutes (vLLM waits on these without a deadline)."""
+        return self.collective_rpc(method, timeout=envs.GLASSBOX_ENGINE_READY_TIMEOUT_S, args=args)
 
     def determine_available_memory(self) -> list[int]:
         """KV-cache bytes each worker can spend (after a profile run)."""
-        return self.collective_rpc("determine_available_memory")
+        return self._start_up_rpc("determine_available_memory")
 
     def get_kv_cache_specs(self) -> list[FullAttentionSpec]:
-        return self.collective_rpc("get_kv_cache_spec")
+        return self._start_up_rpc("get_kv_cache_spec")
 
     def initialize_from_config(self, kv_cache_configs: list[KVCacheConfig]) -> None:
         """Allocate the KV caches, then warm up (vLLM does both in this call).
@@ -150,8 +157,8 @@ class Executor(ABC):
         ``kv_cache_configs`` has one entry per worker, in rank order (pipeline stages differ in
         their layers); each worker's wrapper picks its own.
         """
-        self.collective_rpc("initialize_from_config", args=(kv_cache_configs,))
-        self.collective_rpc("compile_or_warm_up_model")
+        self._start_up_rpc("initialize_from_config", args=(kv_cache_configs,))
+        self._start_up_rpc("compile_or_warm_up_model")
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.collective_rpc("execute_model", args=(scheduler_output,))[0]

@@ -48,6 +48,7 @@ from tracing import (
     stage,
     wait_for,
 )
+from tracing import run_dir as contract
 from tracing.propagation import attached_trace_context, inject_trace_headers
 from tracing.telemetry import events
 from tracing.telemetry.publisher import get_publisher, start_telemetry
@@ -381,7 +382,14 @@ class MultiprocExecutor(Executor):
 
 
 def run_worker_rpc(
-    wrapper: Any, rpc_msg: WorkerRPC, rank: int, *, run_dir: Path, role: str, worker_spans: bool
+    wrapper: Any,
+    rpc_msg: WorkerRPC,
+    rank: int,
+    *,
+    run_dir: Path,
+    role: str,
+    worker_spans: bool,
+    board: contract.CommBoard | None = None,
 ) -> WorkerReply:
     """Run one ``WorkerRPC`` on a worker's ``WorkerWrapperBase``; the reply says how it went.
 
@@ -391,8 +399,12 @@ def run_worker_rpc(
     ``execute_model`` in a ``worker.execute_model`` stage when ``--collect-detailed-traces``
     asks for worker spans (or a fault is armed there), and an exception is written to this
     process's crash report (``<role>.crash.json``) before it becomes a failure reply.
+    ``board``: this worker's ``CommPosition`` writer, told the RPC as it begins and ends (so
+    a worker inside ``execute_model`` reads as busy, not idle, and its steps are counted).
     Never raises for an error of the called method (``Exception``).
     """
+    if board is not None:
+        board.rpc_enter(rpc_msg.method)
     try:
         with attached_trace_context(rpc_msg.trace_headers):
             args, kwargs = rpc_msg.call_args()
@@ -405,10 +417,19 @@ def run_worker_rpc(
                     value = wrapper.execute_method(rpc_msg.method, *args, **kwargs)
             else:
                 value = wrapper.execute_method(rpc_msg.method, *args, **kwargs)
+        if board is not None:
+            board.rpc_exit()
         return WorkerReply.success(rank, rpc_msg.method, value)
     except Exception as e:
-        processes.write_crash_report(run_dir, role, e, current_stage(), rank)
+        processes.write_crash_report(run_dir, role, e, current_stage() or _rpc_stage(rpc_msg.method), rank)
         return WorkerReply.failure(rank, rpc_msg.method, e)
+
+
+def _rpc_stage(method: str) -> str:
+    """The stage an RPC's failure is named by when no stage of it was open: ``worker.<method>``
+    where the catalogue has one, else ``rpc <method>``."""
+    name = f"worker.{method}"
+    return name if name in catalogue.SPANS else f"rpc {method}"
 
 
 class WorkerProc:
@@ -434,6 +455,9 @@ class WorkerProc:
         response = MessageQueue.open_writer(payload.response_handle)
         # --collect-detailed-traces worker|all: a worker.execute_model span per step.
         worker_spans = config.observability_config.collect_worker_traces
+        from engine.distributed import parallel_state  # torch: workers only
+
+        board = parallel_state.open_comm_board(run_dir, role)  # <role>.comm: its step and collective
         try:
             with attached_trace_context(payload.trace_headers):
                 wrapper = WorkerWrapperBase(config, rpc_rank=rank)
@@ -453,7 +477,7 @@ class WorkerProc:
                     return  # the engine core closed the queue: an orderly shutdown
                 rpc_msg = messages.decode_rpc(message)
                 reply = run_worker_rpc(wrapper, rpc_msg, rank, run_dir=run_dir, role=role,
-                                       worker_spans=worker_spans)  # fmt: skip
+                                       worker_spans=worker_spans, board=board)  # fmt: skip
                 if rpc_msg.output_rank is None or rpc_msg.output_rank == rank:
                     response.enqueue(messages.encode(reply))
                 if not reply.ok:

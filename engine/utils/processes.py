@@ -75,6 +75,14 @@ class EngineDeadError(RuntimeError):
         self.root_cause = root_cause
         super().__init__("The engine died; see the root cause below.\n" + root_cause)
 
+    @property
+    def culprit(self) -> str | None:
+        """The role the root-cause block names (its ``process:`` line), or None."""
+        for line in self.root_cause.splitlines():
+            if line.startswith("process:"):
+                return line.split()[1] if len(line.split()) > 1 else None
+        return None
+
 
 class EngineStartupTimeout(TimeoutError):
     """The engine did not become ready in time; ``root_cause`` is the block naming the process
@@ -266,17 +274,29 @@ def crash_file(run_dir: Path, role: str) -> Path:
 
 
 def write_crash_report(
-    run_dir: Path, role: str, exc: BaseException, stage: str | None, rank: int | None = None
+    run_dir: Path,
+    role: str,
+    exc: BaseException,
+    stage: str | None,
+    rank: int | None = None,
+    caused_by: str | None = None,
 ) -> None:
     """Record why this process is about to die: a ``tracing.run_dir.CrashReport`` (best effort,
-    never raises: the run dir may be gone)."""
+    never raises: the run dir may be gone).
+
+    The stage recorded is the innermost one ``exc`` escaped (``tracing.stage.raised_in``),
+    else ``stage`` (the caller's: the one still open, or the RPC it ran). ``caused_by``: the
+    role whose failure this death follows (the report is then an echo, ``tracing.blame``).
+    """
     from tracing import run_dir as run_dirs
+    from tracing.stage import raised_in
 
     report = run_dirs.CrashReport(
         role=str(role),
         rank=rank,
         pid=os.getpid(),
-        stage=stage,
+        stage=raised_in(exc) or stage,
+        caused_by=caused_by,
         exception=f"{type(exc).__name__}: {exc}",
         traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
         time=time.time(),
@@ -338,6 +358,42 @@ def describe_exit(returncode: int | None) -> str:
     return f"exited with code {returncode}"
 
 
+def _blamed(
+    run_dir: Path, role: str, pid: int | None, returncode: int | None, state: str | None
+) -> tuple | None:
+    """The blame rule's culprit of ``run_dir``'s tree as (``tracing.blame.Blame``, its
+    ``Seen``), told what the caller knows of ``role`` (its exit status, or ``state``:
+    "stopped …" or "frozen …"); None when the rule names no one."""
+    from tracing import blame
+
+    told = blame.Seen(role, pid=pid, returncode=returncode)
+    if state is not None:
+        told.stopped, told.frozen = (state, None) if state.startswith("stopped") else (None, state)
+    seen = blame.observe(run_dir, {role: told})
+    culprit = blame.find_culprit(seen, time.time())
+    if culprit is None:
+        return None
+    return culprit, next(s for s in seen if s.role == culprit.role)
+
+
+def _exit_of(other) -> tuple[int | None, str | None]:
+    """(exit status, exit line's text) of ``other`` (a ``tracing.blame.Seen``), a culprit that
+    is not the caller's process."""
+    if other.returncode is not None:
+        return other.returncode, None
+    if not other.alive:
+        return None, "gone (its exit status is its parent's to read)"
+    trouble = other.stopped or other.frozen
+    return None, "still running" + (f" ({trouble})" if trouble else "")
+
+
+def _no_exception(returncode: int | None, exit_detail: str | None) -> str:
+    """The exception line of a process that wrote no crash report."""
+    if returncode is None and (not exit_detail or exit_detail.startswith("still")):
+        return "none (it was still alive)"
+    return "none recorded (killed from outside, or died before reporting)"
+
+
 def format_root_cause(
     run_dir: Path,
     role: str,
@@ -355,12 +411,39 @@ def format_root_cause(
     the exit line's text where the exit status is not ours to read (a Ray actor's process is
     the raylet's child: Ray reports its death, ``engine/executor/ray_executor.py``).
     """
+    from tracing import blame
     from tracing import run_dir as run_dirs
 
-    role = str(role)
+    role, reason = str(role), ""
+    if exit_detail is None:
+        # The one blame rule (tracing/blame.py, as doctor and engine-top): the caller names the
+        # process it noticed; the first failure, or the rank a collective waits for, wins.
+        culprit = _blamed(run_dir, role, pid, returncode, state)
+        if culprit is not None:
+            found, other = culprit
+            if found.role != role:
+                role, pid, rank, state = found.role, found.pid, None, None
+                returncode, exit_detail = _exit_of(other)
+            if found.victims:  # a peer waits for it: say who, in which collective
+                reason = found.reason
     crash = run_dirs.read_crash_report(run_dir, role)
+    if (
+        crash is not None
+        and crash.caused_by is None
+        and crash.exception
+        and returncode is None
+        and exit_detail is None
+    ):
+        # It failed and wrote why, then was still exiting when this was written: not "running".
+        gone = not run_dirs.pid_alive(pid if pid is not None else crash.pid)
+        exit_detail = "failed (it wrote its crash report" + (
+            " and is gone)" if gone else "; it was still exiting)"
+        )
     status = run_dirs.read_status(run_dirs.status_path(run_dir, role)) or run_dirs.ProcessStatus()
     stage = (crash.stage if crash is not None else None) or status.stage
+    comm = run_dirs.read_comm(run_dir, role)
+    if not stage and comm is not None and comm.rpc in blame.STEP_RPCS:  # a worker inside a step RPC
+        stage = f"worker.{comm.rpc} (step {comm.step})"
     if not stage:
         # Step stages are not written to the status file (too frequent), so a process
         # between lifecycle stages was serving, or idle.
@@ -383,12 +466,14 @@ def format_root_cause(
         f"pid:       {pid if pid is not None else '?'}",
         f"stage:     {stage or 'unknown'}",
         f"exit:      {exit_text}",
-        f"exception: {exception or ('none (it was still alive)' if returncode is None and not exit_detail else 'none recorded (killed from outside, or died before reporting)')}",
+        f"exception: {exception or _no_exception(returncode, exit_detail)}",
     ]
     for fault in status.faults:  # asked for, not found: say so (--inject-fault)
         lines.append(
             f"fault:     injected {fault.spec} struck in {fault.stage} (--inject-fault / GLASSBOX_FAULT)"
         )
+    if reason:
+        lines.append(f"why:       {reason}")
     if note:
         lines.append(f"note:      {note}")
     last = _last_flight_step(run_dir, role)

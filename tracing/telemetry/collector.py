@@ -45,7 +45,7 @@ from typing import BinaryIO
 import msgspec
 import zmq
 
-from tracing import hints
+from tracing import blame, hints
 from tracing import instances as inst
 from tracing import run_dir as run_dirs
 from tracing.hints import StageHint
@@ -103,7 +103,7 @@ def compute_alerts(
     calls, so the alert fades ``REFUSED_ALERT_S`` after the last refusal).
     """
     now = state.now
-    alerts: list[Alert] = []
+    alerts: list[Alert] = [state.root_cause] if state.root_cause is not None else []
     starting = False
     for role, proc in state.processes.items():
         if proc.state == "dead":
@@ -199,6 +199,35 @@ def compute_alerts(
             )
     alerts.sort(key=lambda a: a.severity != "error")
     return alerts
+
+
+def _known_troubles(state: LiveState) -> dict[str, blame.Seen]:
+    """What live telemetry knows that the run directory does not: stopped and frozen processes."""
+    known = {}
+    for role, proc in state.processes.items():
+        if proc.state == "stale" and proc.heartbeat_at is not None and proc.alive:
+            age = state.now - proc.heartbeat_at
+            if proc.os_state == "stopped":
+                known[role] = blame.Seen(
+                    role, stopped=f"stopped by a signal (SIGSTOP?): no heartbeat for {_age(age)}"
+                )
+            else:
+                known[role] = blame.Seen(role, frozen=f"frozen: running but no heartbeat for {_age(age)}")
+    return known
+
+
+def _blame(run_dir: Path, known: dict[str, blame.Seen]) -> Alert | None:
+    """The blame rule's culprit as an alert (``tracing.blame``), or None."""
+    try:
+        culprit = blame.blame_run_dir(run_dir, time.time(), known)
+    except Exception:  # noqa: BLE001 - a half-written run directory must not stop the view
+        logger.debug("telemetry: the blame rule failed", exc_info=True)
+        return None
+    if culprit is None:
+        return None
+    where = f" in {culprit.stage}" if culprit.stage else ""
+    hint = f"{culprit.stage}: {hints.stage_hint(culprit.stage).hint}" if culprit.stage else ""
+    return Alert("error", culprit.role, f"root cause: {culprit.role}{where}: {culprit.reason}", hint)
 
 
 # ---------------------------------------------------------------------- finding instances
@@ -527,6 +556,12 @@ class Collector:
                         if status_record is not None:
                             state.apply_placement(role, status_record)
             state.derive(time.time(), self.stale_after_s)
+            known = _known_troubles(state)
+        # The blame rule reads the run directory (a few small files): outside the lock.
+        culprit = _blame(run_dir, known) if run_dir is not None and status != "gone" else None
+        with self._lock:
+            state = self._state
+            state.root_cause = culprit
             state.alerts = compute_alerts(state, hints=self.hints, recent_refusals=self._refusals)
 
     # -------------------------------------------------------------- replay

@@ -235,6 +235,9 @@ class LiveState:
     # socket, which events_refused also counts, or failed to encode).
     events_sampled: int = 0
     events_lost: int = 0
+    # root_cause: the blame rule's culprit (``tracing.blame``, as the root-cause block and
+    # glassbox doctor name it), as the first alert; None when the rule names no one.
+    root_cause: Alert | None = None
 
     # ------------------------------------------------------------------ folding events
 
