@@ -196,15 +196,19 @@ def find_culprit(seen: list[Seen], now: float) -> Blame | None:
             if culprit.crash is not None and culprit.crash.caused_by is None:
                 waited.exception = culprit.crash.exception
         return waited
-    # A report, or an exit status its parent read, first; a process merely gone (its status
-    # unknown here: perhaps stopped with the tree) only when nothing else failed.
-    failed = [
-        (0 if s.crash is not None or s.returncode is not None else 1, t, -_DEPTH.get(s.kind or "", 0), i, s)
-        for i, s in enumerate(seen)
-        if (t := _failed_at(s)) is not None
-    ]
+    # A report, or an exit status its parent read, first, earliest first; a process merely
+    # gone (its status unknown here: perhaps stopped with the tree) only when nothing else
+    # failed, and then the deepest (a worker's death takes its parents with it; the order
+    # their status files were last written in says nothing about who went first).
+    failed = []
+    for i, s in enumerate(seen):
+        if (t := _failed_at(s)) is None:
+            continue
+        depth = -_DEPTH.get(s.kind or "", 0)
+        known = s.crash is not None or s.returncode is not None
+        failed.append(((0, t, depth, i) if known else (1, depth, t, i), s))
     if failed:
-        s = min(failed, key=lambda x: x[:4])[4]
+        s = min(failed, key=lambda x: x[0])[1]
         if s.crash is not None and s.crash.exception:
             return Blame(s.role, "failed", s.stage, f"{s.role} failed first: {s.crash.exception}", s.pid,
                          s.crash.exception)  # fmt: skip
