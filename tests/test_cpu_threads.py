@@ -175,7 +175,10 @@ def test_worker_applies_a_cpu_list_and_the_engine_core_never_loads_torch(tiny, m
 
         status = contract.read_status(contract.status_path(llm.run_dir, "Worker_DP0_PP0_TP0"))
         assert status is not None and status.runs_as["device"] == "cpu"
-        assert status.runs_as["cpu_threads"] == "1" and status.runs_as["compile"] == "compiled (inductor, 1 graph)"
+        assert (
+            status.runs_as["cpu_threads"] == "1"
+            and status.runs_as["compile"] == "compiled (inductor, 1 graph)"
+        )
     # (The worker's environment is read from its own log line: setproctitle overwrites
     # /proc/<pid>/environ.)
     err = capfd.readouterr().err
