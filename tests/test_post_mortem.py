@@ -219,3 +219,25 @@ def test_a_worker_crash_while_serving_leaves_a_post_mortem_doctor_last_reads(rea
             pass
         proc.wait(10)
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_doctor_on_a_gone_tree_prints_words_not_python_values(dirs, capsys):
+    """A gone tree: an engine core's echo report reads "stopped because <worker> failed" (not
+    the root-cause text again), a report without a stage prints no "(stage None)", and no
+    "stacks" heading stands over nothing (every process is dead)."""
+    base, _ = dirs
+    run_dir = _run_dir(base, crash=True)
+    contract.write_crash_report(run_dir, contract.CrashReport(
+        role="EngineCore_DP0", rank=0, pid=1235, stage=None, time=time.time(),
+        exception="EngineDeadError: The engine died; see the root cause below.\n=== Glassbox root cause ===",
+        caused_by="Worker_DP0_PP0_TP0",
+    ))  # fmt: skip
+    contract.write_crash_report(run_dir, contract.CrashReport(
+        role="APIServer_0", pid=1236, stage=None, exception="OSError: disk full", time=time.time() + 1,
+    ))  # fmt: skip
+    assert main(["doctor", "--run-dir", str(run_dir)]) == 1
+    out = capsys.readouterr().out
+    assert "crash report: stopped because Worker_DP0_PP0_TP0 failed" in out, out
+    assert "crash report: OSError: disk full\n" in out, out
+    assert "(stage None)" not in out and "=== Glassbox root cause ===" not in out, out
+    assert "stacks (" not in out, out

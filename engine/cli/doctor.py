@@ -202,7 +202,8 @@ def _gather(run_dir: Path, watch_s: float, want_stacks: bool, stack_timeout_s: f
         crash = contract.read_crash_report(run_dir, p.role)
         if crash is not None:
             rep.crash = {"stage": crash.stage, "exception": crash.exception, "pid": crash.pid,
-                         "traceback_tail": (crash.traceback or "").strip().splitlines()[-6:]}  # fmt: skip
+                         "traceback_tail": (crash.traceback or "").strip().splitlines()[-6:],
+                         "caused_by": crash.caused_by}  # fmt: skip
         if not p.alive:
             rep.state = "not started" if p.state == "not started" else "dead"
         elif p.state in STOPPED_STATES:
@@ -471,8 +472,12 @@ def render_text(report: Report, out, max_frames: int = 6) -> None:
             w(f"{indent}    collectives this step: {', '.join(p.collectives)}\n")
         for fault in p.faults:
             w(f"{indent}    injected fault struck: {fault}\n")
-        if p.crash:
-            w(f"{indent}    crash report: {p.crash.get('exception')} (stage {p.crash.get('stage')})\n")
+        if p.crash and p.crash.get("caused_by"):
+            # An echo: it stopped because another process failed (the diagnosis names that one).
+            w(f"{indent}    crash report: stopped because {p.crash['caused_by']} failed\n")
+        elif p.crash:
+            where = f" (stage {p.crash['stage']})" if p.crash.get("stage") else ""
+            w(f"{indent}    crash report: {p.crash.get('exception')}{where}\n")
             for line in p.crash.get("traceback_tail") or []:
                 w(f"{indent}      {line}\n")
     for p in report.processes:
@@ -480,10 +485,10 @@ def render_text(report: Report, out, max_frames: int = 6) -> None:
             w(f"\nlast steps of {p.role} (flight recorder, oldest first):\n")
             for st in p.flight:
                 w("  " + _step_line(st, report) + "\n")
-    w("\nstacks (main thread and named threads; most recent call first):\n")
-    for p in report.processes:
-        if p.state in ("dead", "not started"):
-            continue
+    live = [p for p in report.processes if p.state not in ("dead", "not started")]
+    if live:
+        w("\nstacks (main thread and named threads; most recent call first):\n")
+    for p in live:
         w(f"\n  {p.role} (pid {p.pid}):\n")
         if p.stack_error:
             w(f"    no stack: {p.stack_error}\n")

@@ -307,7 +307,12 @@ class MultiprocExecutor(Executor):
                     rank, code = peer, self.workers[peer].poll()
             proc = self.workers[rank]
             root = processes.format_root_cause(Path(self.run_dir), proc.role, proc.pid, code, rank=rank)
-            logger.error("%s (pid %d) died: %s", proc.role, proc.pid, processes.describe_exit(code))
+            if code is None:  # it reported its failure and has not exited yet
+                report = processes.read_crash_report(Path(self.run_dir), proc.role)
+                what = f"failed: {report['exception']}" if report else "failed"
+                logger.error("%s (pid %d) %s", proc.role, proc.pid, what)
+            else:
+                logger.error("%s (pid %d) died: %s", proc.role, proc.pid, processes.describe_exit(code))
             publisher = get_publisher()
             if publisher is not None:  # only a parent knows how its child ended: tell engine-top
                 publisher.note_child_exit(proc.role, processes.describe_exit(code))
