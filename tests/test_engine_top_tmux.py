@@ -81,7 +81,7 @@ def test_engine_top_in_tmux_attaches_follows_load_shows_a_death_and_quits(defaul
         try:
 
             def loaded(screen: str) -> bool:
-                waiting = re.search(r"scheduler waiting\s+(\d+)", screen)
+                waiting = re.search(r"\swaiting\s+(\d+)\s", screen)  # the queues panel's row
                 bars = [line for line in screen.splitlines() if "█" in line and "▒" in line]
                 return bool(waiting and int(waiting.group(1)) > 0 and bars)
 

@@ -28,7 +28,8 @@ from engine.cli.ps import collect_instances
 pytestmark = pytest.mark.timeout(60)
 
 # One fake process: sets its title, spawns its subtree, writes its status file, then waits.
-# argv: RUN_DIR READY_DIR NODE_JSON, where a node is {"name", "title"?, "status"?, "children"?}.
+# argv: RUN_DIR READY_DIR NODE_JSON, where a node is {"name", "title"?, "status"?, "children"?,
+# "exit"?} ("exit": leave once up, unreaped by the parent, which sleeps on).
 FAKE_PROCESS = r"""
 import json, os, subprocess, sys, time
 import setproctitle
@@ -47,6 +48,8 @@ if node.get("status"):
         json.dump(status, f)
     os.replace(tmp, os.path.join(run_dir, node["name"] + ".status.json"))
 open(os.path.join(ready_dir, node["name"]), "w").close()
+if node.get("exit"):  # gone at once; its parent never waits for it: a zombie
+    sys.exit(0)
 time.sleep(60)
 """
 
@@ -266,6 +269,36 @@ def test_stale_run_dir_hidden_unless_all(base, capsys):
     assert inst["stale"]
 
 
+def test_a_zombie_worker_stays_indented_under_its_engine_core(base, spawn_tree, capsys):
+    """Found by a user: a worker that exited but was not yet reaped (a zombie) was printed
+    unindented at the root of the tree, as if it were no engine core's."""
+    import psutil
+
+    run_dir = base / "glassbox-2-zombie"
+    run_dir.mkdir()
+    tree = {"name": "LLM", "status": "llm.init", "children": [
+        {"name": "EngineCore_DP0", "title": "glassbox::EngineCore_DP0", "status": "engine_core.init", "children": [
+            {"name": "Worker_DP0_PP0_TP0", "title": "glassbox::Worker_DP0_PP0_TP0", "status": "worker.load_model",
+             "exit": True},
+        ]}]}  # fmt: skip
+    frontend = spawn_tree(run_dir, tree)
+    (run_dir / "manifest.json").write_text(
+        json.dumps({"created_at": time.time(), "run_dir": str(run_dir), "mode": "mp", "frontend_pid": frontend.pid,
+                    "roles": ROLES[:3], "expected_process_count": 2})
+    )  # fmt: skip
+    worker_pid = json.loads((run_dir / "Worker_DP0_PP0_TP0.status.json").read_text())["pid"]
+    deadline = time.monotonic() + 20
+    while psutil.Process(worker_pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the worker did not exit"
+        time.sleep(0.05)
+    [inst] = _ps_json(capsys)
+    rows = {p["role"]: (p["depth"], p["state"] == "zombie") for p in inst["processes"]}
+    assert rows == {"LLM": (0, False), "EngineCore_DP0": (1, False), "Worker_DP0_PP0_TP0": (2, True)}
+    code, out = _ps(capsys)
+    row = next(line for line in out.splitlines() if "Worker_DP0_PP0_TP0" in line)
+    assert code == 0 and row.startswith("    Worker_DP0_PP0_TP0 ") and "zombie" in row, out
+
+
 def test_no_instances_exits_zero_with_message(base, capsys):
     (base / "not-a-run-dir").mkdir()
     assert _ps(capsys) == (
@@ -273,6 +306,12 @@ def test_no_instances_exits_zero_with_message(base, capsys):
         f"no running glassbox instances under {base} (set GLASSBOX_RUN_DIR_BASE to where the instance was started)\n",
     )
     assert collect_instances(base, include_stale=True) == []
+    # --all looked for stale run directories too, and says it found none either
+    assert _ps(capsys, "--all") == (
+        0,
+        f"no running glassbox instances under {base} (set GLASSBOX_RUN_DIR_BASE to where the instance was started)\n"
+        f"no stale run directories under {base} either\n",
+    )
 
 
 def test_bad_run_dir_is_one_line_exit_2(base, capsys):

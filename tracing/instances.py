@@ -392,7 +392,10 @@ def _mark_absent(row: ProcessInfo) -> None:
 
 
 def _set_depths(rows: list[ProcessInfo], frontend_pid: int | None) -> None:
-    parents = {r.pid: r.ppid for r in rows if r.pid is not None and r.alive}
+    # A zombie still has its parent (the one that has not reaped it): it stays in the tree.
+    parents = {
+        r.pid: r.ppid for r in rows if r.pid is not None and r.ppid is not None and r.state != "exited"
+    }
     for r in rows:
         depth, pid = 0, r.pid
         while pid in parents and pid != frontend_pid and depth < 8:

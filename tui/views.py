@@ -16,14 +16,16 @@ Panels (``docs/engine-top.md`` explains how to read each one):
 
 from __future__ import annotations
 
+import io
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from rich import box
-from rich.console import Group, RenderableType
+from rich.console import Console, Group, RenderableType
 from rich.layout import Layout
+from rich.padding import Padding
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -37,7 +39,6 @@ from tracing.telemetry.events import (
     GAUGE_DP_WAVE,
     GAUGE_DUMMY_STEPS,
     GAUGE_INPUT_QUEUE,
-    GAUGE_KV_TOTAL,
     GAUGE_KV_USED,
     GAUGE_MQ_READER_PREFIX,
     GAUGE_MQ_WRITTEN,
@@ -246,7 +247,9 @@ def _wait_text(state: LiveState, p: ProcessLive) -> Text | None:
         return None
     w = waits[-1]
     waited = fmt_age(state.now - w.started_at)
-    return Text(f"⏳ waiting for {w.what}: {waited} of {fmt_age(w.timeout_s)}", style="yellow")
+    # Wrapped, never cut: who is waited for is the news (it once read "… from Worke…").
+    return Text(f"⏳ waiting for {w.what}: {waited} of {fmt_age(w.timeout_s)}", style="yellow",
+                no_wrap=False, overflow="fold")  # fmt: skip
 
 
 _STATE_STYLE = {
@@ -282,24 +285,17 @@ def _is_stale(state: LiveState, p: ProcessLive) -> bool:
 def render_processes(
     state: LiveState, max_rows: int | None = None, wrap: bool = False, compact: bool = False
 ) -> RenderableType:
-    """The tree, one row per process (plus one under a process that is in a bounded wait).
+    """The tree, one row per process (``max_rows`` at most, None: all), and under a process
+    in a bounded wait a line of its own, across the panel and wrapped, never cut (in the
+    stage column it once read "⏳ waiting for execute_model from Worke…").
     ``wrap``: let a long stage or exit description wrap (``--once``) rather than be cut.
     ``compact`` (a narrow terminal): no RSS and thread columns."""
-    table = Table(box=box.SIMPLE_HEAD, expand=True, pad_edge=False, show_edge=False)
-    table.add_column("role", no_wrap=True)
-    table.add_column("pid", justify="right", no_wrap=True)
-    table.add_column("state", no_wrap=True)
-    table.add_column("stage · time in it", ratio=1, overflow="fold" if wrap else "ellipsis", no_wrap=not wrap)
-    table.add_column("CPU%", justify="right", no_wrap=True)
-    if not compact:
-        table.add_column("RSS", justify="right", no_wrap=True)
-        table.add_column("thr", justify="right", no_wrap=True)
-    table.add_column("beat", justify="right", no_wrap=True)  # heartbeat age
-    table.add_column("step", justify="right", no_wrap=True)  # age of the last engine step / forward
     rows = process_rows(state)
     if not rows:
         return Text("no process seen yet (no manifest, no telemetry)", style="dim")
     shown = rows if max_rows is None or len(rows) <= max_rows else rows[: max(1, max_rows - 1)]
+    # Table rows (cells, style), with the lines that go between them (waits, "… N more").
+    items: list[tuple[list[Any], str] | RenderableType] = []
     for depth, p in shown:
         stale = _is_stale(state, p)
         state_name = "stale" if stale else p.state
@@ -321,13 +317,13 @@ def render_processes(
         if not compact:
             cells.append("—" if p.state == "dead" else fmt_bytes(p.rss_bytes))
             cells.append("—" if p.num_threads is None or p.state == "dead" else str(p.num_threads))
-        table.add_row(*cells, hb, step_age, style=row_style)
+        items.append((cells + [hb, step_age], row_style))
         placed = placement_text(p.placement)
         if placed:  # a Ray actor: where Ray put it
-            table.add_row("", "", "", Text(f"placed as {placed}", style="dim"))
+            items.append((["", "", "", Text(f"placed as {placed}", style="dim")], ""))
         wait = _wait_text(state, p)
-        if wait is not None:
-            table.add_row("", "", "", wait)
+        if wait is not None:  # indented under its process, as a child of the tree
+            items.append(Padding(wait, (0, 0, 0, 4 * depth + 4)))
     if len(shown) < len(rows):
         hidden: dict[str, int] = {}
         for _, p in rows[len(shown) :]:
@@ -335,28 +331,71 @@ def render_processes(
             hidden[name] = hidden.get(name, 0) + 1
         what = ", ".join(f"{n} {name}" for name, n in sorted(hidden.items()))
         bad = any(k in hidden for k in ("dead", "stale"))
-        table.add_row(
+        items.append(
             Text(f"… {len(rows) - len(shown)} more: {what} (e: expand)", style="bold red" if bad else "dim")
         )
-    return table
+    headers = ["role", "pid", "state", "stage · time in it", "CPU%"]
+    headers += [] if compact else ["RSS", "thr"]
+    headers += ["beat", "step"]  # heartbeat age; age of the last engine step / forward pass
+    return _Fitted(lambda width: _process_tables(items, headers, width, wrap))
+
+
+def _cells_width(cell: Any) -> int:
+    return Text(cell).cell_len if isinstance(cell, str) else cell.cell_len
+
+
+def _process_tables(items: list, headers: list[str], width: int, wrap: bool) -> RenderableType:
+    """The processes' rows as tables with the same column widths (so that they line up), the
+    lines between them (a wait) drawn across the whole ``width``."""
+    stage = headers.index("stage · time in it")
+    widths = [len(h) for h in headers]
+    for item in items:
+        if isinstance(item, tuple):
+            for i, cell in enumerate(item[0]):
+                if i != stage:
+                    widths[i] = max(widths[i], _cells_width(cell))
+    others = sum(w for i, w in enumerate(widths) if i != stage)
+    # Between columns: the box's separator and padding 1 either side; 2 cells, not 3, when
+    # that leaves the stage too little ("executor.execute_model 0.4s" is 27 cells).
+    gap = 3 if width - 3 * (len(headers) - 1) - others >= 28 else 2
+    widths[stage] = max(10, width - gap * (len(headers) - 1) - others)
+    parts: list[RenderableType] = []
+    table: Table | None = None
+    for item in items:
+        if not isinstance(item, tuple):
+            table = None
+            parts.append(item)
+            continue
+        if table is None:
+            table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, show_header=not parts,
+                          padding=(0, gap - 2, 0, 1))  # fmt: skip
+            for i, (header, w) in enumerate(zip(headers, widths)):
+                folds = i == stage and wrap
+                table.add_column(header, width=w, no_wrap=not folds, overflow="fold" if folds else "ellipsis",
+                                 justify="left" if i in (0, 2, stage) else "right")  # fmt: skip
+            parts.append(table)
+        cells, style = item
+        table.add_row(*cells, style=style)
+    return Group(*parts)
 
 
 # ------------------------------------------------------------------------------ queues
 
 # (gauge, label) in the order a request flows: into the API server, to the engine core,
-# through the scheduler, back out.
+# through the scheduler, back out. Labels are short (15 cells at most) so that they read
+# whole in a queues panel half a 100-column screen wide; docs/engine-top.md explains each.
 _API_QUEUES = (
     (GAUGE_API_IN_FLIGHT, "HTTP in flight"),
     (GAUGE_API_WAITING_FOR_ENGINE, "→ engine core"),
-    (GAUGE_API_PENDING_OUTPUTS, "outputs to stream"),
+    (GAUGE_API_PENDING_OUTPUTS, "to stream"),
 )
 _ENGINE_QUEUES = (
     (GAUGE_INPUT_QUEUE, "input_queue"),
-    (GAUGE_WAITING, "scheduler waiting"),
-    (GAUGE_RUNNING, "scheduler running"),
+    (GAUGE_WAITING, "waiting"),  # the scheduler's WAITING queue
+    (GAUGE_RUNNING, "running"),  # the scheduler's RUNNING list
     (GAUGE_OUTPUT_QUEUE, "output_queue"),
 )
-_MQ_LAG = "mq lag"
+_MQ_LAG = "broadcast lag"
 # Gauges that are not queues: shown as their own rows (KV, DP wave) or not in this panel.
 _NOT_QUEUES = ("kv.", "dp.", "worker.", "sched.preempted")
 
@@ -414,24 +453,26 @@ def queue_rows(state: LiveState) -> list[tuple[str, str, float | None, list[floa
         if lag is None and lag_series:
             lag = lag_series[-1]
         if lag is not None:
-            rows.append((p.role, "broadcast queue lag", lag, lag_series))
+            rows.append((p.role, _MQ_LAG, lag, lag_series))
         used.update(k for k in state.queues if k.startswith(f"{p.role} mq."))
         if p.kind == "engine_core" and GAUGE_KV_USED in p.gauges:
-            total = p.gauges.get(GAUGE_KV_TOTAL)
-            label = f"KV blocks used (of {int(total)})" if total else "KV blocks used"
+            # blocks held by requests (the pool's size is the steps panel's KV %)
             series = list(state.queues.get(_series_key(p.role, GAUGE_KV_USED), ()))
-            rows.append((p.role, label, p.gauges[GAUGE_KV_USED], series))
+            rows.append((p.role, "KV blocks", p.gauges[GAUGE_KV_USED], series))
         if p.kind == "worker" and GAUGE_WORKER_THREADS in p.gauges:
             # A CPU worker's threads: fewer than its share while other processes take its CPUs.
             most = p.gauges.get(GAUGE_WORKER_THREADS_MAX)
-            label = f"CPU threads (of {int(most)})" if most else "CPU threads"
+            label = f"threads (of {int(most)})" if most else "CPU threads"
             series = list(state.queues.get(_series_key(p.role, GAUGE_WORKER_THREADS), ()))
             rows.append((p.role, label, p.gauges[GAUGE_WORKER_THREADS], series))
         if p.kind == "engine_core" and state.data_parallel_size > 1 and GAUGE_DP_WAVE in p.gauges:
-            running = "running" if p.gauges.get(GAUGE_DP_RUNNING) else "over"
-            label = f"DP wave {int(p.gauges[GAUGE_DP_WAVE])} ({running}), dummy steps"
-            series = list(state.queues.get(_series_key(p.role, GAUGE_DUMMY_STEPS), ()))
-            rows.append((p.role, label, p.gauges.get(GAUGE_DUMMY_STEPS), series))
+            # the wave this engine is in (runs: every engine steps), and the dummy batches it ran
+            running = "runs" if p.gauges.get(GAUGE_DP_RUNNING) else "over"
+            series = list(state.queues.get(_series_key(p.role, GAUGE_DP_WAVE), ()))
+            rows.append((p.role, f"DP wave ({running})", p.gauges[GAUGE_DP_WAVE], series))
+            if GAUGE_DUMMY_STEPS in p.gauges:
+                series = list(state.queues.get(_series_key(p.role, GAUGE_DUMMY_STEPS), ()))
+                rows.append((p.role, "dummy steps", p.gauges[GAUGE_DUMMY_STEPS], series))
     for key, series in state.queues.items():
         if key in used:
             continue
@@ -442,28 +483,50 @@ def queue_rows(state: LiveState) -> list[tuple[str, str, float | None, list[floa
     return rows
 
 
-def render_queues(state: LiveState, max_rows: int | None = None, spark_width: int = 24) -> RenderableType:
+class _Fitted:
+    """A renderable built for the width it is given when drawn (a panel's inside, a layout's
+    region), so that a table can size its columns for the cells it really has."""
+
+    def __init__(self, build: Any) -> None:
+        self.build = build  # width in cells -> RenderableType
+
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        yield self.build(options.max_width)
+
+
+def render_queues(
+    state: LiveState, max_rows: int | None = None, spark_width: int = 24, width: int | None = None
+) -> RenderableType:
+    """One row per queue: process, label, depth now, sparkline of the recent samples (at most
+    ``spark_width`` cells). ``width``: the cells the table may take (None: the width it is
+    drawn in). The process names, the labels and the values keep their width; the sparkline
+    takes what is left, and in a narrow panel the columns are one cell apart instead of three."""
     rows = queue_rows(state)
     if not rows:
         return Text("no queue gauges yet", style="dim")
-    table = Table(box=box.SIMPLE_HEAD, expand=True, pad_edge=False, show_edge=False)
-    # The value is what matters: "now" keeps its width, and the queue name, then the
-    # sparkline, give way first (a full sparkline once squeezed "now" out of a narrow panel).
-    table.add_column("process", no_wrap=True, style="dim", overflow="ellipsis", max_width=18)
-    table.add_column("queue", no_wrap=True, overflow="ellipsis", ratio=1, min_width=14)
-    table.add_column("now", justify="right", no_wrap=True, min_width=4)
-    table.add_column("recent", no_wrap=True, style="cyan", overflow="crop", max_width=spark_width)
+    if width is None:
+        return _Fitted(lambda w: render_queues(state, max_rows, spark_width, w))
     shown = rows if max_rows is None or len(rows) <= max_rows else rows[: max(1, max_rows - 1)]
+    depths = ["—" if now is None else f"{now:.0f}" for _, _, now, _ in shown]
+    proc_w = min(18, max(len("process"), *(len(role) for role, _, _, _ in shown)))
+    label_w = max(len("queue"), *(len(label) for _, label, _, _ in shown))
+    now_w = max(len("now"), *(len(d) for d in depths))
+    room = width - proc_w - label_w - now_w
+    pad = 1 if room - 9 >= min(spark_width, 8) else 0  # 3 cells between columns, else 1
+    spark = max(0, min(spark_width, room - (9 if pad else 3)))
+    label_w = min(label_w, max(8, label_w + room - (9 if pad else 3)))  # only a raw series name is this long
+    table = Table(box=box.SIMPLE_HEAD, expand=True, pad_edge=False, show_edge=False, padding=(0, pad))
+    table.add_column("process", no_wrap=True, style="dim", overflow="ellipsis", width=proc_w)
+    table.add_column("queue", no_wrap=True, overflow="ellipsis", width=label_w)
+    table.add_column("now", justify="right", no_wrap=True, width=now_w)
+    table.add_column("recent", no_wrap=True, style="cyan", overflow="crop", ratio=1)
     last_role = None
-    for role, label, now, series in shown:
-        depth = "—" if now is None else f"{now:.0f}"
-        style = "bold" if now else ""
-        table.add_row(
-            role if role != last_role else "", label, Text(depth, style=style), sparkline(series, spark_width)
-        )
+    for (role, label, now, series), depth in zip(shown, depths):
+        table.add_row(role if role != last_role else "", label, Text(depth, style="bold" if now else ""),
+                      sparkline(series, spark))  # fmt: skip
         last_role = role
-    if len(shown) < len(rows):
-        table.add_row("", Text(f"… {len(rows) - len(shown)} more (e: expand)", style="dim"))
+    if len(shown) < len(rows):  # a line of its own, so that it reads whole
+        return Group(table, Text(f"… {len(rows) - len(shown)} more (e: expand)", style="dim"))
     return table
 
 
@@ -644,8 +707,13 @@ def _request_columns(
         if rest < 0:
             q = max(4, q + rest)
         else:
-            for grow in ("q14", "s", "q"):  # a distinguishable id, then the whole state, then the id
-                if grow == "q14":
+            # a state's reason to 20 cells ("finished: length", "aborted: engine died"), a
+            # distinguishable id, then the whole state, then the id
+            for grow in ("s20", "q14", "s", "q"):
+                if grow == "s20":
+                    add = min(rest, max(0, min(s_need, 20) - s))
+                    s += add
+                elif grow == "q14":
                     add = min(rest, max(0, min(q_need, 14) - q))
                     q += add
                 elif grow == "s":
@@ -724,6 +792,8 @@ def render_requests(
         if len(live) > budget:
             live_shown = live[: max(1, budget - 1)]
         left = max(0, budget - len(live_shown) - (1 if len(live_shown) < len(live) else 0))
+        if not live:  # "no request in flight" takes a line (the finished table has the header)
+            left = max(0, left - 1)
         done_shown = done[:left]  # the part's title says how many are not shown
     show_dp = engine is None and (
         state.data_parallel_size > 1 or any(r.engine_index > 0 for r in live + done)
@@ -741,8 +811,9 @@ def render_requests(
         if len(done_shown) < len(done):
             title.append(f" ({len(done) - len(done_shown)} not shown)", style="dim")
         parts.append(title)
-        if done_shown:
-            parts.append(_requests_table(done_shown, columns, state.now, compact, header=False))
+        if done_shown:  # the column headers, unless the table in flight above has them
+            header = not live_shown
+            parts.append(_requests_table(done_shown, columns, state.now, compact, header=header))
     return Group(*parts)
 
 
@@ -805,10 +876,31 @@ def events_text(state: LiveState) -> Text:
     return t
 
 
-def render_header(state: LiveState, opts: ViewOptions) -> RenderableType:
-    grid = Table.grid(expand=True, padding=(0, 2))
-    grid.add_column(ratio=1, no_wrap=True, overflow="ellipsis")
-    grid.add_column(justify="right", no_wrap=True)
+def _header_row(left: Text, right: Text, width: int, keep: str = "right") -> Text:
+    """One header line, ``left`` flush left and ``right`` flush right in ``width`` cells. When
+    both do not fit, the one that is not ``keep`` is cut (with an ellipsis), or dropped when
+    fewer than 8 of its cells would be left. Each line fits on its own: one long line never
+    cuts another (a shared grid column once cut "API servers=2" on a line with room to spare)."""
+    left, right = left.copy(), right.copy()
+    gap = 2
+    if left.cell_len + gap + right.cell_len > width:
+        cut, other = (left, right) if keep == "right" else (right, left)
+        room = width - gap - other.cell_len
+        if room < 8:
+            cut.truncate(0)
+            other.truncate(width, overflow="ellipsis")
+        else:
+            cut.truncate(room, overflow="ellipsis")
+    line = left
+    if right.cell_len:
+        line.append(" " * max(gap, width - left.cell_len - right.cell_len))
+        line.append_text(right)
+    line.no_wrap = True
+    return line
+
+
+def _header_rows(state: LiveState, opts: ViewOptions) -> list[tuple[Text, Text, str]]:
+    """The header's lines: (left, right, which of them to keep whole when both do not fit)."""
     title = Text("engine-top", style="bold magenta")
     title.append(f"  {state.model or 'model ?'}", style="bold")
     shape = (
@@ -824,7 +916,7 @@ def render_header(state: LiveState, opts: ViewOptions) -> RenderableType:
     src_style = "bold cyan" if state.source == "replay" else "bold green"
     right.append(state.source.upper(), style=src_style)
     right.append(f"  refresh {opts.refresh_s:g}s", style="dim")
-    grid.add_row(title, right)
+    rows = [(title, right, "right")]
 
     count = Text("processes ")
     expected = state.expected_count
@@ -840,14 +932,15 @@ def render_header(state: LiveState, opts: ViewOptions) -> RenderableType:
     count.append(fmt_age(None if state.started_at is None else state.now - state.started_at))
     count.append("   links ")
     count.append_text(_links_summary(state))
-    grid.add_row(count, events_text(state))
+    rows.append((count, events_text(state), "left"))
 
-    focus = "all engines" if opts.engine is None else f"engine DP{opts.engine}"
+    focus = "all engines" if opts.engine is None else f"engine DP{opts.engine} shown"
     where = state.mode or "?"
     if state.host and state.port:
         where += f" on {state.host}:{state.port}"
     where += f" · run dir {state.run_dir or '—'}"
-    grid.add_row(Text(where, style="dim"), Text(f"showing {focus} · sort {opts.request_sort}", style="dim"))
+    # the run dir whole; what is shown is also in the panels' titles
+    rows.append((Text(where, style="dim"), Text(f"{focus} · sort {opts.request_sort}", style="dim"), "left"))
     # Span exporters' health, summed over the processes' last heartbeats: a tracer that
     # sends nothing is red here ("otlp 12 dropped, last error 3s ago: ...").
     totals: dict[str, list] = {}  # name → [exported, dropped, queued, last_error_at, last_error]
@@ -871,10 +964,17 @@ def render_header(state: LiveState, opts: ViewOptions) -> RenderableType:
                 if error:
                     text += f": {error}"
             traces.append(text, style="bold red" if bad else ("yellow" if error_at is not None else "green"))
-        grid.add_row(traces, "")
-    for line in _header_lines(state, opts):
-        grid.add_row(line, "")
-    return grid
+        rows.append((traces, Text(), "left"))
+    rows += [(line, Text(), "left") for line in _header_lines(state, opts)]
+    return rows
+
+
+def render_header(state: LiveState, opts: ViewOptions) -> RenderableType:
+    """Model and shape, source; processes found/expected, uptime, links, events; where it
+    runs; span exporters' health (when tracing); the instance gone, a replay's progress, the
+    app's notice. One line each, laid out for the width it is drawn in."""
+    rows = _header_rows(state, opts)
+    return _Fitted(lambda w: Group(*(_header_row(left, right, w, keep) for left, right, keep in rows)))
 
 
 def _header_lines(state: LiveState, opts: ViewOptions) -> list[Text]:
@@ -962,8 +1062,7 @@ def panel(
     if name == "processes":
         return _panel(render_processes(state, rows, wrap, compact=width < 100), "processes")
     if name == "queues":
-        spark = max(6, min(24, width - 46))
-        return _panel(render_queues(state, rows, spark), "queues", "depth now · recent samples")
+        return _panel(render_queues(state, rows), "queues", "depth now · recent samples")
     if name == "steps":
         compact = width - _STEPS_FIXED < 12
         bar_width = max(10, min(40, width - (_STEPS_FIXED_COMPACT if compact else _STEPS_FIXED)))
@@ -999,6 +1098,28 @@ def render_once(state: LiveState, opts: ViewOptions | None = None, width: int = 
     return Group(*parts)
 
 
+def _height(renderable: RenderableType, width: int) -> int:
+    """The lines ``renderable`` takes drawn ``width`` cells wide (rendered in memory)."""
+    console = Console(width=width, file=io.StringIO(), color_system=None, force_terminal=False)
+    return len(console.render_lines(renderable, console.options, pad=False))
+
+
+def _fitted_processes(state: LiveState, opts: ViewOptions, width: int, most: int) -> tuple[Panel, int]:
+    """The processes panel for a ``width``-wide screen, at most ``most`` lines high, and its
+    height: measured, as a wait line under a process wraps (and a Ray actor's placement takes
+    a line). Rows that do not fit give way to the "… N more" line."""
+    full = panel("processes", state, opts, width=width)
+    height = _height(full, width)
+    if height <= most:
+        return full, height
+    rows = max(1, most - 4)  # 4: the borders, the header and its rule
+    while True:
+        cut = panel("processes", state, opts, rows=rows, width=width)
+        if rows == 1 or _height(cut, width) <= most:
+            return cut, most
+        rows -= 1
+
+
 def render_screen(state: LiveState, opts: ViewOptions, width: int = 120, height: int = 40) -> RenderableType:
     """The full-screen view of the live loop, laid out for a ``width`` × ``height`` terminal.
 
@@ -1008,7 +1129,7 @@ def render_screen(state: LiveState, opts: ViewOptions, width: int = 120, height:
     """
     layout = Layout()
     header = _panel(render_header(state, opts), "glassbox")
-    header_h = 5 + len(_header_lines(state, opts))
+    header_h = 2 + len(_header_rows(state, opts))  # the panel's borders and one row a line
     layout.split_column(Layout(header, name="header", size=header_h), Layout(name="body"),
                         Layout(footer(opts), name="footer", size=1))  # fmt: skip
     body = layout["body"]
@@ -1020,11 +1141,8 @@ def render_screen(state: LiveState, opts: ViewOptions, width: int = 120, height:
         body.update(panel(opts.expanded, state, opts, rows=max(1, body_h - 4), width=width))
         return layout
     n_alerts = len(state.alerts)
-    proc_rows = len(state.processes) + sum(
-        1 for p in state.processes.values() if p.waits and p.state != "dead"
-    )
-    proc_h = min(proc_rows + 4, max(6, body_h * 2 // 5))
-    procs = Layout(panel("processes", state, opts, rows=proc_h - 4, width=width), size=proc_h)
+    procs_panel, proc_h = _fitted_processes(state, opts, width, max(6, body_h * 2 // 5))
+    procs = Layout(procs_panel, size=proc_h)
     if width >= 160:
         rest = body_h - proc_h
         mid_h = max(6, rest * 3 // 5)

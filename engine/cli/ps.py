@@ -224,19 +224,20 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             f"[dim]({hidden} stale run director{'y' if hidden == 1 else 'ies'} hidden; --all shows them)[/dim]"
         )
     if args.all or args.clean:
-        _offer_clean(console, clean=args.clean)
+        _offer_clean(console, clean=args.clean, nothing_running=not instances)
     return 0
 
 
-def _offer_clean(console, *, clean: bool) -> None:
+def _offer_clean(console, *, clean: bool, nothing_running: bool = False) -> None:
     """List the stale run directories (``tracing.run_dir.is_stale``: creator and every process
     dead) and remove them: at once with ``clean``; else after a y/N question when stdin is a
-    terminal; else (CI, a pipe) only say which flag does."""
+    terminal; else (CI, a pipe) only say which flag does. With none, say so (``either`` after
+    ``nothing_running``'s "no running glassbox instances")."""
     base = run_dirs.run_dir_base()
     stale = run_dirs.stale_run_dirs(base)
-    if not stale:
-        if clean:
-            console.print(f"no stale run directories under {base}", soft_wrap=True)
+    if not stale:  # said apart: --all also looked for them, and found none
+        console.print(f"no stale run directories under {base} either" if nothing_running
+                      else f"no stale run directories under {base}", soft_wrap=True)  # fmt: skip
         return
     n = len(stale)
     words = f"{n} stale run director{'y' if n == 1 else 'ies'}"
