@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -84,3 +85,48 @@ def start_server(base: Path, *args: str, env: dict[str, str] | None = None, time
         except httpx.HTTPError:
             pass
         time.sleep(0.1)
+
+
+def free_port_block(n: int = 8) -> int:
+    """A port P with P..P+n-1 free now (the head uses P and the next 2 + 2 × API servers)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + n > 65535:
+            continue
+        free = True
+        for q in range(port, port + n):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", q))
+                except OSError:
+                    free = False
+                    break
+        if free:
+            return port
+    raise RuntimeError("no block of free ports")
+
+
+class Node(LoggedProcess):
+    """``glassbox serve --headless`` in its own session, with its own run-directory base."""
+
+    def __init__(self, base: Path, port: int, *args: str, env: dict[str, str] | None = None) -> None:
+        base.mkdir(parents=True, exist_ok=True)
+        self.base, self.log_path = base, base / "node.log"
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "engine.cli.main", "serve", "--headless", "--data-parallel-address", "127.0.0.1",
+                 "--data-parallel-rpc-port", str(port), *args],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                env={**os.environ, "GLASSBOX_RUN_DIR_BASE": str(base), **(env or {})},
+            )  # fmt: skip
+
+    def run_dir(self, timeout: float = 60) -> Path:
+        deadline = time.monotonic() + timeout
+        while True:
+            found = list(self.base.glob("glassbox-*/manifest.json"))
+            if found:
+                return found[0].parent
+            assert self.proc.poll() is None and time.monotonic() < deadline, self.log()
+            time.sleep(0.05)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,33 +28,12 @@ from pathlib import Path
 import httpx
 import pytest
 from proc_utils import session_members, wait_gone
-from server_utils import LoggedProcess, start_server
+from server_utils import Node, free_port_block, start_server
 
 from engine.config import ConfigError
 from engine.engine_args import EngineArgs
 
 GLASSBOX = [sys.executable, "-m", "engine.cli.main"]
-
-
-def _free_port_block(n: int = 8) -> int:
-    """A port P with P..P+n-1 free now (the head uses P and the next 2 + 2 × API servers)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + n > 65535:
-            continue
-        free = True
-        for q in range(port, port + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", q))
-                except OSError:
-                    free = False
-                    break
-        if free:
-            return port
-    raise RuntimeError("no block of free ports")
 
 
 # ---------------------------------------------------------------------- fast: the flags
@@ -120,30 +98,6 @@ def test_an_offline_llm_refuses_multi_node_dp():
 # ---------------------------------------------------------------------- slow: two trees
 
 
-class Node(LoggedProcess):
-    """``glassbox serve --headless`` in its own session, with its own run-directory base."""
-
-    def __init__(self, base: Path, port: int, *args: str, env: dict[str, str] | None = None) -> None:
-        base.mkdir(parents=True, exist_ok=True)
-        self.base, self.log_path = base, base / "node.log"
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                [*GLASSBOX, "serve", "--headless", "--max-model-len", "256", "--data-parallel-address", "127.0.0.1",
-                 "--data-parallel-rpc-port", str(port), *args],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                env={**os.environ, "GLASSBOX_RUN_DIR_BASE": str(base), **(env or {})},
-            )  # fmt: skip
-
-    def run_dir(self, timeout: float = 60) -> Path:
-        deadline = time.monotonic() + timeout
-        while True:
-            found = list(self.base.glob("glassbox-*/manifest.json"))
-            if found:
-                return found[0].parent
-            assert self.proc.poll() is None and time.monotonic() < deadline, self.log()
-            time.sleep(0.05)
-
-
 @pytest.fixture
 def short_tmp():
     """A short directory: run-directory bases must leave room for ipc socket paths (107 bytes)."""
@@ -164,9 +118,18 @@ def _ps(run_dir: Path) -> dict:
 @pytest.mark.slow
 def test_head_and_headless_node_serve_together_and_the_head_names_the_rank_it_lost(short_tmp):
     tmp_path = short_tmp
-    port = _free_port_block()
+    port = free_port_block()
     node = Node(
-        tmp_path / "node", port, "-dp", "2", "--data-parallel-start-rank", "1", "--step-delay-ms", "40"
+        tmp_path / "node",
+        port,
+        "--max-model-len",
+        "256",
+        "-dp",
+        "2",
+        "--data-parallel-start-rank",
+        "1",
+        "--step-delay-ms",
+        "40",
     )
     head = None
     try:
@@ -209,7 +172,9 @@ def test_head_and_headless_node_serve_together_and_the_head_names_the_rank_it_lo
 
         # A second node claiming rank 1 is refused at once, naming the flag (it was silently
         # ignored by the head's ROUTER while node identities were their ranks: a fresh user's find).
-        twin = Node(tmp_path / "twin", port, "-dp", "2", "--data-parallel-start-rank", "1")
+        twin = Node(
+            tmp_path / "twin", port, "--max-model-len", "256", "-dp", "2", "--data-parallel-start-rank", "1"
+        )
         try:
             assert twin.proc.wait(60) != 0
             assert "rank 1 joined already" in twin.log(), twin.log()[-2000:]
@@ -258,7 +223,7 @@ def test_head_and_headless_node_serve_together_and_the_head_names_the_rank_it_lo
 @pytest.mark.slow
 def test_a_rank_that_never_joins_is_named_and_a_joined_headless_node_leaves_with_the_head(short_tmp):
     tmp_path = short_tmp
-    port = _free_port_block()
+    port = free_port_block()
     env = {"GLASSBOX_DP_JOIN_TIMEOUT_S": "10"}
     head_log = tmp_path / "head.log"
     with open(head_log, "wb") as log:
@@ -268,7 +233,19 @@ def test_a_rank_that_never_joins_is_named_and_a_joined_headless_node_leaves_with
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, "GLASSBOX_RUN_DIR_BASE": str(tmp_path / "head"), **env},
         )  # fmt: skip
-    node = Node(tmp_path / "node", port, "-dp", "3", "--data-parallel-start-rank", "1", "-dpl", "1", env=env)
+    node = Node(
+        tmp_path / "node",
+        port,
+        "--max-model-len",
+        "256",
+        "-dp",
+        "3",
+        "--data-parallel-start-rank",
+        "1",
+        "-dpl",
+        "1",
+        env=env,
+    )
     try:
         assert head.wait(60) == 1, head_log.read_text()[-3000:]
         text = head_log.read_text()

@@ -17,12 +17,8 @@ of each graph shape compiles.
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -31,11 +27,10 @@ from pathlib import Path
 import httpx
 import pytest
 from proc_utils import session_members, wait_gone
-from server_utils import LoggedProcess, Server, start_server
+from server_utils import LoggedProcess, Node, Server, free_port_block, start_server
 
 from tracing import run_dir as run_dirs
 
-GLASSBOX = [sys.executable, "-m", "engine.cli.main"]
 # A step's token budget below the long prompt's length, so it is prefilled in chunks.
 COMMON = ["--max-model-len", "512", "--max-num-batched-tokens", "64", "--max-num-seqs", "8"]
 SHORT = ["Return the", "Hello", "def f(x):", "The value of"]
@@ -183,57 +178,17 @@ def test_ray_tp2_on_defaults_serves_the_pattern_and_stops_cleanly(short_tmp, ref
     _serve_and_check(short_tmp / "ray", reference, ["-tp", "2", "--distributed-executor-backend", "ray"], 2)
 
 
-def _free_port_block(n: int = 8) -> int:
-    """A port P with P..P+n-1 free now (the head uses P and a few after it)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + n > 65535:
-            continue
-        try:
-            for q in range(port, port + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", q))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError("no block of free ports")
-
-
-class Headless(LoggedProcess):
-    def __init__(self, base: Path, port: int) -> None:
-        base.mkdir(parents=True, exist_ok=True)
-        self.base, self.log_path = base, base / "node.log"
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                [*GLASSBOX, "serve", "--headless", *COMMON, "-dp", "2", "--data-parallel-start-rank", "1",
-                 "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(port)],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                env={**os.environ, "GLASSBOX_RUN_DIR_BASE": str(base)},
-            )  # fmt: skip
-
-    def run_dir(self, timeout: float = 120) -> Path:
-        deadline = time.monotonic() + timeout
-        while True:
-            found = list(self.base.glob("glassbox-*/manifest.json"))
-            if found:
-                return found[0].parent
-            assert self.proc.poll() is None and time.monotonic() < deadline, self.log()
-            time.sleep(0.05)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_head_and_headless_pair_on_defaults_serves_the_pattern_and_stops_cleanly(short_tmp, reference):
-    port = _free_port_block()
-    node = Headless(short_tmp / "node", port)
+    port = free_port_block()
+    node = Node(short_tmp / "node", port, *COMMON, "-dp", "2", "--data-parallel-start-rank", "1")
     head: Server | None = None
     try:
         head = start_server(short_tmp / "head", *COMMON, "-dp", "2", "--data-parallel-size-local", "1",
                             "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(port),
                             timeout=300)  # fmt: skip
-        node_run_dir = node.run_dir()
+        node_run_dir = node.run_dir(timeout=120)
         assert _request_pattern(head.base_url) == reference
         _check_warm_workers(head.run_dir, 1)
         _check_warm_workers(node_run_dir, 1)
