@@ -114,7 +114,9 @@ def close_run_dir(
         except Exception:  # noqa: BLE001 - a post-mortem is a bonus, never a second failure
             logger.debug("keeping the post-mortem of %s failed", run_dir, exc_info=True)
         if kept is not None:
-            logger.info("Post-mortem kept in %s (glassbox doctor --last reads it)", kept)
+            # Debug: the root-cause block stays the last thing a failed tree prints (`glassbox
+            # doctor`, run with nothing live, points at --last).
+            logger.debug("Post-mortem kept in %s (glassbox doctor --last reads it)", kept)
     contract.remove_run_dir(run_dir)
     return kept
 
