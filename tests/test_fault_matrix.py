@@ -580,10 +580,12 @@ def test_a_rank_hung_in_a_step_is_named_by_root_cause_doctor_and_engine_top_not_
         thread, out = _stream_in_background(tree, base)
         tree.wait_struck(role)
         deadline = time.monotonic() + 20
-        while True:  # TP0 counts as waiting once it has been inside all_reduce for a second
+        while True:  # the peer counts as waiting once it has been inside its collective for a second
             code, doc = _doctor(tree, "--no-stacks")
-            if doc.get("culprit") == role or time.monotonic() > deadline:
+            named = doc.get("culprit") == role and waits in doc.get("diagnosis", "")
+            if named or time.monotonic() > deadline:
                 break
+            time.sleep(0.2)
         assert doc["culprit"] == role and doc["culprit_stage"] == stage, doc["diagnosis"]
         assert waits in doc["diagnosis"] and f"for {short}" in doc["diagnosis"], doc["diagnosis"]
         if kind == "freeze":
