@@ -1208,6 +1208,7 @@ def _read_until(master: int, needle: bytes, timeout_s: float = 10.0) -> bytes:
 def test_live_screen_quits_and_restores_the_terminal(instance, how):
     import signal
     import termios
+    import time as _time
 
     base, run_dir, pub = instance
     proc, master = _pty_engine_top(["--refresh", "0.2"], base)
@@ -1222,8 +1223,14 @@ def test_live_screen_quits_and_restores_the_terminal(instance, how):
             os.write(master, b"\x03")  # the terminal turns it into SIGINT
         else:
             proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=10)
-        rest = _read_until(master, b"\x1b[?1049l", timeout_s=2)
+        # Read the screen meanwhile, as a terminal does: a pty nobody reads blocks the last
+        # redraws and the exit's own writes.
+        rest = b""
+        deadline = _time.monotonic() + 30
+        while proc.poll() is None and _time.monotonic() < deadline:
+            rest += _read_until(master, b"\x1b[?1049l", timeout_s=0.5)
+        rc = proc.wait(timeout=5)
+        rest += _read_until(master, b"\x1b[?1049l", timeout_s=2)
         assert rc == (128 + signal.SIGTERM if how == "SIGTERM" else 0)
         assert b"\x1b[?1049l" in screen + rest  # left the alternate screen
         assert termios.tcgetattr(master)[3] == before[3]  # echo and canonical mode as they were
