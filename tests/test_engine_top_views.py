@@ -1181,6 +1181,11 @@ def _pty_engine_top(args: list[str], base: Path):
         import termios
 
         fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+        # A shell gives a program it starts the default SIGINT; a test runner started in the
+        # background by a script inherits it ignored, and so would engine-top (Ctrl-C lost).
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
 
     proc = subprocess.Popen([sys.executable, "-m", "tui.cli", *args], stdin=slave, stdout=slave, stderr=slave,
                             env=env, start_new_session=True, preexec_fn=controlling_terminal)  # fmt: skip
