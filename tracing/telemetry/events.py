@@ -195,36 +195,54 @@ class Gauges(_Event, tag="gauges"):
     values: dict[str, float]
 
 
-class StepRecord(_Event, tag="step"):
+class StepRecord(_Event, tag="step", kw_only=True):
     """One scheduler step of engine ``engine_index``.
 
     Tokens: ``num_decode_tokens`` (one per decoding request) + ``num_prefill_tokens`` (prompt
     tokens, of ``num_prefill_reqs`` requests, ``num_chunked_prefills`` of them a chunk that
     leaves more for a later step) = ``tokens_scheduled`` ≤ ``token_budget``
-    (``max_num_batched_tokens``). ``kv_usage``: 0..1 after the step. Durations in ms:
-    ``schedule_ms + execute_ms + update_ms`` ≈ ``duration_ms``. ``dummy``: a DP dummy batch
-    (no request; every count 0).
+    (``max_num_batched_tokens``). ``num_running``/``num_waiting``: requests after the step.
+    ``kv_usage``: 0..1 after the step. Durations in ms: ``schedule_ms + execute_ms +
+    update_ms`` ≈ ``duration_ms``. ``dummy``: a DP dummy batch (no request; every count 0,
+    the defaults).
+
+    The engine core builds one per step (``EngineCore.step``) and hands it to its step
+    observers (``engine/core/step_observer.py``) before it is an event: its header is then
+    unset (``role`` "", ``seq`` -1, as in a ``Snapshot``'s ``last_step``); ``publish_step``
+    stamps it. ``figures()`` is the step without that header.
     """
 
+    role: str = ""
+    pid: int = 0
+    seq: int = -1
+    t: float = 0.0  # Unix time, s: when it was published
     engine_index: int
     step_id: int
     started_at: float  # Unix time, s
     duration_ms: float
-    schedule_ms: float
+    schedule_ms: float = 0.0
     execute_ms: float
-    update_ms: float
-    num_decode_reqs: int
-    num_decode_tokens: int
-    num_prefill_reqs: int
-    num_prefill_tokens: int
-    num_chunked_prefills: int
-    tokens_scheduled: int
+    update_ms: float = 0.0
+    num_decode_reqs: int = 0
+    num_decode_tokens: int = 0
+    num_prefill_reqs: int = 0
+    num_prefill_tokens: int = 0
+    num_chunked_prefills: int = 0
+    tokens_scheduled: int = 0
     token_budget: int
-    num_running: int
-    num_waiting: int
-    num_preempted: int
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preempted: int = 0
     kv_usage: float
     dummy: bool = False
+
+    def figures(self) -> dict[str, Any]:
+        """The step's own fields (all but the event header), by name: what ``publish_step``
+        takes and what the flight recorder keeps (JSON-ready: numbers and a bool)."""
+        return {name: getattr(self, name) for name in _STEP_FIGURES}
+
+
+_STEP_FIGURES = StepRecord.__struct_fields__[len(_Event.__struct_fields__) :]
 
 
 RequestEventKind = Literal["arrived", "scheduled", "first_token", "preempted", "finished", "aborted"]
