@@ -1,10 +1,13 @@
 """``EngineCore``: the scheduler, the KV cache manager and the executor, stepped together.
 
 Mirrors vLLM's ``vllm/v1/engine/core.py`` (``EngineCore``; ``EngineCoreProc``, the same
-core in its own process with input/output threads, comes with the process tree). One
+core in its own process with input/output threads, is ``engine_core_proc.py``). One
 ``step()`` is the whole engine in three calls:
 
     schedule()  →  execute_model()  →  update_from_output()
+
+and builds one ``StepRecord`` of it; what watches the steps (the spans' figures, request
+phases, the flight recorder, live telemetry) is a step observer (``step_observer.py``).
 
 Start-up sizes the KV cache between the executor's creation and the scheduler's: the
 workers profile memory, the core turns bytes into blocks (``kv_cache_planning``), logs the
@@ -14,12 +17,12 @@ capacity, and only then builds the ``Scheduler`` over that many blocks.
 from __future__ import annotations
 
 import time
-from collections import deque
 from typing import Any
 
 from engine.config import EngineConfig
 from engine.core.messages import EngineCoreOutputs, EngineCoreRequest
 from engine.core.request_tracing import RequestPhaseTracer
+from engine.core.step_observer import FlightRecorder, StepObserver, StepSpanAttributes, StepTelemetry
 from engine.executor.abstract import Executor
 from engine.kv_cache.kv_cache_interface import KVCacheConfig
 from engine.kv_cache.kv_cache_planning import get_kv_cache_configs
@@ -30,13 +33,9 @@ from engine.sched.request import Request, RequestStatus
 from engine.sched.scheduler import Scheduler
 from tracing import catalogue, stage
 from tracing.telemetry import events
-from tracing.telemetry.events import RequestProgress
-from tracing.telemetry.publisher import get_publisher
+from tracing.telemetry.events import RequestProgress, StepRecord
 
 logger = init_logger(__name__)
-
-# Step records the flight recorder keeps (a ring buffer; see ``EngineCore.flight_recorder``).
-FLIGHT_RECORDER_STEPS = 64
 
 
 class EngineCore:
@@ -84,13 +83,18 @@ class EngineCore:
             self.step_counter = 0
             # Request phases as spans of each request's own trace (when it came with one).
             self.request_tracer = RequestPhaseTracer()
-            # The flight recorder: the last FLIGHT_RECORDER_STEPS step records, written beside
-            # the crash report when the engine core dies.
-            self.flight_recorder: deque[dict[str, Any]] = deque(maxlen=FLIGHT_RECORDER_STEPS)
+            # The last steps' records, written beside the crash report when the core dies.
+            self.flight_recorder = FlightRecorder()
+            # What watches each step (step_observer.py): spans, request phases, the flight
+            # recorder, live telemetry; a test may add its own.
+            self.step_observers: list[StepObserver] = [
+                StepSpanAttributes(self.scheduler, config.scheduler_config.max_num_batched_tokens),
+                self.request_tracer,
+                self.flight_recorder,
+                StepTelemetry(self.scheduler),
+            ]
             # The latest engine_core.step span's context (None unless spans are recorded).
             self.last_step_context = None
-            # The last step's figures (``step()`` fills it; see ``_after_step``).
-            self.last_step: dict[str, Any] | None = None
             self.step_delay_s = config.observability_config.step_delay_ms / 1e3
 
     def _initialize_kv_caches(self) -> KVCacheConfig:
@@ -143,7 +147,7 @@ class EngineCore:
         self.request_tracer.abort(request_ids)
 
     def step(self) -> tuple[dict[int, EngineCoreOutputs], bool]:
-        """One engine step.
+        """One engine step; its ``StepRecord`` goes to every one of ``step_observers``.
 
         Returns:
             ``(outputs per client index, model_executed)``. Nothing runs when there is
@@ -152,119 +156,73 @@ class EngineCore:
         if not self.scheduler.has_requests():
             return {}, False
         self.step_counter += 1
-        started_at = time.time()
-        t0 = time.perf_counter()
-        with stage(catalogue.ENGINE_CORE_STEP, **{catalogue.ATTR_STEP_ID: self.step_counter}) as st:
-            step_id = {catalogue.ATTR_STEP_ID: self.step_counter}
-            with stage(catalogue.SCHEDULER_SCHEDULE, **step_id) as sched_span:
+        step_id = {catalogue.ATTR_STEP_ID: self.step_counter}
+        started_at, t0 = time.time(), time.perf_counter()
+        with stage(catalogue.ENGINE_CORE_STEP, **step_id) as step_span:
+            with stage(catalogue.SCHEDULER_SCHEDULE, **step_id) as schedule_span:
                 scheduler_output = self.scheduler.schedule()
                 batch, prefill_ids = self._classify_batch(scheduler_output)
-                num_running, num_waiting = self.scheduler.get_request_counts()
-                if sched_span.span is not None:  # the batch's figures, on this span and the step's
-                    for span in (sched_span, st):
-                        span.set(catalogue.ATTR_STEP_NUM_SCHEDULED_TOKENS,
-                                 scheduler_output.total_num_scheduled_tokens)  # fmt: skip
-                        span.set(
-                            catalogue.ATTR_STEP_TOKEN_BUDGET,
-                            self.config.scheduler_config.max_num_batched_tokens,
-                        )
-                        span.set(catalogue.ATTR_STEP_NUM_NEW_REQS, len(scheduler_output.scheduled_new_reqs))
-                        span.set(
-                            catalogue.ATTR_STEP_NUM_CACHED_REQS,
-                            scheduler_output.scheduled_cached_reqs.num_reqs,
-                        )
-                        span.set(catalogue.ATTR_STEP_NUM_PREEMPTED, len(scheduler_output.preempted_req_ids))
-                        span.set(catalogue.ATTR_STEP_NUM_RUNNING, num_running)
-                        span.set(catalogue.ATTR_STEP_NUM_WAITING, num_waiting)
+                for observer in self.step_observers:
+                    observer.on_schedule(scheduler_output, prefill_ids, step_span, schedule_span)
             t1 = time.perf_counter()
             with stage(catalogue.EXECUTOR_EXECUTE_MODEL, **step_id):
                 model_output = self.model_executor.execute_model(scheduler_output)
             t2 = time.perf_counter()
-            # update_from_output forgets the requests it finishes; live telemetry's finished
-            # events carry their final counts, so keep this step's requests at hand.
-            held = self._scheduled_requests(scheduler_output) if get_publisher() is not None else {}
             with stage(catalogue.SCHEDULER_UPDATE_FROM_OUTPUT, **step_id) as update_span:
                 outputs = self.scheduler.update_from_output(scheduler_output, model_output)
-                if update_span.span is not None:
-                    after_running, after_waiting = self.scheduler.get_request_counts()
-                    update_span.set(catalogue.ATTR_STEP_NUM_RUNNING, after_running)
-                    update_span.set(catalogue.ATTR_STEP_NUM_WAITING, after_waiting)
-                    update_span.set(catalogue.ATTR_KV_USAGE, self.scheduler.kv_cache_manager.usage)
-            t3 = time.perf_counter()
-            kv_usage = self.scheduler.kv_cache_manager.usage
-            st.set(catalogue.ATTR_KV_USAGE, kv_usage)
-            step_context = st.span.get_span_context() if st.span is not None else None
-            self.last_step_context = step_context
-            if self.request_tracer._phases:
-                produced = [o for eco in outputs.values() for o in eco.outputs]
-                self.request_tracer.step(scheduler_output, prefill_ids, step_context,
-                                         [o.request_id for o in produced if o.new_token_ids],
-                                         {o.request_id: str(o.finish_reason) for o in produced if o.finished},
-                                         int(started_at * 1e9))  # fmt: skip
-        num_running, num_waiting = self.scheduler.get_request_counts()
-        # What engine-top's step panel shows (a StepRecord without its header).
-        self.last_step = {
-            "step_id": self.step_counter,
-            "started_at": started_at,
-            "duration_ms": (t3 - t0) * 1e3,
-            "schedule_ms": (t1 - t0) * 1e3,
-            "execute_ms": (t2 - t1) * 1e3,
-            "update_ms": (t3 - t2) * 1e3,
-            **batch,
-            "tokens_scheduled": scheduler_output.total_num_scheduled_tokens,
-            "token_budget": self.config.scheduler_config.max_num_batched_tokens,
-            "num_running": num_running,
-            "num_waiting": num_waiting,
-            "num_preempted": len(scheduler_output.preempted_req_ids),
-            "kv_usage": kv_usage,
-        }
-        self.flight_recorder.append(self.last_step)
-        self._after_step(scheduler_output, outputs, held)
+                record = self._step_record(scheduler_output, batch, started_at, (t0, t1, t2))
+                for observer in self.step_observers:
+                    observer.on_update(record, step_span, update_span)
+        self.last_step_context = step_span.span.get_span_context() if step_span.span is not None else None
+        for observer in self.step_observers:
+            observer.on_step(record, scheduler_output, outputs)
         if self.step_delay_s:
             time.sleep(self.step_delay_s)  # --step-delay-ms: slow motion for a class
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
 
-    def _scheduled_requests(self, scheduler_output: SchedulerOutput) -> dict[str, Request]:
-        """This step's scheduled requests by id (read before ``update_from_output`` frees the
-        finished ones)."""
-        requests = self.scheduler.requests
-        return {
-            rid: r for rid in scheduler_output.num_scheduled_tokens if (r := requests.get(rid)) is not None
-        }
-
-    def _after_step(
+    def _step_record(
         self,
         scheduler_output: SchedulerOutput,
-        outputs: dict[int, EngineCoreOutputs],
-        held: dict[str, Request] | None = None,
-    ) -> None:
-        """Live telemetry, when this process publishes it: the step's record and its
-        requests' changes (scheduled, preempted, finished). ``held``: this step's requests
-        (``_scheduled_requests``), for the final token counts of those that finished."""
-        publisher = get_publisher()
-        if publisher is None:
-            return
-        rank = self.config.parallel_config.data_parallel_rank
-        publisher.mark_step()
-        publisher.publish_step(engine_index=rank, **self.last_step)
-        for new in scheduler_output.scheduled_new_reqs:
-            publisher.publish_request_event(
-                new.req_id, "scheduled", engine_index=rank, num_prompt_tokens=len(new.prompt_token_ids),
-                num_computed_tokens=new.num_computed_tokens, num_blocks=len(new.block_ids[0]) if new.block_ids else 0,
-            )  # fmt: skip
-        for req_id in scheduler_output.preempted_req_ids:  # its KV freed: it recomputes from 0
-            publisher.publish_request_event(req_id, "preempted", engine_index=rank, reason="KV cache full",
-                                            num_computed_tokens=0)  # fmt: skip
-        for client_outputs in outputs.values():
-            for out in client_outputs.outputs:
-                if out.finish_reason is None:
-                    continue
-                counts = {}
-                if held and (r := held.get(out.request_id)) is not None:
-                    counts = dict(num_prompt_tokens=r.num_prompt_tokens, num_computed_tokens=r.num_computed_tokens,
-                                  num_output_tokens=r.num_output_tokens, num_blocks=0)  # fmt: skip
-                publisher.publish_request_event(out.request_id, "finished", engine_index=rank,
-                                                reason=str(out.finish_reason), **counts)  # fmt: skip
+        batch: dict[str, int],
+        started_at: float,
+        marks: tuple[float, float, float],
+    ) -> StepRecord:
+        """This step's figures, just after ``update_from_output`` (which ends its update
+        phase now). ``batch``: its decode / prefill counts (``_classify_batch``);
+        ``started_at``: Unix s; ``marks``: ``perf_counter`` seconds at the start, after
+        scheduling and after execution."""
+        (t0, t1, t2), t3 = marks, time.perf_counter()
+        num_running, num_waiting = self.scheduler.get_request_counts()
+        return StepRecord(
+            engine_index=self.config.parallel_config.data_parallel_rank,
+            step_id=self.step_counter,
+            started_at=started_at,
+            duration_ms=(t3 - t0) * 1e3,
+            schedule_ms=(t1 - t0) * 1e3,
+            execute_ms=(t2 - t1) * 1e3,
+            update_ms=(t3 - t2) * 1e3,
+            **batch,
+            tokens_scheduled=scheduler_output.total_num_scheduled_tokens,
+            token_budget=self.config.scheduler_config.max_num_batched_tokens,
+            num_running=num_running,
+            num_waiting=num_waiting,
+            num_preempted=len(scheduler_output.preempted_req_ids),
+            kv_usage=self.scheduler.kv_cache_manager.usage,
+        )
+
+    def dummy_step_record(self, started_at: float, duration_ms: float) -> StepRecord:
+        """A DP dummy batch's record (no request: every count 0): ``started_at`` Unix s,
+        ``duration_ms`` all of it executing. Its ``step_id`` is the last real step's."""
+        return StepRecord(
+            engine_index=self.config.parallel_config.data_parallel_rank,
+            step_id=self.step_counter,
+            started_at=started_at,
+            duration_ms=duration_ms,
+            execute_ms=duration_ms,
+            token_budget=self.config.scheduler_config.max_num_batched_tokens,
+            kv_usage=self.scheduler.kv_cache_manager.usage,
+            dummy=True,
+        )
 
     def telemetry_requests(self) -> list[RequestProgress]:
         """The requests this engine holds now, with their progress, for live telemetry's

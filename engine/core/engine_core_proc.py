@@ -76,11 +76,11 @@ from engine.logger import init_logger
 from engine.utils import processes
 from engine.utils import run_dir as run_dirs
 from engine.utils.wire import ProtocolError
-from tracing import catalogue, current_stage, is_recording, record_span, setup_tracing
+from tracing import catalogue, current_stage, is_recording, record_span, setup_tracing, stage
 from tracing.propagation import attached_trace_context, extract_trace_context
 from tracing.stage import open_stages
 from tracing.telemetry import events
-from tracing.telemetry.publisher import get_publisher, start_telemetry
+from tracing.telemetry.publisher import start_telemetry
 
 if TYPE_CHECKING:
     from engine.core.head_link import HeadLink
@@ -366,6 +366,10 @@ class EngineCoreProc(EngineCore):
         engine has none); block (bounded) when idle."""
         while True:
             self._process_input_queue()
+            # Once a turn, after the inputs and before a step that may run long: the coordinator
+            # learns of arrivals before this engine prefills them (else a wave could end under
+            # it), and of a step's changes at the next turn, which never waits for input after
+            # a step that changed them (a DP engine with requests is in a running wave).
             self._report_load()
             if self.scheduler.has_requests():
                 outputs, _ = self.step()
@@ -376,7 +380,6 @@ class EngineCoreProc(EngineCore):
                     )
             elif self.engines_running:
                 self._dummy_step()
-            self._report_load()
 
     # ------------------------------------------------------------------ live telemetry
 
@@ -395,24 +398,13 @@ class EngineCoreProc(EngineCore):
     def _dummy_step(self) -> None:
         """One dummy batch (the wave runs, this engine has no request), then a short pause
         that any input ends (``GLASSBOX_DP_DUMMY_STEP_INTERVAL_S``)."""
-        from tracing import catalogue, stage
-
         self.num_dummy_steps += 1
         started_at, t0 = time.time(), time.perf_counter()
         with stage(catalogue.ENGINE_CORE_DUMMY_STEP, **{catalogue.ATTR_DP_WAVE: self.current_wave}):
             self.execute_dummy_batch()
-        publisher = get_publisher()
-        if publisher is not None:
-            ms = (time.perf_counter() - t0) * 1e3
-            publisher.mark_step()
-            publisher.publish_step(
-                engine_index=self.data_parallel_rank, step_id=self.step_counter, started_at=started_at,
-                duration_ms=ms, schedule_ms=0.0, execute_ms=ms, update_ms=0.0, num_decode_reqs=0,
-                num_decode_tokens=0, num_prefill_reqs=0, num_prefill_tokens=0, num_chunked_prefills=0,
-                tokens_scheduled=0, token_budget=self.config.scheduler_config.max_num_batched_tokens,
-                num_running=0, num_waiting=0, num_preempted=0, kv_usage=self.scheduler.kv_cache_manager.usage,
-                dummy=True,
-            )  # fmt: skip
+        record = self.dummy_step_record(started_at, (time.perf_counter() - t0) * 1e3)
+        for observer in self.step_observers:
+            observer.on_dummy_step(record)
         if self.dummy_step_interval_s > 0:
             try:
                 item = self.input_queue.get(timeout=self.dummy_step_interval_s)

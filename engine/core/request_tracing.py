@@ -24,10 +24,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.core.messages import FinishReason
+from engine.core.messages import EngineCoreOutputs, FinishReason
+from engine.core.step_observer import StepObserver
 from engine.sched.output import SchedulerOutput
 from tracing import catalogue, is_recording, record_span
 from tracing.propagation import extract_trace_context
+from tracing.stage import Stage
+from tracing.telemetry.events import StepRecord
 
 MAX_LINKS = 16
 
@@ -44,16 +47,41 @@ class _Phases:
     decode_links: list[Any] = field(default_factory=list)
 
 
-class RequestPhaseTracer:
+class RequestPhaseTracer(StepObserver):
     """Follows traced requests through the steps of one engine core.
 
     Call ``add`` when a request arrives, ``step`` after each engine step with its
     ``SchedulerOutput``, the step span's context and the requests that got their first token
-    or finished, and ``abort`` for an abort.
+    or finished, and ``abort`` for an abort. As a step observer of the engine core
+    (``step_observer.py``) it calls ``step`` itself: ``on_schedule`` notes the step's span
+    and prefills, ``on_step`` hands them over with the step's outputs.
     """
 
     def __init__(self) -> None:
         self._phases: dict[str, _Phases] = {}
+        # This step's span and prefilling requests (on_schedule), for on_step.
+        self._step_span: Stage | None = None
+        self._prefill_ids: set[str] = set()
+
+    def on_schedule(
+        self, scheduler_output: SchedulerOutput, prefill_ids: set[str], step_span: Stage, schedule_span: Stage
+    ) -> None:
+        self._step_span, self._prefill_ids = step_span, prefill_ids
+
+    def on_step(
+        self, record: StepRecord, scheduler_output: SchedulerOutput, outputs: dict[int, EngineCoreOutputs]
+    ) -> None:
+        step_span, prefill_ids = self._step_span, self._prefill_ids
+        self._step_span, self._prefill_ids = None, set()
+        if not self._phases:
+            return
+        span = step_span.span if step_span is not None else None
+        step_context = span.get_span_context() if span is not None else None
+        produced = [o for eco in outputs.values() for o in eco.outputs]
+        self.step(scheduler_output, prefill_ids, step_context,
+                  [o.request_id for o in produced if o.new_token_ids],
+                  {o.request_id: str(o.finish_reason) for o in produced if o.finished},
+                  int(record.started_at * 1e9))  # fmt: skip
 
     def add(self, request_id: str, trace_headers: dict[str, str] | None) -> None:
         if trace_headers and is_recording():
