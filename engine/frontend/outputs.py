@@ -2,9 +2,10 @@
 
 Mirrors vLLM's ``vllm/outputs.py`` (``RequestOutput``, ``CompletionOutput``),
 ``vllm/logprobs.py`` (``Logprob``), ``vllm/inputs/data.py`` (``TextPrompt``,
-``TokensPrompt``, ``PromptType``) and ``vllm/v1/metrics/stats.py`` (``RequestStateStats``),
-with the same names and fields. Plain dataclasses: these objects live in the user's (or the
-API server's) process only and never cross a process boundary.
+``TokensPrompt``, ``PromptType``), with the same names and fields. ``RequestOutput.metrics``
+is the request's ``RequestStateStats`` (``engine/metrics/stats.py``). Plain dataclasses:
+these objects live in the user's (or the API server's) process only and never cross a
+process boundary.
 
 Left out: pooling outputs, LoRA, multimodal fields, KV-transfer params, encoder-decoder
 prompts.
@@ -13,7 +14,10 @@ prompts.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import TYPE_CHECKING, TypedDict
+
+if TYPE_CHECKING:
+    from engine.metrics.stats import RequestStateStats
 
 
 class TextPrompt(TypedDict):
@@ -50,25 +54,6 @@ class Logprob:
 
 # One position's logprobs: token id → Logprob (the chosen token plus the top-N).
 LogprobsDict = dict[int, Logprob]
-
-
-@dataclass
-class RequestStateStats:
-    """Timings of one request, as the frontend saw them (filled only with ``log_stats``).
-
-    ``arrival_time`` and ``finished_time`` are wall-clock seconds (``time.time()``);
-    ``first_token_ts`` and ``last_token_ts`` are the engine core's monotonic timestamps
-    (``time.monotonic()`` in the engine core process) of the steps that produced the first
-    and the latest token, so their difference is a decode duration. ``first_token_latency``
-    is seconds from arrival to the first token reaching the frontend (time to first token).
-    """
-
-    arrival_time: float = 0.0
-    num_generation_tokens: int = 0
-    first_token_ts: float = 0.0
-    last_token_ts: float = 0.0
-    first_token_latency: float = 0.0
-    finished_time: float | None = None
 
 
 @dataclass
@@ -115,7 +100,8 @@ class RequestOutput:
         outputs: the completions, sorted by ``index``.
         finished: True in the last output of the request.
         num_cached_tokens: prompt tokens served from the prefix cache.
-        metrics: timings, when the output processor was built with ``log_stats``.
+        metrics: the request's ``RequestStateStats`` (timings), when the output processor
+            was built with ``log_stats``.
     """
 
     request_id: str
