@@ -73,6 +73,7 @@ def test_delta_stream_matches_cumulative_and_full_decode(tokenizer):
     assert "".join(deltas) == final[CUMULATIVE].outputs[0].text == tokenizer.decode(ids)
     assert final[CUMULATIVE].outputs[0].token_ids == ids
     assert final[CUMULATIVE].prompt == "Hi"
+    assert final[CUMULATIVE].outputs[0].text_offsets is None  # only with logprobs
 
 
 @pytest.mark.parametrize(
@@ -237,6 +238,8 @@ def test_logprob_rows_become_dicts(tokenizer, kind):
     assert second[brown].rank == 7 and second[brown].decoded_token == " brown"
     assert math.isclose(second[brown].logprob, -1.0 - brown / 10)
     assert math.isclose(last.cumulative_logprob, (-1.0 - the / 10) + (-1.0 - brown / 10))
+    # The detokenizer's offsets come with the logprobs: "The" at 0, " brown" at 3.
+    assert (last.text_offsets if kind == CUMULATIVE else first.text_offsets + last.text_offsets) == [0, 3]
 
 
 def test_prompt_logprobs_accumulate_over_chunks(tokenizer):

@@ -108,6 +108,9 @@ class ParentRequest:
                 logprobs=None if completion.logprobs is None else (old.logprobs or []) + completion.logprobs,
                 finish_reason=completion.finish_reason,
                 stop_reason=completion.stop_reason,
+                text_offsets=None
+                if completion.text_offsets is None
+                else (old.text_offsets or []) + completion.text_offsets,
             )
         self.completions[completion.index] = completion
 
@@ -190,6 +193,8 @@ class RequestState:
         finished = finish_reason is not None
         delta = self.output_kind == RequestOutputKind.DELTA
         text = self.detokenizer.get_next_output_text(finished, delta)
+        # With logprobs, where each token's text starts (the completions API's text_offset).
+        offsets = self.detokenizer.token_offsets if self.logprobs is not None else None
         if delta:
             token_ids = list(new_token_ids)
             logprobs = (
@@ -197,11 +202,13 @@ class RequestState:
                 if self.logprobs is not None
                 else None
             )
+            text_offsets = offsets[len(offsets) - len(new_token_ids) :] if offsets is not None else None
         else:
             # Copies: later steps append to our lists, and an output already handed to the
             # user must not change under them.
             token_ids = list(self.detokenizer.output_token_ids)
             logprobs = list(self.logprobs) if self.logprobs is not None else None
+            text_offsets = list(offsets) if offsets is not None else None
         return CompletionOutput(
             index=self.request_index,
             text=text,
@@ -210,6 +217,7 @@ class RequestState:
             logprobs=logprobs,
             finish_reason=str(finish_reason) if finished else None,
             stop_reason=stop_reason if finished else None,
+            text_offsets=text_offsets,
         )
 
     def take_prompt_logprobs(self) -> list[LogprobsDict | None] | None:

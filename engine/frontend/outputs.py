@@ -72,6 +72,11 @@ class CompletionOutput:
         finish_reason: None while running, then "stop", "length" or "abort".
         stop_reason: the stop string or stop token id that ended the request; None when
             it ended on EOS or on length.
+        text_offsets: per generated token (DELTA: per new token), the character offset
+            where its text starts in the whole text (before a stop-string cut; at or past
+            the end for a token cut off), as the detokenizer recorded it; None unless
+            ``logprobs`` was requested. The legacy completions API's
+            ``logprobs.text_offset``; not in vLLM (its serving layer derives the offsets).
     """
 
     index: int
@@ -81,6 +86,7 @@ class CompletionOutput:
     logprobs: list[LogprobsDict] | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    text_offsets: list[int] | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -141,6 +147,8 @@ class RequestOutput:
                 old.token_ids = old.token_ids + new.token_ids
                 if new.logprobs is not None:
                     old.logprobs = (old.logprobs or []) + new.logprobs
+                if new.text_offsets is not None:
+                    old.text_offsets = (old.text_offsets or []) + new.text_offsets
                 old.cumulative_logprob = new.cumulative_logprob
                 old.finish_reason = new.finish_reason
                 old.stop_reason = new.stop_reason
