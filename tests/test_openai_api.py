@@ -550,6 +550,25 @@ def test_max_tokens_is_clamped_to_the_room_left(server: Server) -> None:
     assert r.json()["choices"][0]["finish_reason"] == "length"
 
 
+def test_llm_and_http_answer_a_prompt_length_the_same_way(server: Server, tokenizer) -> None:
+    """``LLM`` validates with its ``InputProcessor``: it accepts and refuses the lengths the
+    server does, with the server's words (a prompt of ``max_model_len`` leaves no room)."""
+    processor = InputProcessor(ModelConfig(model=DEFAULT_MODEL, max_model_len=MAX_MODEL_LEN), tokenizer)
+    params = SamplingParams(max_tokens=None)
+    for n in (MAX_MODEL_LEN - 1, MAX_MODEL_LEN, MAX_MODEL_LEN + 1):
+        ids = [5] * n
+        r = server.post("/v1/completions", {"model": MODEL, "prompt": ids, "ignore_eos": True})
+        if n < MAX_MODEL_LEN:
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1, r.text
+            request = processor.process_inputs("r", {"prompt_token_ids": ids}, params)
+            assert request.sampling_params.max_tokens == 1
+        else:
+            message = assert_error(r, 400, "prompt", "BadRequestError")["message"]
+            with pytest.raises(ValueError) as offline:
+                processor.process_inputs("r", {"prompt_token_ids": ids}, params)
+            assert str(offline.value) == message
+
+
 BAD_COMPLETIONS = [
     ('{"model": "glassbox-tiny", "prompt": "x",', 400, None),  # malformed JSON
     ({"model": MODEL, "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
@@ -706,25 +725,6 @@ def test_a_prompt_too_long_is_a_400_with_vllms_wording(server: Server) -> None:
         server.post("/v1/chat/completions", {"model": MODEL, "messages": long_chat}), 400, "messages"
     )
     assert "maximum context length" in error["message"]
-
-
-def test_llm_and_http_answer_a_prompt_length_the_same_way(server: Server, tokenizer) -> None:
-    """``LLM`` validates with its ``InputProcessor``: it accepts and refuses the lengths the
-    server does, with the server's words (a prompt of ``max_model_len`` leaves no room)."""
-    processor = InputProcessor(ModelConfig(model=DEFAULT_MODEL, max_model_len=MAX_MODEL_LEN), tokenizer)
-    params = SamplingParams(max_tokens=None)
-    for n in (MAX_MODEL_LEN - 1, MAX_MODEL_LEN, MAX_MODEL_LEN + 1):
-        ids = [5] * n
-        r = server.post("/v1/completions", {"model": MODEL, "prompt": ids, "ignore_eos": True})
-        if n < MAX_MODEL_LEN:
-            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1, r.text
-            request = processor.process_inputs("r", {"prompt_token_ids": ids}, params)
-            assert request.sampling_params.max_tokens == 1
-        else:
-            message = assert_error(r, 400, "prompt", "BadRequestError")["message"]
-            with pytest.raises(ValueError) as offline:
-                processor.process_inputs("r", {"prompt_token_ids": ids}, params)
-            assert str(offline.value) == message
 
 
 def test_a_prompt_too_long_leaves_no_misleading_warning_in_the_log(server: Server) -> None:
