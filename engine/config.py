@@ -869,7 +869,6 @@ class EngineConfig:
             raise ConfigError(
                 "--model", self.model_config.model, "the directory has no *.safetensors weights"
             )
-        self._check_fixed_kv_budget()
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     def _check_tensor_parallel_size(self) -> None:
@@ -934,36 +933,3 @@ class EngineConfig:
         return max(
             get_pp_partition(self.model_config.num_hidden_layers, self.parallel_config.pipeline_parallel_size)
         )
-
-    def _check_fixed_kv_budget(self) -> None:
-        """Refuse, before anything is spawned, a fixed KV budget too small for one request.
-
-        A fixed budget is ``--kv-cache-memory-bytes``, or ``GLASSBOX_CPU_KVCACHE_SPACE`` with
-        ``--device cpu``; the page size follows from ``config.json`` and the dtype alone. A
-        budget measured on the device (CUDA profiling) is checked by the engine core, which
-        raises the same ``ConfigError``.
-        """
-        cache = self.cache_config
-        if cache.num_gpu_blocks_override is not None:
-            return  # the override decides the block count; checked above
-        if cache.kv_cache_memory_bytes:
-            available = cache.kv_cache_memory_bytes
-        elif self.device_config.device == "cpu":
-            from engine import envs
-
-            available = int(envs.GLASSBOX_CPU_KVCACHE_SPACE * (1 << 30))
-        else:
-            return
-        from engine.kv_cache.kv_cache_interface import FullAttentionSpec
-        from engine.kv_cache.kv_cache_planning import check_enough_kv_cache_memory
-
-        model = self.model_config
-        dtype = model.checkpoint_dtype if model.dtype == "auto" else model.dtype
-        spec = FullAttentionSpec(
-            block_size=cache.block_size,
-            num_kv_heads=max(model.num_key_value_heads // self.parallel_config.tensor_parallel_size, 1),
-            head_size=model.head_dim,
-            dtype_size=4 if dtype in ("float32", "float") else 2,
-            num_layers=self.max_layers_per_stage(),
-        )
-        check_enough_kv_cache_memory(self, spec, available)

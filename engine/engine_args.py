@@ -33,6 +33,7 @@ from engine.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from engine.kv_cache.kv_cache_planning import check_fixed_kv_budget
 from engine.logger import init_logger
 
 logger = init_logger(__name__)
@@ -577,7 +578,8 @@ class EngineArgs:
         return cls(**kwargs)
 
     def create_engine_config(self, usage_context: str = "llm") -> EngineConfig:
-        """Validate every value and build the ``EngineConfig``.
+        """Validate every value and build the ``EngineConfig``; a fixed KV budget too small
+        for one request is refused here too (``check_fixed_kv_budget``).
 
         Raises:
             ConfigError: a value is not allowed; the message names the flag (or the
@@ -647,7 +649,7 @@ class EngineArgs:
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             policy=self.scheduling_policy,
         )
-        return EngineConfig(
+        config = EngineConfig(
             model_config=model_config,
             cache_config=cache_config,
             parallel_config=parallel_config,
@@ -665,3 +667,5 @@ class EngineArgs:
                 inject_fault=self.inject_fault or ",".join(map(str, envs.GLASSBOX_FAULT or ())) or None,
             ),
         )
+        check_fixed_kv_budget(config)
+        return config

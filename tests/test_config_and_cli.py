@@ -80,7 +80,7 @@ def test_sampling_params_errors_name_the_field(kwargs, field):
 
 def test_prompt_longer_than_max_model_len_is_rejected_and_queues_nothing():
     with LLM(max_model_len=32) as llm:
-        with pytest.raises(ValueError, match="longer than the maximum model length of 32"):
+        with pytest.raises(ValueError, match="maximum context length is 32 tokens"):
             llm.generate(["ok", {"prompt_token_ids": list(range(5, 45))}], SamplingParams(max_tokens=2))
         assert not llm.output_processor.has_unfinished_requests()
         # The engine still works afterwards.

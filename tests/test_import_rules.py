@@ -66,6 +66,8 @@ RULES = [
          ("tui", "tracing.run_dir", "tracing.instances"), ("engine", "torch")),
     Rule("sched and kv_cache are pure logic: no torch, ZMQ or HTTP",
          _modules("engine/sched", "engine/kv_cache"), ("torch", "zmq", *HTTP)),
+    Rule("config imports no kv_cache (kv_cache_planning reads the config: no config ↔ kv_cache circle)",
+         ("engine.config",), ("engine.kv_cache",)),
     Rule("the API server imports no torch, model or worker", API_SERVER,
          ("torch", "engine.model", "engine.worker")),
     Rule("the API server imports no engine.sched", API_SERVER, ("engine.sched",)),

@@ -76,17 +76,18 @@ def test_malformed_prompt_rejected(processor):
         processor.process_inputs("a", {"prompt_token_ids": ["x"]}, SamplingParams())
 
 
-def test_prompt_longer_than_max_model_len(processor):
-    n = MAX_MODEL_LEN + 1
-    with pytest.raises(ValueError) as err:
-        processor.process_inputs("a", {"prompt_token_ids": [5] * n}, SamplingParams())
-    assert str(err.value) == (
-        f"The decoder prompt (length {n}) is longer than the maximum model length of {MAX_MODEL_LEN}. "
-        "Make sure that `max_model_len` is no smaller than the number of text tokens."
-    )
-    # Exactly max_model_len fits; one token can still be generated.
+def test_a_prompt_must_leave_room_for_one_output_token(processor):
+    # vLLM's rule, the API server's too: a prompt of max_model_len tokens has no room left.
+    for n in (MAX_MODEL_LEN, MAX_MODEL_LEN + 1):
+        with pytest.raises(ValueError) as err:
+            processor.process_inputs("a", {"prompt_token_ids": [5] * n}, SamplingParams())
+        assert str(err.value) == (
+            f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, your request "
+            f"has {n} input tokens, which leaves no room for output. Please reduce the length of "
+            "the input prompt."
+        )
     req = processor.process_inputs(
-        "b", {"prompt_token_ids": [5] * MAX_MODEL_LEN}, SamplingParams(max_tokens=None)
+        "b", {"prompt_token_ids": [5] * (MAX_MODEL_LEN - 1)}, SamplingParams(max_tokens=None)
     )
     assert req.sampling_params.max_tokens == 1
 

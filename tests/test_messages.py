@@ -39,7 +39,7 @@ from engine.executor.shm_broadcast import MessageQueueHandle
 from engine.outputs import ModelRunnerOutput
 from engine.sampling_params import SamplingParams
 from engine.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-from engine.utils.wire import ProtocolError
+from engine.utils.wire import ErrorKind, ProtocolError
 from tracing import catalogue
 from tracing.propagation import inject_trace_headers
 
@@ -106,7 +106,24 @@ def test_worker_error_keeps_a_config_errors_flag():
     from engine.config import ConfigError
 
     error = WorkerError.from_exception(ConfigError.from_message("no CUDA here", flag="--device"))
-    assert (error.type, error.flag) == ("ConfigError", "--device")
+    assert (error.type, error.flag, error.kind) == ("ConfigError", "--device", ErrorKind.CONFIG)
+
+
+def test_an_errors_kind_is_decided_by_its_type_where_it_was_raised():
+    """The receiver acts on ``kind``, never on the class name: a plain ValueError is the
+    caller's bad input, a subclass of it (here a decode error) is a failure."""
+    from engine.config import ConfigError
+
+    cases = [
+        (ConfigError.from_message("too small", flag="--max-model-len"), ErrorKind.CONFIG),
+        (ValueError("bad block size"), ErrorKind.VALUE),
+        (UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"), ErrorKind.OTHER),
+        (RuntimeError("boom"), ErrorKind.OTHER),
+    ]
+    for e, kind in cases:
+        assert _worker_round_trip(WorkerReply.failure(0, "m", e)).error.kind is kind
+        dead = EngineDead.from_exception("=== root cause ===", e, during_startup=True)
+        assert msgspec.msgpack.decode(msgspec.msgpack.encode(dead), type=EngineDead).kind is kind
 
 
 @pytest.mark.parametrize(

@@ -27,8 +27,10 @@ import httpx
 import openai
 import pytest
 
-from engine.config import DEFAULT_MODEL
+from engine.config import DEFAULT_MODEL, ModelConfig
+from engine.frontend.input_processor import InputProcessor
 from engine.frontend.tokenizer import apply_chat_template, get_tokenizer
+from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -252,7 +254,7 @@ def test_greedy_text_over_http_equals_offline_llm(server: Server, monkeypatch: p
     http = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=12, temperature=0)
     http_chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0)
 
-    from engine import LLM, SamplingParams
+    from engine import LLM
 
     monkeypatch.setenv("GLASSBOX_ENABLE_MULTIPROCESSING", "0")
     llm = LLM(max_model_len=MAX_MODEL_LEN)
@@ -546,6 +548,25 @@ def test_max_tokens_is_clamped_to_the_room_left(server: Server) -> None:
     )
     assert r.json()["usage"]["completion_tokens"] == MAX_MODEL_LEN - 505
     assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_llm_and_http_answer_a_prompt_length_the_same_way(server: Server, tokenizer) -> None:
+    """``LLM`` validates with its ``InputProcessor``: it accepts and refuses the lengths the
+    server does, with the server's words (a prompt of ``max_model_len`` leaves no room)."""
+    processor = InputProcessor(ModelConfig(model=DEFAULT_MODEL, max_model_len=MAX_MODEL_LEN), tokenizer)
+    params = SamplingParams(max_tokens=None)
+    for n in (MAX_MODEL_LEN - 1, MAX_MODEL_LEN, MAX_MODEL_LEN + 1):
+        ids = [5] * n
+        r = server.post("/v1/completions", {"model": MODEL, "prompt": ids, "ignore_eos": True})
+        if n < MAX_MODEL_LEN:
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1, r.text
+            request = processor.process_inputs("r", {"prompt_token_ids": ids}, params)
+            assert request.sampling_params.max_tokens == 1
+        else:
+            message = assert_error(r, 400, "prompt", "BadRequestError")["message"]
+            with pytest.raises(ValueError) as offline:
+                processor.process_inputs("r", {"prompt_token_ids": ids}, params)
+            assert str(offline.value) == message
 
 
 BAD_COMPLETIONS = [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 from frontend_fixtures import BOS_ID, EOS_ID, build_tokenizer_dir
@@ -72,6 +73,7 @@ def test_delta_stream_matches_cumulative_and_full_decode(tokenizer):
     assert "".join(deltas) == final[CUMULATIVE].outputs[0].text == tokenizer.decode(ids)
     assert final[CUMULATIVE].outputs[0].token_ids == ids
     assert final[CUMULATIVE].prompt == "Hi"
+    assert final[CUMULATIVE].outputs[0].text_offsets is None  # only with logprobs
 
 
 @pytest.mark.parametrize(
@@ -236,6 +238,8 @@ def test_logprob_rows_become_dicts(tokenizer, kind):
     assert second[brown].rank == 7 and second[brown].decoded_token == " brown"
     assert math.isclose(second[brown].logprob, -1.0 - brown / 10)
     assert math.isclose(last.cumulative_logprob, (-1.0 - the / 10) + (-1.0 - brown / 10))
+    # The detokenizer's offsets come with the logprobs: "The" at 0, " brown" at 3.
+    assert (last.text_offsets if kind == CUMULATIVE else first.text_offsets + last.text_offsets) == [0, 3]
 
 
 def test_prompt_logprobs_accumulate_over_chunks(tokenizer):
@@ -289,7 +293,9 @@ def test_log_stats_fills_metrics(tokenizer):
         [EngineCoreOutput(request_id="r", new_token_ids=[6], finish_reason=FinishReason.LENGTH)], 100.5
     )
     out = result.request_outputs[0]
-    assert (out.metrics.first_token_ts, out.metrics.last_token_ts) == (100.0, 100.5)
+    # The engine core's monotonic stamps, on the wall clock every stat uses.
+    assert out.metrics.last_token_ts - out.metrics.first_token_ts == pytest.approx(0.5)
+    assert abs(out.metrics.first_token_ts - (100.0 + time.time() - time.monotonic())) < 1.0
     assert out.metrics.num_generation_tokens == 2
     assert out.metrics.finished_time is not None
     assert OutputProcessor(tokenizer).log_stats is False

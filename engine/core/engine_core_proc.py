@@ -337,14 +337,7 @@ class EngineCoreProc(EngineCore):
                 logger.error(
                     "engine core stopping: a worker died, stopped or froze (the frontend prints the root cause)"
                 )
-            flag = getattr(e, "flag", None)
-            dead = EngineDead(
-                root_cause=root,
-                error_type=type(e).__name__,
-                message=str(e),
-                flag=flag if isinstance(flag, str) else None,
-                during_startup=engine is None,
-            )
+            dead = EngineDead.from_exception(root, e, during_startup=engine is None)
             _send_dead(payload.output_addresses, dead)
             raise SystemExit(1) from None
         finally:

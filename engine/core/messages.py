@@ -53,7 +53,7 @@ import msgspec
 
 from engine.outputs import LogprobsLists
 from engine.sampling_params import SamplingParams
-from engine.utils.wire import ProtocolError, decode
+from engine.utils.wire import ErrorKind, ProtocolError, decode, error_kind
 
 BOUNDARY = "client ↔ engine core"
 
@@ -262,9 +262,10 @@ class UtilityReply(msgspec.Struct, kw_only=True, array_like=True):
 class EngineDead(msgspec.Struct, kw_only=True, array_like=True):
     """The engine core's last words (vLLM: ``ENGINE_CORE_DEAD``).
 
-    ``root_cause`` is the printed block (role, rank, pid, stage, exit); ``error_type`` /
-    ``message`` / ``flag`` describe the exception that ended it; ``during_startup`` is true
-    when it died before READY (a ``ConfigError`` then is the caller's bad setting).
+    ``root_cause`` is the printed block (role, rank, pid, stage, exit); ``error_type`` (the
+    class name, for people) / ``message`` / ``flag`` / ``kind`` describe the exception that
+    ended it; ``during_startup`` is true when it died before READY (an ``ErrorKind.CONFIG``
+    then is the caller's bad setting).
     """
 
     root_cause: str
@@ -272,6 +273,20 @@ class EngineDead(msgspec.Struct, kw_only=True, array_like=True):
     message: str = ""
     flag: str | None = None
     during_startup: bool = False
+    kind: ErrorKind = ErrorKind.OTHER
+
+    @classmethod
+    def from_exception(cls, root_cause: str, e: BaseException, during_startup: bool) -> EngineDead:
+        """The last words for a death by ``e`` (its kind decided here, by its type)."""
+        flag = getattr(e, "flag", None)
+        return cls(
+            root_cause=root_cause,
+            error_type=type(e).__name__,
+            message=str(e),
+            flag=flag if isinstance(flag, str) else None,
+            during_startup=during_startup,
+            kind=error_kind(e),
+        )
 
 
 class EngineCoreSpawnPayload(msgspec.Struct, kw_only=True):

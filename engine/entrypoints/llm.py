@@ -158,7 +158,8 @@ class LLM:
             priority: per-prompt priority (lower runs first under ``--scheduling-policy priority``).
 
         Raises:
-            ValueError: a prompt longer than ``max_model_len``, a bad token id, or a
+            ValueError: a prompt that leaves no room for output (``max_model_len`` tokens or
+                more: the API server's rule, ``validate_prompt``), a bad token id, or a
                 mismatched number of sampling params; nothing is queued in that case.
         """
         self._check_open()

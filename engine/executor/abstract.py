@@ -22,7 +22,7 @@ from engine.logger import init_logger
 from engine.outputs import ModelRunnerOutput
 from engine.sched.output import SchedulerOutput
 from engine.utils import run_dir as run_dirs
-from engine.utils.wire import ProtocolError
+from engine.utils.wire import ErrorKind, ProtocolError
 from tracing import read_status_file
 
 logger = init_logger(__name__)
@@ -121,14 +121,14 @@ class Executor(ABC):
         error = reply.error
         if error is None:
             raise ProtocolError(f"{self.roles[rank]} reported a failure of {method!r} without an error")
-        if error.type == "ConfigError":
+        if error.kind is ErrorKind.CONFIG:
             # A bad setting found where torch lives (e.g. --device cuda without CUDA): the
             # caller's error, one line naming the flag, no traceback.
             logger.debug("%s failed in %s:\n%s", self.roles[rank], method, error.traceback)
             raise ConfigError.from_message(error.message, flag=error.flag or "")
         self._blame_dead_peer(rank)
         logger.error("%s failed in %s:\n%s", self.roles[rank], method, error.traceback)
-        if error.type == "ValueError":
+        if error.kind is ErrorKind.VALUE:
             raise ValueError(f"{self.roles[rank]} failed in {method}: {error.type}: {error.message}")
 
     def _start_workers(self, all_kwargs: list[dict[str, Any]]) -> None:

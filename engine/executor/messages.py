@@ -33,7 +33,7 @@ import msgspec
 from engine.executor.shm_broadcast import MessageQueueHandle
 from engine.outputs import ModelRunnerOutput
 from engine.sched.output import SchedulerOutput
-from engine.utils.wire import ProtocolError, decode
+from engine.utils.wire import ErrorKind, ProtocolError, decode, error_kind
 
 BOUNDARY = "engine core ↔ worker"
 
@@ -127,12 +127,16 @@ class WorkerReady(msgspec.Struct, kw_only=True, tag="ready"):
 
 
 class WorkerError(msgspec.Struct, kw_only=True):
-    """An exception a worker raised in an RPC (the worker exits after reporting it)."""
+    """An exception a worker raised in an RPC (the worker exits after reporting it).
+
+    ``kind`` is what the engine core acts on; ``type`` (the class name) is for people.
+    """
 
     type: str
     message: str
     traceback: str
     flag: str | None = None  # a ConfigError's flag: the caller reports it as one line
+    kind: ErrorKind = ErrorKind.OTHER
 
     @classmethod
     def from_exception(cls, e: BaseException) -> WorkerError:
@@ -142,6 +146,7 @@ class WorkerError(msgspec.Struct, kw_only=True):
             message=str(e),
             traceback="".join(traceback.format_exception(type(e), e, e.__traceback__)),
             flag=flag if isinstance(flag, str) else None,
+            kind=error_kind(e),
         )
 
 

@@ -79,7 +79,7 @@ from engine.logger import init_logger
 from engine.utils import processes
 from engine.utils import run_dir as run_dirs
 from engine.utils.processes import EngineDeadError
-from engine.utils.wire import ProtocolError
+from engine.utils.wire import ErrorKind, ProtocolError
 from tracing.telemetry.publisher import get_publisher
 
 logger = init_logger(__name__)
@@ -823,7 +823,7 @@ class MPClient(EngineCoreClient):
                 # One process of the tree died: the rest (other engines, the coordinator)
                 # go down with it, so the root cause is the only story.
                 _stop_all(self._children())
-            if dead is not None and dead.during_startup and dead.error_type == "ConfigError":
+            if dead is not None and dead.during_startup and dead.kind is ErrorKind.CONFIG:
                 # A bad setting found by the engine (e.g. a KV budget too small for one
                 # request) is the caller's error, raised as in-process: one ConfigError
                 # naming the flag, no root-cause block.

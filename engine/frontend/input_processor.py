@@ -6,10 +6,11 @@ and raised as a ``ValueError`` (HTTP 400 in the API server) — before the engin
 it. The checks and messages follow vLLM's ``_validate_model_input``.
 
 What it does, in order: tokenize a text prompt (with the tokenizer's special tokens, so a
-BOS is added when the tokenizer adds one); reject an empty prompt, out-of-vocabulary ids
-and a prompt longer than ``max_model_len``; reject ``stop_token_ids`` outside the vocabulary
-and stop strings that are not valid Unicode; copy the params and fill in what the engine
-needs: ``max_tokens`` (up to ``max_model_len``) and the model's extra EOS ids from
+BOS is added when the tokenizer adds one); reject an empty prompt, a prompt that leaves no
+room for one output token and out-of-vocabulary ids (``validate_prompt``, the one prompt
+rule: the API server calls it too); reject ``stop_token_ids`` outside the vocabulary and
+stop strings that are not valid Unicode; copy the params and fill in what the engine needs:
+``max_tokens`` (all the room left when unset) and the model's extra EOS ids from
 ``generation_config.json``.
 
 ``logprobs`` / ``prompt_logprobs`` above ``--max-logprobs`` are refused here too.
@@ -29,6 +30,40 @@ from engine.core.messages import EngineCoreRequest
 from engine.frontend.outputs import PromptType
 from engine.frontend.tokenizer import encode
 from engine.sampling_params import SamplingParams
+
+
+def validate_prompt(
+    prompt_token_ids: list[int], max_model_len: int, vocab_size: int, param: str = "prompt"
+) -> None:
+    """The one rule every prompt meets, from ``LLM`` and the API server alike.
+
+    A generation needs ``len(prompt) < max_model_len``: the prompt plus at least one output
+    token must fit (vLLM's ``_validate_model_input`` and its serving layer's
+    ``_validate_input`` refuse a prompt of exactly ``max_model_len`` the same way). The
+    length is checked before the ids, so a huge prompt costs no scan.
+
+    Args:
+        prompt_token_ids: the prompt, in tokens.
+        max_model_len: the context length, in tokens (prompt + output).
+        vocab_size: token ids must lie in ``[0, vocab_size)``.
+        param: the request field the prompt came in, named by the message ("prompt" or,
+            over HTTP, "messages").
+
+    Raises:
+        ValueError: the prompt is empty, leaves no room for output (vLLM's "maximum context
+            length" wording), or holds an id outside the vocabulary.
+    """
+    if not prompt_token_ids:
+        raise ValueError("The decoder prompt cannot be empty.")
+    if len(prompt_token_ids) >= max_model_len:
+        raise ValueError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"request has {len(prompt_token_ids)} input tokens, which leaves no room for output. "
+            f"Please reduce the length of the input {param}."
+        )
+    for token_id in prompt_token_ids:
+        if not 0 <= token_id < vocab_size:
+            raise ValueError(f"Token id {token_id!r} is out of vocabulary (vocab_size={vocab_size}).")
 
 
 class InputProcessor:
@@ -83,21 +118,20 @@ class InputProcessor:
             is the caller's: the string itself, ``prompt["prompt"]``, or None for token ids.
 
         Raises:
-            ValueError: the prompt is not one of the three shapes, is empty, holds a token
-                id outside ``[0, vocab_size)``, or is longer than ``max_model_len``;
+            ValueError: the prompt is not one of the three shapes, or breaks
+                ``validate_prompt`` (empty, no room for output, an id outside the vocabulary);
                 ``stop`` strings are asked for with ``detokenize=False`` or are not valid
                 Unicode (a lone surrogate); a ``stop_token_ids`` id is outside the vocabulary.
         """
         prompt_token_ids = self._tokenize(prompt, tokenization_kwargs or {})
-        self._validate_prompt(prompt_token_ids)
+        validate_prompt(prompt_token_ids, self.model_config.max_model_len, self.model_config.vocab_size)
         self._validate_params(params)
         self._validate_logprobs(params)
 
         params = params.clone()
         if params.max_tokens is None:
-            # At least 1: a prompt of exactly max_model_len still yields one token (the
-            # scheduler then stops it on length), and msgspec re-validates the params.
-            params.max_tokens = max(1, self.model_config.max_model_len - len(prompt_token_ids))
+            # All the room left: at least 1, as validate_prompt leaves room for one token.
+            params.max_tokens = self.model_config.max_model_len - len(prompt_token_ids)
         params.update_from_generation_config(self.generation_config, self.eos_token_id)
 
         return EngineCoreRequest(
@@ -159,18 +193,3 @@ class InputProcessor:
             value = getattr(params, field)
             if value is not None and value > limit:
                 raise ValueError(f"{field} must be between 0 and {limit} (--max-logprobs), got {value}.")
-
-    def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
-        if not prompt_token_ids:
-            raise ValueError("The decoder prompt cannot be empty")
-        vocab_size = self.model_config.vocab_size
-        for token_id in prompt_token_ids:
-            if not 0 <= token_id < vocab_size:
-                raise ValueError(f"Token id {token_id!r} is out of vocabulary (vocab_size={vocab_size})")
-        max_model_len = self.model_config.max_model_len
-        if len(prompt_token_ids) > max_model_len:
-            raise ValueError(
-                f"The decoder prompt (length {len(prompt_token_ids)}) is longer than the maximum "
-                f"model length of {max_model_len}. Make sure that `max_model_len` is no smaller "
-                "than the number of text tokens."
-            )

@@ -43,14 +43,9 @@ from dataclasses import dataclass
 
 from engine.core.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from engine.frontend.detokenizer import IncrementalDetokenizer, backend_tokenizer
-from engine.frontend.outputs import (
-    CompletionOutput,
-    Logprob,
-    LogprobsDict,
-    RequestOutput,
-    RequestStateStats,
-)
+from engine.frontend.outputs import CompletionOutput, Logprob, LogprobsDict, RequestOutput
 from engine.metrics import stats as metrics_stats
+from engine.metrics.stats import RequestStateStats
 from engine.outputs import LogprobsLists
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -113,6 +108,9 @@ class ParentRequest:
                 logprobs=None if completion.logprobs is None else (old.logprobs or []) + completion.logprobs,
                 finish_reason=completion.finish_reason,
                 stop_reason=completion.stop_reason,
+                text_offsets=None
+                if completion.text_offsets is None
+                else (old.text_offsets or []) + completion.text_offsets,
             )
         self.completions[completion.index] = completion
 
@@ -174,13 +172,19 @@ class RequestState:
         # DELTA: how many prompt-logprob entries earlier outputs already carried.
         self.num_prompt_logprobs_sent = 0
         self.num_cached_tokens = 0
-        self.stats = RequestStateStats(arrival_time=request.arrival_time) if log_stats else None
-        # Always kept (a few floats): the stat loggers and the llm_request span read it.
-        self.req_stats = metrics_stats.RequestStateStats(arrival_time=request.arrival_time)
+        # Always kept (a few floats): the stat loggers and the llm_request span read it;
+        # RequestOutput.metrics shows it only with log_stats.
+        self.stats = RequestStateStats(arrival_time=request.arrival_time)
+        self.log_stats = log_stats
         self.arrival_time = request.arrival_time
         self.num_output_tokens = 0
         self.sampling_params = params
         self.trace_headers = request.trace_headers
+
+    @property
+    def metrics(self) -> RequestStateStats | None:
+        """What ``RequestOutput.metrics`` carries: the stats with ``log_stats``, else None."""
+        return self.stats if self.log_stats else None
 
     def make_completion_output(
         self, new_token_ids: list[int], finish_reason: FinishReason | None, stop_reason: int | str | None
@@ -189,6 +193,8 @@ class RequestState:
         finished = finish_reason is not None
         delta = self.output_kind == RequestOutputKind.DELTA
         text = self.detokenizer.get_next_output_text(finished, delta)
+        # With logprobs, where each token's text starts (the completions API's text_offset).
+        offsets = self.detokenizer.token_offsets if self.logprobs is not None else None
         if delta:
             token_ids = list(new_token_ids)
             logprobs = (
@@ -196,11 +202,13 @@ class RequestState:
                 if self.logprobs is not None
                 else None
             )
+            text_offsets = offsets[len(offsets) - len(new_token_ids) :] if offsets is not None else None
         else:
             # Copies: later steps append to our lists, and an output already handed to the
             # user must not change under them.
             token_ids = list(self.detokenizer.output_token_ids)
             logprobs = list(self.logprobs) if self.logprobs is not None else None
+            text_offsets = list(offsets) if offsets is not None else None
         return CompletionOutput(
             index=self.request_index,
             text=text,
@@ -209,6 +217,7 @@ class RequestState:
             logprobs=logprobs,
             finish_reason=str(finish_reason) if finished else None,
             stop_reason=stop_reason if finished else None,
+            text_offsets=text_offsets,
         )
 
     def take_prompt_logprobs(self) -> list[LogprobsDict | None] | None:
@@ -230,7 +239,7 @@ class RequestState:
             outputs=[completion],
             finished=finished,
             num_cached_tokens=self.num_cached_tokens,
-            metrics=self.stats,
+            metrics=self.metrics,
         )
 
 
@@ -317,7 +326,7 @@ class OutputProcessor:
             if state is not None:
                 to_abort.append(request_id)
                 done = metrics_stats.finished_request_stats(
-                    state.req_stats, str(FinishReason.ABORT), len(state.prompt_token_ids),
+                    state.stats, str(FinishReason.ABORT), len(state.prompt_token_ids),
                     state.sampling_params.max_tokens, now,
                 )  # fmt: skip
                 _record_request_span(state, done, self.model_name, now)
@@ -372,14 +381,12 @@ class OutputProcessor:
             stop_reason = output.stop_reason
             state.num_cached_tokens = output.num_cached_tokens
             if output.events:
-                iteration.update_from_events(output.events, state.req_stats)
+                iteration.update_from_events(output.events, state.stats)
             if new_token_ids:
                 iteration.update_from_tokens(
-                    len(new_token_ids), len(state.prompt_token_ids), state.req_stats, token_ts
+                    len(new_token_ids), len(state.prompt_token_ids), state.stats, token_ts
                 )
             state.num_output_tokens += len(new_token_ids)
-            if state.stats is not None:
-                _update_stats(state.stats, len(new_token_ids), engine_core_timestamp)
 
             # 1) Text, and stop strings. EOS / a stop token id ended it in the engine when
             #    it finished with "stop" and no stop string.
@@ -398,10 +405,9 @@ class OutputProcessor:
             finished = finish_reason is not None
             if finished:
                 del self.request_states[output.request_id]
-                if state.stats is not None:
-                    state.stats.finished_time = now
+                state.stats.finished_time = now
                 done = metrics_stats.finished_request_stats(
-                    state.req_stats, str(finish_reason), len(state.prompt_token_ids),
+                    state.stats, str(finish_reason), len(state.prompt_token_ids),
                     state.sampling_params.max_tokens, now,
                 )  # fmt: skip
                 iteration.finished_requests.append(done)
@@ -423,7 +429,7 @@ class OutputProcessor:
                         else prompt_logprobs
                     )
                 parent.num_cached_tokens = state.num_cached_tokens
-                parent.metrics = state.stats
+                parent.metrics = state.metrics
             parents.setdefault(parent.request_id, (parent, state))
 
         for parent, state in parents.values():
@@ -477,17 +483,6 @@ class OutputProcessor:
         return rows
 
 
-def _update_stats(stats: RequestStateStats, num_new_tokens: int, engine_core_timestamp: float | None) -> None:
-    if num_new_tokens == 0:
-        return
-    now = engine_core_timestamp if engine_core_timestamp is not None else time.monotonic()
-    if stats.num_generation_tokens == 0:
-        stats.first_token_ts = now
-        stats.first_token_latency = time.time() - stats.arrival_time
-    stats.last_token_ts = now
-    stats.num_generation_tokens += num_new_tokens
-
-
 def _record_request_span(
     state: RequestState, done: metrics_stats.FinishedRequestStats, model_name: str | None, now: float
 ) -> None:
@@ -507,7 +502,7 @@ def _record_request_span(
     from tracing.propagation import extract_trace_context
 
     params = state.sampling_params
-    req = state.req_stats
+    req = state.stats
     num_prompt = len(state.prompt_token_ids)
     attributes = {
         catalogue.ATTR_GEN_AI_REQUEST_ID: state.request_id,

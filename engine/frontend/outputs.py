@@ -2,9 +2,10 @@
 
 Mirrors vLLM's ``vllm/outputs.py`` (``RequestOutput``, ``CompletionOutput``),
 ``vllm/logprobs.py`` (``Logprob``), ``vllm/inputs/data.py`` (``TextPrompt``,
-``TokensPrompt``, ``PromptType``) and ``vllm/v1/metrics/stats.py`` (``RequestStateStats``),
-with the same names and fields. Plain dataclasses: these objects live in the user's (or the
-API server's) process only and never cross a process boundary.
+``TokensPrompt``, ``PromptType``), with the same names and fields. ``RequestOutput.metrics``
+is the request's ``RequestStateStats`` (``engine/metrics/stats.py``). Plain dataclasses:
+these objects live in the user's (or the API server's) process only and never cross a
+process boundary.
 
 Left out: pooling outputs, LoRA, multimodal fields, KV-transfer params, encoder-decoder
 prompts.
@@ -13,7 +14,10 @@ prompts.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import TYPE_CHECKING, TypedDict
+
+if TYPE_CHECKING:
+    from engine.metrics.stats import RequestStateStats
 
 
 class TextPrompt(TypedDict):
@@ -53,25 +57,6 @@ LogprobsDict = dict[int, Logprob]
 
 
 @dataclass
-class RequestStateStats:
-    """Timings of one request, as the frontend saw them (filled only with ``log_stats``).
-
-    ``arrival_time`` and ``finished_time`` are wall-clock seconds (``time.time()``);
-    ``first_token_ts`` and ``last_token_ts`` are the engine core's monotonic timestamps
-    (``time.monotonic()`` in the engine core process) of the steps that produced the first
-    and the latest token, so their difference is a decode duration. ``first_token_latency``
-    is seconds from arrival to the first token reaching the frontend (time to first token).
-    """
-
-    arrival_time: float = 0.0
-    num_generation_tokens: int = 0
-    first_token_ts: float = 0.0
-    last_token_ts: float = 0.0
-    first_token_latency: float = 0.0
-    finished_time: float | None = None
-
-
-@dataclass
 class CompletionOutput:
     """One generated sequence of a request (``n`` > 1 gives several, by ``index``).
 
@@ -87,6 +72,11 @@ class CompletionOutput:
         finish_reason: None while running, then "stop", "length" or "abort".
         stop_reason: the stop string or stop token id that ended the request; None when
             it ended on EOS or on length.
+        text_offsets: per generated token (DELTA: per new token), the character offset
+            where its text starts in the whole text (before a stop-string cut; at or past
+            the end for a token cut off), as the detokenizer recorded it; None unless
+            ``logprobs`` was requested. The legacy completions API's
+            ``logprobs.text_offset``; not in vLLM (its serving layer derives the offsets).
     """
 
     index: int
@@ -96,6 +86,7 @@ class CompletionOutput:
     logprobs: list[LogprobsDict] | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    text_offsets: list[int] | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -115,7 +106,8 @@ class RequestOutput:
         outputs: the completions, sorted by ``index``.
         finished: True in the last output of the request.
         num_cached_tokens: prompt tokens served from the prefix cache.
-        metrics: timings, when the output processor was built with ``log_stats``.
+        metrics: the request's ``RequestStateStats`` (timings), when the output processor
+            was built with ``log_stats``.
     """
 
     request_id: str
@@ -155,6 +147,8 @@ class RequestOutput:
                 old.token_ids = old.token_ids + new.token_ids
                 if new.logprobs is not None:
                     old.logprobs = (old.logprobs or []) + new.logprobs
+                if new.text_offsets is not None:
+                    old.text_offsets = (old.text_offsets or []) + new.text_offsets
                 old.cumulative_logprob = new.cumulative_logprob
                 old.finish_reason = new.finish_reason
                 old.stop_reason = new.stop_reason

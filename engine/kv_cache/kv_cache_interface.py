@@ -3,11 +3,20 @@
 Mirrors vLLM's ``vllm/v1/kv_cache_interface.py`` for the one case we implement: every
 layer is full attention (or sliding-window attention with the same page shape), so all
 layers form one KV-cache group and share one block table.
+
+``kv_cache_spec`` is the one place a page shape is worked out from the model's numbers: the
+first process uses it to check a fixed KV budget before anything is spawned, and each
+worker to report its page shape (vLLM's workers read it off their attention layers).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import msgspec
+
+if TYPE_CHECKING:
+    from engine.config import ModelConfig
 
 
 class FullAttentionSpec(msgspec.Struct, kw_only=True):
@@ -33,6 +42,40 @@ class FullAttentionSpec(msgspec.Struct, kw_only=True):
     def bytes_per_block(self) -> int:
         """One block across all layers (what one block id costs)."""
         return self.page_size_bytes * self.num_layers
+
+
+def kv_cache_spec(
+    model_config: ModelConfig,
+    *,
+    block_size: int,
+    tensor_parallel_size: int,
+    num_layers: int,
+    dtype_size: int,
+    sliding_window: int | None = None,
+) -> FullAttentionSpec:
+    """One worker's KV page shape, from ``config.json``'s numbers.
+
+    A block then costs ``2 * block_size * num_layers * num_kv_heads * head_dim * dtype_size``
+    bytes (``bytes_per_block``), with ``num_kv_heads = num_key_value_heads //
+    tensor_parallel_size``, at least 1 (with more TP ranks than KV heads each head is
+    replicated, vLLM's rule).
+
+    Args:
+        model_config: gives ``num_key_value_heads`` and ``head_dim``.
+        block_size: tokens per block.
+        tensor_parallel_size: the TP ranks the KV heads are split over.
+        num_layers: decoder layers this worker holds (its pipeline stage's).
+        dtype_size: bytes per element of the cache (the model's dtype).
+        sliding_window: the window every layer shares, in tokens; None for full attention.
+    """
+    return FullAttentionSpec(
+        block_size=block_size,
+        num_kv_heads=max(model_config.num_key_value_heads // tensor_parallel_size, 1),
+        head_size=model_config.head_dim,
+        dtype_size=dtype_size,
+        num_layers=num_layers,
+        sliding_window=sliding_window,
+    )
 
 
 class KVCacheConfig(msgspec.Struct, kw_only=True):

@@ -6,6 +6,9 @@ full-attention layers: ``num_blocks = available_bytes // (page_size_bytes × num
 unless ``--num-gpu-blocks-override`` says otherwise. With several workers each reports its
 own budget and page shape (pipeline stages hold different numbers of layers), and every
 worker gets the smallest block count any of them can hold (``get_kv_cache_configs``).
+
+``check_fixed_kv_budget`` runs the same check in the first process, before anything is
+spawned, when the budget is known without a device (vLLM checks only in the engine core).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import os
 
 from engine.config import ConfigError, EngineConfig, too_few_blocks_reason
-from engine.kv_cache.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from engine.kv_cache.kv_cache_interface import FullAttentionSpec, KVCacheConfig, kv_cache_spec
 
 
 def cdiv(a: int, b: int) -> int:
@@ -58,6 +61,41 @@ def check_enough_kv_cache_memory(config: EngineConfig, spec: FullAttentionSpec, 
             "--max-model-len or a larger GLASSBOX_CPU_KVCACHE_SPACE / --kv-cache-memory-bytes.",
             flag=flag,
         )
+
+
+def check_fixed_kv_budget(config: EngineConfig) -> None:
+    """Refuse, before anything is spawned, a fixed KV budget too small for one request.
+
+    A fixed budget is ``--kv-cache-memory-bytes``, or ``GLASSBOX_CPU_KVCACHE_SPACE`` with
+    ``--device cpu``; the page shape then follows from ``config.json`` and the dtype alone
+    (``kv_cache_spec``, as each worker reports it), for the stage holding the most layers. A
+    budget measured on the device (CUDA profiling) is checked by the engine core, which
+    raises the same ``ConfigError``.
+
+    Raises:
+        ConfigError (a ValueError): see ``check_enough_kv_cache_memory``.
+    """
+    cache = config.cache_config
+    if cache.num_gpu_blocks_override is not None:
+        return  # the override decides the block count; EngineConfig checked it
+    if cache.kv_cache_memory_bytes:
+        available = cache.kv_cache_memory_bytes
+    elif config.device_config.device == "cpu":
+        from engine import envs
+
+        available = int(envs.GLASSBOX_CPU_KVCACHE_SPACE * (1 << 30))
+    else:
+        return
+    model = config.model_config
+    dtype = model.checkpoint_dtype if model.dtype == "auto" else model.dtype
+    spec = kv_cache_spec(
+        model,
+        block_size=cache.block_size,
+        tensor_parallel_size=config.parallel_config.tensor_parallel_size,
+        num_layers=config.max_layers_per_stage(),
+        dtype_size=4 if dtype in ("float32", "float") else 2,  # float16 on a CPU runs as bfloat16: 2 too
+    )
+    check_enough_kv_cache_memory(config, spec, available)
 
 
 def get_kv_cache_config(

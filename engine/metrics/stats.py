@@ -36,7 +36,15 @@ from engine.core.messages import EngineCoreEvent, EngineCoreEventType
 
 @dataclass(slots=True)
 class RequestStateStats:
-    """One request's timestamps so far (vLLM's ``RequestStateStats``); 0.0 = not yet."""
+    """One request's timestamps so far (vLLM's ``RequestStateStats``); 0.0 = not yet.
+
+    The output processor keeps one per request; it feeds the stat loggers and the
+    ``llm_request`` span, and is ``RequestOutput.metrics`` when the processor has
+    ``log_stats``. Wall-clock seconds throughout (see above; vLLM's token and event stamps
+    are the engine core's monotonic clock). ``first_token_latency`` is seconds from arrival
+    to the first token reaching the frontend; ``finished_time`` (not in vLLM) is when the
+    frontend saw the request finish, None before.
+    """
 
     arrival_time: float = 0.0
     queued_ts: float = 0.0
@@ -46,6 +54,7 @@ class RequestStateStats:
     first_token_latency: float = 0.0
     num_generation_tokens: int = 0
     num_preemptions: int = 0
+    finished_time: float | None = None
 
 
 @dataclass(slots=True)

@@ -38,7 +38,7 @@ import torch
 
 from engine import envs
 from engine.config import EngineConfig
-from engine.kv_cache.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from engine.kv_cache.kv_cache_interface import FullAttentionSpec, KVCacheConfig, kv_cache_spec
 from engine.model.attention import AttentionMetadata, KVCache, set_attention_backend
 from engine.model.compile import CompiledModel, missing_cxx_compiler, use_compile_cache_dir
 from engine.model.forward_context import set_forward_context
@@ -231,15 +231,17 @@ class ModelRunner:
         """The page shape of one layer's KV cache (``load_model`` first)."""
         assert self.model is not None, "load_model() first"
         layers = self.model.local_layers  # this pipeline stage's
-        attn = layers[0].self_attn.attn
-        return FullAttentionSpec(
+        spec = kv_cache_spec(
+            self.model_config,
             block_size=self.block_size,
-            num_kv_heads=attn.num_kv_heads,
-            head_size=attn.head_dim,
-            dtype_size=torch.empty(0, dtype=self.dtype).element_size(),
+            tensor_parallel_size=self.config.parallel_config.tensor_parallel_size,
             num_layers=len(layers),
+            dtype_size=torch.empty(0, dtype=self.dtype).element_size(),
             sliding_window=self.model.sliding_window,
         )
+        attn = layers[0].self_attn.attn  # the shape the cache tensors are built for
+        assert (spec.num_kv_heads, spec.head_size) == (attn.num_kv_heads, attn.head_dim), (spec, attn)
+        return spec
 
     @torch.inference_mode()
     def profile_run(self) -> None:

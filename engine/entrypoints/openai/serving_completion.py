@@ -12,10 +12,11 @@ stream has one chunk per engine output that brought new tokens, even when its te
 (a byte token that completes no character yet, a skipped special token, text held back):
 a client sees every step, and ``vllm bench serve`` times the first token at the first chunk.
 
-``logprobs.text_offset`` is where each token's text starts in the choice's text, found by
-replaying the tokens through an ``IncrementalDetokenizer`` set up as the output processor's
-was: the same offsets whole or streamed, whatever text a stream still holds back, and a
-character split over several byte tokens counts once.
+``logprobs.text_offset`` is where each token's text starts in the choice's text: the
+``CompletionOutput.text_offsets`` the output processor's detokenizer recorded as it decoded
+the tokens — the same offsets whole or streamed, whatever text a stream still holds back, and
+a character split over several byte tokens counts once. Only an echoed prompt's offsets are
+found here, by decoding the prompt the same way (``_echo``).
 
 Left out: ``suffix``, ``best_of``, prompt embeddings, ``prompt_logprobs`` as a separate
 field, ``continuous_usage_stats``.
@@ -125,7 +126,8 @@ class OpenAIServingCompletion(OpenAIServing):
             raise
         finally:
             rtrace.end(error)
-        # Echo and logprobs replay every token through a detokenizer: off the event loop.
+        # An echo replays the prompt through a detokenizer, logprobs make a dict per token:
+        # off the event loop.
         return await asyncio.to_thread(self._full_response, request, request_id, prompts, finals)
 
     def _check_prompts_fit(self, prompt: str | list[str] | list[int] | list[list[int]]) -> None:
@@ -166,23 +168,17 @@ class OpenAIServingCompletion(OpenAIServing):
             text = backend_tokenizer(self.tokenizer).decode(token_ids, skip_special_tokens=False)
             if not with_offsets:
                 return text, []
-            return text, self._replay(token_ids, [], skip_special_tokens=False).token_offsets
+            return text, self._replay(token_ids, skip_special_tokens=False).token_offsets
         if not with_offsets:
             return text, []
-        replays = [self._replay(token_ids, [], skip_special_tokens=skip) for skip in (True, False)]
+        replays = [self._replay(token_ids, skip_special_tokens=skip) for skip in (True, False)]
         best = next((r for r in replays if r.output_text == text), replays[0])
         return text, [min(offset, len(text)) for offset in best.token_offsets]
 
-    def _replay(
-        self, token_ids: list[int], context_ids: list[int], skip_special_tokens: bool
-    ) -> IncrementalDetokenizer:
-        """A detokenizer fed ``token_ids`` after ``context_ids``, for its ``token_offsets``.
-
-        With the request's prompt as context and its ``skip_special_tokens`` it decodes
-        exactly as the output processor's detokenizer did, so the offsets are those of the
-        returned text — whether it came whole or in a stream, however the stream was cut.
-        """
-        detok = IncrementalDetokenizer(self.tokenizer, context_ids, skip_special_tokens=skip_special_tokens)
+    def _replay(self, token_ids: list[int], skip_special_tokens: bool) -> IncrementalDetokenizer:
+        """A detokenizer fed the prompt's ``token_ids``, for its ``token_offsets`` (as the
+        output's were recorded)."""
+        detok = IncrementalDetokenizer(self.tokenizer, [], skip_special_tokens=skip_special_tokens)
         detok.update(token_ids)
         return detok
 
@@ -206,10 +202,7 @@ class OpenAIServingCompletion(OpenAIServing):
             for out in final.outputs:
                 usage.completion_tokens += len(out.token_ids)
                 text, token_ids, top = out.text, list(out.token_ids), out.logprobs
-                offsets: list[int] = []
-                if want_logprobs:
-                    replay = self._replay(token_ids, prompt_ids, request.skip_special_tokens)
-                    offsets = replay.token_offsets
+                offsets = list(out.text_offsets or [])
                 if request.echo:
                     text = echo_text + text
                     token_ids = prompt_ids + token_ids
@@ -247,11 +240,6 @@ class OpenAIServingCompletion(OpenAIServing):
                                                        choices=[]))  # fmt: skip
         num_choices = len(prompts) * n
         want_logprobs = request.logprobs is not None
-        # Per choice, a detokenizer replaying its tokens: the offsets of ``text_offset``.
-        replays = [
-            self._replay([], prompts[i // n][1], request.skip_special_tokens) if want_logprobs else None
-            for i in range(num_choices)
-        ]
         echo_len = [0] * num_choices  # characters of echoed prompt before each choice's output
         needs_echo = [request.echo] * num_choices
         echoes: dict[int, tuple[str, list[int]]] = {}  # per prompt: its echo and offsets
@@ -267,12 +255,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         i = p * n + out.index
                         completion_tokens += len(out.token_ids)
                         text, token_ids, top = out.text, list(out.token_ids), out.logprobs
-                        offsets: list[int] = []
-                        replay = replays[i]
-                        if replay is not None:
-                            num_before = len(replay.token_offsets)
-                            replay.update(token_ids)
-                            offsets = [echo_len[i] + o for o in replay.token_offsets[num_before:]]
+                        offsets = [echo_len[i] + o for o in out.text_offsets or ()]
                         if needs_echo[i]:
                             needs_echo[i] = False
                             if p not in echoes:

@@ -9,9 +9,10 @@ offending field) and ``app.py`` turns it into ``{"error": {...}}`` with that sta
 place that writes error responses. vLLM returns ``ErrorResponse`` objects instead.
 
 Prompt-length and ``max_tokens`` rules (current vLLM): a prompt must leave room for at least
-one output token; ``max_tokens`` unset means "all the room left"; ``max_tokens`` below 1 or
-above ``max_model_len`` is an error; a ``max_tokens`` that only overflows the room left
-after the prompt is clamped to fit.
+one output token (``validate_prompt``, the input processor's: ``LLM`` follows the same
+rule); ``max_tokens`` unset means "all the room left"; ``max_tokens`` below 1 or above
+``max_model_len`` is an error; a ``max_tokens`` that only overflows the room left after the
+prompt is clamped to fit.
 
 Left out: LoRA, request logging, ``X-Request-Id`` handling, per-request priority from the
 body.
@@ -31,6 +32,7 @@ from pydantic import BaseModel
 
 from engine.entrypoints.openai.protocol import ChatMessageParam, ErrorInfo, ErrorResponse
 from engine.frontend.async_llm import AsyncLLM
+from engine.frontend.input_processor import validate_prompt
 from engine.frontend.tokenizer import apply_chat_template, encode
 from engine.logger import init_logger
 from engine.sampling_params import SamplingParams
@@ -262,24 +264,16 @@ class OpenAIServing:
             raise self.engine.dead_error
 
     def check_prompt(self, prompt_token_ids: list[int], param: str) -> None:
-        """Refuse an empty prompt, a prompt with no room left, and out-of-vocabulary ids.
+        """Refuse an empty prompt, a prompt with no room left for output, and
+        out-of-vocabulary ids: ``validate_prompt``, the rule ``LLM`` follows too.
 
-        A generation needs ``len(prompt) < max_model_len``: at least one token of room.
+        Raises:
+            OpenAIError: (400, ``param``) with ``validate_prompt``'s message.
         """
-        if not prompt_token_ids:
-            raise OpenAIError("The decoder prompt cannot be empty.", param=param)
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise OpenAIError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
-                f"request has {len(prompt_token_ids)} input tokens, which leaves no room for output. "
-                f"Please reduce the length of the input {param}.",
-                param=param,
-            )
-        for token_id in prompt_token_ids:
-            if not 0 <= token_id < self.vocab_size:
-                raise OpenAIError(
-                    f"Token id {token_id} is out of vocabulary (vocab_size={self.vocab_size}).", param=param
-                )
+        try:
+            validate_prompt(prompt_token_ids, self.max_model_len, self.vocab_size, param)
+        except ValueError as e:
+            raise OpenAIError(str(e), param=param) from None
 
     def check_text_fits(self, text: str, param: str) -> None:
         """Refuse, before tokenizing it, a text too long to fit ``max_model_len`` whatever it
