@@ -78,6 +78,7 @@ from engine.entrypoints.openai.api_server_messages import (
 from engine.logger import adopt_logger, init_logger, set_process_role
 from engine.utils import processes
 from engine.utils import run_dir as run_dirs
+from engine.utils.process_harness import Observability, ProcessSpec, install_stop_signals, start_observability
 from engine.utils.processes import EngineDeadError
 
 logger = init_logger(__name__)
@@ -178,8 +179,7 @@ def run_server(config: EngineConfig, args: ServerArgs, sock: socket.socket | Non
         # whatever we return (it flags it as unhandled); our own exception does not.
         raise StartupInterrupted(signum)
 
-    signal.signal(signal.SIGTERM, on_signal_during_startup)
-    signal.signal(signal.SIGINT, on_signal_during_startup)
+    install_stop_signals(on_signal_during_startup)
     # Every process of the tree, named once. This process is APIServer_0: it owns the run
     # directory, launches the engine cores, then the other API servers.
     plan = topology.plan(config, frontend="serve", api_server_count=args.api_server_count)
@@ -203,22 +203,14 @@ def run_server(config: EngineConfig, args: ServerArgs, sock: socket.socket | Non
         served_name = args.served_model_name or config.model_config.served_model_name
         run_dirs.write_manifest(run_dir, host=host, port=port, model=served_name, **manifest)
         logger.info("Bound http://%s:%d (run directory %s)", host, port, run_dir)
-        from tracing.stacks import enable_stack_dumps
-
-        enable_stack_dumps(run_dir, role.name)  # SIGUSR1: every thread's stack (glassbox doctor)
         several_servers = len(plan.api_servers) > 1
-        if several_servers:
+        if several_servers:  # before anything imports prometheus_client
             _setup_multiprocess_metrics(run_dir)
-
-        from tracing import setup_tracing
-
         obs = config.observability_config
-        setup_tracing(role.name, trace_file=obs.trace_file, otlp_endpoint=obs.otlp_traces_endpoint,
-                      status_file=str(run_dirs.status_file(run_dir, role)))  # fmt: skip
+        # Tracing (and this server's status file), SIGUSR1 stack dumps (glassbox doctor), telemetry.
+        start_observability(ProcessSpec(role.name, run_dir, observability=Observability.of(obs)))
         from tracing.telemetry.collector import Recorder
-        from tracing.telemetry.publisher import start_telemetry
 
-        start_telemetry(run_dir, role.name)
         if obs.telemetry_record:
             recorder = Recorder().start(run_dir, obs.telemetry_record)
 
@@ -251,8 +243,7 @@ def run_server(config: EngineConfig, args: ServerArgs, sock: socket.socket | Non
         raise
     finally:
         # Cleanup must finish even if a second signal arrives meanwhile.
-        signal.signal(signal.SIGTERM, _ignore_signal)
-        signal.signal(signal.SIGINT, _ignore_signal)
+        install_stop_signals(_ignore_signal)
         if engine is not None:
             engine.shutdown()
         if recorder is not None:
@@ -355,8 +346,7 @@ async def _serve(
             seen.append(signum)
             processes.announce_stopping()
 
-        signal.signal(signal.SIGTERM, record_signal)
-        signal.signal(signal.SIGINT, record_signal)
+        install_stop_signals(record_signal)
     else:
 
         def on_sigterm() -> None:
