@@ -4,11 +4,11 @@ Mirrors vLLM's ``vllm/logger.py`` (0.33 format): ``(Role pid=N) LEVEL MM-DD HH:M
 [file.py:line] message``. The role is set once per process with ``set_process_role`` (the
 engine core and workers will each set their own when they get their own processes).
 
-In a child process (``engine/utils/process_entry.py``) ``decorate_logs`` also prefixes every
-line written to ``sys.stdout`` and ``sys.stderr`` — a bare ``print()``, a ``warnings.warn``,
-a library's own logging, a traceback — as vLLM's ``decorate_logs`` does; Glassbox's handler
-then leaves the prefix to the stream, so each line carries it once. Native writes to file
-descriptors 1 and 2 (C extensions) bypass ``sys.stdout`` and stay bare.
+In a child process (the process harness, ``engine/utils/process_harness.py``) ``decorate_logs``
+also prefixes every line written to ``sys.stdout`` and ``sys.stderr`` — a bare ``print()``, a
+``warnings.warn``, a library's own logging, a traceback — as vLLM's ``decorate_logs`` does;
+Glassbox's handler then leaves the prefix to the stream, so each line carries it once. Native
+writes to file descriptors 1 and 2 (C extensions) bypass ``sys.stdout`` and stay bare.
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ Each row imports its modules in a fresh interpreter and looks at ``sys.modules``
 of the row may pull in a forbidden package (the package itself or any submodule). Module
 lists are read off the source tree, so a new file under a covered folder is checked too. A
 rule that does not hold yet is marked ``xfail`` with the issue that fixes it (strict: once it
-holds, drop the mark).
+holds, drop the mark). A second table says which one module may call a function (the
+process harness alone sets up tracing and starts live telemetry), read off the source with
+``ast``.
 """
 
 from __future__ import annotations
@@ -124,3 +126,44 @@ def test_the_probe_sees_what_a_module_imports():
     }
     assert listed | {"engine.cli.serve"} <= set(API_SERVER)
     assert "engine.sched.scheduler" in _modules("engine/sched")
+
+
+class CallRule(NamedTuple):
+    id: str
+    functions: tuple[str, ...]
+    allowed: str  # the one module under engine/ that may call them
+
+
+# Who may call what (``engine/utils/process_harness.py``): every process starts through it.
+CALL_RULES = [
+    CallRule("only the process harness sets up tracing", ("setup_tracing",), "engine.utils.process_harness"),
+    CallRule("only the process harness starts live telemetry", ("start_telemetry",), "engine.utils.process_harness"),
+]  # fmt: skip
+
+
+def _callers(function: str) -> set[str]:
+    """The modules under ``engine/`` with a call of ``function`` (``f(...)`` or ``x.f(...)``)."""
+    import ast
+
+    found = set()
+    for module in _modules("engine"):
+        path = ROOT / (module.replace(".", "/") + ".py")
+        if not path.exists():
+            path = ROOT / module.replace(".", "/") / "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+                if name == function:
+                    found.add(module)
+    return found
+
+
+@pytest.mark.parametrize("rule", CALL_RULES, ids=[r.id for r in CALL_RULES])
+def test_call_rule(rule: CallRule):
+    for function in rule.functions:
+        callers = _callers(function)
+        # A negative control: the scan sees the allowed module's own call.
+        assert rule.allowed in callers, f"{rule.id}: no call of {function} found in {rule.allowed}"
+        assert callers == {rule.allowed}, (
+            f"{rule.id}: {', '.join(sorted(callers - {rule.allowed}))} call {function}"
+        )

@@ -1,8 +1,8 @@
 """Stacks on demand: every Glassbox process dumps the Python stack of each thread on SIGUSR1.
 
-``enable_stack_dumps(run_dir, role)`` is called once at process start — by every child's
-entry point (``engine.utils.process_entry``), by the API server (``run_server``) and by the
-offline ``LLM`` — right after the run directory exists. It opens ``<run_dir>/<role>.stacks``
+``enable_stack_dumps(run_dir, role)`` is called once at process start, by the process harness
+(``engine.utils.process_harness``: every child, a Ray worker actor, the API server, a headless
+node and the offline ``LLM``), right after the run directory exists. It opens ``<run_dir>/<role>.stacks``
 (append mode, kept open) and registers ``faulthandler`` on SIGUSR1, so the dump is written by
 C code inside the signal handler: it works even when the main thread is stuck in a native
 call holding the GIL, which is exactly when a stack is wanted. The file starts with a header

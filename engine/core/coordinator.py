@@ -37,8 +37,6 @@ from engine.core.coordinator_messages import (
     encode,
 )
 from engine.logger import init_logger
-from engine.utils import processes
-from engine.utils import run_dir as run_dirs
 from engine.utils.wire import ProtocolError
 
 logger = init_logger(__name__)
@@ -181,32 +179,23 @@ class DPCoordinator:
         self.ctx.term()
 
     @staticmethod
-    def run_coordinator(payload_bytes: bytes, *, run_dir: Path, role: str) -> None:
-        """Process target: the payload is an encoded ``CoordinatorSpawnPayload``."""
-        from tracing import setup_tracing
-        from tracing.telemetry.publisher import start_telemetry
+    def run_coordinator(payload_bytes: bytes, *, run_dir: Path, role: str) -> int:
+        """Process target: the payload is an encoded ``CoordinatorSpawnPayload``; returns the
+        exit status (``engine.utils.process_harness.run_process``)."""
+        from engine.utils.process_harness import Observability, ProcessSpec, run_process
 
         payload = decode_as(CoordinatorSpawnPayload, payload_bytes)
-        setup_tracing(role, trace_file=payload.trace_file, otlp_endpoint=payload.otlp_traces_endpoint,
-                      status_file=str(run_dirs.status_file(run_dir, role)))  # fmt: skip
-        publisher = start_telemetry(run_dir, role)
-        processes.install_sigterm_exit(run_dir, role)
-        coordinator = None
-        try:
+
+        def body(ctx) -> None:
             coordinator = DPCoordinator(payload)
-            if publisher is not None:
-                publisher.add_gauge_provider(coordinator.telemetry_gauges)
+            ctx.at_exit(coordinator.close)
+            if ctx.telemetry is not None:
+                ctx.telemetry.add_gauge_provider(coordinator.telemetry_gauges)
             logger.debug("coordinating %d engines (pid %d)", payload.data_parallel_size, os.getpid())
             coordinator.run()
-        except SystemExit as e:
-            processes.ignore_sigterm()
-            if e.code:  # a SIGTERM from outside the tree: the exit status says so
-                raise
-        except BaseException as e:  # noqa: BLE001 - reported once, then exit non-zero
-            processes.ignore_sigterm()
-            processes.write_crash_report(run_dir, role, e, None)
+
+        def last_words(ctx, e: BaseException) -> None:
             logger.error("coordinator failed: %s: %s", type(e).__name__, e)
-            raise SystemExit(1) from None
-        finally:
-            if coordinator is not None:
-                coordinator.close()
+
+        return run_process(ProcessSpec(role, run_dir, observability=Observability.of(payload),
+                                       target=body, last_words=last_words))  # fmt: skip

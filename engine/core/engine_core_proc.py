@@ -75,12 +75,12 @@ from engine.distributed.topology import ProcessRole
 from engine.logger import init_logger
 from engine.utils import processes
 from engine.utils import run_dir as run_dirs
+from engine.utils.process_harness import Observability, ProcessContext, ProcessSpec, run_process
 from engine.utils.wire import ProtocolError
-from tracing import catalogue, current_stage, is_recording, record_span, setup_tracing, stage
+from tracing import catalogue, is_recording, record_span, stage
 from tracing.propagation import attached_trace_context, extract_trace_context
 from tracing.stage import open_stages
 from tracing.telemetry import events
-from tracing.telemetry.publisher import start_telemetry
 
 if TYPE_CHECKING:
     from engine.core.head_link import HeadLink
@@ -252,105 +252,18 @@ class EngineCoreProc(EngineCore):
     # ------------------------------------------------------------------ process entry
 
     @staticmethod
-    def run_engine_core(payload_bytes: bytes, *, run_dir: Path, role: str) -> None:
+    def run_engine_core(payload_bytes: bytes, *, run_dir: Path, role: str) -> int:
         """Process target (vLLM: ``EngineCoreProc.run_engine_core``); the payload is an
-        encoded ``EngineCoreSpawnPayload``."""
+        encoded ``EngineCoreSpawnPayload``. Returns the exit status
+        (``engine.utils.process_harness.run_process``)."""
         if not isinstance(payload_bytes, bytes):
             raise ProtocolError(f"the engine core's spawn payload is a {type(payload_bytes).__name__}, "
                                 "not encoded EngineCoreSpawnPayload bytes")  # fmt: skip
         payload: EngineCoreSpawnPayload = decode_as(EngineCoreSpawnPayload, payload_bytes)
-        config: EngineConfig = payload.config
-        obs = config.observability_config
-        setup_tracing(role, rank=payload.data_parallel_rank, trace_file=obs.trace_file,
-                      otlp_endpoint=obs.otlp_traces_endpoint,
-                      status_file=str(run_dirs.status_file(run_dir, role)))  # fmt: skip
-        publisher = start_telemetry(run_dir, role)
-        processes.install_sigterm_exit(run_dir, role)
-        parent_pid = os.getppid()
-        engine: EngineCoreProc | None = None
-        head_link = None
-        try:
-            if payload.head_address is not None:  # a headless node: join the head first
-                from engine.core.head_link import HeadLink
-
-                head_link = HeadLink.join(payload.head_address, role, os.getpid(), payload.data_parallel_rank,
-                                          config.parallel_config.data_parallel_size)  # fmt: skip
-                accepted = head_link.accepted
-
-                def on_head_news(error: BaseException) -> None:
-                    # The head stopped (SystemExit(0)) or is lost (HeadLost). Serving: the busy
-                    # loop ends through its input queue. Still starting (loading the model, say):
-                    # nothing reads that queue yet, so this process ends now (its workers follow
-                    # through their lifelines) rather than outlive its head.
-                    if engine is not None:
-                        engine.input_queue.put((EngineCoreRequestType.HEAD_LOST, error))
-                        return
-                    if not isinstance(error, SystemExit):
-                        processes.write_crash_report(
-                            run_dir, role, error, current_stage(), payload.data_parallel_rank
-                        )
-                    os._exit(0 if isinstance(error, SystemExit) else 1)
-
-                head_link.watch(on_head_news)
-                payload = msgspec.structs.replace(
-                    payload, input_addresses=accepted.input_addresses, output_addresses=accepted.output_addresses,
-                    coordinator_address=accepted.coordinator_address,
-                    coordinator_wave_address=accepted.coordinator_wave_address,
-                )  # fmt: skip
-            with attached_trace_context(payload.trace_headers):
-                engine = EngineCoreProc(config, payload.input_addresses, payload.output_addresses,
-                                        payload.data_parallel_rank, run_dir, payload.coordinator_address,
-                                        payload.coordinator_wave_address, head_link)  # fmt: skip
-            if publisher is not None:
-                publisher.add_gauge_provider(engine._telemetry_gauges)
-                publisher.add_gauge_provider(engine.model_executor.telemetry_gauges)
-                publisher.set_requests_provider(engine.telemetry_requests)
-            StepWatchdog(engine, run_dir, role, payload.data_parallel_rank, payload.output_addresses).start()
-            engine.run_busy_loop()
-        except SystemExit as e:
-            processes.ignore_sigterm()
-            logger.debug("engine core stopping")
-            if e.code:  # a SIGTERM from outside the tree: the exit status says so
-                raise
-        except BaseException as e:  # noqa: BLE001 - every death is reported, once
-            processes.ignore_sigterm()
-            if engine is not None and engine.flight_recorder:
-                # The last steps before the end, beside the crash report (glassbox doctor reads it).
-                processes.write_flight_record(run_dir, role, list(engine.flight_recorder))
-            root = getattr(e, "root_cause", None)
-            if root is None:
-                processes.write_crash_report(run_dir, role, e, current_stage(), payload.data_parallel_rank)
-                root = processes.format_root_cause(run_dir, role, os.getpid(), 1)
-                if isinstance(e, ConfigError) and engine is None:
-                    # A bad setting found during start-up: the frontend reports it as one
-                    # line naming the flag; nothing more to say here.
-                    logger.debug("engine core start-up refused: %s", e)
-                else:
-                    logger.error("engine core failed: %s: %s", type(e).__name__, e)
-            else:
-                # A worker died: the frontend prints the root-cause block, once. This death is
-                # its echo, and says so (the blame rule then never names this process).
-                culprit = getattr(e, "culprit", None)
-                if culprit and culprit != role:
-                    processes.write_crash_report(run_dir, role, e, current_stage(), payload.data_parallel_rank,
-                                                 caused_by=culprit)  # fmt: skip
-                logger.error(
-                    "engine core stopping: a worker died, stopped or froze (the frontend prints the root cause)"
-                )
-            dead = EngineDead.from_exception(root, e, during_startup=engine is None)
-            _send_dead(payload.output_addresses, dead)
-            raise SystemExit(1) from None
-        finally:
-            processes.ignore_sigterm()
-            if engine is not None:
-                engine.shutdown()
-            elif head_link is not None:
-                head_link.close()
-            if os.getppid() != parent_pid:
-                # Our parent (the frontend, which owns the run directory) is gone and our
-                # workers are stopped: we are the last of the tree, so we clean up, keeping
-                # the post-mortem (a frontend that leaves its tree behind did not end well).
-                run_dirs.close_run_dir(run_dir, failure=f"the frontend died before {role}")
+        life = _EngineCoreLife(payload)
+        return run_process(ProcessSpec(role, run_dir, rank=payload.data_parallel_rank,
+                                       observability=Observability.of(payload.config.observability_config),
+                                       target=life.run, last_words=life.last_words))  # fmt: skip
 
     # ------------------------------------------------------------------ busy loop
 
@@ -662,6 +575,99 @@ def _decode_input(frames: list[bytes], client_index: int = 0) -> tuple[EngineCor
                             f"stamped client_index {stamped} came in on client {client_index}'s socket; its "
                             "outputs would go to the wrong API server")  # fmt: skip
     return request_type, message
+
+
+class _EngineCoreLife:
+    """The engine core process inside the harness (``run_engine_core``): join the head (a
+    headless node), build the ``EngineCoreProc``, run its busy loop; on a fatal error, its
+    last words to the frontend (``ENGINE_CORE_DEAD`` with the root cause); at exit, shut the
+    engine down (and clean the run directory up when the frontend died first)."""
+
+    def __init__(self, payload: EngineCoreSpawnPayload) -> None:
+        self.payload = payload
+        self.engine: EngineCoreProc | None = None
+        self.head_link: HeadLink | None = None
+
+    def run(self, ctx: ProcessContext) -> None:
+        payload, config = self.payload, self.payload.config
+        run_dir, role = ctx.spec.run_dir, ctx.spec.role
+        parent_pid = os.getppid()
+
+        def close() -> None:
+            if self.engine is not None:
+                self.engine.shutdown()
+            elif self.head_link is not None:
+                self.head_link.close()
+            if os.getppid() != parent_pid:
+                # Our parent (the frontend, which owns the run directory) is gone and our
+                # workers are stopped: we are the last of the tree, so we clean up, keeping
+                # the post-mortem (a frontend that leaves its tree behind did not end well).
+                run_dirs.close_run_dir(run_dir, failure=f"the frontend died before {role}")
+
+        ctx.at_exit(close)
+        if payload.head_address is not None:  # a headless node: join the head first
+            from engine.core.head_link import HeadLink
+
+            self.head_link = head_link = HeadLink.join(payload.head_address, role, os.getpid(),
+                                                       payload.data_parallel_rank,
+                                                       config.parallel_config.data_parallel_size)  # fmt: skip
+            accepted = head_link.accepted
+
+            def on_head_news(error: BaseException) -> None:
+                # The head stopped (SystemExit(0)) or is lost (HeadLost). Serving: the busy
+                # loop ends through its input queue. Still starting (loading the model, say):
+                # nothing reads that queue yet, so this process ends now (its workers follow
+                # through their lifelines) rather than outlive its head.
+                if self.engine is not None:
+                    self.engine.input_queue.put((EngineCoreRequestType.HEAD_LOST, error))
+                    return
+                if not isinstance(error, SystemExit):
+                    ctx.report_crash(error)
+                os._exit(0 if isinstance(error, SystemExit) else 1)
+
+            head_link.watch(on_head_news)
+            payload = msgspec.structs.replace(
+                payload, input_addresses=accepted.input_addresses, output_addresses=accepted.output_addresses,
+                coordinator_address=accepted.coordinator_address,
+                coordinator_wave_address=accepted.coordinator_wave_address,
+            )  # fmt: skip
+            self.payload = payload
+        with attached_trace_context(payload.trace_headers):
+            self.engine = engine = EngineCoreProc(config, payload.input_addresses, payload.output_addresses,
+                                                  payload.data_parallel_rank, run_dir, payload.coordinator_address,
+                                                  payload.coordinator_wave_address, self.head_link)  # fmt: skip
+        publisher = ctx.telemetry
+        if publisher is not None:
+            publisher.add_gauge_provider(engine._telemetry_gauges)
+            publisher.add_gauge_provider(engine.model_executor.telemetry_gauges)
+            publisher.set_requests_provider(engine.telemetry_requests)
+        StepWatchdog(engine, run_dir, role, payload.data_parallel_rank, payload.output_addresses).start()
+        engine.run_busy_loop()
+
+    def last_words(self, ctx: ProcessContext, e: BaseException) -> None:
+        """Every death is reported, once: the crash report is written (an echo when a worker
+        died first); the frontend gets ``ENGINE_CORE_DEAD`` with the root cause."""
+        run_dir, role, engine = ctx.spec.run_dir, ctx.spec.role, self.engine
+        if engine is not None and engine.flight_recorder:
+            # The last steps before the end, beside the crash report (glassbox doctor reads it).
+            processes.write_flight_record(run_dir, role, list(engine.flight_recorder))
+        root = getattr(e, "root_cause", None)
+        if root is None:
+            root = processes.format_root_cause(run_dir, role, os.getpid(), 1)
+            if isinstance(e, ConfigError) and engine is None:
+                # A bad setting found during start-up: the frontend reports it as one
+                # line naming the flag; nothing more to say here.
+                logger.debug("engine core start-up refused: %s", e)
+            else:
+                logger.error("engine core failed: %s: %s", type(e).__name__, e)
+        else:
+            # A worker died: the frontend prints the root-cause block, once. This death is its
+            # echo, and its crash report says so (the blame rule then never names this process).
+            logger.error(
+                "engine core stopping: a worker died, stopped or froze (the frontend prints the root cause)"
+            )
+        dead = EngineDead.from_exception(root, e, during_startup=engine is None)
+        _send_dead(self.payload.output_addresses, dead)
 
 
 class EngineStepHung(RuntimeError):

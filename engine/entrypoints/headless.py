@@ -33,6 +33,7 @@ from engine.config import EngineConfig
 from engine.logger import init_logger, set_process_role
 from engine.utils import processes
 from engine.utils import run_dir as run_dirs
+from engine.utils.process_harness import Observability, ProcessSpec, install_stop_signals, start_observability
 
 logger = init_logger(__name__)
 
@@ -57,15 +58,12 @@ def run_headless(config: EngineConfig) -> int:
     """
     from engine.core.messages import EngineCoreSpawnPayload, encode, tcp_address
     from engine.distributed import topology
-    from tracing import setup_tracing
     from tracing.propagation import inject_trace_headers
-    from tracing.telemetry.publisher import start_telemetry
 
     def on_signal(signum: int, frame: object) -> None:
         raise _Stop(signum)
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    install_stop_signals(on_signal)
     pc = config.parallel_config
     plan = topology.plan(config, frontend="headless")
     role = plan.owner
@@ -80,10 +78,9 @@ def run_headless(config: EngineConfig) -> int:
         run_dirs.write_manifest(
             run_dir, model=config.model_config.served_model_name, **run_dirs.plan_tree(plan)
         )
-        obs = config.observability_config
-        setup_tracing(role.name, trace_file=obs.trace_file, otlp_endpoint=obs.otlp_traces_endpoint,
-                      status_file=str(run_dirs.status_file(run_dir, role)))  # fmt: skip
-        start_telemetry(run_dir, role.name)
+        start_observability(
+            ProcessSpec(role.name, run_dir, observability=Observability.of(config.observability_config))
+        )
         ranks = list(plan.local_dp_ranks)
         logger.info("Headless node: engine cores for data-parallel rank(s) %s of %d join the head at %s "
                     "(run directory %s)", ", ".join(map(str, ranks)), pc.data_parallel_size, head, run_dir)  # fmt: skip
@@ -106,8 +103,7 @@ def run_headless(config: EngineConfig) -> int:
         root = root or f"{role.name} failed: {type(e).__name__}: {e}"
         raise
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        install_stop_signals(signal.SIG_IGN)
         for child in children:
             child.request_stop()
         deadline = time.monotonic() + 4.0

@@ -34,10 +34,10 @@ from engine.frontend.tokenizer import apply_chat_template, get_tokenizer
 from engine.logger import init_logger
 from engine.sampling_params import SamplingParams
 from engine.utils import run_dir as run_dirs
-from tracing import catalogue, get_handle, setup_tracing, stage
-from tracing.stacks import enable_stack_dumps
+from engine.utils.process_harness import Observability, ProcessSpec, start_observability
+from tracing import catalogue, get_handle, stage
 from tracing.telemetry.collector import Recorder
-from tracing.telemetry.publisher import start_telemetry, stop_telemetry
+from tracing.telemetry.publisher import stop_telemetry
 
 logger = init_logger(__name__)
 
@@ -76,23 +76,19 @@ class LLM:
             flag = "--inject-fault" if engine_args.inject_fault else "GLASSBOX_FAULT"
             raise ConfigError(flag, obs.inject_fault, str(e)) from None
         self.run_dir = run_dirs.create_run_dir()
-        enable_stack_dumps(self.run_dir, self.topology.owner.name)  # SIGUSR1 → stacks (glassbox doctor)
         self._closed = False
         obs = self.config.observability_config
         # inject_fault= (--inject-fault): in GLASSBOX_FAULT while this LLM starts its processes,
-        # so each inherits it (setup_tracing arms it here too); then as it was.
+        # so each inherits it (setting up tracing arms it here too); then as it was.
         restore_fault_env = _set_fault_env(obs.inject_fault if engine_args.inject_fault else None)
         previous = get_handle()
-        self.tracing = setup_tracing(
-            self.topology.owner.name,
-            trace_file=obs.trace_file,
-            otlp_endpoint=obs.otlp_traces_endpoint,
-            # A test that collects spans in memory keeps doing so across engines.
-            in_memory=previous is not None and previous.in_memory is not None,
-            status_file=str(run_dirs.status_file(self.run_dir, self.topology.owner)),
-        )
-        # Live telemetry of this process (the owner): engine-top sees llm.init as it runs.
-        self.telemetry = start_telemetry(self.run_dir, self.topology.owner.name)
+        # A test that collects spans in memory keeps doing so across engines.
+        in_memory = previous is not None and previous.in_memory is not None
+        # Tracing (and the owner's status file), SIGUSR1 stack dumps (glassbox doctor) and live
+        # telemetry of this process (the owner): engine-top sees llm.init as it runs.
+        owner = ProcessSpec(self.topology.owner.name, self.run_dir,
+                            observability=Observability.of(obs, in_memory=in_memory))  # fmt: skip
+        self.tracing, self.telemetry = start_observability(owner)
         self.recorder: Recorder | None = None
         try:
             with stage(

@@ -17,6 +17,7 @@ The queues are files in the run directory, so removing the run directory removes
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import threading
@@ -35,6 +36,7 @@ from engine.executor.shm_broadcast import MessageQueue, MessageQueueClosed, Mess
 from engine.logger import init_logger
 from engine.utils import processes
 from engine.utils import run_dir as run_dirs
+from engine.utils.process_harness import Observability, ProcessContext, ProcessSpec, run_process
 from engine.utils.processes import ChildProcess, EngineDeadError
 from engine.utils.wire import ProtocolError
 from tracing import (
@@ -43,7 +45,6 @@ from tracing import (
     current_stage,
     faults,
     read_status_file,
-    setup_tracing,
     stacks,
     stage,
     wait_for,
@@ -51,7 +52,7 @@ from tracing import (
 from tracing import run_dir as contract
 from tracing.propagation import attached_trace_context, inject_trace_headers
 from tracing.telemetry import events
-from tracing.telemetry.publisher import get_publisher, start_telemetry
+from tracing.telemetry.publisher import get_publisher
 
 logger = init_logger(__name__)
 
@@ -445,59 +446,60 @@ class WorkerProc:
     """
 
     @staticmethod
-    def worker_main(payload_bytes: bytes, *, run_dir: Path, role: str) -> None:
+    def worker_main(payload_bytes: bytes, *, run_dir: Path, role: str) -> int:
+        """Process target: the payload is an encoded ``WorkerSpawnPayload``; returns the exit
+        status (``engine.utils.process_harness.run_process``)."""
+        payload = messages.decode_spawn_payload(payload_bytes)
+        spec = ProcessSpec(role, run_dir, rank=payload.rank,
+                           observability=Observability.of(payload.config.observability_config),
+                           target=functools.partial(WorkerProc._serve, payload))  # fmt: skip
+        return run_process(spec)
+
+    @staticmethod
+    def _serve(payload: WorkerSpawnPayload, ctx: ProcessContext) -> None:
+        """The worker's life inside the harness: open the queues, build the wrapper, say
+        READY, then run RPCs until the engine core closes the queue."""
         from engine.worker.worker_base import WorkerWrapperBase
 
-        payload = messages.decode_spawn_payload(payload_bytes)
-        rank = payload.rank
+        run_dir, role, rank = ctx.spec.run_dir, ctx.spec.role, payload.rank
         config = payload.config
-        obs = config.observability_config
-        setup_tracing(role, rank=rank, trace_file=obs.trace_file, otlp_endpoint=obs.otlp_traces_endpoint,
-                      status_file=str(run_dirs.status_file(run_dir, role)))  # fmt: skip
-        publisher = start_telemetry(run_dir, role)
-        processes.install_sigterm_exit(run_dir, role)
         rpc = MessageQueue.open_reader(payload.rpc_handle, rank)
         response = MessageQueue.open_writer(payload.response_handle)
+        wrapper: WorkerWrapperBase | None = None
+
+        def close() -> None:
+            worker = getattr(wrapper, "worker", None)
+            if worker is not None:
+                worker.shutdown()  # leaves the torch.distributed group (TP)
+            rpc.close()
+            response.close()
+
+        ctx.at_exit(close)
         # --collect-detailed-traces worker|all: a worker.execute_model span per step.
         worker_spans = config.observability_config.collect_worker_traces
         from engine.distributed import parallel_state  # torch: workers only
 
         board = parallel_state.open_comm_board(run_dir, role)  # <role>.comm: its step and collective
-        try:
-            with attached_trace_context(payload.trace_headers):
-                wrapper = WorkerWrapperBase(config, rpc_rank=rank)
-            ready = WorkerReady(role=role, rank=rank, pid=os.getpid(), device=str(config.device_config.device),
-                                dtype=str(config.model_config.dtype))  # fmt: skip
-            response.enqueue(messages.encode(ready))
-            if publisher is not None:  # the Worker itself is built later, by init_worker
-                publisher.add_gauge_provider(
-                    lambda: wrapper.worker.telemetry_gauges() if wrapper.worker else {}
-                )
-            while True:
-                try:
-                    message = rpc.dequeue(timeout=1.0)
-                except MessageQueueTimeout:
-                    continue  # idle: wait again (the lifeline watcher handles a dead parent)
-                except MessageQueueClosed:
-                    return  # the engine core closed the queue: an orderly shutdown
-                rpc_msg = messages.decode_rpc(message)
-                reply = run_worker_rpc(wrapper, rpc_msg, rank, run_dir=run_dir, role=role,
-                                       worker_spans=worker_spans, board=board)  # fmt: skip
-                if rpc_msg.output_rank is None or rpc_msg.output_rank == rank:
-                    response.enqueue(messages.encode(reply))
-                if not reply.ok:
-                    raise SystemExit(1)
-        except SystemExit:
-            processes.ignore_sigterm()
-            raise
-        except BaseException as e:
-            processes.ignore_sigterm()
-            processes.write_crash_report(run_dir, role, e, current_stage(), rank)
-            raise
-        finally:
-            processes.ignore_sigterm()
-            worker = getattr(locals().get("wrapper"), "worker", None)
-            if worker is not None:
-                worker.shutdown()  # leaves the torch.distributed group (TP)
-            rpc.close()
-            response.close()
+        with attached_trace_context(payload.trace_headers):
+            wrapper = WorkerWrapperBase(config, rpc_rank=rank)
+        ready = WorkerReady(role=role, rank=rank, pid=os.getpid(), device=str(config.device_config.device),
+                            dtype=str(config.model_config.dtype))  # fmt: skip
+        response.enqueue(messages.encode(ready))
+        if ctx.telemetry is not None:  # the Worker itself is built later, by init_worker
+            ctx.telemetry.add_gauge_provider(
+                lambda: wrapper.worker.telemetry_gauges() if wrapper.worker else {}
+            )
+        while True:
+            try:
+                message = rpc.dequeue(timeout=1.0)
+            except MessageQueueTimeout:
+                continue  # idle: wait again (the lifeline watcher handles a dead parent)
+            except MessageQueueClosed:
+                return  # the engine core closed the queue: an orderly shutdown
+            rpc_msg = messages.decode_rpc(message)
+            reply = run_worker_rpc(wrapper, rpc_msg, rank, run_dir=run_dir, role=role,
+                                   worker_spans=worker_spans, board=board)  # fmt: skip
+            if rpc_msg.output_rank is None or rpc_msg.output_rank == rank:
+                response.enqueue(messages.encode(reply))
+            if not reply.ok:
+                raise SystemExit(1)

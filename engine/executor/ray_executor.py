@@ -61,13 +61,13 @@ from engine.executor.messages import WorkerReady, WorkerReply, WorkerRPC
 from engine.executor.multiproc_executor import run_worker_rpc
 from engine.logger import init_logger
 from engine.utils import processes
-from engine.utils import run_dir as run_dirs
+from engine.utils.process_harness import Observability, ProcessSpec, report_crash, start_observability
 from engine.utils.processes import EngineDeadError
 from engine.utils.wire import ProtocolError
-from tracing import catalogue, setup_tracing, stage
+from tracing import catalogue, stage
 from tracing.propagation import attached_trace_context, inject_trace_headers
 from tracing.stage import set_placement
-from tracing.telemetry.publisher import get_publisher, start_telemetry
+from tracing.telemetry.publisher import get_publisher
 
 logger = init_logger(__name__)
 
@@ -136,7 +136,6 @@ class RayWorkerWrapper:
     ) -> None:
         from engine.logger import set_process_role
         from engine.worker.worker_base import WorkerWrapperBase
-        from tracing.stacks import enable_stack_dumps
 
         _hold_process_title(role)
         set_process_role(role)
@@ -146,20 +145,20 @@ class RayWorkerWrapper:
         config = pickle.loads(config_pickle)
         self.config = config
         obs = config.observability_config
-        setup_tracing(role, rank=rank, trace_file=obs.trace_file, otlp_endpoint=obs.otlp_traces_endpoint,
-                      status_file=str(run_dirs.status_file(self.run_dir, role)))  # fmt: skip
-        enable_stack_dumps(self.run_dir, role)
+        # Ray starts and stops this process: the harness gives it tracing, stack dumps and
+        # telemetry, and its crash report; SIGTERM and the exit status stay Ray's.
+        spec = ProcessSpec(role, self.run_dir, rank=rank, observability=Observability.of(obs))
+        _, publisher = start_observability(spec)
         # Node and actor id into the status file: glassbox ps, engine-top and doctor show them.
         where = self.placement()
         set_placement({k: where[k] for k in ("node_id", "node_ip", "actor_id")})
-        publisher = start_telemetry(self.run_dir, role)
         # --collect-detailed-traces worker|all: a worker.execute_model span per step.
         self._worker_spans = obs.collect_worker_traces
         try:
             with attached_trace_context(trace_headers):
                 self.wrapper = WorkerWrapperBase(config, rpc_rank=rank)
         except BaseException as e:
-            processes.write_crash_report(self.run_dir, role, e, None, rank)
+            report_crash(spec, e)
             raise
         if publisher is not None:  # the Worker itself is built later, by init_worker
             publisher.add_gauge_provider(

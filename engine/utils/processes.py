@@ -3,7 +3,7 @@
 Every child (engine core, worker) is started the same way, by ``spawn_process``:
 
 - **spawn, not fork**: the child is a fresh interpreter, ``python -m
-  engine.utils.process_entry``, so it never inherits a forked torch state, and a user script
+  engine.utils.process_entry`` (the process harness's ``main``), so it never inherits a forked torch state, and a user script
   without an ``if __name__ == "__main__":`` guard still works — the child never re-imports
   the user's ``__main__`` (multiprocessing's spawn would).
 - **the payload and the lifeline are one pipe**: the parent writes a ``SpawnEnvelope``
@@ -16,7 +16,7 @@ Every child (engine core, worker) is started the same way, by ``spawn_process``:
   envelope is ``PARENT_STOPPING``: "I am stopping; leave a SIGTERM to me"
   (``announce_stopping``), passed on down the tree. A child stopped by a signal cannot read its lifeline,
   so each child also asks the kernel for a SIGCONT when its parent dies
-  (``PR_SET_PDEATHSIG``; ``process_entry.continue_on_parent_death``): woken, it sees the
+  (``PR_SET_PDEATHSIG``; ``process_harness.continue_on_parent_death``): woken, it sees the
   end-of-file like any other.
 - **a name**: the title ``glassbox::<role>`` (setproctitle) and the log prefix
   ``(<role> pid=N)``.
@@ -827,7 +827,7 @@ def start_liveness_beat(
 
     This is the heartbeat a parent reads without subscribing to anything
     (``StoppedWatch.frozen_for``, ``GLASSBOX_HEARTBEAT_TIMEOUT_S``): every child started by
-    ``spawn_process`` runs one from ``process_entry``, whatever ``GLASSBOX_TELEMETRY`` says.
+    ``spawn_process`` runs one from the process harness (``process_harness.main``), whatever ``GLASSBOX_TELEMETRY`` says.
     It is a Python thread on purpose: a native call holding the GIL, or a deadlock in the
     interpreter, stops it too, which is what "frozen" means. Before the child writes its
     status file (``tracing.setup_tracing``) and after the run directory is removed there is

@@ -78,6 +78,7 @@ from engine.entrypoints.openai.api_server_messages import (
 from engine.logger import adopt_logger, init_logger, set_process_role
 from engine.utils import processes
 from engine.utils import run_dir as run_dirs
+from engine.utils.process_harness import Observability, ProcessSpec, install_stop_signals, start_observability
 from engine.utils.processes import EngineDeadError
 
 logger = init_logger(__name__)
@@ -178,8 +179,7 @@ def run_server(config: EngineConfig, args: ServerArgs, sock: socket.socket | Non
         # whatever we return (it flags it as unhandled); our own exception does not.
         raise StartupInterrupted(signum)
 
-    signal.signal(signal.SIGTERM, on_signal_during_startup)
-    signal.signal(signal.SIGINT, on_signal_during_startup)
+    install_stop_signals(on_signal_during_startup)
     # Every process of the tree, named once. This process is APIServer_0: it owns the run
     # directory, launches the engine cores, then the other API servers.
     plan = topology.plan(config, frontend="serve", api_server_count=args.api_server_count)
@@ -203,22 +203,14 @@ def run_server(config: EngineConfig, args: ServerArgs, sock: socket.socket | Non
         served_name = args.served_model_name or config.model_config.served_model_name
         run_dirs.write_manifest(run_dir, host=host, port=port, model=served_name, **manifest)
         logger.info("Bound http://%s:%d (run directory %s)", host, port, run_dir)
-        from tracing.stacks import enable_stack_dumps
-
-        enable_stack_dumps(run_dir, role.name)  # SIGUSR1: every thread's stack (glassbox doctor)
         several_servers = len(plan.api_servers) > 1
-        if several_servers:
+        if several_servers:  # before anything imports prometheus_client
             _setup_multiprocess_metrics(run_dir)
-
-        from tracing import setup_tracing
-
         obs = config.observability_config
-        setup_tracing(role.name, trace_file=obs.trace_file, otlp_endpoint=obs.otlp_traces_endpoint,
-                      status_file=str(run_dirs.status_file(run_dir, role)))  # fmt: skip
+        # Tracing (and this server's status file), SIGUSR1 stack dumps (glassbox doctor), telemetry.
+        start_observability(ProcessSpec(role.name, run_dir, observability=Observability.of(obs)))
         from tracing.telemetry.collector import Recorder
-        from tracing.telemetry.publisher import start_telemetry
 
-        start_telemetry(run_dir, role.name)
         if obs.telemetry_record:
             recorder = Recorder().start(run_dir, obs.telemetry_record)
 
@@ -251,8 +243,7 @@ def run_server(config: EngineConfig, args: ServerArgs, sock: socket.socket | Non
         raise
     finally:
         # Cleanup must finish even if a second signal arrives meanwhile.
-        signal.signal(signal.SIGTERM, _ignore_signal)
-        signal.signal(signal.SIGINT, _ignore_signal)
+        install_stop_signals(_ignore_signal)
         if engine is not None:
             engine.shutdown()
         if recorder is not None:
@@ -355,8 +346,7 @@ async def _serve(
             seen.append(signum)
             processes.announce_stopping()
 
-        signal.signal(signal.SIGTERM, record_signal)
-        signal.signal(signal.SIGINT, record_signal)
+        install_stop_signals(record_signal)
     else:
 
         def on_sigterm() -> None:
@@ -748,30 +738,41 @@ def _start_api_servers(engine, plan, config: EngineConfig, args: ServerArgs, soc
         ready_socket.close(linger=0)
 
 
-def run_api_server_worker(payload_bytes: bytes, *, run_dir: Path, role: str) -> None:
+def run_api_server_worker(payload_bytes: bytes, *, run_dir: Path, role: str) -> int:
     """Process target of APIServer_<i>, i > 0 (vLLM: ``run_api_server_worker_proc``).
 
     Attaches to the engine cores APIServer_0 launched, serves on the inherited listening
     socket, and tells APIServer_0 once it accepts connections. Exits 0 when stopped
-    (SIGTERM, or its lifeline to APIServer_0 closing).
+    (SIGTERM, or its lifeline to APIServer_0 closing); returns the exit status
+    (``engine.utils.process_harness.run_process``).
     """
-    from tracing import catalogue, setup_tracing, stage
-    from tracing.propagation import attached_trace_context
+    from engine.utils.process_harness import Observability, ProcessSpec, run_process
 
     payload: APIServerSpawnPayload = decode_as(APIServerSpawnPayload, payload_bytes)
-    config: EngineConfig = payload.config
-    obs = config.observability_config
-    setup_tracing(role, trace_file=obs.trace_file, otlp_endpoint=obs.otlp_traces_endpoint,
-                  status_file=str(run_dirs.status_file(run_dir, role)))  # fmt: skip
-    from tracing.telemetry.publisher import start_telemetry
+    spec = ProcessSpec(role, run_dir, observability=Observability.of(payload.config.observability_config),
+                       target=lambda ctx: _serve_api_server_worker(payload, run_dir, role, ctx))  # fmt: skip
+    return run_process(spec)
 
-    start_telemetry(run_dir, role)
-    processes.install_sigterm_exit(run_dir, role)  # during start-up; serving installs its own handler
+
+def _serve_api_server_worker(payload: APIServerSpawnPayload, run_dir: Path, role: str, ctx) -> None:
+    """APIServer_<i>'s life inside the harness (``run_api_server_worker``)."""
+    from tracing import catalogue, stage
+    from tracing.propagation import attached_trace_context
+
+    config: EngineConfig = payload.config
     sock = socket.socket(fileno=payload.listen_fd)
     port = sock.getsockname()[1]
     loop = _new_event_loop()
     asyncio.set_event_loop(loop)
     engine = None
+
+    def close() -> None:
+        if engine is not None:
+            engine.shutdown()
+        sock.close()
+        loop.close()
+
+    ctx.at_exit(close)
 
     def say_ready() -> None:
         import zmq
@@ -782,36 +783,25 @@ def run_api_server_worker(payload_bytes: bytes, *, run_dir: Path, role: str) -> 
         push.send(encode(APIServerReady(client_index=payload.client_index, role=role, pid=os.getpid())))
         push.close()
 
-    try:
-        from engine.frontend.async_llm import AsyncLLM
+    from engine.frontend.async_llm import AsyncLLM
 
-        with attached_trace_context(payload.trace_headers), stage(catalogue.API_SERVER_ATTACH, role=role):
-            engine = AsyncLLM(config, run_dir, client_index=payload.client_index,
-                              num_clients=payload.num_clients, engines=payload.engines)  # fmt: skip
-        code = loop.run_until_complete(
-            _serve(
-                engine,
-                config,
-                payload.server_args,
-                sock,
-                port,
-                launcher=False,
-                on_serving=say_ready,
-                several_servers=payload.num_clients > 1,
-            )
+    with attached_trace_context(payload.trace_headers), stage(catalogue.API_SERVER_ATTACH, role=role):
+        engine = AsyncLLM(config, run_dir, client_index=payload.client_index,
+                          num_clients=payload.num_clients, engines=payload.engines)  # fmt: skip
+    code = loop.run_until_complete(
+        _serve(
+            engine,
+            config,
+            payload.server_args,
+            sock,
+            port,
+            launcher=False,
+            on_serving=say_ready,
+            several_servers=payload.num_clients > 1,
         )
-        if code:
-            raise SystemExit(code)
-    except SystemExit as e:
-        logger.debug("stopped during start-up")
-        if e.code:  # a SIGTERM from outside the tree: the exit status says so
-            raise
-    finally:
-        processes.ignore_sigterm()
-        if engine is not None:
-            engine.shutdown()
-        sock.close()
-        loop.close()
+    )
+    if code:
+        raise SystemExit(code)
 
 
 def _ignore_signal(signum: int, frame: object) -> None:
