@@ -53,7 +53,7 @@ from engine.distributed.parallel_state import (
     tensor_model_parallel_all_reduce,
 )
 from engine.logger import init_logger
-from engine.model.op_threads import op_threads
+from engine.model.cpu.op_threads import op_threads
 
 logger = init_logger(__name__)
 
@@ -247,7 +247,7 @@ def _onednn_linear(
     rows = x.shape[0]
     if rows == 0:
         return F.linear(x, weight, bias)
-    with op_threads():  # the worker's thread count of the moment (engine/model/op_threads.py)
+    with op_threads():  # the worker's thread count of the moment (engine/model/cpu/op_threads.py)
         if packed_f32 is not None and rows >= BF16_AS_F32_MIN_ROWS:
             # Exactly the bfloat16 matmul's math (bfloat16 operands, float32 products and sums,
             # one rounding of the result), on the CPU's faster float32 units.

@@ -296,7 +296,7 @@ class Worker:
     def cpu_threads_info(self) -> dict[str, Any]:
         """This worker's torch thread count, the CPUs it may run on (``"0-1"``) and the OpenMP
         wait variables it was started with (``"unset"`` when absent), for tests and benchmarks."""
-        from engine.model.op_threads import get_op_threads
+        from engine.model.cpu.op_threads import get_op_threads
 
         return {
             "num_threads": get_op_threads(),
@@ -455,7 +455,7 @@ class Worker:
                          "graphs_after_warm_up": self._graphs_after_warm_up})  # fmt: skip
 
     def _threads_text(self) -> str:
-        from engine.model.op_threads import get_op_threads
+        from engine.model.cpu.op_threads import get_op_threads
 
         if self._governor is None:
             return str(get_op_threads())
@@ -505,7 +505,7 @@ class Worker:
             events.GAUGE_WORKER_FORWARD_MS: self._last_forward_ms,
         }
         if self.device is not None and self.device.type == "cpu":
-            from engine.model.op_threads import get_op_threads
+            from engine.model.cpu.op_threads import get_op_threads
 
             gauges[events.GAUGE_WORKER_THREADS] = get_op_threads()
             most = self._governor.max_threads if self._governor is not None else get_op_threads()
