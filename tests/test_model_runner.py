@@ -576,7 +576,7 @@ def test_every_attention_backend_name_selects_the_backend_of_that_name():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_weights_are_packed_for_onednn_and_give_the_same_products(checkpoints, dtype):
-    from engine.model.layers import ColumnParallelLinear, RowParallelLinear, linear
+    from engine.model.layers import ColumnParallelLinear, RowParallelLinear
 
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch build has no oneDNN")
@@ -587,7 +587,7 @@ def test_linear_weights_are_packed_for_onednn_and_give_the_same_products(checkpo
     assert linears and all(m.packed_weight is not None for m in linears + [model.lm_head])
     x = torch.randn(5, model.lm_head.weight.shape[1], dtype=dtype)
     with torch.inference_mode():
-        got = linear(x, model.lm_head.weight, None, model.lm_head.packed_weight)
+        got = model.lm_head.linear_method.apply(model.lm_head, x)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got, torch.nn.functional.linear(x, model.lm_head.weight), atol=tol, rtol=tol)
 
@@ -597,20 +597,20 @@ def test_bf16_linears_run_as_f32_matmuls_on_a_cpu_without_amx(checkpoints, monke
     """On a CPU without AMX, bfloat16 dot products are no faster than float32 FMAs: steps of
     BF16_AS_F32_MIN_ROWS rows or more multiply the upcast weight in float32 — the same math (bfloat16 operands,
     float32 sums, one rounding), so the product is the float32 one rounded to bfloat16."""
-    from engine.model import layers
+    from engine.model.cpu import linear as cpu_linear
 
     if not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("this CPU has no bfloat16 matmul in oneDNN")
-    monkeypatch.setattr(layers, "bf16_linears_as_f32", lambda: not amx)
+    monkeypatch.setattr(cpu_linear, "bf16_linears_as_f32", lambda: not amx)
     model = load_model(ModelConfig(model=checkpoints["qwen2"]), torch.device("cpu"), torch.bfloat16)
     qkv = model.model.layers[0].self_attn.qkv_proj  # Qwen2's has a bias
     assert qkv.bias is not None and (qkv.packed_weight_f32 is None) == amx
     assert (model.lm_head.packed_weight_f32 is None) == amx
     if not amx:  # a big model on a small machine: no float32 copies, the bfloat16 kernel serves
-        monkeypatch.setattr(layers, "F32_COPIES_MAX_SHARE", 1e-12)
+        monkeypatch.setattr(cpu_linear, "F32_COPIES_MAX_SHARE", 1e-12)
         tight = load_model(ModelConfig(model=checkpoints["qwen2"]), torch.device("cpu"), torch.bfloat16)
         assert tight.lm_head.packed_weight is not None and tight.lm_head.packed_weight_f32 is None
-    for rows in (3, layers.BF16_AS_F32_MIN_ROWS, layers.BF16_AS_F32_MIN_ROWS + 37):
+    for rows in (3, cpu_linear.BF16_AS_F32_MIN_ROWS, cpu_linear.BF16_AS_F32_MIN_ROWS + 37):
         x = torch.randn(rows, qkv.weight.shape[1], dtype=torch.bfloat16)
         with torch.inference_mode():
             got = qkv(x)
