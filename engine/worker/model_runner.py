@@ -194,7 +194,7 @@ class ModelRunner:
         self.model = load_model(self.model_config, self.device, self.dtype)
         params = list(self.model.parameters())  # a tied table once (parameters() dedups)
         weights = params + list(self.model.buffers())
-        # The CPU's oneDNN copies of the linear weights (engine/model/layers.py) count too.
+        # The CPU's oneDNN copies of the linear weights (engine/model/cpu/linear.py) count too.
         packed = [
             t
             for m in self.model.modules()
