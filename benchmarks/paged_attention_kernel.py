@@ -6,10 +6,10 @@ workload of ``offline_throughput.py``'s "small" Llama in the middle of its decod
 ``--min-len``..``--max-len`` (300–700), block size 16, 8 query heads / 4 KV heads, head
 dim 64, the pages of every request scattered over a shuffled cache:
 
-- ``TORCH_SDPA``: ``Attention._decode``, the gather (``index_select`` of every page into a
+- ``TORCH_SDPA``: ``AttentionImpl.forward_decode``, the gather (``index_select`` of every page into a
   dense padded copy) plus ``scaled_dot_product_attention`` with a length mask;
 - ``CPU_PAGED_CPP``: ``paged_decode_attention_cpu``, the C++ kernel that reads K/V in place
-  (``engine/model/csrc/paged_attention_cpu.cpp``), the Python checks and ctypes call included.
+  (``engine/model/cpu/csrc/paged_attention_cpu.cpp``), the Python checks and ctypes call included.
 
 Both are checked to agree first. Then, for float32 and bfloat16:
 
@@ -28,7 +28,7 @@ wall-time figures are not to be trusted.
 
     .venv/bin/python benchmarks/paged_attention_kernel.py
     .venv/bin/python benchmarks/paged_attention_kernel.py --repeats 50 --num-decodes 64
-    git show HEAD~1:engine/model/csrc/paged_attention_cpu.cpp > /tmp/before.cpp
+    git show HEAD~1:engine/model/cpu/csrc/paged_attention_cpu.cpp > /tmp/before.cpp
     .venv/bin/python benchmarks/paged_attention_kernel.py --baseline-source /tmp/before.cpp
 """
 
@@ -48,7 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.model.attention import Attention, AttentionMetadata  # noqa: E402
-from engine.model.paged_attention_cpu import (  # noqa: E402
+from engine.model.cpu.paged_attention_cpu import (  # noqa: E402
     build_kernel,
     kernel_path,
     load_kernel,
@@ -128,7 +128,7 @@ def main() -> None:
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         q, k_cache, v_cache, meta = make_case(args, dtype)
-        sdpa = functools.partial(layer._decode, q, (k_cache, v_cache), meta)
+        sdpa = functools.partial(layer.impl.forward_decode, q, (k_cache, v_cache), meta)
         call = functools.partial(
             paged_decode_attention_cpu, q, k_cache, v_cache, meta.block_table, meta.seq_lens, layer.scale
         )

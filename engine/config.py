@@ -36,7 +36,7 @@ SUPPORTED_ARCHITECTURES = (
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # --attention-backend (engine/model/attention.py): the gather + SDPA reference, or decodes
 # reading the paged cache in place through a kernel compiled by Inductor, or through a
-# hand-written C++ kernel for CPUs (engine/model/csrc/paged_attention_cpu.cpp).
+# hand-written C++ kernel for CPUs (engine/model/cpu/csrc/paged_attention_cpu.cpp).
 ATTENTION_BACKENDS = ("TORCH_SDPA", "PAGED_INDUCTOR", "CPU_PAGED_CPP")
 DEVICES = ("auto", "cpu", "cuda")
 BLOCK_SIZES = (1, 8, 16, 32, 64, 128)

@@ -91,7 +91,7 @@ def _cpu_list(text: str) -> tuple[int, ...]:
 def _omp_threads_bind(value: str) -> str | tuple[tuple[int, ...], ...]:
     """``"auto"`` / ``"nobind"`` as they are; ``"0-1|2-3"`` → ``((0, 1), (2, 3))``: one CPU list
     per worker. Whether there is a list for every worker and the CPUs are usable is checked
-    by each worker (``engine.worker.worker.plan_cpu_threads``), where both are known.
+    by each worker (``engine.worker.cpu.cpu_threads.plan_cpu_threads``), where both are known.
     """
     v = value.strip().lower()
     if v in ("auto", "nobind"):

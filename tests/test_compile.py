@@ -1,4 +1,4 @@
-"""The compiled forward (``engine/model/compile.py``) as a process sees it: graphs made after
+"""The compiled forward (``engine/model/cpu/compile.py``) as a process sees it: graphs made after
 warm-up are counted (what ``glassbox ps`` shows and the parallel-shapes tests check is 0), and
 a process may build many engines, each with its own model, without hitting Dynamo's limit."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.model.compile import CompiledModel
+from engine.model.cpu.compile import CompiledModel
 from tracing.instances import runs_as_text
 
 

@@ -1,5 +1,5 @@
 """The C++ paged decode kernel (``--attention-backend CPU_PAGED_CPP``) against TORCH_SDPA's
-gather + SDPA (``Attention._decode``), on caches whose pages lie anywhere."""
+gather + SDPA (``AttentionImpl.forward_decode``), on caches whose pages lie anywhere."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.model.attention import Attention, AttentionMetadata
-from engine.model.paged_attention_cpu import (
+from engine.model.cpu.paged_attention_cpu import (
     cpp_kernel_unavailable,
     kernel_path,
     load_kernel,
@@ -59,7 +59,7 @@ def test_matches_gather_and_sdpa(dtype, tol, heads, kv_heads, window, lens):
     q, k_cache, v_cache, meta = _case(len(lens), lens, heads, kv_heads, dtype)
     reference = Attention(heads, DIM, kv_heads, DIM**-0.5, sliding_window=window)
     with torch.inference_mode():
-        expected = reference._decode(q, (k_cache, v_cache), meta)
+        expected = reference.impl.forward_decode(q, (k_cache, v_cache), meta)
         got = paged_decode_attention_cpu(
             q, k_cache, v_cache, meta.block_table, meta.seq_lens, DIM**-0.5, window
         )
@@ -94,7 +94,7 @@ def test_other_head_sizes(head_dim, heads, kv_heads, num_decodes, two_threads):
         query_start_loc_cpu=list(range(num_decodes + 1)), seq_lens_cpu=lens,
         num_computed_tokens_cpu=[n - 1 for n in lens], max_decode_seq_len=max(lens), block_size=BS,
     )  # fmt: skip
-    expected = Attention(heads, head_dim, kv_heads, 0.3)._decode(q, (k_cache, v_cache), meta)
+    expected = Attention(heads, head_dim, kv_heads, 0.3).impl.forward_decode(q, (k_cache, v_cache), meta)
     got = paged_decode_attention_cpu(q, k_cache.contiguous(), v_cache.contiguous(), table, meta.seq_lens, 0.3)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
@@ -119,7 +119,7 @@ def test_peaked_scores_softmax_underflows_to_zero_not_nan(dtype, tol):
     q = (q.float() * 60).to(dtype)
     reference = Attention(8, DIM, 2, DIM**-0.5)
     with torch.inference_mode():
-        expected = reference._decode(q.float(), (k_cache.float(), v_cache.float()), meta)
+        expected = reference.impl.forward_decode(q.float(), (k_cache.float(), v_cache.float()), meta)
         got = paged_decode_attention_cpu(q, k_cache, v_cache, meta.block_table, meta.seq_lens, DIM**-0.5)
     assert torch.isfinite(got.float()).all()
     assert (got.float() - expected).abs().max().item() < tol

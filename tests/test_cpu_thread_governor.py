@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.worker.cpu_thread_governor import CpuThreadGovernor, read_idle_seconds
+from engine.worker.cpu.cpu_thread_governor import CpuThreadGovernor, read_idle_seconds
 
 STEP_S = 0.0625  # exact in binary, so four steps make one window exactly
 W = 0.25  # the governor's window

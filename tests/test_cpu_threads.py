@@ -18,7 +18,7 @@ from tiny_models import build_tiny_checkpoint
 from engine import LLM, SamplingParams, envs
 from engine.config import ConfigError
 from engine.utils.processes import OPENMP_WAIT_ADAPTIVE, OPENMP_WAIT_DEFAULTS, openmp_wait_env
-from engine.worker.worker import CpuThreadPlan, _cpu_ranges, plan_cpu_threads
+from engine.worker.cpu.cpu_threads import CpuThreadPlan, _cpu_ranges, plan_cpu_threads
 
 BIND = "GLASSBOX_CPU_OMP_THREADS_BIND"
 

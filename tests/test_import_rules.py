@@ -1,7 +1,9 @@
 """Which way imports go (``ARCHITECTURE.md`` §9), one table row per rule.
 
 Each row imports its modules in a fresh interpreter and looks at ``sys.modules``: no module
-of the row may pull in a forbidden package (the package itself or any submodule). Module
+of the row may pull in a forbidden package (the package itself or any submodule). A row with
+``own_imports_only`` reads its modules' own import statements instead (lazy ones included):
+what they call may use the forbidden package, they may not name it. Module
 lists are read off the source tree, so a new file under a covered folder is checked too. A
 rule that does not hold yet is marked ``xfail`` with the issue that fixes it (strict: once it
 holds, drop the mark). A second table says which one module may call a function (the
@@ -11,6 +13,7 @@ process harness alone sets up tracing and starts live telemetry), read off the s
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -39,12 +42,20 @@ class Rule(NamedTuple):
     modules: tuple[str, ...]
     forbidden: tuple[str, ...]
     xfail: str | None = None  # why it does not hold yet (and what fixes it)
+    own_imports_only: bool = False  # only the modules' own import statements count
 
 
 # What runs in the API server process: the HTTP app, the frontend, and `glassbox serve`
 # itself (the offline LLM lives in entrypoints/ too and follows the same rule).
 API_SERVER = _modules("engine/entrypoints", "engine/frontend") + ("engine.cli.serve",)
 HTTP = ("fastapi", "uvicorn", "starlette")
+# The reference path a reader follows: the attention and layer files, every model family,
+# and the worker. The speed-ups (engine/model/cpu, engine/worker/cpu) plug in through their
+# interfaces, chosen by the plug-in points: the loader (linear methods), the attention
+# selector (backends by name), the model runner and the worker wrapper.
+CPU_ROOM = ("engine.model.cpu", "engine.worker.cpu")
+PLUG_IN_POINTS = ("engine.model.loader", "engine.model.attention_selector", *CPU_ROOM)
+REFERENCE_MODEL = tuple(m for m in _modules("engine/model") if m.count(".") == 2 and m not in PLUG_IN_POINTS)
 
 RULES = [
     Rule("tracing imports no engine, tui or torch", _modules("tracing"), ("engine", "tui", "torch")),
@@ -81,6 +92,9 @@ RULES = [
     Rule("model knows nothing of scheduling, processes or HTTP", _modules("engine/model"),
          ("engine.sched", "engine.kv_cache", "engine.core", "engine.executor", "engine.frontend",
           "engine.entrypoints", "engine.cli", "engine.utils.processes", "zmq", *HTTP)),
+    Rule("the reference model files import nothing from the CPU room", REFERENCE_MODEL, CPU_ROOM),
+    Rule("the reference worker names nothing from the CPU room (CPUWorker extends it)",
+         ("engine.worker.worker",), CPU_ROOM, own_imports_only=True),
     Rule("client-side commands (ps, bench) import no torch",
          ("engine", "engine.cli.main", "engine.cli.ps", "engine.cli.bench", "engine.bench.serve"),
          ("torch",)),
@@ -104,6 +118,20 @@ def _imported_forbidden(modules: tuple[str, ...], forbidden: tuple[str, ...]) ->
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _named_forbidden(modules: tuple[str, ...], forbidden: tuple[str, ...]) -> list[str]:
+    """The forbidden modules that ``modules``' own source imports (absolute imports; the
+    project uses no relative ones)."""
+    named = set()
+    for module in modules:
+        tree = ast.parse((ROOT / (module.replace(".", "/") + ".py")).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                named.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                named.update([node.module] + [f"{node.module}.{alias.name}" for alias in node.names])
+    return sorted(m for m in named if any(m == f or m.startswith(f + ".") for f in forbidden))
+
+
 @pytest.mark.parametrize(
     "rule",
     [pytest.param(r, marks=pytest.mark.xfail(reason=r.xfail, strict=True) if r.xfail else ()) for r in RULES],
@@ -111,7 +139,8 @@ def _imported_forbidden(modules: tuple[str, ...], forbidden: tuple[str, ...]) ->
 )
 def test_import_rule(rule: Rule):
     assert rule.modules, f"{rule.id}: no modules found"
-    bad = _imported_forbidden(rule.modules, rule.forbidden)
+    check = _named_forbidden if rule.own_imports_only else _imported_forbidden
+    bad = check(rule.modules, rule.forbidden)
     assert bad == [], f"{rule.id}: importing {', '.join(rule.modules)} pulled in {', '.join(bad)}"
 
 
@@ -126,6 +155,9 @@ def test_the_probe_sees_what_a_module_imports():
     }
     assert listed | {"engine.cli.serve"} <= set(API_SERVER)
     assert "engine.sched.scheduler" in _modules("engine/sched")
+    assert {"engine.model.attention", "engine.model.layers", "engine.model.llama"} <= set(REFERENCE_MODEL)
+    # The own-imports check sees a lazy import inside a function, as the worker wrapper's.
+    assert "engine.worker.cpu.cpu_worker" in _named_forbidden(("engine.worker.worker_base",), CPU_ROOM)
 
 
 class CallRule(NamedTuple):

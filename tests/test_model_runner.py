@@ -257,7 +257,7 @@ def test_a_new_thread_count_mid_run_makes_no_second_graph(checkpoints, monkeypat
     ``set_op_threads``, not torch's global count: the compiled graph is guarded on that, and
     a change would compile a second graph in the middle of serving. Tokens stay
     transformers'."""
-    from engine.model.op_threads import get_op_threads, set_op_threads
+    from engine.model.cpu.op_threads import get_op_threads, set_op_threads
 
     monkeypatch.setenv("GLASSBOX_TORCH_COMPILE", "1")
     path = checkpoints["llama"]
@@ -533,7 +533,8 @@ def test_paged_decode_kernel_equals_the_gather_and_compiles_once_for_every_batch
     and no new graph after the first batch (a batch of one decode included)."""
     from torch._dynamo.utils import counters
 
-    from engine.model.attention import Attention, AttentionMetadata, set_attention_backend
+    from engine.model.attention import Attention, AttentionMetadata
+    from engine.model.attention_selector import set_attention_backend
 
     torch.manual_seed(0)
     bs, heads, kv_heads, dim, blocks = 4, 4, 2, 8, 64
@@ -557,16 +558,25 @@ def test_paged_decode_kernel_equals_the_gather_and_compiles_once_for_every_batch
         q = torch.randn(nd, heads, dim)
         with torch.inference_mode():
             none = torch.empty(0, kv_heads, dim)  # no new K/V to write: the cache holds them all
-            expected = reference._write_and_prefill(q, none, none, (k_cache, v_cache), meta, decodes=True)
-            got = paged.decode_kernel(q, k_cache, v_cache, slots, seq_lens, paged.scale, None)
+            expected = reference.impl.forward(q, none, none, (k_cache, v_cache), meta)
+            got = paged.impl.decode_kernel(q, k_cache, v_cache, slots, seq_lens, paged.scale, None)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[1] == graphs[2] == graphs[0], f"recompiled for a new batch shape: {graphs}"
 
 
+def test_every_attention_backend_name_selects_the_backend_of_that_name():
+    from engine.config import ATTENTION_BACKENDS
+    from engine.model.attention_selector import get_attn_backend
+
+    assert [get_attn_backend(name).get_name() for name in ATTENTION_BACKENDS] == list(ATTENTION_BACKENDS)
+    with pytest.raises(ValueError, match="FLASH_ATTN.*choose one of TORCH_SDPA"):
+        get_attn_backend("FLASH_ATTN")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_weights_are_packed_for_onednn_and_give_the_same_products(checkpoints, dtype):
-    from engine.model.layers import ColumnParallelLinear, RowParallelLinear, linear
+    from engine.model.layers import ColumnParallelLinear, RowParallelLinear
 
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch build has no oneDNN")
@@ -577,7 +587,7 @@ def test_linear_weights_are_packed_for_onednn_and_give_the_same_products(checkpo
     assert linears and all(m.packed_weight is not None for m in linears + [model.lm_head])
     x = torch.randn(5, model.lm_head.weight.shape[1], dtype=dtype)
     with torch.inference_mode():
-        got = linear(x, model.lm_head.weight, None, model.lm_head.packed_weight)
+        got = model.lm_head.linear_method.apply(model.lm_head, x)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got, torch.nn.functional.linear(x, model.lm_head.weight), atol=tol, rtol=tol)
 
@@ -587,20 +597,20 @@ def test_bf16_linears_run_as_f32_matmuls_on_a_cpu_without_amx(checkpoints, monke
     """On a CPU without AMX, bfloat16 dot products are no faster than float32 FMAs: steps of
     BF16_AS_F32_MIN_ROWS rows or more multiply the upcast weight in float32 — the same math (bfloat16 operands,
     float32 sums, one rounding), so the product is the float32 one rounded to bfloat16."""
-    from engine.model import layers
+    from engine.model.cpu import linear as cpu_linear
 
     if not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("this CPU has no bfloat16 matmul in oneDNN")
-    monkeypatch.setattr(layers, "bf16_linears_as_f32", lambda: not amx)
+    monkeypatch.setattr(cpu_linear, "bf16_linears_as_f32", lambda: not amx)
     model = load_model(ModelConfig(model=checkpoints["qwen2"]), torch.device("cpu"), torch.bfloat16)
     qkv = model.model.layers[0].self_attn.qkv_proj  # Qwen2's has a bias
     assert qkv.bias is not None and (qkv.packed_weight_f32 is None) == amx
     assert (model.lm_head.packed_weight_f32 is None) == amx
     if not amx:  # a big model on a small machine: no float32 copies, the bfloat16 kernel serves
-        monkeypatch.setattr(layers, "F32_COPIES_MAX_SHARE", 1e-12)
+        monkeypatch.setattr(cpu_linear, "F32_COPIES_MAX_SHARE", 1e-12)
         tight = load_model(ModelConfig(model=checkpoints["qwen2"]), torch.device("cpu"), torch.bfloat16)
         assert tight.lm_head.packed_weight is not None and tight.lm_head.packed_weight_f32 is None
-    for rows in (3, layers.BF16_AS_F32_MIN_ROWS, layers.BF16_AS_F32_MIN_ROWS + 37):
+    for rows in (3, cpu_linear.BF16_AS_F32_MIN_ROWS, cpu_linear.BF16_AS_F32_MIN_ROWS + 37):
         x = torch.randn(rows, qkv.weight.shape[1], dtype=torch.bfloat16)
         with torch.inference_mode():
             got = qkv(x)
@@ -628,8 +638,8 @@ def test_default_attention_backend_is_the_cpp_kernel_on_a_cpu_else_sdpa_with_a_w
     says why when it falls back to TORCH_SDPA (here: no C++ compiler)."""
     runner = make_runner(checkpoints["llama"], attention_backend=None)
     assert runner.attention_backend == "CPU_PAGED_CPP"
-    assert {layer.backend for layer in runner.attention_layers} == {"CPU_PAGED_CPP"}
-    from engine.model import paged_attention_cpu
+    assert {layer.backend.get_name() for layer in runner.attention_layers} == {"CPU_PAGED_CPP"}
+    from engine.model.cpu import paged_attention_cpu
 
     monkeypatch.setattr(paged_attention_cpu, "_lib", None)  # as in a fresh worker process
     monkeypatch.setenv("CXX", "/nonexistent/g++")

@@ -1,26 +1,17 @@
-"""Paged attention in plain torch, and the metadata that describes one step's batch.
+"""Paged attention in plain torch, the metadata that describes one step's batch, and the
+attention-backend interface.
 
-Mirrors vLLM's ``vllm/attention/layer.py`` (``Attention``) and the metadata its backends
-build (``vllm/v1/attention/backends/``; ``CommonAttentionMetadata``). Three backends, chosen
-by ``--attention-backend`` (vLLM: ``VLLM_ATTENTION_BACKEND``):
-
-- ``TORCH_SDPA``, the reference: torch gathers the pages a request owns into a dense
-  tensor (``index_select``) and calls ``scaled_dot_product_attention`` (SDPA). Every step
-  is an ordinary tensor operation a reader can print.
-- ``PAGED_INDUCTOR``: decodes read K/V *in place*. ``paged_decode_attention`` is written
-  as plain torch ops over ``cache[slots]``; compiled by Inductor, the indexing is fused
-  into the dot products and the weighted sum, so no dense copy of the K/V is ever made and
-  a bfloat16 cache is never cast as a whole (each element is widened in a register).
-  Prefill chunks attend as in ``TORCH_SDPA`` (they are compute-bound; the gather is a
-  small part of them).
-- ``CPU_PAGED_CPP`` (CPU only; the default on a CPU where the kernel builds, chosen by
-  the model runner): decodes go to a hand-written C++ kernel
-  (``engine/model/csrc/paged_attention_cpu.cpp``, built with g++ at start-up and called
-  through ctypes; ``engine/model/paged_attention_cpu.py``) that walks each request's block
-  table and reads K/V rows in place, one OpenMP task per request (all its KV heads, page by
-  page) when there are two or more per thread, else per (request, KV head); all query heads
-  of a KV head together — vLLM's CPU ``paged_attention_v1``. Prefill chunks as in
-  ``TORCH_SDPA``.
+Mirrors vLLM's ``vllm/attention/layer.py`` (``Attention``), the metadata its backends build
+(``vllm/v1/attention/backends/``; ``CommonAttentionMetadata``) and its backend interface
+(``vllm/attention/backends/abstract.py``: ``AttentionBackend``, ``AttentionImpl``). A backend
+is chosen by name, ``--attention-backend`` (vLLM: ``VLLM_ATTENTION_BACKEND``), through
+``engine/model/attention_selector.py``. This file holds the reference, ``TORCH_SDPA``: torch
+gathers the pages a request owns into a dense tensor (``index_select``) and calls
+``scaled_dot_product_attention`` (SDPA). Every step is an ordinary tensor operation a reader
+can print. The faster backends, ``PAGED_INDUCTOR`` and ``CPU_PAGED_CPP`` (the default on a
+CPU where its C++ kernel builds), live in ``engine/model/cpu/attention_backends.py``: they
+subclass ``AttentionImpl`` and replace only how decodes read the cache (in place, page by
+page); cache writes and prefill chunks are this file's in all three.
 
 The KV cache of one layer is two tensors, K and V, each
 ``(num_blocks, block_size, num_kv_heads, head_dim)``. Token ``p`` of a request lives in
@@ -33,9 +24,7 @@ One step mixes two kinds of request, and the runner orders the batch so that all
 
 - decodes are batched: ``TORCH_SDPA`` gathers their pages into one padded
   ``(num_decodes, max_len, kv_heads, head_dim)`` tensor and a length mask hides the
-  padding; ``PAGED_INDUCTOR`` reads ``decode_slots`` (each decode's cache slots, padded
-  to the longest) straight from the cache with the same length mask; ``CPU_PAGED_CPP``
-  follows ``block_table`` and ``seq_lens`` in C++.
+  padding (the other backends read the pages in place instead).
 - each prefill chunk runs on its own, attending to its cached prefix plus itself. Its
   causal mask is aligned *bottom-right*: query ``t`` of a chunk that follows ``c`` cached
   tokens sits at position ``c + t`` and sees keys ``0..c + t``. SDPA's ``is_causal`` aligns
@@ -44,17 +33,17 @@ One step mixes two kinds of request, and the runner orders the batch so that all
   ``num_decodes × prefill_len²`` work.
 
 In the eager model there is no hidden global "forward context" (vLLM's
-``set_forward_context``): the ``AttentionMetadata`` is an argument of every forward.
-
-Under ``torch.compile`` (``engine/model/compile.py``, the default unless
-``--enforce-eager``), each layer's attention is one opaque op of the graph,
-``glassbox::attention``: it runs ``Attention.forward`` eagerly, with the step's metadata and
-this layer's cache taken from the forward context (``engine/model/forward_context.py``), so
-the graph never reads the metadata's plain ints and one graph serves every batch. The
-decode kernel of ``PAGED_INDUCTOR`` is compiled on its own (``set_attention_backend``).
+``set_forward_context``): the ``AttentionMetadata`` is an argument of every forward, and this
+file imports no forward context. Under ``torch.compile`` (``engine/model/cpu/compile.py``,
+the default unless ``--enforce-eager``) each layer's attention is one opaque op of the graph,
+``glassbox::attention``, defined there: it runs ``Attention.forward`` eagerly, with the step's
+metadata and this layer's cache taken from the forward context
+(``engine/model/forward_context.py``), so the graph never reads the metadata's plain ints and
+one graph serves every batch.
 
 Left out: hand-written GPU kernels, cascade attention, cross-attention, encoder-only attention,
-attention sinks, ALiBi, logits soft-capping, FP8 KV caches.
+attention sinks, ALiBi, logits soft-capping, FP8 KV caches, a backend's own metadata class and
+builder (one ``AttentionMetadata`` serves all three).
 """
 
 from __future__ import annotations
@@ -64,10 +53,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from engine.config import ATTENTION_BACKENDS
-from engine.model.op_threads import op_threads
-from engine.model.paged_attention_cpu import load_kernel, paged_decode_attention_cpu
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K, V: (num_blocks, block_size, num_kv_heads, head_dim)
 
@@ -141,39 +126,24 @@ class AttentionMetadata:
         )
 
 
-class Attention(nn.Module):
-    """Multi-head attention over the paged KV cache, with grouped-query heads.
+class AttentionImpl:
+    """How a layer attends: the reference, ``TORCH_SDPA`` (vLLM: ``AttentionImpl``; its CPU
+    ``TorchSDPABackendImpl``). Writes the step's K/V into the cache, then attends for the
+    decodes (``forward_decode``: gather + SDPA) and for each prefill chunk. A faster backend's
+    impl subclasses this one and replaces ``forward_decode``.
 
     Args:
-        num_heads: query heads on this rank.
-        head_dim: size of each head.
-        num_kv_heads: key/value heads on this rank (divides ``num_heads``).
-        scale: multiplier of ``q·k`` (``head_dim ** -0.5`` for Llama).
-        sliding_window: when set, a query at position ``p`` sees only keys at positions
-            ``> p - sliding_window`` (Mistral; Qwen2 layers with ``use_sliding_window``).
-        backend: ``"TORCH_SDPA"``, ``"PAGED_INDUCTOR"`` or ``"CPU_PAGED_CPP"`` (see the module
-            docstring); the model runner sets it on every layer after loading
-            (``set_attention_backend``).
+        num_heads, head_dim, num_kv_heads, scale, sliding_window: as ``Attention``'s.
     """
 
     def __init__(
-        self,
-        num_heads: int,
-        head_dim: int,
-        num_kv_heads: int,
-        scale: float,
-        sliding_window: int | None = None,
-        layer_index: int = 0,
+        self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float, sliding_window: int | None
     ) -> None:
-        super().__init__()
-        self.layer_index = layer_index  # among this pipeline stage's layers
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.sliding_window = sliding_window
-        self.backend = "TORCH_SDPA"
-        self.decode_kernel = None  # the compiled paged_decode_attention (PAGED_INDUCTOR)
 
     def forward(
         self,
@@ -181,50 +151,10 @@ class Attention(nn.Module):
         k: torch.Tensor,
         v: torch.Tensor,
         kv_cache: KVCache | None,
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """Attend; returns ``(num_tokens, num_heads * head_dim)``.
-
-        ``q`` is ``(num_tokens, num_heads, head_dim)``; ``k`` and ``v`` are
-        ``(num_tokens, num_kv_heads, head_dim)``. Writes ``k``/``v`` into ``kv_cache``
-        at ``slot_mapping`` first (unless profiling).
-
-        Under ``torch.compile`` the layer is one opaque op, ``glassbox::attention``, which
-        runs this same method eagerly with the step's metadata and this layer's cache from
-        the forward context (``engine/model/forward_context.py``).
-        """
-        if torch.compiler.is_compiling():
-            return torch.ops.glassbox.attention(q, k, v, self.layer_index)
-        meta = attn_metadata
-        paged = self.backend == "PAGED_INDUCTOR" and meta.decode_slots is not None
-        # Eager part: the cache write, the prefill chunks (and, for TORCH_SDPA, the decodes).
-        out = self._write_and_prefill(q, k, v, kv_cache, meta, decodes=not paged)
-        if paged:
-            # (num_decodes, num_heads, head_dim), read in place from the pages
-            decoded = self.decode_kernel(
-                q[: meta.decode_slots.shape[0]],
-                kv_cache[0],
-                kv_cache[1],
-                meta.decode_slots,
-                meta.seq_lens[: meta.decode_slots.shape[0]],
-                self.scale,
-                self.sliding_window,
-            )
-            out = torch.cat([decoded, out[decoded.shape[0] :]])
-        return out.view(out.shape[0], self.num_heads * self.head_dim)
-
-    def _write_and_prefill(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: KVCache | None,
         meta: AttentionMetadata,
-        decodes: bool,
     ) -> torch.Tensor:
-        """Write the step's K/V into the cache, then attend for every prefill chunk (and
-        every decode when ``decodes``); returns ``(num_tokens, num_heads, head_dim)`` with
-        the decode rows left unset otherwise."""
+        """Write the step's K/V into the cache (unless profiling), then attend for every decode
+        and every prefill chunk; returns ``(num_tokens, num_heads, head_dim)``."""
         if kv_cache is not None and not meta.is_profile:
             k_cache, v_cache = kv_cache
             flat = (-1, self.num_kv_heads, self.head_dim)
@@ -233,22 +163,15 @@ class Attention(nn.Module):
 
         out = torch.empty_like(q)  # (num_tokens, num_heads, head_dim)
         nd = meta.num_decodes
-        if nd > 0 and decodes:
+        if nd > 0:
             assert kv_cache is not None, "decodes need a KV cache"
-            if self.backend == "CPU_PAGED_CPP":
-                # The C++ kernel reads each decode's pages in place through its block table.
-                out[:nd] = paged_decode_attention_cpu(
-                    q[:nd], kv_cache[0], kv_cache[1], meta.block_table[:nd], meta.seq_lens[:nd],
-                    self.scale, self.sliding_window,
-                )  # fmt: skip
-            else:
-                out[:nd] = self._decode(q[:nd], kv_cache, meta)
+            out[:nd] = self.forward_decode(q[:nd], kv_cache, meta)
         for i in range(nd, meta.num_reqs):
             start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
             out[start:end] = self._prefill(i, q[start:end], k[start:end], v[start:end], kv_cache, meta)
         return out
 
-    def _decode(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward_decode(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """All one-token queries at once: ``q`` (num_decodes, num_heads, head_dim) → same shape."""
         nd, bs = q.shape[0], meta.block_size
         num_blocks = -(-meta.max_decode_seq_len // bs)
@@ -330,103 +253,104 @@ class Attention(nn.Module):
         return keys, kv_cache[1].index_select(0, blocks).view(flat)[lo:hi]
 
 
-def paged_decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slots: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None = None,
-) -> torch.Tensor:
-    """One query token per request, attending to keys read in place from the paged cache.
+class AttentionBackend:
+    """One way to run attention, known by its name (vLLM: ``AttentionBackend``).
+
+    ``get_name()`` is the ``--attention-backend`` value; ``get_impl_cls()`` the class each
+    layer builds (``AttentionImpl`` or a subclass); ``prepare(device)`` does the one-time work
+    before warm-up (build a kernel, compile one) and raises where the backend cannot run on
+    ``device`` (deviation: vLLM's kernels are built with the wheel, so it has no such step).
+    """
+
+    @staticmethod
+    def get_name() -> str:
+        raise NotImplementedError
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        raise NotImplementedError
+
+    @classmethod
+    def prepare(cls, device: torch.device | str | None) -> None:
+        """Nothing to prepare."""
+
+
+class TorchSDPABackend(AttentionBackend):
+    """The reference: gather + SDPA for decodes and prefill chunks (vLLM: ``TorchSDPABackend``)."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "TORCH_SDPA"
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return AttentionImpl
+
+
+class Attention(nn.Module):
+    """Multi-head attention over the paged KV cache, with grouped-query heads.
 
     Args:
-        q: ``(num_decodes, num_heads, head_dim)``.
-        k_cache, v_cache: ``(num_blocks, block_size, num_kv_heads, head_dim)``.
-        slots: ``(num_decodes, L)`` int64, the flat cache slot of each key position
-            (``L`` = the longest decode's length; shorter rows are padded with any slot).
-        seq_lens: ``(num_decodes,)``, the real length of each row; keys at positions
-            ``>= seq_len`` (and, with ``sliding_window``, ``< seq_len - window``) are masked.
-        scale: multiplier of ``q·k``.
+        num_heads: query heads on this rank.
+        head_dim: size of each head.
+        num_kv_heads: key/value heads on this rank (divides ``num_heads``).
+        scale: multiplier of ``q·k`` (``head_dim ** -0.5`` for Llama).
+        sliding_window: when set, a query at position ``p`` sees only keys at positions
+            ``> p - sliding_window`` (Mistral; Qwen2 layers with ``use_sliding_window``).
+        layer_index: this layer's index among this pipeline stage's layers.
 
-    Returns ``(num_decodes, num_heads, head_dim)`` in ``q``'s dtype. Scores, softmax and the
-    weighted sum are float32. In eager mode ``cache[slots]`` would be a dense copy; compiled
-    by Inductor (``_paged_decode``) it becomes a load inside the reduction loops: this is
-    what "paged attention" means — vLLM's ``paged_attention_v1`` kernels do the same in C++.
+    ``backend`` (an ``AttentionBackend`` class) is ``TorchSDPABackend`` until the model runner
+    chooses one after loading (``set_backend``, through ``attention_selector``); ``impl`` is
+    the backend's ``AttentionImpl`` for this layer.
     """
-    nd, num_heads, head_dim = q.shape
-    kv_heads = k_cache.shape[2]
-    group = num_heads // kv_heads  # query heads per KV head (grouped-query attention)
-    keys = k_cache.view(-1, kv_heads, head_dim)[slots]  # (nd, L, kv_heads, head_dim), fused when compiled
-    queries = q.view(nd, 1, kv_heads, group, head_dim)
-    scores = (keys.unsqueeze(3).float() * queries.float()).sum(-1) * scale  # (nd, L, kv_heads, group)
-    key_pos = torch.arange(slots.shape[1], device=q.device)[None, :]  # (1, L)
-    valid = key_pos < seq_lens[:, None]  # (nd, L)
-    if sliding_window is not None:
-        valid &= key_pos >= seq_lens[:, None] - sliding_window
-    probs = scores.masked_fill(~valid[:, :, None, None], float("-inf")).softmax(dim=1)
-    values = v_cache.view(-1, kv_heads, head_dim)[slots]  # (nd, L, kv_heads, head_dim), fused when compiled
-    out = (probs.unsqueeze(-1) * values.unsqueeze(3).float()).sum(1)  # (nd, kv_heads, group, head_dim)
-    return out.reshape(nd, num_heads, head_dim).to(q.dtype)
 
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        num_kv_heads: int,
+        scale: float,
+        sliding_window: int | None = None,
+        layer_index: int = 0,
+    ) -> None:
+        super().__init__()
+        self.layer_index = layer_index  # among this pipeline stage's layers
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.set_backend(TorchSDPABackend)
 
-@torch.library.custom_op("glassbox::attention", mutates_args=())
-def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int) -> torch.Tensor:
-    """The attention of layer ``layer_index`` as one op of the compiled graph (vLLM:
-    ``unified_attention``): ``Attention.forward`` run eagerly with the forward context's
-    metadata and cache. It writes the new K/V into the cache, which the graph does not see
-    (the cache is not one of its tensors). Returns ``(num_tokens, num_heads * head_dim)``."""
-    from engine.model.forward_context import get_forward_context
+    def set_backend(self, backend: type[AttentionBackend]) -> None:
+        """Attend with ``backend`` from now on (its ``prepare`` already done)."""
+        self.backend = backend
+        self.impl = backend.get_impl_cls()(
+            self.num_heads, self.head_dim, self.num_kv_heads, self.scale, self.sliding_window
+        )
 
-    ctx = get_forward_context()
-    kv_cache = ctx.kv_caches[layer_index] if ctx.kv_caches else None
-    with op_threads():  # the worker's thread count of the moment (engine/model/op_threads.py)
-        return ctx.layers[layer_index](q, k, v, kv_cache, ctx.attn_metadata)
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache | None,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Attend; returns ``(num_tokens, num_heads * head_dim)``.
 
+        ``q`` is ``(num_tokens, num_heads, head_dim)``; ``k`` and ``v`` are
+        ``(num_tokens, num_kv_heads, head_dim)``. Writes ``k``/``v`` into ``kv_cache``
+        at ``slot_mapping`` first (unless profiling).
 
-@attention_op.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int) -> torch.Tensor:
-    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-
-
-_compiled_paged_decode = None
-
-
-def set_attention_backend(
-    layers: list[Attention], backend: str, device: torch.device | str | None = None
-) -> None:
-    """Choose ``backend`` (one of ``ATTENTION_BACKENDS``) for ``layers``.
-
-    ``PAGED_INDUCTOR`` compiles ``paged_decode_attention`` once for every batch (dynamic
-    shapes; ``backed_size_oblivious`` so a batch of one decode makes no second graph). The
-    first call compiles (seconds; cached on disk by Inductor), so call this before warm-up.
-    ``CPU_PAGED_CPP`` builds the C++ kernel here (a second or two the first time; cached under
-    ``<GLASSBOX_CACHE_ROOT>/kernels``), so no request pays for it.
-
-    Raises:
-        ValueError: an unknown backend; ``CPU_PAGED_CPP`` with a ``device`` (the model's,
-            when the caller knows it) that is not the CPU.
-        RuntimeError: ``CPU_PAGED_CPP`` and no C++ compiler, or its build failed.
-    """
-    global _compiled_paged_decode
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention backend {backend!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
-    if backend == "PAGED_INDUCTOR" and _compiled_paged_decode is None:
-        import torch.fx.experimental._config as fx_config
-
-        fx_config.backed_size_oblivious = True
-        _compiled_paged_decode = torch.compile(paged_decode_attention, dynamic=True)
-    if backend == "CPU_PAGED_CPP":
-        if device is not None and torch.device(device).type != "cpu":
-            raise ValueError(
-                f"attention backend CPU_PAGED_CPP runs on the CPU only, and the model is on {device}: "
-                "use --attention-backend TORCH_SDPA or PAGED_INDUCTOR"
-            )
-        load_kernel()
-    for layer in layers:
-        layer.backend = backend
-        layer.decode_kernel = _compiled_paged_decode
+        Under ``torch.compile`` the layer is one opaque op, ``glassbox::attention``
+        (``engine/model/cpu/compile.py``, which registers it), that runs this same method
+        eagerly with the step's metadata and this layer's cache from the forward context.
+        """
+        if torch.compiler.is_compiling():
+            return torch.ops.glassbox.attention(q, k, v, self.layer_index)
+        out = self.impl.forward(q, k, v, kv_cache, attn_metadata)  # (num_tokens, num_heads, head_dim)
+        return out.view(out.shape[0], self.num_heads * self.head_dim)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:

@@ -6,9 +6,9 @@ Mirrors vLLM's ``vllm/forward_context.py`` (``set_forward_context`` /
 arguments of ``forward``; the compiled one cannot: ``torch.compile`` would trace the
 metadata's plain ints and lists (how many decodes, each request's start) into guards and
 compile a new graph for every batch. So the compiled graph takes only token tensors, and
-each attention layer calls the ``glassbox::attention`` op (``engine/model/attention.py``)
+each attention layer calls the ``glassbox::attention`` op (``engine/model/cpu/compile.py``)
 with its layer index; the op reads the metadata and its cache from here. The model runner
-sets the context around every forward, eager or compiled.
+sets the context around every compiled forward; the eager one never reads it.
 """
 
 from __future__ import annotations

@@ -21,17 +21,11 @@ Parameters are created with ``torch.empty`` on the current default device and dt
 loader sets both): weights come from the checkpoint, so initialising them would only cost
 time.
 
-On a CPU, once loaded, each linear weight (and the LM head's) is also kept *pre-packed* for
-oneDNN (``pack_linear_weights``; vLLM: ``process_weights_after_loading`` →
-``dispatch_cpu_unquantized_gemm``): the blocked layout oneDNN's matmul wants is made once
-instead of on every call. Measured on the "small" benchmark model, one thread, per
-CPU-second: +15–20 % output tokens in float32, +10 % in bfloat16 (docs/performance.md). The
-plain ``weight`` stays (the loader, tied embeddings and the tests read it), so linear weights
-take twice their size in memory. A bfloat16 model on a CPU without AMX also keeps each linear
-weight upcast to float32 and packed (``bf16_linears_as_f32``: the same math, faster there for
-steps of ``BF16_AS_F32_MIN_ROWS`` rows or more), so its linear weights take four times their
-bfloat16 size — unless those copies would take more than a quarter of the memory available
-(``F32_COPIES_MAX_SHARE``): then they are not made.
+Each linear (and the LM head) multiplies through its ``linear_method`` (vLLM:
+``quant_method``, a ``LinearMethodBase``): here ``UnquantizedLinearMethod``, plain
+``F.linear``. On a CPU the loader swaps in ``CPUPackedLinearMethod`` after loading
+(``engine/model/cpu/linear.py``: the weights pre-packed for oneDNN, and bfloat16 run as
+float32 where that is faster); this file does not know it exists.
 
 Left out: fused residual-add RMSNorm, quantization, vocab padding, RoPE types other than
 default / linear / llama3 (yarn, dynamic NTK, longrope, partial rotary).
@@ -52,10 +46,6 @@ from engine.distributed.parallel_state import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
-from engine.logger import init_logger
-from engine.model.op_threads import op_threads
-
-logger = init_logger(__name__)
 
 
 def _tp(tp_rank: int | None, tp_size: int | None) -> tuple[int, int]:
@@ -211,148 +201,41 @@ def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> N
     param.data.copy_(loaded_weight)
 
 
-# Rows of input from which a bfloat16 linear runs as a float32 matmul, on a CPU without AMX:
-# measured in the small benchmark model's compiled step (2-core Xeon), 64 rows and up gain
-# (decode of 64: -7 %, of 128: -15 %, a 16 × 128-token prefill: -30 % step time); below,
-# the casts cost what the matmul saves, and under 16 rows reading half the bytes wins.
-BF16_AS_F32_MIN_ROWS = 64
+class LinearMethodBase:
+    """How a linear layer keeps and multiplies its weight (vLLM: ``LinearMethodBase``).
+
+    ``create_weights`` makes the layer's ``weight`` parameter ``(output_size_per_partition,
+    input_size_per_partition)`` with ``weight_loader`` attached (deviation: vLLM's also takes
+    the dtype and the unsplit sizes; ours reads the default dtype and needs no more);
+    ``process_weights_after_loading`` is called once the checkpoint is in; ``apply`` computes
+    ``x W^T + b`` for ``x`` (num_tokens, in) → (num_tokens, out).
+    """
+
+    def create_weights(
+        self, layer: nn.Module, input_size_per_partition: int, output_size_per_partition: int, weight_loader
+    ) -> None:
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Nothing to do after loading."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        raise NotImplementedError
 
 
-def linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    packed: torch.Tensor | None,
-    packed_f32: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``x W^T + b``: ``x`` (num_tokens, in) → (num_tokens, out). With ``packed`` (the same
-    weight in oneDNN's blocked layout, ``pack_linear_weights``) through oneDNN's matmul, else
-    ``F.linear``; also ``F.linear`` where autograd is on (the packed op has no backward).
-    ``packed_f32`` (a bfloat16 weight upcast to float32 and packed, on a CPU without AMX)
-    serves inputs of at least ``BF16_AS_F32_MIN_ROWS`` rows: see ``pack_linear_weights``."""
-    if packed is None or x.dim() != 2 or torch.is_grad_enabled():
-        return F.linear(x, weight, bias)
-    if torch.compiler.is_compiling():
-        return torch.ops.glassbox.onednn_linear(x, weight, bias, packed, packed_f32)
-    return _onednn_linear(x, weight, bias, packed, packed_f32)
+class UnquantizedLinearMethod(LinearMethodBase):
+    """The reference: the weight as loaded, multiplied by ``F.linear`` (vLLM:
+    ``UnquantizedLinearMethod``). On a CPU the loader replaces it with
+    ``CPUPackedLinearMethod`` (``engine/model/cpu/linear.py``) once the weights are in."""
 
+    def create_weights(
+        self, layer: nn.Module, input_size_per_partition: int, output_size_per_partition: int, weight_loader
+    ) -> None:
+        weight = nn.Parameter(torch.empty(output_size_per_partition, input_size_per_partition))
+        layer.weight = _set_loader(weight, weight_loader)
 
-def _onednn_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    packed: torch.Tensor,
-    packed_f32: torch.Tensor | None,
-) -> torch.Tensor:
-    rows = x.shape[0]
-    if rows == 0:
-        return F.linear(x, weight, bias)
-    with op_threads():  # the worker's thread count of the moment (engine/model/op_threads.py)
-        if packed_f32 is not None and rows >= BF16_AS_F32_MIN_ROWS:
-            # Exactly the bfloat16 matmul's math (bfloat16 operands, float32 products and sums,
-            # one rounding of the result), on the CPU's faster float32 units.
-            bias_f32 = None if bias is None else bias.float()
-            y = torch.ops.mkldnn._linear_pointwise(x.float(), packed_f32, bias_f32, "none", [], "")
-            return y.to(x.dtype)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-@torch.library.custom_op("glassbox::onednn_linear", mutates_args=())
-def onednn_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    packed: torch.Tensor,
-    packed_f32: torch.Tensor | None,
-) -> torch.Tensor:
-    """``linear`` with a packed weight as one op of a compiled graph: Inductor calls it as
-    it is (its own lowering of oneDNN's op wants the weights frozen into the graph), and the
-    choice between ``packed`` and ``packed_f32`` is made per call, on the step's row count."""
-    return _onednn_linear(x, weight, bias, packed, packed_f32)
-
-
-@onednn_linear.register_fake
-def _(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    packed: torch.Tensor,
-    packed_f32: torch.Tensor | None,
-) -> torch.Tensor:
-    return x.new_empty(x.shape[0], weight.shape[0])
-
-
-def _pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight`` (out, in) reordered for oneDNN's matmul, or None where that does not apply
-    (not on a CPU, not float32/bfloat16, no oneDNN, or a bfloat16 the CPU cannot run)."""
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return None
-    if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return None
-    if weight.dtype not in (torch.float32, torch.bfloat16):
-        return None
-    try:
-        # The layout is tuned for 32 rows of input (a decode batch); any row count works.
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
-    except RuntimeError:
-        return None
-
-
-def bf16_linears_as_f32() -> bool:
-    """Whether bfloat16 linears of ``BF16_AS_F32_MIN_ROWS`` rows or more run as float32
-    matmuls on this CPU: where it has no AMX tiles. Its bfloat16 dot products (AVX512-BF16)
-    then do no more per cycle than its float32 FMAs, and oneDNN's bfloat16 kernel reached
-    166 GFLOP/s against 258–304 in float32 on a 2-core Xeon, so the same math is faster in
-    float32 (1.3–1.55× per linear from 64 rows up, casts included)."""
-    is_amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return is_amx is not None and not is_amx()
-
-
-# The float32 copies of bfloat16 weights are made only if they take at most this share of
-# the memory available when the model has loaded (the KV cache is allocated after).
-F32_COPIES_MAX_SHARE = 0.25
-
-
-def _f32_copies_fit(num_bytes: int) -> bool:
-    import psutil
-
-    available = psutil.virtual_memory().available
-    if num_bytes <= F32_COPIES_MAX_SHARE * available:
-        return True
-    logger.info(
-        "bfloat16 linears stay bfloat16 on this CPU without AMX: their float32 copies "
-        "(%.1f GiB) would take more than a quarter of the %.1f GiB available",
-        num_bytes / 2**30,
-        available / 2**30,
-    )
-    return False
-
-
-def pack_linear_weights(model: nn.Module) -> int:
-    """Pre-pack every linear weight of ``model`` (and its ``lm_head``) for oneDNN on a CPU;
-    returns how many were packed (0 off the CPU). Call once, after ``load_weights``.
-
-    A bfloat16 weight on a CPU without AMX (``bf16_linears_as_f32``) is also packed upcast
-    to float32 (``packed_weight_f32``, twice the bytes), which steps of at least
-    ``BF16_AS_F32_MIN_ROWS`` rows use — unless those copies would take more than
-    ``F32_COPIES_MAX_SHARE`` of the memory available now (a big model on a small machine):
-    then the bfloat16 kernel serves every step, and a log line says so."""
-    targets = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
-    head = getattr(model, "lm_head", None)
-    if isinstance(head, VocabParallelEmbedding):  # ParallelLMHead, or the tied embedding table
-        targets.append(head)
-    as_f32 = bf16_linears_as_f32()
-    if as_f32:
-        need = sum(4 * m.weight.numel() for m in targets if m.weight.dtype == torch.bfloat16)
-        as_f32 = need > 0 and _f32_copies_fit(need)
-    packed = 0
-    for module in targets:
-        module.packed_weight = _pack_for_onednn(module.weight)
-        module.packed_weight_f32 = None
-        if module.packed_weight is not None and module.weight.dtype == torch.bfloat16 and as_f32:
-            module.packed_weight_f32 = _pack_for_onednn(module.weight.detach().float())
-        packed += module.packed_weight is not None
-    return packed
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
 
 
 def _set_loader(param: nn.Parameter, loader) -> nn.Parameter:
@@ -384,10 +267,9 @@ class ColumnParallelLinear(nn.Module):
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.output_size_per_partition = output_size // tp_size
-        self.packed_weight: torch.Tensor | None = None  # pack_linear_weights, on a CPU
-        self.packed_weight_f32: torch.Tensor | None = None  # the same, for bfloat16 without AMX
-        self.weight = _set_loader(
-            nn.Parameter(torch.empty(self.output_size_per_partition, input_size)), self.weight_loader
+        self.linear_method: LinearMethodBase = UnquantizedLinearMethod()
+        self.linear_method.create_weights(
+            self, input_size, self.output_size_per_partition, self.weight_loader
         )
         self.bias = (
             _set_loader(nn.Parameter(torch.empty(self.output_size_per_partition)), self.weight_loader)
@@ -401,7 +283,7 @@ class ColumnParallelLinear(nn.Module):
         default_weight_loader(param, loaded_weight.narrow(0, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight, self.packed_weight_f32)
+        return self.linear_method.apply(self, x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -509,10 +391,9 @@ class RowParallelLinear(nn.Module):
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.input_size_per_partition = input_size // tp_size
-        self.packed_weight: torch.Tensor | None = None  # pack_linear_weights, on a CPU
-        self.packed_weight_f32: torch.Tensor | None = None  # the same, for bfloat16 without AMX
-        self.weight = _set_loader(
-            nn.Parameter(torch.empty(output_size, self.input_size_per_partition)), self.weight_loader
+        self.linear_method: LinearMethodBase = UnquantizedLinearMethod()
+        self.linear_method.create_weights(
+            self, self.input_size_per_partition, output_size, self.weight_loader
         )
         self.bias = (
             _set_loader(nn.Parameter(torch.empty(output_size)), default_weight_loader) if bias else None
@@ -524,10 +405,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return linear(x, self.weight, self.bias, self.packed_weight, self.packed_weight_f32)
-        y = tensor_model_parallel_all_reduce(
-            linear(x, self.weight, None, self.packed_weight, self.packed_weight_f32)
-        )  # (num_tokens, output_size)
+            return self.linear_method.apply(self, x, self.bias)
+        y = tensor_model_parallel_all_reduce(self.linear_method.apply(self, x))  # (num_tokens, output_size)
         return y + self.bias if self.bias is not None else y
 
 
@@ -556,10 +435,10 @@ class VocabParallelEmbedding(nn.Module):
         self.tp_size = tp_size
         self.num_embeddings_per_partition = -(-num_embeddings // tp_size)
         self.vocab_start_index = tp_rank * self.num_embeddings_per_partition
-        self.packed_weight: torch.Tensor | None = None  # as an LM head: pack_linear_weights
-        self.packed_weight_f32: torch.Tensor | None = None  # the same, for bfloat16 without AMX
-        self.weight = _set_loader(
-            nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim)), self.weight_loader
+        # As an LM head it is a linear too (vLLM: ``UnquantizedEmbeddingMethod``).
+        self.linear_method: LinearMethodBase = UnquantizedLinearMethod()
+        self.linear_method.create_weights(
+            self, embedding_dim, self.num_embeddings_per_partition, self.weight_loader
         )
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
@@ -588,8 +467,7 @@ class VocabParallelEmbedding(nn.Module):
         every rank holds the same full logits and samples the same tokens. vLLM:
         ``LogitsProcessor`` with ``tensor_model_parallel_all_gather``.
         """
-        # (N, vocab / tp)
-        logits = linear(hidden, self.weight, None, self.packed_weight, self.packed_weight_f32)
+        logits = self.linear_method.apply(self, hidden)  # (N, vocab / tp)
         if self.tp_size > 1:
             logits = tensor_model_parallel_all_gather(logits, dim=-1)[:, : self.num_embeddings]
         return logits.float()

@@ -28,7 +28,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.config import ConfigError, ModelConfig
-from engine.model.layers import pack_linear_weights
+from engine.model.cpu.linear import pack_linear_weights
 from engine.model.llama import get_model_class
 
 _DTYPES = {

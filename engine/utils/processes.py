@@ -177,7 +177,7 @@ class ChildProcess:
 # GLASSBOX_CPU_OMP_THREADS_BIND=nobind). With adaptive threads (GLASSBOX_CPU_ADAPTIVE_THREADS,
 # the default) a thread that waits for its team spins briefly, then sleeps: fast between the
 # back-to-back parallel regions of a step, and a worker whose CPUs another process takes runs
-# with fewer threads instead of spinning against it (engine/worker/cpu_thread_governor.py).
+# with fewer threads instead of spinning against it (engine/worker/cpu/cpu_thread_governor.py).
 # Without them, it sleeps at once (PASSIVE), so a taken core does not stall the whole team.
 # docs/performance.md, "One core taken" and "Threads that follow the load". libgomp — torch's
 # OpenMP on Linux — reads these when it is loaded, i.e. when the child imports torch: they

@@ -10,7 +10,7 @@ Mirrors vLLM's ``vllm/v1/worker/gpu_model_runner.py`` (``GPUModelRunner``). Each
    pos % block_size``. Decodes (one token) go first so attention can batch them. Arrays
    are built with numpy, per request, never per token;
 3. run the model — eagerly with the metadata and caches as arguments, or compiled
-   (``engine/model/compile.py``, the default unless ``--enforce-eager``) inside the
+   (``engine/model/cpu/compile.py``, the default unless ``--enforce-eager``) inside the
    forward context that the compiled graph's attention op reads — take the hidden state of each request's last scheduled token (only for
    requests whose prompt is complete after this step: a chunk that leaves part of the
    prompt for later samples nothing), compute logits and sample;
@@ -39,11 +39,12 @@ import torch
 from engine import envs
 from engine.config import EngineConfig
 from engine.kv_cache.kv_cache_interface import FullAttentionSpec, KVCacheConfig, kv_cache_spec
-from engine.model.attention import AttentionMetadata, KVCache, set_attention_backend
-from engine.model.compile import CompiledModel, missing_cxx_compiler, use_compile_cache_dir
+from engine.model.attention import AttentionMetadata, KVCache
+from engine.model.attention_selector import set_attention_backend
+from engine.model.cpu.compile import CompiledModel, missing_cxx_compiler, use_compile_cache_dir
+from engine.model.cpu.op_threads import op_threads
 from engine.model.forward_context import set_forward_context
 from engine.model.loader import load_model
-from engine.model.op_threads import op_threads
 from engine.model.sampler import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
 from engine.model.utils import IntermediateTensors
 from engine.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput
@@ -193,7 +194,7 @@ class ModelRunner:
         self.model = load_model(self.model_config, self.device, self.dtype)
         params = list(self.model.parameters())  # a tied table once (parameters() dedups)
         weights = params + list(self.model.buffers())
-        # The CPU's oneDNN copies of the linear weights (engine/model/layers.py) count too.
+        # The CPU's oneDNN copies of the linear weights (engine/model/cpu/linear.py) count too.
         packed = [
             t
             for m in self.model.modules()
@@ -303,7 +304,7 @@ class ModelRunner:
         """A few dummy steps (a prefill, a batch of decodes, the sampler) before real traffic.
 
         Unless ``enforce_eager`` (or ``GLASSBOX_TORCH_COMPILE=0``), the forward is compiled
-        first (``engine/model/compile.py``): the first dummy step traces and compiles the one
+        first (``engine/model/cpu/compile.py``): the first dummy step traces and compiles the one
         graph (or loads it from the compile cache). Returns what the worker's stage reports:
         ``{"mode": "inductor" | "eager", "graphs": n, "seconds": compile seconds}``.
         Dummy tokens write only to block 0, the null block, which no request reads.
@@ -317,7 +318,7 @@ class ModelRunner:
                 use_compile_cache_dir(),
             )
         elif backend == "CPU_PAGED_CPP":
-            from engine.model.paged_attention_cpu import cpp_kernel_unavailable, kernel_path
+            from engine.model.cpu.paged_attention_cpu import cpp_kernel_unavailable, kernel_path
 
             missing = cpp_kernel_unavailable()
             if missing:
@@ -380,7 +381,7 @@ class ModelRunner:
             return requested
         if self.device.type != "cpu":
             return "TORCH_SDPA"
-        from engine.model.paged_attention_cpu import cpp_kernel_unavailable, load_kernel
+        from engine.model.cpu.paged_attention_cpu import cpp_kernel_unavailable, load_kernel
 
         why = cpp_kernel_unavailable()
         if why is None:

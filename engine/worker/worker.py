@@ -24,25 +24,16 @@ vLLM keeps up to ``pipeline_parallel_size`` batches in flight (the engine core's
 queue) so that every stage is busy; that micro-batching is left out, so here a stage idles
 while the others work.
 
-On a CPU, ``init_device`` first sets this worker's torch (OpenMP) threads: how many, and on
-which CPUs (``GLASSBOX_CPU_OMP_THREADS_BIND``, vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` and
-``CPUWorker.init_device``). ``plan_cpu_threads`` decides, ``apply_cpu_threads`` does it. vLLM
-pins each OpenMP thread to one CPU with its own C++ helper and, under ``auto``, picks the
-CPUs NUMA node by NUMA node and keeps one back for the engine core; Glassbox pins the whole
-worker process to its share (each thread then placed by the OS inside it), has no NUMA
-logic, and keeps no core back (its engine core sleeps while the worker computes: about 2 %
-of a core, measured in ``benchmarks/cpu_contention.py``). A worker with two or more threads
-then runs with fewer while other processes take its CPUs (``CpuThreadGovernor``,
-``GLASSBOX_CPU_ADAPTIVE_THREADS``), so its threads may spin briefly between parallel regions
-(``GOMP_SPINCOUNT=10000``), which is faster on a quiet machine.
+On a CPU the executor builds ``CPUWorker`` (``engine/worker/cpu/cpu_worker.py``, vLLM's
+``cpu_worker.py``), this class with its torch threads planned and governed: it plugs in
+through ``_init_device_threads`` and by extending ``execute_model``, ``runs_as`` and
+``telemetry_gauges``; this file imports nothing of it.
 """
 
 from __future__ import annotations
 
 import gc
-import os
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -55,7 +46,6 @@ from engine.model.loader import resolve_device, resolve_dtype
 from engine.model.utils import IntermediateTensors
 from engine.outputs import ModelRunnerOutput
 from engine.sched.output import SchedulerOutput
-from engine.worker.cpu_thread_governor import CpuThreadGovernor
 from engine.worker.model_runner import ModelRunner
 from tracing import catalogue, stage
 from tracing.stage import set_runs_as
@@ -65,143 +55,6 @@ from tracing.telemetry.publisher import get_publisher
 logger = init_logger(__name__)
 
 GiB = 1 << 30
-
-BIND_ENV = "GLASSBOX_CPU_OMP_THREADS_BIND"
-
-
-@dataclass(frozen=True)
-class CpuThreadPlan:
-    """What one CPU worker does with its torch threads (``plan_cpu_threads``).
-
-    ``num_threads``: torch's intra-op thread count to set (``torch.set_num_threads``), None to
-    leave it. ``cpus``: the CPU ids to pin the worker's process to (``os.sched_setaffinity``),
-    None to leave its affinity. ``why``: one phrase for the log line.
-    """
-
-    num_threads: int | None
-    cpus: tuple[int, ...] | None
-    why: str
-
-    @property
-    def placement(self) -> tuple[int | None, tuple[int, ...] | None]:
-        """``(num_threads, cpus)``."""
-        return self.num_threads, self.cpus
-
-
-def _cpu_ranges(cpus: tuple[int, ...]) -> str:
-    """``(0, 1, 2, 5)`` → ``"0-2,5"``."""
-    runs: list[list[int]] = []
-    for c in sorted(set(cpus)):
-        if runs and runs[-1][1] == c - 1:
-            runs[-1][1] = c
-        else:
-            runs.append([c, c])
-    return ",".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in runs)
-
-
-def _usable_cpus() -> set[int]:
-    """The CPUs this (thread of the) process may run on; every CPU where affinity is not known."""
-    if hasattr(os, "sched_getaffinity"):
-        return os.sched_getaffinity(0)
-    return set(range(os.cpu_count() or 1))
-
-
-def _omp_count(value: str | None) -> int | None:
-    """``OMP_NUM_THREADS``'s (first) count, or None when unset or not a whole number >= 1
-    (OpenMP ignores such a value too)."""
-    first = (value or "").split(",")[0].strip()
-    return int(first) if first.isdigit() and int(first) >= 1 else None
-
-
-def plan_cpu_threads(
-    bind: str | tuple[tuple[int, ...], ...],
-    worker_index: int,
-    num_workers: int,
-    usable_cpus: set[int] | frozenset[int],
-    omp_num_threads: str | None,
-    own_process: bool,
-) -> CpuThreadPlan:
-    """Decide one CPU worker's torch thread count and CPU affinity.
-
-    Args:
-        bind: ``GLASSBOX_CPU_OMP_THREADS_BIND`` as parsed by ``engine.envs``: ``"auto"``,
-            ``"nobind"``, or one tuple of CPU ids per worker.
-        worker_index: this worker's index among all the engine's local workers (DP rank ×
-            world size + rank).
-        num_workers: how many workers the engine runs on this machine (DP × PP × TP).
-        usable_cpus: the CPUs this process may run on (``os.sched_getaffinity(0)``).
-        omp_num_threads: the user's ``OMP_NUM_THREADS`` (None when unset): under ``auto`` it
-            gives the count; with explicit lists the list decides.
-        own_process: the worker runs in a Glassbox process of its own (or the engine core's
-            with ``--distributed-executor-backend uni``), not in the caller's: ``auto``
-            changes nothing in the caller's process.
-
-    Returns:
-        The plan (``CpuThreadPlan``); ``nobind`` → change nothing.
-
-    Raises:
-        ConfigError: an explicit list has no entry for this worker, or names a CPU this
-            process may not use; the message names ``GLASSBOX_CPU_OMP_THREADS_BIND``.
-    """
-    if bind == "nobind":
-        return CpuThreadPlan(None, None, f"{BIND_ENV}=nobind")
-    if bind == "auto":
-        if not own_process:
-            return CpuThreadPlan(None, None, "auto, in the caller's process: left as they are")
-        cpus = sorted(usable_cpus)
-        if num_workers >= len(cpus):
-            # No more than one CPU each: one thread per worker, and the OS places them.
-            share: tuple[int, ...] | None = None
-            threads = 1
-        else:
-            # Contiguous shares, sizes differing by at most one (the first get the extra CPUs).
-            base, extra = divmod(len(cpus), num_workers)
-            start = worker_index * base + min(worker_index, extra)
-            share = tuple(cpus[start : start + base + (worker_index < extra)])
-            threads = len(share)
-            if num_workers == 1:
-                share = None  # all of them: nothing to pin
-        why = f"auto: {len(cpus)} usable CPUs, {num_workers} worker(s)"
-        if _omp_count(omp_num_threads) is not None:
-            threads = _omp_count(omp_num_threads)
-            why += f", OMP_NUM_THREADS={omp_num_threads}"
-        return CpuThreadPlan(threads, share, why)
-    if worker_index >= len(bind):
-        raise ConfigError(
-            BIND_ENV,
-            "|".join(_cpu_ranges(cpus) for cpus in bind),
-            f"one CPU list per worker, separated by '|': {num_workers} workers but {len(bind)} list(s)",
-        )
-    cpus_of_worker = bind[worker_index]
-    unusable = sorted(set(cpus_of_worker) - set(usable_cpus))
-    if unusable:
-        raise ConfigError(
-            BIND_ENV,
-            "|".join(_cpu_ranges(cpus) for cpus in bind),
-            f"CPU {_cpu_ranges(tuple(unusable))} is not one this process may use "
-            f"({_cpu_ranges(tuple(sorted(usable_cpus)))})",
-        )
-    return CpuThreadPlan(
-        len(cpus_of_worker), cpus_of_worker, f"{BIND_ENV}={_cpu_ranges(cpus_of_worker)} for this worker"
-    )
-
-
-def apply_cpu_threads(plan: CpuThreadPlan) -> None:
-    """Carry out ``plan`` in this process: ``torch.set_num_threads`` (OpenMP's and MKL's
-    counts), and ``os.sched_setaffinity`` for every thread the process has (new threads,
-    OpenMP's pool among them, inherit it from the thread that starts them)."""
-    if plan.num_threads is not None and torch.get_num_threads() != plan.num_threads:
-        torch.set_num_threads(plan.num_threads)
-    if plan.cpus is not None and hasattr(os, "sched_setaffinity"):
-        try:
-            tids = [int(t) for t in os.listdir("/proc/self/task")]
-        except OSError:
-            tids = [0]
-        for tid in tids:
-            try:
-                os.sched_setaffinity(tid, plan.cpus)
-            except ProcessLookupError:  # the thread ended meanwhile
-                pass
 
 
 class Worker:
@@ -236,7 +89,6 @@ class Worker:
         self._num_steps = 0  # execute_model calls (live telemetry)
         self._graphs_after_warm_up = 0  # graphs torch.compile made after warm-up (status file)
         self._last_forward_ms = 0.0
-        self._governor: CpuThreadGovernor | None = None  # a CPU worker's adaptive thread count
 
     def _attrs(self, **extra: Any) -> dict[str, Any]:
         return {catalogue.ATTR_RANK: self.rank, **extra}
@@ -250,8 +102,7 @@ class Worker:
         with stage(catalogue.WORKER_INIT_DEVICE, **self._attrs()) as st:
             mc = self.config.model_config
             self.device = resolve_device(self.config.device_config.device, self.local_rank)
-            if self.device.type == "cpu":
-                self._init_cpu_threads()  # before this worker's first torch op
+            self._init_device_threads()  # before this worker's first torch op
             self.dtype = resolve_dtype(mc.dtype, mc.checkpoint_dtype, self.device)
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
@@ -265,45 +116,9 @@ class Worker:
             logger.info("Worker rank %d on %s, dtype %s", self.rank, info["device"], info["dtype"])
             return info
 
-    def _init_cpu_threads(self) -> None:
-        """Set this worker's torch threads and CPU affinity (``GLASSBOX_CPU_OMP_THREADS_BIND``)
-        and log what it got; the result is also ``cpu_threads_info()``."""
-        from engine.logger import get_process_role
-
-        pc = self.config.parallel_config
-        plan = plan_cpu_threads(
-            envs.GLASSBOX_CPU_OMP_THREADS_BIND,
-            worker_index=pc.data_parallel_rank * pc.world_size + self.rank,
-            num_workers=pc.data_parallel_size * pc.world_size,
-            usable_cpus=_usable_cpus(),
-            omp_num_threads=os.environ.get("OMP_NUM_THREADS") or None,
-            own_process=get_process_role() != "Main",
-        )
-        apply_cpu_threads(plan)
-        info = self.cpu_threads_info()
-        governor = None
-        if envs.GLASSBOX_CPU_ADAPTIVE_THREADS and plan.num_threads is not None and plan.num_threads >= 2:
-            governor = CpuThreadGovernor(plan.num_threads, plan.cpus or tuple(sorted(_usable_cpus())),
-                                         name=f"Worker rank {self.rank} on CPUs {info['cpus']}")  # fmt: skip
-        self._governor = governor if governor is not None and governor.enabled else None
-        logger.info(
-            "Worker rank %d: %d torch thread(s) on CPUs %s (%s%s); OMP_WAIT_POLICY=%s, GOMP_SPINCOUNT=%s",
-            self.rank, info["num_threads"], info["cpus"], plan.why,
-            ", fewer while other processes take CPUs" if self._governor else "",
-            info["omp_wait_policy"], info["gomp_spincount"],
-        )  # fmt: skip
-
-    def cpu_threads_info(self) -> dict[str, Any]:
-        """This worker's torch thread count, the CPUs it may run on (``"0-1"``) and the OpenMP
-        wait variables it was started with (``"unset"`` when absent), for tests and benchmarks."""
-        from engine.model.op_threads import get_op_threads
-
-        return {
-            "num_threads": get_op_threads(),
-            "cpus": _cpu_ranges(tuple(_usable_cpus())),
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
-            "gomp_spincount": os.environ.get("GOMP_SPINCOUNT", "unset"),
-        }
+    def _init_device_threads(self) -> None:
+        """Set this worker's threads before its first torch op: nothing here (``CPUWorker``
+        plans and pins its torch threads)."""
 
     def _init_distributed(self) -> None:
         """Join the TP and PP groups (world size > 1 only); rendezvous bounded by GLASSBOX_DIST_INIT_TIMEOUT_S."""
@@ -426,13 +241,11 @@ class Worker:
     def runs_as(self, compiled: dict[str, Any]) -> dict[str, str]:
         """How this worker runs its model, for its status file (``glassbox ps``, ``doctor``):
         device, dtype, compile mode (with ``compiled``: ``warm_up``'s answer), attention
-        backend, and on a CPU its threads (now / its share)."""
+        backend (``CPUWorker`` adds its threads)."""
         assert self.model_runner is not None and self.device is not None and self.dtype is not None
         facts = {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
                  "compile": self._compile_text(compiled["mode"], compiled["graphs"]),
                  "attention": str(self.model_runner.attention_backend)}  # fmt: skip
-        if self.device.type == "cpu":
-            facts["cpu_threads"] = self._threads_text()
         return facts
 
     def _compile_text(self, mode: str, graphs: int) -> str:
@@ -454,20 +267,11 @@ class Worker:
             set_runs_as({"compile": self._compile_text("inductor", compiled.num_graphs),
                          "graphs_after_warm_up": self._graphs_after_warm_up})  # fmt: skip
 
-    def _threads_text(self) -> str:
-        from engine.model.op_threads import get_op_threads
-
-        if self._governor is None:
-            return str(get_op_threads())
-        return f"{get_op_threads()} of {self._governor.max_threads}"
-
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         assert self.model_runner is not None
         from engine.distributed.parallel_state import get_pp_group
 
         start = time.perf_counter()
-        if self._governor is not None:
-            self._governor.step_started()
         pp = get_pp_group()
         intermediate_tensors = None
         runs_forward = scheduler_output.total_num_scheduled_tokens > 0
@@ -482,11 +286,6 @@ class Worker:
             assert pp is not None
             pp.send_tensor_dict(output.tensors)  # on to the next stage; nothing for the engine core
             output = None
-        if self._governor is not None:
-            changes = self._governor.changes
-            self._governor.step_finished()
-            if self._governor.changes != changes:
-                set_runs_as({"cpu_threads": self._threads_text()})
         self._note_late_graphs()
         elapsed = time.perf_counter() - start
         self._execute_model_s += elapsed
@@ -498,18 +297,12 @@ class Worker:
         return output if self.is_driver_worker else None
 
     def telemetry_gauges(self) -> dict[str, float]:
-        """Live-telemetry gauges: execute_model calls so far and the last one's time (ms);
-        on a CPU, the step's thread count now and the most it runs with (its share)."""
+        """Live-telemetry gauges: execute_model calls so far and the last one's time (ms)
+        (``CPUWorker`` adds its thread counts)."""
         gauges: dict[str, float] = {
             events.GAUGE_WORKER_STEP: self._num_steps,
             events.GAUGE_WORKER_FORWARD_MS: self._last_forward_ms,
         }
-        if self.device is not None and self.device.type == "cpu":
-            from engine.model.op_threads import get_op_threads
-
-            gauges[events.GAUGE_WORKER_THREADS] = get_op_threads()
-            most = self._governor.max_threads if self._governor is not None else get_op_threads()
-            gauges[events.GAUGE_WORKER_THREADS_MAX] = most
         return gauges
 
     def execute_dummy_batch(self) -> None:

@@ -2,7 +2,7 @@
 
 Mirrors vLLM's ``vllm/v1/worker/worker_base.py``. The wrapper is cheap to build (it only
 keeps the config and its ``rpc_rank``, the worker's index in the executor); the real
-``Worker`` is built by the ``init_worker`` RPC, so a worker process can report "alive"
+``Worker`` (``CPUWorker`` on a CPU) is built by the ``init_worker`` RPC, so a worker process can report "alive"
 before anything heavy happens. Every other call is forwarded to the worker, which is how
 ``collective_rpc("load_model")`` reaches ``Worker.load_model``.
 """
@@ -32,10 +32,8 @@ class WorkerWrapperBase:
     def init_worker(self, all_kwargs: list[dict[str, Any]]) -> None:
         """Build the worker from ``all_kwargs[rpc_rank]`` (local_rank, rank, ...)."""
         with stage(catalogue.WORKER_INIT_WORKER, **{catalogue.ATTR_RANK: self.rpc_rank}):
-            from engine.worker.worker import Worker
-
             kwargs = all_kwargs[self.rpc_rank]
-            self.worker = Worker(config=self.config, **kwargs)
+            self.worker = _worker_cls(self.config, kwargs.get("local_rank", 0))(config=self.config, **kwargs)
 
     def initialize_from_config(self, kv_cache_configs: list[Any]) -> None:
         """Hand the worker its own entry of the per-worker KV cache configs (rank order)."""
@@ -53,3 +51,22 @@ class WorkerWrapperBase:
         if worker is None:
             raise AttributeError(name)
         return getattr(worker, name)
+
+
+def _worker_cls(config: EngineConfig, local_rank: int) -> type:
+    """``CPUWorker`` (``engine/worker/cpu/cpu_worker.py``) for a worker on the CPU, else
+    ``Worker`` (vLLM: the platform's ``worker_cls``). A device setting that does not resolve
+    gets ``Worker``, whose ``init_device`` reports it."""
+    from engine.config import ConfigError
+    from engine.model.loader import resolve_device
+    from engine.worker.worker import Worker
+
+    try:
+        device = resolve_device(config.device_config.device, local_rank)
+    except ConfigError:
+        return Worker
+    if device.type != "cpu":
+        return Worker
+    from engine.worker.cpu.cpu_worker import CPUWorker
+
+    return CPUWorker

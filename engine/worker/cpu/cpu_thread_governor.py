@@ -90,7 +90,7 @@ class CpuThreadGovernor:
         max_threads: the worker's share of threads (its plan); the governor never goes above.
         cpus: the CPU ids the worker runs on (its share).
         window_s: seconds of wall time per judgement.
-        set_threads: sets the thread count (``engine.model.op_threads.set_op_threads``).
+        set_threads: sets the thread count (``engine.model.cpu.op_threads.set_op_threads``).
         read_idle: ``read_idle_seconds``, replaceable in tests.
         clock, cpu_clock: wall and process-CPU clocks in seconds.
         name: who this is, for the log line ("Worker rank 0 on CPUs 0-1").
@@ -108,7 +108,7 @@ class CpuThreadGovernor:
         name: str = "Worker",
     ) -> None:
         if set_threads is None:
-            from engine.model.op_threads import set_op_threads
+            from engine.model.cpu.op_threads import set_op_threads
 
             set_threads = set_op_threads  # not torch's own count: a compiled graph guards on it
         self.max_threads = max_threads

@@ -11,7 +11,8 @@ headers. It is built here on first use with ``$CXX`` (else ``g++``)::
 into ``<GLASSBOX_CACHE_ROOT>/kernels/paged_attention_cpu-<hash>.so`` (the hash covers the
 source, the compiler, the flags and the CPU's instruction sets, so an edit makes a new file
 and an old one is never loaded by mistake), and called through ``ctypes`` with the tensors' data pointers. Building
-takes a second or two; ``set_attention_backend`` does it at start-up.
+takes a second or two; ``CPUPagedCppBackend.prepare`` (``attention_backends.py``) does it
+at start-up.
 
 OpenMP: torch ships ``libgomp.so.1`` and has loaded it before this module runs, so the
 kernel (linked against ``libgomp.so.1`` by ``-fopenmp``) shares torch's runtime and its

@@ -1,6 +1,6 @@
 """The thread count of a step's parallel work, set apart from torch's global count.
 
-A CPU worker's thread governor (``engine/worker/cpu_thread_governor.py``) lowers the number
+A CPU worker's thread governor (``engine/worker/cpu/cpu_thread_governor.py``) lowers the number
 of threads while other processes take the worker's CPUs. It cannot simply call
 ``torch.set_num_threads``: a compiled forward is guarded on torch's thread count (Dynamo's
 global-state guard, "GLOBAL_STATE changed: num_threads"), and a new count would compile a
@@ -10,7 +10,7 @@ is kept here, and the work that runs in parallel sets it around itself:
 - in a compiled step, the opaque ops where the parallel work is — the oneDNN linears
   (``glassbox::onednn_linear``) and attention (``glassbox::attention``) — enter
   ``op_threads()``; Inductor's own kernels run on one thread anyway
-  (``engine/model/compile.py``), and the guard still sees the count the graph was made with;
+  (``engine/model/cpu/compile.py``), and the guard still sees the count the graph was made with;
 - an eager step and the sampler run whole inside ``op_threads()``.
 
 ``op_threads()`` sets torch's count for the block and puts it back after (0.14 µs a call).

@@ -7,15 +7,15 @@ loops (Triton kernels on a GPU), and the result serves every batch size.
 
 What makes one graph enough:
 
-- **Attention is one opaque op.** Each layer calls ``glassbox::attention`` with its layer
-  index (``engine/model/attention.py``); the op reads the step's metadata (how many decodes,
-  each request's start — plain ints) from the forward context
-  (``engine/model/forward_context.py``), so none of it is traced into guards.
+- **Attention is one opaque op.** Each layer calls ``glassbox::attention`` (defined here,
+  vLLM: ``unified_attention``) with its layer index (``engine/model/attention.py``); the op
+  reads the step's metadata (how many decodes, each request's start — plain ints) from the
+  forward context (``engine/model/forward_context.py``), so none of it is traced into guards.
 - **The token dimension is unbacked** (``mark_unbacked``): Dynamo may not specialise on the
   number of tokens, not even on 1 (a step with one decode reuses the graph; a plain dynamic
   dimension would be re-specialised for size 1 and compile a second graph mid-run).
 - **Linears keep oneDNN's packed weights** through ``glassbox::onednn_linear``
-  (``engine/model/layers.py``): Inductor's own oneDNN lowering wants the weights frozen into
+  (``engine/model/cpu/linear.py``): Inductor's own oneDNN lowering wants the weights frozen into
   the graph, which would rule out the on-disk cache.
 
 The compiled code is cached by Inductor under ``<GLASSBOX_CACHE_ROOT>/torch_compile_cache``
@@ -43,9 +43,28 @@ from torch import nn
 
 from engine import envs
 from engine.logger import init_logger
+from engine.model.cpu.op_threads import op_threads
+from engine.model.forward_context import get_forward_context
 from engine.model.utils import IntermediateTensors
 
 logger = init_logger(__name__)
+
+
+@torch.library.custom_op("glassbox::attention", mutates_args=())
+def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int) -> torch.Tensor:
+    """The attention of layer ``layer_index`` as one op of the compiled graph (vLLM:
+    ``unified_attention``): ``Attention.forward`` run eagerly with the forward context's
+    metadata and cache. It writes the new K/V into the cache, which the graph does not see
+    (the cache is not one of its tensors). Returns ``(num_tokens, num_heads * head_dim)``."""
+    ctx = get_forward_context()
+    kv_cache = ctx.kv_caches[layer_index] if ctx.kv_caches else None
+    with op_threads():  # the worker's thread count of the moment (engine/model/cpu/op_threads.py)
+        return ctx.layers[layer_index](q, k, v, kv_cache, ctx.attn_metadata)
+
+
+@attention_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int) -> torch.Tensor:
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
 def compile_cache_dir() -> Path:
@@ -125,7 +144,7 @@ class CompiledModel:
         # put the team to sleep and woke it again. Measured in the process tree: +15-25 %
         # output tok/s against all threads. The matrix multiplies (oneDNN) and attention,
         # where the time is, are opaque ops and keep every thread — as many as the worker's
-        # thread governor allows at the moment (engine/model/op_threads.py).
+        # thread governor allows at the moment (engine/model/cpu/op_threads.py).
         inductor_config.cpp.threads = 1
         self.model = model
         self.num_graphs = 0

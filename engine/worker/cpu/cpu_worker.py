@@ -1,0 +1,112 @@
+"""``CPUWorker``: a ``Worker`` whose torch threads are planned, pinned and governed.
+
+Mirrors vLLM's ``vllm/v1/worker/cpu_worker.py`` (``CPUWorker.init_device`` binds the OpenMP
+threads). On a CPU, ``init_device`` first sets this worker's torch (OpenMP) threads: how many,
+and on which CPUs (``GLASSBOX_CPU_OMP_THREADS_BIND``; ``cpu_threads.py``). A worker with two or
+more threads then runs with fewer while other processes take its CPUs (``CpuThreadGovernor``,
+``GLASSBOX_CPU_ADAPTIVE_THREADS``), so its threads may spin briefly between parallel regions
+(``GOMP_SPINCOUNT=10000``), which is faster on a quiet machine. The status file's
+``cpu_threads`` and the live gauges ``worker.cpu_threads``/``worker.cpu_threads_max`` say
+how many it runs with now, of its share.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from engine import envs
+from engine.model.cpu.op_threads import get_op_threads
+from engine.outputs import ModelRunnerOutput
+from engine.sched.output import SchedulerOutput
+from engine.worker.cpu.cpu_thread_governor import CpuThreadGovernor
+from engine.worker.cpu.cpu_threads import _cpu_ranges, _usable_cpus, apply_cpu_threads, plan_cpu_threads
+from engine.worker.worker import Worker, logger
+from tracing.stage import set_runs_as
+from tracing.telemetry import events
+
+
+class CPUWorker(Worker):
+    """A ``Worker`` on the CPU (same arguments): threads set in ``init_device``, governed
+    around each ``execute_model``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._governor: CpuThreadGovernor | None = None  # the adaptive thread count, when on
+
+    def _init_device_threads(self) -> None:
+        if self.device.type == "cpu":
+            self._init_cpu_threads()
+
+    def _init_cpu_threads(self) -> None:
+        """Set this worker's torch threads and CPU affinity (``GLASSBOX_CPU_OMP_THREADS_BIND``)
+        and log what it got; the result is also ``cpu_threads_info()``."""
+        from engine.logger import get_process_role
+
+        pc = self.config.parallel_config
+        plan = plan_cpu_threads(
+            envs.GLASSBOX_CPU_OMP_THREADS_BIND,
+            worker_index=pc.data_parallel_rank * pc.world_size + self.rank,
+            num_workers=pc.data_parallel_size * pc.world_size,
+            usable_cpus=_usable_cpus(),
+            omp_num_threads=os.environ.get("OMP_NUM_THREADS") or None,
+            own_process=get_process_role() != "Main",
+        )
+        apply_cpu_threads(plan)
+        info = self.cpu_threads_info()
+        governor = None
+        if envs.GLASSBOX_CPU_ADAPTIVE_THREADS and plan.num_threads is not None and plan.num_threads >= 2:
+            governor = CpuThreadGovernor(plan.num_threads, plan.cpus or tuple(sorted(_usable_cpus())),
+                                         name=f"Worker rank {self.rank} on CPUs {info['cpus']}")  # fmt: skip
+        self._governor = governor if governor is not None and governor.enabled else None
+        logger.info(
+            "Worker rank %d: %d torch thread(s) on CPUs %s (%s%s); OMP_WAIT_POLICY=%s, GOMP_SPINCOUNT=%s",
+            self.rank, info["num_threads"], info["cpus"], plan.why,
+            ", fewer while other processes take CPUs" if self._governor else "",
+            info["omp_wait_policy"], info["gomp_spincount"],
+        )  # fmt: skip
+
+    def cpu_threads_info(self) -> dict[str, Any]:
+        """This worker's torch thread count, the CPUs it may run on (``"0-1"``) and the OpenMP
+        wait variables it was started with (``"unset"`` when absent), for tests and benchmarks."""
+        return {
+            "num_threads": get_op_threads(),
+            "cpus": _cpu_ranges(tuple(_usable_cpus())),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
+            "gomp_spincount": os.environ.get("GOMP_SPINCOUNT", "unset"),
+        }
+
+    def _threads_text(self) -> str:
+        if self._governor is None:
+            return str(get_op_threads())
+        return f"{get_op_threads()} of {self._governor.max_threads}"
+
+    def runs_as(self, compiled: dict[str, Any]) -> dict[str, str]:
+        """``Worker.runs_as`` and, on a CPU, its threads (now / its share)."""
+        facts = super().runs_as(compiled)
+        if self.device.type == "cpu":
+            facts["cpu_threads"] = self._threads_text()
+        return facts
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """``Worker.execute_model`` between the governor's step hooks; a new thread count
+        goes into the status file at once."""
+        if self._governor is None:
+            return super().execute_model(scheduler_output)
+        self._governor.step_started()
+        output = super().execute_model(scheduler_output)
+        changes = self._governor.changes
+        self._governor.step_finished()
+        if self._governor.changes != changes:
+            set_runs_as({"cpu_threads": self._threads_text()})
+        return output
+
+    def telemetry_gauges(self) -> dict[str, float]:
+        """``Worker.telemetry_gauges`` and, on a CPU, the step's thread count now and the most
+        it runs with (its share)."""
+        gauges = super().telemetry_gauges()
+        if self.device is not None and self.device.type == "cpu":
+            gauges[events.GAUGE_WORKER_THREADS] = get_op_threads()
+            most = self._governor.max_threads if self._governor is not None else get_op_threads()
+            gauges[events.GAUGE_WORKER_THREADS_MAX] = most
+        return gauges
