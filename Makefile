@@ -13,6 +13,8 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
+# pytest processes for `make test` (pytest-xdist); 0 runs the suite in this one process.
+TEST_WORKERS ?= 2
 
 BIN := $(VENV)/bin
 # torch and glassbox (what `make run` needs), and the test extras on top (`make test`).
@@ -54,7 +56,7 @@ run: install
 ## test: lint, format check, and the CPU test suite
 test: install-test lint
 	@$(BIN)/python engine/cli/torch_info.py
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
 
 lint: install-test
 	$(BIN)/ruff check .

@@ -19,6 +19,28 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # cache (GLASSBOX_CACHE_ROOT) is shared by every start, so a graph shape compiles once.
 
 
+def pytest_configure(config):
+    """Short temporary directories. A run directory's ipc socket paths are limited to 107
+    bytes (``GLASSBOX_RUN_DIR_BASE`` at most 64 characters), and pytest's default base
+    (``/tmp/pytest-of-<user>/pytest-<n>/``) with pytest-xdist's ``popen-gw<i>/`` on top leaves
+    a test's ``tmp_path`` too long for a server. So this run's base is ``/tmp/gb<uid>/<pid>/``
+    (xdist's workers get theirs below it); the directories of the newest three runs are kept,
+    as pytest keeps its own, and a run still going is never removed."""
+    import shutil
+    import tempfile
+
+    import psutil
+
+    if config.option.basetemp is not None or hasattr(config, "workerinput"):
+        return  # given on the command line, or an xdist worker (its controller chose it)
+    root = Path(tempfile.gettempdir()) / f"gb{os.getuid()}"
+    root.mkdir(mode=0o700, exist_ok=True)
+    finished = [p for p in root.iterdir() if not (p.name.isdigit() and psutil.pid_exists(int(p.name)))]
+    for old in sorted(finished, key=lambda p: p.stat().st_mtime)[:-2]:
+        shutil.rmtree(old, ignore_errors=True)
+    config.option.basetemp = str(root / str(os.getpid()))
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     from engine.config import DEFAULT_MODEL
