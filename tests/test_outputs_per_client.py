@@ -101,9 +101,11 @@ def test_a_request_or_utility_call_from_an_unknown_client_is_a_protocol_error():
     request = EngineCoreRequest(request_id="r", prompt_token_ids=[1], sampling_params=SamplingParams(),
                                 eos_token_id=None, arrival_time=0.0, client_index=2)  # fmt: skip
     with pytest.raises(ProtocolError, match="request 'r' comes from client 2, but this engine core has 2"):
-        engine._handle_input(EngineCoreRequestType.ADD, request)
+        engine._handle_client_request(EngineCoreRequestType.ADD, request)
     with pytest.raises(ProtocolError, match="utility call 'm' comes from client 5"):
-        engine._handle_input(EngineCoreRequestType.UTILITY, UtilityRequest.make(1, "m", client_index=5))
+        engine._handle_client_request(
+            EngineCoreRequestType.UTILITY, UtilityRequest.make(1, "m", client_index=5)
+        )
 
 
 # ---------------------------------------------------------------------------- client side

@@ -241,10 +241,10 @@ class EngineCoreProc(EngineCore):
         self._send_handshake(ready)
         self._stop = threading.Event()
         self.input_thread = threading.Thread(
-            target=self._input_thread, name="EngineCoreInputThread", daemon=True
+            target=self.process_input_sockets, name="EngineCoreInputThread", daemon=True
         )
         self.output_thread = threading.Thread(
-            target=self._output_thread, name="EngineCoreOutputThread", daemon=True
+            target=self.process_output_sockets, name="EngineCoreOutputThread", daemon=True
         )
         self.input_thread.start()
         self.output_thread.start()
@@ -316,7 +316,7 @@ class EngineCoreProc(EngineCore):
                 item = self.input_queue.get(timeout=self.dummy_step_interval_s)
             except queue.Empty:
                 return
-            self._handle_input(*item)
+            self._handle_client_request(*item)
 
     def _report_load(self) -> None:
         """Push (waiting, running) to the DP coordinator when they changed (data parallelism)."""
@@ -344,7 +344,7 @@ class EngineCoreProc(EngineCore):
 
     def _maybe_start_wave(self, trace_headers: dict[str, str] | None = None) -> None:
         """A request arrived (or remains) while this engine's wave is over: start the next one
-        (vLLM 0.33: an idle engine that gets a request starts the wave itself). ``trace_headers``:
+        (vLLM 0.32: an idle engine that gets a request starts the wave itself). ``trace_headers``:
         that request's span, so the wave shows in its trace."""
         if self.coordinator_socket is None or self.engines_running:
             return
@@ -384,15 +384,15 @@ class EngineCoreProc(EngineCore):
                     break
                 except queue.Empty:
                     continue
-            self._handle_input(*item)
+            self._handle_client_request(*item)
         while True:
             try:
                 item = self.input_queue.get_nowait()
             except queue.Empty:
                 return
-            self._handle_input(*item)
+            self._handle_client_request(*item)
 
-    def _handle_input(
+    def _handle_client_request(
         self, request_type: EngineCoreRequestType, payload: Any, received_ns: int | None = None
     ) -> None:
         """One item of ``input_queue``. ``received_ns``: when the input thread received it, for
@@ -441,7 +441,7 @@ class EngineCoreProc(EngineCore):
 
     # ------------------------------------------------------------------ threads
 
-    def _input_thread(self) -> None:
+    def process_input_sockets(self) -> None:
         # One DEALER per client, connected to its ROUTER; our identity there is our DP rank.
         sockets: list[zmq.Socket] = []
         poller = zmq.Poller()
@@ -498,7 +498,7 @@ class EngineCoreProc(EngineCore):
             if wave_socket is not None:
                 wave_socket.close()
 
-    def _output_thread(self) -> None:
+    def process_output_sockets(self) -> None:
         while True:
             item = self.output_queue.get()
             if item is None:

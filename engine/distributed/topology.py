@@ -482,7 +482,7 @@ def plan(
             engine core runs inside the ``LLM``'s process; with the ``mp`` executor (tensor
             parallelism) its workers still get processes of their own, as in vLLM.
         api_server_count: A under ``serve``; default: the DP size on this node
-            (``data_parallel_size_local``, as vLLM 0.33).
+            (``data_parallel_size_local``, as vLLM 0.32).
 
     Raises:
         ValueError: an impossible shape (a size below 1, API servers under an ``LLM``, more

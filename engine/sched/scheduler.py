@@ -23,10 +23,10 @@ One step, ``schedule()``:
 ``update_from_output()`` then appends each sampled token, checks stop conditions, frees
 finished requests, and returns the per-client ``EngineCoreOutputs``.
 
-Mirrors vLLM's ``vllm/v1/core/sched/scheduler.py`` (0.11 semantics). Left out: speculative
-decoding, async scheduling, structured output, encoder inputs and multimodal, LoRA, KV
-connectors (disaggregated prefill), KV events, pooling models, cascade attention
-(``num_common_prefix_blocks`` is always 0).
+Mirrors vLLM's ``vllm/v1/core/sched/scheduler.py`` (vLLM 0.32, the one version Glassbox
+mirrors). Left out: speculative decoding, async scheduling, structured output, encoder inputs
+and multimodal, LoRA, KV connectors (disaggregated prefill), KV events, pooling models,
+cascade attention (``num_common_prefix_blocks`` is always 0).
 
 Pure Python: no torch, no ZMQ, no HTTP.
 """

@@ -13,7 +13,7 @@ order, each step before the next:
 6. serve with uvicorn on uvloop, on the socket from step 2;
 7. freeze the start-up objects out of the garbage collector's way (``gc.freeze``).
 
-With ``--api-server-count A > 1`` (default: the data-parallel size, as vLLM 0.33) this
+With ``--api-server-count A > 1`` (default: the data-parallel size, as vLLM 0.32) this
 process is ``APIServer_0``: after step 4 it starts ``APIServer_1 .. A-1``, which inherit the
 listening socket from step 2 (the kernel spreads ``accept()`` among them), attach to the
 same engine cores with their own sockets (``run_api_server_worker``) and say ready; then it

@@ -33,7 +33,7 @@ class ServerArgs:
     """The server's own flags (the engine's are in ``EngineConfig``).
 
     ``api_server_count``: how many API server processes share the listening socket
-    (``--api-server-count``); None means the data-parallel size, as in vLLM 0.33.
+    (``--api-server-count``); None means the data-parallel size, as in vLLM 0.32.
     """
 
     host: str = "127.0.0.1"
