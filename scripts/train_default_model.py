@@ -29,7 +29,7 @@ gradient clipping at 1.0, float32, ``torch.set_num_threads(THREADS)``. The step 
 
 Held-out perplexity is exp(mean next-token cross-entropy) over non-overlapping ``SEQ_LEN``
 windows of the held-out stream; ``provenance.json`` records it for the whole held-out stream
-and for its first ``TEST_TOKENS`` tokens (what ``tests/test_default_model.py`` recomputes).
+and for its first ``TEST_TOKENS`` tokens (what ``tests/unit/model/test_default_model.py`` recomputes).
 
 Usage::
 

@@ -16,7 +16,7 @@ Every process of the tree starts here, whatever it does afterwards:
   go through ``install_stop_signals``.
 
 ``start_observability`` is the one place that sets up a process's tracing (with its status
-file) and starts its live telemetry (``tests/test_import_rules.py`` checks that no other module
+file) and starts its live telemetry (``tests/e2e/test_import_rules.py`` checks that no other module
 calls them). ``run_process`` is the rest of a child's life::
 
     start_observability → SIGTERM judged by sender → target(ctx) ─┬─ returns        → exit 0

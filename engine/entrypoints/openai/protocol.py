@@ -351,7 +351,7 @@ class CompletionStreamChoiceWire(msgspec.Struct):
     A stream writes one choice per request per step; msgspec writes it in well under a
     microsecond where building and dumping the pydantic models takes several. The JSON is
     the pydantic model's, byte for byte — same fields, same order, ``logprobs: null`` —
-    which ``tests/test_stream_chunks.py`` checks. The envelope around it (id, created,
+    which ``tests/unit/entrypoints/test_stream_chunks.py`` checks. The envelope around it (id, created,
     model, ``usage: null``) is written once per stream (``serving_engine.StreamChunks``).
     """
 

@@ -3,7 +3,7 @@
 The reference files (``engine/model/attention.py``, ``layers.py``, ``llama.py`` and the other
 model families) read as plain torch and import nothing from here; the pieces here plug in
 through the interfaces those files define (a test holds the rule,
-``tests/test_import_rules.py``):
+``tests/e2e/test_import_rules.py``):
 
 - ``attention_backends.py``: the ``PAGED_INDUCTOR`` and ``CPU_PAGED_CPP`` attention backends
   (``AttentionBackend``, chosen by name in ``engine/model/attention_selector.py``);

@@ -1,0 +1,98 @@
+"""The blame rule (``tracing/blame.py``) on run directories written with the real records
+(manifest, status files, crash reports, workers' ``<role>.comm``): who is at fault when
+several processes failed, when one waits in a collective for another, and what the
+root-cause block then says. The trees that produce these records are in
+``tests/e2e/test_fault_matrix.py``; these cases pin the order of the rule, in milliseconds."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import pytest
+
+from engine.utils import processes
+from tracing import blame
+from tracing import run_dir as contract
+
+WORKERS = ["Worker_DP0_PP0_TP0", "Worker_DP0_PP0_TP1"]
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    roles = [contract.PlannedProcess("EngineCore_DP0", kind="engine_core", rank=0, dp_rank=0)]
+    roles += [contract.PlannedProcess(r, kind="worker", rank=i, dp_rank=0, pp_rank=0, tp_rank=i)
+              for i, r in enumerate(WORKERS)]  # fmt: skip
+    contract.write_manifest(tmp_path, contract.Manifest(run_dir=str(tmp_path), mode="serve", roles=roles))
+    return tmp_path
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def _status(run_dir, role: str, pid: int, stage: str | None = None) -> None:
+    contract.write_status(
+        contract.status_path(run_dir, role), contract.ProcessStatus(role=role, pid=pid, stage=stage)
+    )
+
+
+def _crash(run_dir, role: str, pid: int, at: float, stage: str, caused_by: str | None = None) -> None:
+    report = contract.CrashReport(role=role, pid=pid, stage=stage, exception="RuntimeError: boom", time=at,
+                                  caused_by=caused_by)  # fmt: skip
+    contract.write_crash_report(run_dir, report)
+
+
+def test_an_echo_report_is_never_blamed_even_when_written_first(run_dir):
+    """The engine core stopping because its worker failed writes an echo (caused_by): the
+    worker is named, with its own stage and exception."""
+    gone = _dead_pid()
+    _crash(run_dir, "EngineCore_DP0", gone, 100.0, "engine_core.step", caused_by=WORKERS[1])
+    _crash(run_dir, WORKERS[1], gone, 101.0, "worker.execute_dummy_batch")
+    culprit = blame.blame_run_dir(run_dir, now=102.0)
+    assert (culprit.role, culprit.verdict, culprit.stage) == (
+        WORKERS[1],
+        "failed",
+        "worker.execute_dummy_batch",
+    )
+    assert culprit.exception == "RuntimeError: boom"
+
+
+def test_a_process_merely_gone_ranks_after_a_crash_report(run_dir):
+    """TP0's status file is older (it was stopped with the tree, exit status unknown here);
+    TP1 wrote why it failed: TP1 is named."""
+    gone = _dead_pid()
+    _status(run_dir, WORKERS[0], gone)
+    _crash(run_dir, WORKERS[1], gone, time.time() + 60, "worker.execute_model")
+    assert blame.blame_run_dir(run_dir, now=time.time()).role == WORKERS[1]
+
+
+def test_the_rank_a_collective_waits_for_is_named_not_the_one_waiting(run_dir, monkeypatch):
+    """TP0 has been inside all_reduce #2 of step 3 for 5 s; TP1 is in step 3 but never reached
+    a collective: TP1 is named, TP0 is its victim, and the root-cause block says so although
+    the caller (the engine core's step deadline) noticed TP0."""
+    for role in WORKERS:
+        _status(run_dir, role, os.getpid())
+    boards = [contract.CommBoard(run_dir, role) for role in WORKERS]
+    for board in boards:
+        for _ in range(3):
+            board.rpc_enter("execute_model")
+    boards[0].enter(0, contract.COMM_KINDS.index("all_reduce"))
+    boards[0].leave(0)
+    boards[0].enter(0, contract.COMM_KINDS.index("all_reduce"))
+    culprit = blame.blame_run_dir(run_dir, now=time.time() + 5)
+    assert (culprit.role, culprit.verdict, culprit.victims) == (WORKERS[1], "waited_on", [WORKERS[0]])
+    assert culprit.reason.startswith(
+        "TP0 waits in all_reduce #2 for TP1, which is still in worker.execute_model"
+    )
+    monkeypatch.setattr(blame, "WAITING_S", 0.0)  # the block reads the clock now: TP0 just entered
+    root = processes.format_root_cause(run_dir, WORKERS[0], os.getpid(), None)
+    assert f"process:   {WORKERS[1]}" in root and "stage:     worker.execute_model (step 3)" in root, root
+    assert "why:       TP0 waits in all_reduce #2 for TP1" in root, root
+    boards[1].enter(0, contract.COMM_KINDS.index("all_reduce"))
+    boards[1].leave(0)
+    boards[1].enter(0, contract.COMM_KINDS.index("all_reduce"))  # TP1 reached #2 too: nobody is late
+    assert blame.blame_run_dir(run_dir, now=time.time() + 5) is None
