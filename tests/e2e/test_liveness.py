@@ -74,7 +74,7 @@ def test_an_idle_server_with_telemetry_off_stays_up_past_the_heartbeat_timeout(t
         assert not list(server.run_dir.glob("*.tel")), "telemetry is off: no publisher socket"
         client = httpx.Client(base_url=server.base_url, timeout=60)
         model = client.get("/v1/models").json()["data"][0]["id"]
-        body = {"model": model, "prompt": "Once upon a time", "max_tokens": 4}
+        body = {"model": model, "prompt": "Once upon a time", "max_tokens": 4, "ignore_eos": True}
         assert client.post("/v1/completions", json=body).status_code == 200
 
         # Idle: each watched child's status file beats (seen 4 times past the request), and
