@@ -1,0 +1,307 @@
+"""Count the code one streamed completion runs, HTTP in to SSE out, across the whole tree.
+
+    python scripts/request_path.py [--max-tokens 8] [--detail] [serve flags...]
+
+What it does:
+
+1. It writes a ``sitecustomize.py`` into a temporary directory and puts that directory first
+   on ``PYTHONPATH``, so every process of the tree (API server, engine core, workers: each a
+   fresh interpreter, started with spawn) loads it. It installs a ``sys.setprofile`` /
+   ``threading.setprofile`` hook that notes, for each function of this repository's
+   ``engine/``, ``tracing/`` and ``tui/`` packages, the thread it ran on and the 10 ms ticks
+   (wall clock) in which it was entered (a coroutine is entered again at each resume). Each
+   process writes what it saw to a JSON file twice a second.
+2. It starts ``glassbox serve`` on the bundled model with the shipped defaults (plus any
+   flags given), sends one streamed completion to warm up (compilation, first-touch), waits
+   a second, then sends the measured one and notes the wall-clock window from the request
+   to its ``data: [DONE]``.
+3. It stops the server and counts the functions entered within that window on the threads
+   a request crosses: the API server's event loop, the engine core's input, main and output
+   threads, the workers' main threads. Threads that run on a clock whatever the request does
+   (heartbeats, the telemetry publisher, the executor's worker monitor) are listed apart. A
+   function counts once its thread entered it in the window, or had it on its stack at one of
+   the samples taken ten times a second within 150 ms of the window (a loop entered before
+   the request, like the busy loop, is entered no more).
+
+A function's **lines** are the non-blank, non-comment lines of its body without its
+docstring (``ast``). **Observability or supervision** lines are every line of a function in
+``tracing/``, ``engine/metrics/`` or the glass's own modules (``GLASS_MODULES``), plus the
+lines elsewhere that name a span, tracer, stage, publisher or telemetry (``GLASS_WORDS``).
+The model's own math (``engine/model/``) is counted on a line of its own: it is the model,
+not the path.
+
+The hook slows the tree several times over; the window is wall clock, so this counts what
+ran, not how long it took. Prints a table by file; ``--detail`` lists every function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("engine", "tracing", "tui")
+GLASS_MODULES = (
+    "tracing/",
+    "engine/metrics/",
+    "engine/core/step_observer.py",
+    "engine/core/request_tracing.py",
+    "engine/utils/process_harness.py",
+    "engine/utils/supervisor.py",
+    "engine/utils/processes.py",
+)
+GLASS_WORDS = re.compile(
+    r"\b(span|spans|tracer|tracing|stage|publisher|telemetry|trace_context|traceparent)\b"
+)
+MODEL = "engine/model/"
+# A sample's tick counts this many 10 ms ticks either side of the window: samples come ten
+# times a second and a request may take less, so a loop on the stack just before and just
+# after the request ran through it.
+STACK_SLACK_TICKS = 15
+# Threads a request's messages cross; every other thread is background.
+PATH_THREADS = re.compile(r"^(MainThread|EngineCoreInputThread|EngineCoreOutputThread)$")
+
+SITECUSTOMIZE = """
+import json, os, sys, threading, time
+_out = os.environ.get("REQUEST_PATH_OUT")
+if _out:
+    _roots = tuple(os.environ["REQUEST_PATH_ROOTS"].split(os.pathsep))
+    _hits = {}  # entered: (file, first line, qualname, thread) -> 10 ms ticks
+    _stacks = {}  # on a thread's stack at a sample: the same
+
+    def _prof(frame, event, arg, _time=time.time, _thread=threading.current_thread):
+        if event != "call":
+            return
+        code = frame.f_code
+        if not code.co_filename.startswith(_roots):
+            return
+        key = (code.co_filename, code.co_firstlineno, code.co_qualname, _thread().name)
+        ticks = _hits.get(key)
+        if ticks is None:
+            ticks = _hits[key] = set()
+        ticks.add(int(_time() * 100))
+
+    def _dump():
+        path = os.path.join(_out, f"{os.getpid()}.json")
+        try:
+            with open(f"/proc/{os.getpid()}/cmdline", "rb") as f:
+                title = f.read().split(b"\\0")[0].decode(errors="replace")
+        except OSError:
+            title = sys.argv[0]
+        hits = [[*k, sorted(v)] for k, v in list(_hits.items())]
+        stacks = [[*k, sorted(v)] for k, v in list(_stacks.items())]
+        with open(path + ".tmp", "w") as f:
+            json.dump({"pid": os.getpid(), "title": title, "hits": hits, "stacks": stacks}, f)
+        os.replace(path + ".tmp", path)
+
+    def _sample():
+        # A loop entered once, long before the request (a busy loop, a socket thread), is
+        # entered no more: note every function on every thread's stack as well.
+        tick = int(time.time() * 100)
+        names = {t.ident: t.name for t in threading.enumerate()}
+        for ident, frame in sys._current_frames().items():
+            while frame is not None:
+                code = frame.f_code
+                if code.co_filename.startswith(_roots):
+                    key = (code.co_filename, code.co_firstlineno, code.co_qualname, names.get(ident, "?"))
+                    _stacks.setdefault(key, set()).add(tick)
+                frame = frame.f_back
+
+    def _dumper():
+        n = 0
+        while True:
+            n += 1
+            time.sleep(0.1)
+            try:
+                _sample()
+                if n % 5 == 0:
+                    _dump()
+            except Exception:
+                pass
+
+    threading.setprofile(_prof)
+    sys.setprofile(_prof)
+    threading.Thread(target=_dumper, name="request_path_dumper", daemon=True).start()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stream(url: str, max_tokens: int) -> int:
+    body = {"prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    chunks = 0
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if line == "data: [DONE]":
+                return chunks
+            if line.startswith("data: "):
+                chunks += 1
+    raise RuntimeError("the stream ended without [DONE]")
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited ({proc.returncode}) before it was healthy")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"the server was not healthy within {timeout:.0f} s")
+
+
+def _functions(path: Path) -> dict[int, tuple[str, list[str]]]:
+    """First line (the ``def``, or its first decorator: ``co_firstlineno``) -> (name, body lines)."""
+    source = path.read_text()
+    lines = source.splitlines()
+    out: dict[int, tuple[str, list[str]]] = {}
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        body = node.body
+        if (
+            body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(getattr(body[0], "value", None), ast.Constant)
+        ):
+            body = body[1:]  # the docstring
+        kept: list[str] = []
+        if body:
+            for text in lines[body[0].lineno - 1 : node.end_lineno]:
+                stripped = text.strip()
+                if stripped and not stripped.startswith("#"):
+                    kept.append(stripped)
+        first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+        out[first] = (node.name, kept)
+    return out
+
+
+def count(out_dir: Path, window: tuple[float, float]) -> dict:
+    """What ran within ``window`` (wall-clock seconds), by file and function."""
+    lo, hi = int(window[0] * 100), int(window[1] * 100) + 1
+    ran: dict[tuple[str, int], set[str]] = defaultdict(set)  # (file, first line) -> threads
+    for dump in out_dir.glob("*.json"):
+        data = json.loads(dump.read_text())
+        for kind, slack in (("hits", 0), ("stacks", STACK_SLACK_TICKS)):
+            for filename, first, _qualname, thread, ticks in data[kind]:
+                if any(lo - slack <= t <= hi + slack for t in ticks):
+                    ran[(filename, first)].add(thread)
+    parsed: dict[str, dict[int, tuple[str, list[str]]]] = {}
+    rows = []
+    for (filename, first), threads in ran.items():
+        rel = os.path.relpath(filename, REPO)
+        if rel not in parsed:
+            parsed[rel] = _functions(REPO / rel)
+        name, body = parsed[rel].get(first, (None, []))
+        if name is None:
+            continue  # a lambda, a comprehension, a module body
+        on_path = any(PATH_THREADS.match(t) for t in threads)
+        glass = sum(1 for line in body if GLASS_WORDS.search(line))
+        if rel.startswith(GLASS_MODULES):
+            glass = len(body)
+        rows.append({"file": rel, "function": name, "line": first, "lines": len(body), "glass": glass,
+                     "on_path": on_path, "threads": sorted(threads)})  # fmt: skip
+    return {"rows": sorted(rows, key=lambda r: (r["file"], r["line"]))}
+
+
+def report(result: dict, detail: bool) -> None:
+    path = [r for r in result["rows"] if r["on_path"] and not r["file"].startswith(MODEL)]
+    model = [r for r in result["rows"] if r["on_path"] and r["file"].startswith(MODEL)]
+    background = [r for r in result["rows"] if not r["on_path"]]
+    by_file: dict[str, list[dict]] = defaultdict(list)
+    for r in path:
+        by_file[r["file"]].append(r)
+    print(f"{'file':58} {'functions':>9} {'lines':>6} {'glass':>6}")
+    for f, rs in sorted(by_file.items()):
+        print(f"{f:58} {len(rs):>9} {sum(r['lines'] for r in rs):>6} {sum(r['glass'] for r in rs):>6}")
+        if detail:
+            for r in rs:
+                print(
+                    f"    {r['function']:54} {'':>9} {r['lines']:>6} {r['glass']:>6}  {','.join(r['threads'])}"
+                )
+    total, glass = sum(r["lines"] for r in path), sum(r["glass"] for r in path)
+    print(f"\nthe path: {len(by_file)} files, {len(path)} functions, {total} lines, {glass} of them "
+          f"observability or supervision")  # fmt: skip
+    print(
+        f"the model's own math (engine/model/): {len(model)} functions, {sum(r['lines'] for r in model)} lines"
+    )
+    print(f"background threads in the same window: {len(background)} functions, "
+          f"{sum(r['lines'] for r in background)} lines "
+          f"({', '.join(sorted({t for r in background for t in r['threads']}))})")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--max-tokens", type=int, default=8, help="tokens of the measured completion")
+    ap.add_argument("--detail", action="store_true", help="list every function")
+    ap.add_argument("--json", help="also write the rows to this file")
+    args, serve_flags = ap.parse_known_args(argv)
+    with tempfile.TemporaryDirectory(prefix="gbpath", dir="/tmp") as tmp:
+        tmp_path = Path(tmp)
+        (tmp_path / "site").mkdir()
+        (tmp_path / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
+        (tmp_path / "out").mkdir()
+        port = _free_port()
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(
+                [str(tmp_path / "site"), str(REPO), os.environ.get("PYTHONPATH", "")]
+            ),
+            "REQUEST_PATH_OUT": str(tmp_path / "out"),
+            "REQUEST_PATH_ROOTS": os.pathsep.join(str(REPO / p) + os.sep for p in PACKAGES),
+            "GLASSBOX_RUN_DIR_BASE": str(tmp_path / "runs"),
+        }
+        cmd = [sys.executable, "-m", "engine.cli.main", "serve", "--port", str(port), *serve_flags]
+        with open(tmp_path / "server.log", "wb") as log:
+            proc = subprocess.Popen(
+                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            _wait_healthy(url, proc, timeout=600)
+            _stream(url, args.max_tokens)  # warm-up
+            time.sleep(1.0)
+            t0 = time.time()
+            chunks = _stream(url, args.max_tokens)
+            t1 = time.time()
+            time.sleep(1.5)  # every process writes its hits twice a second
+        except BaseException:
+            sys.stderr.write((tmp_path / "server.log").read_text(errors="replace")[-3000:])
+            raise
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGINT)
+                proc.wait(60)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                os.killpg(proc.pid, signal.SIGKILL)
+        print(f"one streamed completion of {chunks} chunks, {t1 - t0:.2f} s under the hook\n")
+        result = count(tmp_path / "out", (t0, t1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    report(result, args.detail)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
