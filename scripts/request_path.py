@@ -1,6 +1,6 @@
 """Count the code one streamed completion runs, HTTP in to SSE out, across the whole tree.
 
-    python scripts/request_path.py [--max-tokens 8] [--detail] [serve flags...]
+    python scripts/request_path.py [--max-tokens 32] [--detail] [serve flags...]
 
 What it does:
 
@@ -19,9 +19,10 @@ What it does:
    a request crosses: the API server's event loop, the engine core's input, main and output
    threads, the workers' main threads. Threads that run on a clock whatever the request does
    (heartbeats, the telemetry publisher, the executor's worker monitor) are listed apart. A
-   function counts once its thread entered it in the window, or had it on its stack at one of
-   the samples taken ten times a second within 150 ms of the window (a loop entered before
-   the request, like the busy loop, is entered no more).
+   function counts once its thread entered it in the window, or was running it (the innermost
+   frame of this repository's code on its stack) at one of the samples taken ten times a
+   second in the window: a loop entered before the request, like the busy loop, is entered
+   no more. The frames below (a process's entry, its harness) do not count.
 
 A function's **lines** are the non-blank, non-comment lines of its body without its
 docstring (``ast``). **Observability or supervision** lines are every line of a function in
@@ -67,10 +68,7 @@ GLASS_WORDS = re.compile(
     r"\b(span|spans|tracer|tracing|stage|publisher|telemetry|trace_context|traceparent)\b"
 )
 MODEL = "engine/model/"
-# A sample's tick counts this many 10 ms ticks either side of the window: samples come ten
-# times a second and a request may take less, so a loop on the stack just before and just
-# after the request ran through it.
-STACK_SLACK_TICKS = 15
+
 # Threads a request's messages cross; every other thread is background.
 PATH_THREADS = re.compile(r"^(MainThread|EngineCoreInputThread|EngineCoreOutputThread)$")
 
@@ -113,12 +111,12 @@ if _out:
         tick = int(time.time() * 100)
         names = {t.ident: t.name for t in threading.enumerate()}
         for ident, frame in sys._current_frames().items():
-            while frame is not None:
+            while frame is not None and not frame.f_code.co_filename.startswith(_roots):
+                frame = frame.f_back  # the innermost frame of ours: what this thread runs now
+            if frame is not None:
                 code = frame.f_code
-                if code.co_filename.startswith(_roots):
-                    key = (code.co_filename, code.co_firstlineno, code.co_qualname, names.get(ident, "?"))
-                    _stacks.setdefault(key, set()).add(tick)
-                frame = frame.f_back
+                key = (code.co_filename, code.co_firstlineno, code.co_qualname, names.get(ident, "?"))
+                _stacks.setdefault(key, set()).add(tick)
 
     def _dumper():
         n = 0
@@ -203,9 +201,9 @@ def count(out_dir: Path, window: tuple[float, float]) -> dict:
     ran: dict[tuple[str, int], set[str]] = defaultdict(set)  # (file, first line) -> threads
     for dump in out_dir.glob("*.json"):
         data = json.loads(dump.read_text())
-        for kind, slack in (("hits", 0), ("stacks", STACK_SLACK_TICKS)):
+        for kind in ("hits", "stacks"):
             for filename, first, _qualname, thread, ticks in data[kind]:
-                if any(lo - slack <= t <= hi + slack for t in ticks):
+                if any(lo <= t <= hi for t in ticks):
                     ran[(filename, first)].add(thread)
     parsed: dict[str, dict[int, tuple[str, list[str]]]] = {}
     rows = []
@@ -253,7 +251,7 @@ def report(result: dict, detail: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--max-tokens", type=int, default=8, help="tokens of the measured completion")
+    ap.add_argument("--max-tokens", type=int, default=32, help="tokens of the measured completion")
     ap.add_argument("--detail", action="store_true", help="list every function")
     ap.add_argument("--json", help="also write the rows to this file")
     args, serve_flags = ap.parse_known_args(argv)

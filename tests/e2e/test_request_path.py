@@ -56,11 +56,11 @@ def test_one_streamed_completion_is_counted_in_every_process_of_the_tree(tmp_pat
     rows_file = tmp_path / "rows.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "request_path.py"), "--max-tokens", "4", "--json", str(rows_file)],
+        [sys.executable, str(ROOT / "scripts" / "request_path.py"), "--max-tokens", "32", "--json", str(rows_file)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=540, start_new_session=True,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    assert "one streamed completion of 4 chunks" in done.stdout  # a chunk a token
+    assert "one streamed completion of 32 chunks" in done.stdout  # a chunk a token
     rows = json.loads(rows_file.read_text())["rows"]
     on_path = {(r["file"], r["function"]) for r in rows if r["on_path"]}
     for expected in [
