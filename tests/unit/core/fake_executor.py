@@ -33,7 +33,8 @@ PAUSE_DEADLINE_S = 60.0  # a paused step nobody resumes fails instead of hanging
 
 
 def default_token(request_id: str, position: int) -> int:
-    """Tokens 1000 + 100·k + position, k from the request id: requests never share a token."""
+    """Token 1000 + 100·k + position, k (0..49) from the request id: over their first 100
+    positions, requests with different k share no token."""
     return 1000 + 100 * (sum(map(ord, request_id)) % 50) + position
 
 
@@ -49,8 +50,7 @@ class FakeExecutor(Executor):
             ``resume`` (at most ``PAUSE_DEADLINE_S``) before it computes anything.
 
     What it records: ``num_steps`` (``execute_model`` calls), ``requests`` (the requests
-    the "worker" holds: id → its tokens so far), ``rpc_calls`` (other worker methods
-    called, in order), ``shut_down``.
+    the "worker" holds: id → its tokens so far), ``shut_down``.
     """
 
     def _init_executor(self) -> None:
@@ -65,7 +65,6 @@ class FakeExecutor(Executor):
         self.requests: dict[str, list[int]] = {}
         self._prompt_lens: dict[str, int] = {}
         self._eos_token_ids: dict[str, int | None] = {}
-        self.rpc_calls: list[str] = []
         self.shut_down = False
         self.failure_callback: Callable[[BaseException], None] | None = None
         self.spec = FullAttentionSpec(
@@ -97,8 +96,9 @@ class FakeExecutor(Executor):
                 raise TimeoutError(f"step {self.num_steps} paused and never resumed")
         if self.num_steps == self.fail_at_step:
             raise self.error
-        for req_id in scheduler_output.finished_req_ids:
-            self.requests.pop(req_id, None)
+        for req_id in scheduler_output.finished_req_ids:  # the worker forgets them
+            for state in (self.requests, self._prompt_lens, self._eos_token_ids):
+                state.pop(req_id, None)
         for new in scheduler_output.scheduled_new_reqs:
             self.requests[new.req_id] = list(new.prompt_token_ids)
             self._prompt_lens[new.req_id] = len(new.prompt_token_ids)
@@ -144,7 +144,6 @@ class FakeExecutor(Executor):
         }
         if method not in answers:
             raise AttributeError(f"the fake worker has no method {method!r}")
-        self.rpc_calls.append(method)
         return [answers[method]]
 
     def die(self, error: BaseException) -> None:
