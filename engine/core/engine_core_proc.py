@@ -72,6 +72,7 @@ from engine.core.messages import (
 )
 from engine.core.messages import encode as _encode
 from engine.distributed.topology import ProcessRole
+from engine.executor.abstract import Executor
 from engine.logger import init_logger
 from engine.utils import processes
 from engine.utils import run_dir as run_dirs
@@ -163,6 +164,8 @@ class EngineCoreProc(EngineCore):
             or complete); the input thread subscribes.
         head_link: a headless node's joined connection to the head (``HeadLink``, watched by its
             own thread from the join on), closed at shutdown; None on the head's own node.
+        executor_class: as ``EngineCore``'s (``Executor.get_class(config)`` unless a test
+            passes another).
     """
 
     def __init__(
@@ -175,6 +178,7 @@ class EngineCoreProc(EngineCore):
         coordinator_address: str | None = None,
         coordinator_wave_address: str | None = None,
         head_link: HeadLink | None = None,
+        executor_class: type[Executor] | None = None,
     ) -> None:
         self.run_dir = run_dir
         self.head_link = head_link
@@ -222,7 +226,7 @@ class EngineCoreProc(EngineCore):
             self.coordinator_socket.setsockopt(zmq.LINGER, 0)
             self.coordinator_socket.setsockopt(zmq.SNDHWM, 100)
             self.coordinator_socket.connect(coordinator_address)
-        super().__init__(config, run_dir=str(run_dir))
+        super().__init__(config, executor_class=executor_class, run_dir=str(run_dir))
         # A worker that dies while we are idle wakes the busy loop through the input queue.
         self.model_executor.register_failure_callback(
             lambda error: self.input_queue.put((EngineCoreRequestType.EXECUTOR_FAILED, error))

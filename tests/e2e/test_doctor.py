@@ -43,7 +43,7 @@ def test_every_lifecycle_stage_of_the_catalogue_has_a_hint():
         assert h.hint and h.typical and h.slow_after_s > 0, name
 
 
-def test_the_issue_names_what_each_start_up_stage_usually_means():
+def test_each_start_up_stage_hint_says_what_the_stage_usually_waits_on():
     assert "import" in hints.HINTS[catalogue.WORKER_WRAPPER_INIT].hint
     assert "rendezvous" in hints.HINTS[catalogue.WORKER_INIT_DEVICE].hint
     assert "disk" in hints.HINTS[catalogue.WORKER_LOAD_MODEL].hint

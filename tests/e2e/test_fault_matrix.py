@@ -1,4 +1,4 @@
-"""The fault matrix (issue 11): faults injected into a real tree, seen the way a person sees them.
+"""The fault matrix: faults injected into a real tree, seen the way a person sees them.
 
 For each case a fault strikes one process of a ``glassbox serve`` (or an ``LLM``) tree on
 purpose (``--inject-fault``, ``docs/faults.md``), and the test checks what a student would
@@ -37,7 +37,7 @@ from tracing import run_dir as contract
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "engine.cli.main"]
-SEEN_WITHIN_S = 10.0  # the issue's bound: named by engine-top and doctor this soon after the strike
+SEEN_WITHIN_S = 10.0  # engine-top and doctor name the struck process this soon after the strike
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -157,9 +157,9 @@ def _main_waits_at(doc: dict, role: str) -> str:
 
 
 def test_a_hung_start_up_is_named_by_engine_top_and_doctor_then_ctrl_c_leaves_nothing(base):
-    """The issue's "done when": serve the bundled model with a hang at
-    worker.determine_available_memory; engine-top shows the alert with its hint, doctor the
-    stuck process, its stage, the line it waits at, and what to do; Ctrl-C cleans up."""
+    """Serve the bundled model with a hang at worker.determine_available_memory: engine-top
+    shows the alert with its hint, doctor the stuck process, its stage, the line it waits at,
+    and what to do; Ctrl-C cleans up."""
     role, stage = "Worker_DP0_PP0_TP0", "worker.determine_available_memory"
     tree = Tree(base, ["--inject-fault", f"{stage}:hang@{role}"])
     try:

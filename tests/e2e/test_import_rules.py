@@ -5,7 +5,7 @@ of the row may pull in a forbidden package (the package itself or any submodule)
 ``own_imports_only`` reads its modules' own import statements instead (lazy ones included):
 what they call may use the forbidden package, they may not name it. Module
 lists are read off the source tree, so a new file under a covered folder is checked too. A
-rule that does not hold yet is marked ``xfail`` with the issue that fixes it (strict: once it
+rule that does not hold yet is marked ``xfail`` with what it waits for (strict: once it
 holds, drop the mark). A second table says which one module may call a function (the
 process harness alone sets up tracing and starts live telemetry), read off the source with
 ``ast``.

@@ -1,4 +1,4 @@
-"""The faults found when the tree was struck by hand (issue 11), each now a test.
+"""The faults found when the tree was struck by hand, each now a test.
 
 - A start-up deadline ends like every other start-up failure: one root-cause block, last,
   naming the process that held it back, its stage and its state ("stopped"), exit 1 — and
