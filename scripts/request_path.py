@@ -25,11 +25,16 @@ What it does:
    no more. The frames below (a process's entry, its harness) do not count.
 
 A function's **lines** are the non-blank, non-comment lines of its body without its
-docstring (``ast``). **Observability or supervision** lines are every line of a function in
-``tracing/``, ``engine/metrics/`` or the glass's own modules (``GLASS_MODULES``), plus the
-lines elsewhere that name a span, tracer, stage, publisher or telemetry (``GLASS_WORDS``).
-The model's own math (``engine/model/``) is counted on a line of its own: it is the model,
-not the path.
+docstring (``ast``). What ran is told in four parts, by file:
+
+- **the reference path**, what a reader follows to see vLLM's logic: every file but the three
+  below. Its **observability or supervision** lines are those that name a span, tracer,
+  stage, publisher, telemetry, heartbeat, liveness, watchdog, crash, root cause, flight
+  recorder or observer (``GLASS_WORDS``): the glass's hooks in the reference code.
+- **the glass's own modules** (``GLASS_MODULES``: ``tracing/``, ``engine/metrics/``, the step
+  observers, request tracing, the process harness, supervision): all glass, plugged in.
+- **the CPU rooms** (``engine/model/cpu/``, ``engine/worker/cpu/``): speed-ups behind interfaces.
+- **the model's own math** (the rest of ``engine/model/``): the model, not the path.
 
 The hook slows the tree several times over; the window is wall clock, so this counts what
 ran, not how long it took. Prints a table by file; ``--detail`` lists every function.
@@ -64,10 +69,26 @@ GLASS_MODULES = (
     "engine/utils/supervisor.py",
     "engine/utils/processes.py",
 )
+# Lines of a reference-path function that do the glass's work.
 GLASS_WORDS = re.compile(
-    r"\b(span|spans|tracer|tracing|stage|publisher|telemetry|trace_context|traceparent)\b"
+    r"\b(span|spans|tracer|tracing|stage|publisher|telemetry|trace_context|traceparent|heartbeat|"
+    r"liveness|check_alive|watchdog|crash|root_cause|flight|observer|observers)\b"
 )
+# The speed-ups behind interfaces, in rooms of their own.
+CPU_ROOMS = ("engine/model/cpu/", "engine/worker/cpu/")
 MODEL = "engine/model/"
+
+
+def part(rel: str) -> str:
+    """Which part of the code a file is: ``glass``, ``cpu``, ``model`` or ``reference``."""
+    if rel.startswith(GLASS_MODULES):
+        return "glass"
+    if rel.startswith(CPU_ROOMS):
+        return "cpu"
+    if rel.startswith(MODEL):
+        return "model"
+    return "reference"
+
 
 # Threads a request's messages cross; every other thread is background.
 PATH_THREADS = re.compile(r"^(MainThread|EngineCoreInputThread|EngineCoreOutputThread)$")
@@ -224,29 +245,35 @@ def count(out_dir: Path, window: tuple[float, float]) -> dict:
 
 
 def report(result: dict, detail: bool) -> None:
-    path = [r for r in result["rows"] if r["on_path"] and not r["file"].startswith(MODEL)]
-    model = [r for r in result["rows"] if r["on_path"] and r["file"].startswith(MODEL)]
+    ran = [r for r in result["rows"] if r["on_path"]]
     background = [r for r in result["rows"] if not r["on_path"]]
     by_file: dict[str, list[dict]] = defaultdict(list)
-    for r in path:
+    for r in ran:
         by_file[r["file"]].append(r)
-    print(f"{'file':58} {'functions':>9} {'lines':>6} {'glass':>6}")
-    for f, rs in sorted(by_file.items()):
-        print(f"{f:58} {len(rs):>9} {sum(r['lines'] for r in rs):>6} {sum(r['glass'] for r in rs):>6}")
+    print(f"{'file':58} {'functions':>9} {'lines':>6} {'glass':>6}  part")
+    for f, rs in sorted(by_file.items(), key=lambda item: (part(item[0]), item[0])):
+        lines, glass = sum(r["lines"] for r in rs), sum(r["glass"] for r in rs)
+        print(f"{f:58} {len(rs):>9} {lines:>6} {glass:>6}  {part(f)}")
         if detail:
             for r in rs:
                 print(
                     f"    {r['function']:54} {'':>9} {r['lines']:>6} {r['glass']:>6}  {','.join(r['threads'])}"
                 )
-    total, glass = sum(r["lines"] for r in path), sum(r["glass"] for r in path)
-    print(f"\nthe path: {len(by_file)} files, {len(path)} functions, {total} lines, {glass} of them "
-          f"observability or supervision")  # fmt: skip
-    print(
-        f"the model's own math (engine/model/): {len(model)} functions, {sum(r['lines'] for r in model)} lines"
-    )
-    print(f"background threads in the same window: {len(background)} functions, "
-          f"{sum(r['lines'] for r in background)} lines "
-          f"({', '.join(sorted({t for r in background for t in r['threads']}))})")  # fmt: skip
+    print()
+    for name, what in [
+        ("reference", "the reference path (what a reader follows)"),
+        ("glass", "the glass's own modules (harness, observers, tracing, telemetry, metrics, supervision)"),
+        ("cpu", "the CPU rooms (engine/model/cpu/, engine/worker/cpu/)"),
+        ("model", "the model's own math (engine/model/)"),
+    ]:
+        rs = [r for r in ran if part(r["file"]) == name]
+        files = len({r["file"] for r in rs})
+        lines, glass = sum(r["lines"] for r in rs), sum(r["glass"] for r in rs)
+        extra = f", {glass} of them observability or supervision" if name == "reference" else ""
+        print(f"{what}: {files} files, {len(rs)} functions, {lines} lines{extra}")
+    threads = ", ".join(sorted({t for r in background for t in r["threads"]}))
+    print(f"background threads in the same window ({threads}): {len(background)} functions, "
+          f"{sum(r['lines'] for r in background)} lines")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
