@@ -19,10 +19,11 @@ What it does:
    a request crosses: the API server's event loop, the engine core's input, main and output
    threads, the workers' main threads. Threads that run on a clock whatever the request does
    (heartbeats, the telemetry publisher, the executor's worker monitor) are listed apart. A
-   function counts once its thread entered it in the window, or was running it (the innermost
-   frame of this repository's code on its stack) at one of the samples taken ten times a
-   second in the window: a loop entered before the request, like the busy loop, is entered
-   no more. The frames below (a process's entry, its harness) do not count.
+   function counts once its thread entered it in the window, or was running it at one of the
+   stack samples taken ten times a second in the window: the innermost frame of this
+   repository's code, or the direct caller of a function entered in the window (a loop entered
+   before the request, like the busy loop, is entered no more). The frames below those (a
+   process's entry, its harness) do not count.
 
 A function's **lines** are the non-blank, non-comment lines of its body without its
 docstring (``ast``). What ran is told in four parts, by file:
@@ -99,7 +100,8 @@ _out = os.environ.get("REQUEST_PATH_OUT")
 if _out:
     _roots = tuple(os.environ["REQUEST_PATH_ROOTS"].split(os.pathsep))
     _hits = {}  # entered: (file, first line, qualname, thread) -> 10 ms ticks
-    _stacks = {}  # on a thread's stack at a sample: the same
+    _stacks = {}  # the innermost frame of ours at a sample: the same
+    _callers = {}  # (caller's key, callee's file and first line) on a stack at a sample -> ticks
 
     def _prof(frame, event, arg, _time=time.time, _thread=threading.current_thread):
         if event != "call":
@@ -122,8 +124,9 @@ if _out:
             title = sys.argv[0]
         hits = [[*k, sorted(v)] for k, v in list(_hits.items())]
         stacks = [[*k, sorted(v)] for k, v in list(_stacks.items())]
+        callers = [[*k, sorted(v)] for k, v in list(_callers.items())]
         with open(path + ".tmp", "w") as f:
-            json.dump({"pid": os.getpid(), "title": title, "hits": hits, "stacks": stacks}, f)
+            json.dump({"pid": os.getpid(), "title": title, "hits": hits, "stacks": stacks, "callers": callers}, f)
         os.replace(path + ".tmp", path)
 
     def _sample():
@@ -132,12 +135,22 @@ if _out:
         tick = int(time.time() * 100)
         names = {t.ident: t.name for t in threading.enumerate()}
         for ident, frame in sys._current_frames().items():
-            while frame is not None and not frame.f_code.co_filename.startswith(_roots):
-                frame = frame.f_back  # the innermost frame of ours: what this thread runs now
-            if frame is not None:
+            thread = names.get(ident, "?")
+            child = None  # the frame just above, when it is ours
+            innermost = True
+            while frame is not None:
                 code = frame.f_code
-                key = (code.co_filename, code.co_firstlineno, code.co_qualname, names.get(ident, "?"))
-                _stacks.setdefault(key, set()).add(tick)
+                if code.co_filename.startswith(_roots):
+                    key = (code.co_filename, code.co_firstlineno, code.co_qualname, thread)
+                    if innermost:
+                        _stacks.setdefault(key, set()).add(tick)
+                        innermost = False
+                    if child is not None:  # a direct call, no library frame between
+                        _callers.setdefault((*key, *child[:2]), set()).add(tick)
+                    child = key
+                else:
+                    child = None
+                frame = frame.f_back
 
     def _dumper():
         n = 0
@@ -226,6 +239,12 @@ def count(out_dir: Path, window: tuple[float, float]) -> dict:
             for filename, first, _qualname, thread, ticks in data[kind]:
                 if any(lo <= t <= hi for t in ticks):
                     ran[(filename, first)].add(thread)
+        entered = {
+            (f, first) for f, first, _q, _t, ticks in data["hits"] if any(lo <= t <= hi for t in ticks)
+        }
+        for filename, first, _qualname, thread, child_file, child_first, ticks in data["callers"]:
+            if (child_file, child_first) in entered and any(lo <= t <= hi for t in ticks):
+                ran[(filename, first)].add(thread)  # a loop calling what the request runs
     parsed: dict[str, dict[int, tuple[str, list[str]]]] = {}
     rows = []
     for (filename, first), threads in ran.items():
