@@ -47,7 +47,6 @@ from tracing.stage import (  # noqa: E402
     record_span,
     remove_stage_hook,
     stage,
-    staged,
     start_span,
 )
 from tracing.waits import WaitCancelled, WaitTimeout, bounded_get, wait_for  # noqa: E402
@@ -64,7 +63,6 @@ __all__ = [
     "Stage",
     "OpenStage",
     "stage",
-    "staged",
     "record_span",
     "start_span",
     "is_recording",

@@ -30,13 +30,12 @@ vLLM's counterpart is the 0.33 ``instrument(span_name=...)`` decorator in
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -312,24 +311,6 @@ def stage(name: str, /, **attributes: Any) -> Stage:
         KeyError: ``name`` or an attribute key is not in the catalogue.
     """
     return Stage(name, attributes)
-
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def staged(name: str, /, **attributes: Any) -> Callable[[F], F]:
-    """Decorator form: each call of the function runs inside ``stage(name, **attributes)``."""
-    catalogue.span_def(name)  # fail at decoration time, not at the first call
-
-    def wrap(fn: F) -> F:
-        @functools.wraps(fn)
-        def inner(*args: Any, **kwargs: Any) -> Any:
-            with Stage(name, attributes):
-                return fn(*args, **kwargs)
-
-        return inner  # type: ignore[return-value]
-
-    return wrap
 
 
 def is_recording() -> bool:

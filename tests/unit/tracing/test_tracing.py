@@ -82,8 +82,6 @@ def test_unknown_names_raise():
         tracing.stage("worker.load_modle")
     with pytest.raises(KeyError, match="not in the catalogue"):
         tracing.stage(catalogue.WORKER_LOAD_MODEL, rnak=0)
-    with pytest.raises(KeyError):
-        tracing.staged("no.such.stage")
 
 
 def test_status_file_names_the_current_lifecycle_stage(traced):
@@ -204,12 +202,7 @@ def test_hooks_see_enter_and_exit_and_can_fail_a_stage(traced):
     )
 
 
-def test_staged_decorator_and_record_span(traced):
-    @tracing.staged(catalogue.WORKER_COMPILE_OR_WARM_UP_MODEL, rank=0)
-    def warm_up(x):
-        return x * 2
-
-    assert warm_up(21) == 42
+def test_record_span_starts_at_the_given_time(traced):
     arrival_ns = time.time_ns() - 2_000_000_000
     tracing.record_span(
         catalogue.LLM_REQUEST,
@@ -218,7 +211,6 @@ def test_staged_decorator_and_record_span(traced):
         kind=SpanKind.SERVER,
     )
     spans = _by_name(traced.get_finished_spans())
-    assert "worker.compile_or_warm_up_model" in spans
     req = spans["llm_request"]
     assert req.start_time == arrival_ns and req.kind is SpanKind.SERVER
     assert (req.end_time - req.start_time) / 1e9 >= 2.0
