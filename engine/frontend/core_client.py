@@ -26,7 +26,6 @@ client 0 hands on. The ``SchedulerStats`` that come with the outputs go into
 
 from __future__ import annotations
 
-import errno
 import itertools
 import pickle
 import time
@@ -50,6 +49,7 @@ from engine.core.coordinator_messages import (
 )
 from engine.core.coordinator_messages import decode_as as decode_coordinator
 from engine.core.coordinator_messages import encode as encode_coordinator
+from engine.core.head_join import HeadJoin, bind_socket
 from engine.core.messages import (
     ENGINE_CORE_DEAD,
     TAG_HANDSHAKE,
@@ -63,14 +63,11 @@ from engine.core.messages import (
     EngineDead,
     EngineHandshake,
     EnginesInfo,
-    HeadStopping,
     JoinAccepted,
-    JoinRefused,
     UtilityReply,
     UtilityRequest,
     decode_as,
     head_engine_addresses,
-    tcp_address,
 )
 from engine.core.messages import encode as encode_message
 from engine.distributed import topology
@@ -243,16 +240,12 @@ class MPClient(EngineCoreClient):
         self.input_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.output_socket = self.ctx.socket(zmq.PULL)
         self.output_socket.setsockopt(zmq.LINGER, 0)
-        # The headless nodes' join socket (client 0 of a head only), and the ranks joined there:
-        # rank → its HELLO.
-        self.join_socket: zmq.Socket | None = None
-        self.joined: dict[int, EngineHandshake] = {}
-        self.joined_identities: dict[int, bytes] = {}  # rank → its join connection's ZMQ identity
-        self.joined_at: dict[int, float] = {}  # rank → when it joined (time.monotonic)
+        # The headless nodes' join socket and the ranks joined there (client 0 of a head only).
+        self.head_join: HeadJoin | None = None
         self.coordinator_sub: zmq.Socket | None = None
         try:
-            _bind(self.input_socket, self.input_address)
-            _bind(self.output_socket, self.output_address)
+            bind_socket(self.input_socket, self.input_address)
+            bind_socket(self.output_socket, self.output_address)
         except BaseException:
             self.input_socket.close(linger=0)
             self.output_socket.close(linger=0)
@@ -398,7 +391,10 @@ class MPClient(EngineCoreClient):
             config_pickle = pickle.dumps(self.config, protocol=5)
             trace_headers = inject_trace_headers()
             if self.remote_roles:
-                self._bind_join_socket(coordinator_input, coordinator_waves)
+                assert self.head_layout is not None
+                self.head_layout.coordinator_address = coordinator_input
+                self.head_layout.coordinator_wave_address = coordinator_waves
+                self.head_join = HeadJoin(self.ctx, self.config, self.head_layout, self.remote_roles)
             for role in self.engine_roles:
                 if role in self.remote_roles:  # a headless node starts it; it joins below
                     continue
@@ -437,7 +433,7 @@ class MPClient(EngineCoreClient):
                     self._serve_joins()
                     missing = [r for r in self.remote_roles if r.dp_rank not in self.joined]
                     if missing and time.monotonic() - started > join_timeout:
-                        message = self._join_timeout_message(join_timeout, missing)
+                        message = self.head_join.timeout_message(join_timeout, missing)
                         root = processes.format_root_cause(
                             self.run_dir, missing[0].name, None, None, rank=missing[0].dp_rank, note=message,
                             exit_detail="never joined (no HELLO on the head's join socket)",
@@ -446,9 +442,9 @@ class MPClient(EngineCoreClient):
                     now = time.monotonic()
                     if any(
                         "READY" not in seen[r.dp_rank]
-                        and now - self.joined_at.get(r.dp_rank, started) > ready_timeout
+                        and now - self.head_join.joined_at.get(r.dp_rank, started) > ready_timeout
                         for r in self.engine_roles
-                        if r.dp_rank in self.joined_at or r not in self.remote_roles
+                        if r.dp_rank in self.head_join.joined_at or r not in self.remote_roles
                     ):
                         raise _ReadyLate
                 msg = self._recv(deadline=time.monotonic())
@@ -494,129 +490,32 @@ class MPClient(EngineCoreClient):
 
     # ------------------------------------------------------------------ multi-node DP
 
-    def _bind_join_socket(self, coordinator_input: str | None, coordinator_waves: str | None) -> None:
-        """Client 0 of a head: bind the join ROUTER at ``--data-parallel-rpc-port`` (heartbeats
-        on, and a socket monitor for connections that end), and fix what a joining rank is told.
+    @property
+    def join_socket(self) -> zmq.Socket | None:
+        """The head's join socket (client 0 of a multi-node head), else None."""
+        return self.head_join.socket if self.head_join is not None else None
 
-        A ROUTER cannot say which peer left (``ROUTER_NOTIFY`` is a draft API of libzmq), so the
-        head remembers the connection (file descriptor, ``zmq.SRCFD``) each HELLO came on, and
-        the monitor's ``EVENT_DISCONNECTED`` names that descriptor."""
-        from engine.core.head_link import set_heartbeats
-
-        pc = self.config.parallel_config
-        assert self.head_layout is not None
-        self.head_layout.coordinator_address = coordinator_input
-        self.head_layout.coordinator_wave_address = coordinator_waves
-        self.head_layout.data_parallel_size = pc.data_parallel_size
-        self.join_address = tcp_address(pc.data_parallel_address, pc.data_parallel_rpc_port)
-        self.join_socket = self.ctx.socket(zmq.ROUTER)
-        self.join_socket.setsockopt(zmq.LINGER, 1000)
-        set_heartbeats(self.join_socket)
-        self.join_monitor = self.join_socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self.joined_fds: dict[int, int] = {}  # connection fd → the rank that joined on it
-        _bind(self.join_socket, self.join_address)
-        logger.info("Waiting for data-parallel rank(s) %s to join at %s (headless nodes: glassbox serve "
-                    "--headless -dp %d --data-parallel-start-rank ... --data-parallel-address %s "
-                    "--data-parallel-rpc-port %d)", ", ".join(str(r.dp_rank) for r in self.remote_roles),
-                    self.join_address, pc.data_parallel_size, pc.data_parallel_address,
-                    pc.data_parallel_rpc_port)  # fmt: skip
+    @property
+    def joined(self) -> dict[int, EngineHandshake]:
+        """The ranks joined from headless nodes: rank → its HELLO."""
+        return self.head_join.joined if self.head_join is not None else {}
 
     def _serve_joins(self) -> None:
-        """Answer every HELLO waiting on the join socket, and notice a joined rank's connection
-        ending (non-blocking). Raises ``EngineDeadError`` when a joined rank is lost."""
-        if self.join_socket is None:
-            return
-        from zmq.utils.monitor import recv_monitor_message
-
-        while True:
-            try:
-                frames = self.join_socket.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                break
-            if len(frames) != 2:
-                raise ProtocolError(f"{len(frames)} frames on the join socket; [identity, HELLO] was due")
-            identity, body = frames[0].bytes, frames[1].bytes
-            hello: EngineHandshake = decode_as(EngineHandshake, body)
-            refusal = self._refuse_join(hello)
-            if refusal is not None:
-                logger.error("refused %s (pid %d) from a headless node: %s", hello.role, hello.pid, refusal)
-                self.join_socket.send_multipart([identity, encode_message(JoinRefused(reason=refusal))])
-                continue
-            self.joined[hello.data_parallel_rank] = hello
-            self.joined_identities[hello.data_parallel_rank] = identity
-            self.joined_at[hello.data_parallel_rank] = time.monotonic()
-            self.joined_fds[frames[1].get(zmq.SRCFD)] = hello.data_parallel_rank
-            self.join_socket.send_multipart([identity, encode_message(self.head_layout)])
-            logger.info("Data-parallel rank %d joined: %s (pid %d on its node)", hello.data_parallel_rank,
-                        hello.role, hello.pid)  # fmt: skip
-        lost: list[int] = []
-        while self.join_monitor.poll(0):
-            event = recv_monitor_message(self.join_monitor)
-            rank = self.joined_fds.pop(int(event["value"]), None)
-            if event["event"] == zmq.EVENT_DISCONNECTED and rank is not None:
-                lost.append(rank)
+        """Answer the HELLOs waiting on the join socket (non-blocking). Raises ``EngineDeadError``
+        when a joined rank's connection ended."""
+        lost = self.head_join.serve() if self.head_join is not None else []
         if lost:
             self._mark_remote_lost(lost)
 
-    def _refuse_join(self, hello: EngineHandshake) -> str | None:
-        """Why ``hello`` cannot join (one line naming the flag to fix), or None."""
-        pc = self.config.parallel_config
-        rank = hello.data_parallel_rank
-        remote = [r.dp_rank for r in self.remote_roles]
-        if hello.kind != "HELLO":
-            return f"{hello.kind} on the join socket; HELLO with its DP rank was due"
-        if hello.data_parallel_size != pc.data_parallel_size:
-            return (f"--data-parallel-size {hello.data_parallel_size} there, {pc.data_parallel_size} on the "
-                    "head")  # fmt: skip
-        if rank not in remote:
-            return (f"--data-parallel-start-rank: rank {rank} is not one the head waits for (it waits for "
-                    f"{', '.join(map(str, remote))}; it runs 0..{remote[0] - 1} itself)")  # fmt: skip
-        if rank in self.joined:
-            return f"--data-parallel-start-rank: rank {rank} joined already (pid {self.joined[rank].pid})"
-        return None
-
-    def _join_timeout_message(self, timeout: float, missing: list[topology.ProcessRole]) -> str:
-        ranks = ", ".join(str(r.dp_rank) for r in missing)
-        return (
-            f"Data-parallel rank(s) {ranks} ({', '.join(r.name for r in missing)}) never joined the head at "
-            f"{self.join_address} within GLASSBOX_DP_JOIN_TIMEOUT_S={timeout:g} s: start them with `glassbox "
-            f"serve --headless -dp {self.data_parallel_size} --data-parallel-start-rank {missing[0].dp_rank} "
-            f"--data-parallel-address ... --data-parallel-rpc-port ...` on their node, and open the ports "
-            "(docs/multi-node.md)"
-        )
-
     def _mark_remote_lost(self, ranks: list[int]) -> None:
-        """Joined rank(s) ``ranks`` lost their connection: log it, the root cause names them, and
-        the tree stops (vLLM's DP engines are all or nothing). Raises ``EngineDeadError``."""
+        """Joined rank(s) ``ranks`` lost their connection: the root cause names them, and the
+        tree stops (vLLM's DP engines are all or nothing). Raises ``EngineDeadError``."""
         if self.dead is not None:
             raise self.dead
-        names = [topology.ProcessRole.engine_core(k).name for k in ranks]
-        first = self.joined[ranks[0]]
-        logger.error("Lost data-parallel rank(s) %s (%s): the connection from the headless node closed "
-                     "(the node or its engine core died, or the network is down); requests they held fail "
-                     "and the head stops: vLLM's data-parallel engines are all or nothing",
-                     ", ".join(map(str, ranks)), ", ".join(names))  # fmt: skip
-        root = processes.format_root_cause(
-            self.run_dir, names[0], first.pid, None, rank=ranks[0],
-            note=f"lost data-parallel rank(s) {', '.join(map(str, ranks))} ({', '.join(names)}); pid "
-                 f"{first.pid} is on the headless node, which joined at {self.join_address}",
-            exit_detail="lost: its connection to the head closed (its node died, it was killed, or the network is down)",
-        )  # fmt: skip
-        self.dead = EngineDeadError(root)
+        self.dead = EngineDeadError(self.head_join.lost_root_cause(self.run_dir, ranks))
         self._fail_utility_calls()
         _stop_all(self._children())
         raise self.dead
-
-    def _tell_joined_stopping(self, reason: str) -> None:
-        """Client 0 of a head is stopping: each joined rank gets ``HeadStopping`` (it exits 0)."""
-        if self.join_socket is None:
-            return
-        body = encode_message(HeadStopping(reason=reason))
-        for identity in self.joined_identities.values():
-            try:
-                self.join_socket.send_multipart([identity, body], zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
 
     def _await_engine_registration(self, deadline: float) -> None:
         """Every engine's CONNECTED on this client's input socket (``tracing.wait_for``).
@@ -915,16 +814,17 @@ class MPClient(EngineCoreClient):
         if self._closed:
             return
         self._closed = True
-        self._tell_joined_stopping("the head stopped" if self.dead is None else "the head's engine died")
+        if self.head_join is not None:
+            self.head_join.tell_stopping(
+                "the head stopped" if self.dead is None else "the head's engine died"
+            )
         _stop_all(self._children())
         self.input_socket.close(linger=0)
         self.output_socket.close(linger=0)
         if self.coordinator_sub is not None:
             self.coordinator_sub.close(linger=0)
-        if self.join_socket is not None:
-            self.join_socket.disable_monitor()
-            self.join_monitor.close(linger=0)
-            self.join_socket.close(linger=1000)  # HeadStopping on its way out
+        if self.head_join is not None:
+            self.head_join.close()  # HeadStopping on its way out
         self.ctx.term()
 
 
@@ -1095,26 +995,6 @@ def _abort(request_ids: list[str]) -> AbortRequests:
 class _ReadyLate(Exception):
     """An engine (multi-node DP) is past its own READY deadline (``GLASSBOX_ENGINE_READY_TIMEOUT_S``
     from its start or join) while the overall wait still runs."""
-
-
-def _bind(socket: zmq.Socket, address: str) -> None:
-    """Bind ``address``; a TCP one that is taken or not this machine's is the flag's error.
-
-    Raises:
-        ConfigError: a ``tcp://`` address that cannot be bound (names ``--data-parallel-rpc-port``
-            or ``--data-parallel-address``).
-    """
-    try:
-        socket.bind(address)
-    except zmq.ZMQError as e:
-        if not address.startswith("tcp://"):
-            raise
-        flag = "--data-parallel-rpc-port" if e.errno == errno.EADDRINUSE else "--data-parallel-address"
-        raise ConfigError.from_message(
-            f"{flag}: the head cannot bind {address}: {e.strerror} (multi-node DP uses "
-            "--data-parallel-rpc-port and the next 2 + 2 × API servers ports; docs/multi-node.md)",
-            flag=flag,
-        ) from None
 
 
 def client_input_address(run_dir: Path, client_index: int) -> str:
