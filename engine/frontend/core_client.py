@@ -27,7 +27,6 @@ client 0 hands on. The ``SchedulerStats`` that come with the outputs go into
 from __future__ import annotations
 
 import itertools
-import pickle
 import time
 from abc import ABC, abstractmethod
 from collections import deque
@@ -40,26 +39,17 @@ import zmq
 
 from engine import envs
 from engine.config import ConfigError, EngineConfig
-from engine.core.coordinator_messages import (
-    CoordinatorSpawnPayload,
-    EngineLoads,
-    coordinator_addresses,
-    score,
-    wave_address,
-)
+from engine.core.coordinator_messages import EngineLoads, score
 from engine.core.coordinator_messages import decode_as as decode_coordinator
-from engine.core.coordinator_messages import encode as encode_coordinator
 from engine.core.head_join import HeadJoin, bind_socket
 from engine.core.messages import (
     ENGINE_CORE_DEAD,
-    TAG_HANDSHAKE,
     TAG_OUTPUTS,
     TAG_UTILITY,
     AbortRequests,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
-    EngineCoreSpawnPayload,
     EngineDead,
     EngineHandshake,
     EnginesInfo,
@@ -71,18 +61,24 @@ from engine.core.messages import (
 )
 from engine.core.messages import encode as encode_message
 from engine.distributed import topology
+from engine.frontend.engine_launcher import (
+    POLL_MS,
+    CoreEngineProcManager,
+    coordinator_payload,
+    launch_core_engines,
+    wait_for_engine_registration,
+    wait_for_engine_startup,
+)
 from engine.frontend.engine_stats import EngineStatsTable
 from engine.logger import init_logger
 from engine.utils import processes
 from engine.utils import run_dir as run_dirs
 from engine.utils.processes import EngineDeadError
 from engine.utils.wire import ErrorKind, ProtocolError
+from tracing import catalogue, stage
 from tracing.telemetry.publisher import get_publisher
 
 logger = init_logger(__name__)
-
-# One bounded wait on the output socket; between waits the client checks the engine is alive.
-POLL_MS = 100
 
 
 class EngineCoreClient(ABC):
@@ -277,7 +273,7 @@ class MPClient(EngineCoreClient):
         self.utility_futures: dict[int, tuple[str, Future]] = {}
         self.call_ids = itertools.count()
         self.dead: EngineDeadError | None = None
-        self.engine_procs: list[processes.ChildProcess] = []
+        self.engine_manager: CoreEngineProcManager | None = None
         self.coordinator_proc: processes.ChildProcess | None = None
         # Other processes whose death takes the tree down (client 0: the other API servers).
         self.watched: list[processes.ChildProcess] = []
@@ -289,12 +285,17 @@ class MPClient(EngineCoreClient):
         self._closed = False
         try:
             if engines is None:
-                self._launch_and_wait_ready()
+                self._launch_core_engines()
             else:
                 self._attach(engines)
         except BaseException:
             self.shutdown()
             raise
+
+    @property
+    def engine_procs(self) -> list[processes.ChildProcess]:
+        """The engine-core processes this client started (none for an attached client)."""
+        return self.engine_manager.processes if self.engine_manager is not None else []
 
     @property
     def engine_proc(self) -> processes.ChildProcess | None:
@@ -350,7 +351,7 @@ class MPClient(EngineCoreClient):
         self.device_info = {"device": engines.device, "dtype": engines.dtype}
         if engines.coordinator_publish_address is not None:
             self._subscribe_coordinator(engines.coordinator_publish_address)
-        self._await_engine_registration(time.monotonic() + envs.GLASSBOX_ENGINE_READY_TIMEOUT_S)
+        wait_for_engine_registration(self, time.monotonic() + envs.GLASSBOX_ENGINE_READY_TIMEOUT_S)
 
     def _subscribe_coordinator(self, publish_address: str) -> None:
         self.coordinator_publish_address = publish_address
@@ -361,132 +362,29 @@ class MPClient(EngineCoreClient):
 
     # ------------------------------------------------------------------ start-up
 
-    def _launch_and_wait_ready(self) -> None:
-        from tracing import WaitTimeout, catalogue, stage, wait_for
-        from tracing.propagation import inject_trace_headers
-
+    def _launch_core_engines(self) -> None:
+        """Client 0: start the coordinator and this node's engine cores, bind the head's join
+        socket (multi-node DP), and wait until every engine is ready (``engine_launcher``)."""
         with stage(catalogue.ENGINE_CORE_HANDSHAKE) as st:
-            coordinator_input = coordinator_waves = None
+            coordinator = None
             if self.coordinator_role is not None:
-                coordinator_waves = wave_address(self.run_dir)
-                coordinator_input, publish = coordinator_addresses(self.run_dir)
-                if self.head_layout is not None:  # engines on other nodes reach it over TCP
-                    coordinator_input = self.head_layout.coordinator_address
-                    coordinator_waves = self.head_layout.coordinator_wave_address
-                self._subscribe_coordinator(publish)
-                coordinator_payload = CoordinatorSpawnPayload(
-                    input_address=coordinator_input,
-                    publish_address=publish,
-                    data_parallel_size=self.data_parallel_size,
-                    wave_address=coordinator_waves,
-                    trace_file=self.config.observability_config.trace_file,
-                    otlp_traces_endpoint=self.config.observability_config.otlp_traces_endpoint,
-                )
-                self.coordinator_proc = processes.spawn_process(
-                    self.coordinator_role.name,
-                    "engine.core.coordinator:DPCoordinator.run_coordinator",
-                    encode_coordinator(coordinator_payload),
-                    self.run_dir,
-                )
-            config_pickle = pickle.dumps(self.config, protocol=5)
-            trace_headers = inject_trace_headers()
+                coordinator = coordinator_payload(self.config, self.run_dir, self.head_layout)
+                self._subscribe_coordinator(coordinator.publish_address)
             if self.remote_roles:
                 assert self.head_layout is not None
-                self.head_layout.coordinator_address = coordinator_input
-                self.head_layout.coordinator_wave_address = coordinator_waves
+                self.head_layout.coordinator_address = coordinator.input_address if coordinator else None
+                self.head_layout.coordinator_wave_address = coordinator.wave_address if coordinator else None
                 self.head_join = HeadJoin(self.ctx, self.config, self.head_layout, self.remote_roles)
-            for role in self.engine_roles:
-                if role in self.remote_roles:  # a headless node starts it; it joins below
-                    continue
-                payload = encode_message(
-                    EngineCoreSpawnPayload(
-                        config_pickle=config_pickle,
-                        input_addresses=self.input_addresses,
-                        output_addresses=self.output_addresses,
-                        data_parallel_rank=role.dp_rank,
-                        trace_headers=trace_headers,
-                        coordinator_address=coordinator_input,
-                        coordinator_wave_address=coordinator_waves,
-                    )
-                )
-                self.engine_procs.append(
-                    processes.spawn_process(
-                        role.name,
-                        "engine.core.engine_core_proc:EngineCoreProc.run_engine_core",
-                        payload,
-                        self.run_dir,
-                    )
-                )
-            ready_timeout = envs.GLASSBOX_ENGINE_READY_TIMEOUT_S
-            join_timeout = envs.GLASSBOX_DP_JOIN_TIMEOUT_S
-            started = time.monotonic()
-            # Each engine has GLASSBOX_ENGINE_READY_TIMEOUT_S from its start: a local one from
-            # now, a headless node's from its join (itself bounded by GLASSBOX_DP_JOIN_TIMEOUT_S).
-            timeout = ready_timeout + (join_timeout if self.remote_roles else 0.0)
-            deadline = started + timeout
-            # Per engine: the handshakes seen so far (HELLO, READY).
-            seen: dict[int, dict[str, EngineHandshake]] = {r.dp_rank: {} for r in self.engine_roles}
-
-            def handshake_step() -> bool:
-                """One short poll: record HELLO / READY; True once every engine is READY."""
-                if self.remote_roles:
-                    self._serve_joins()
-                    missing = [r for r in self.remote_roles if r.dp_rank not in self.joined]
-                    if missing and time.monotonic() - started > join_timeout:
-                        message = self.head_join.timeout_message(join_timeout, missing)
-                        root = processes.format_root_cause(
-                            self.run_dir, missing[0].name, None, None, rank=missing[0].dp_rank, note=message,
-                            exit_detail="never joined (no HELLO on the head's join socket)",
-                        )  # fmt: skip
-                        raise processes.EngineStartupTimeout(message, root)
-                    now = time.monotonic()
-                    if any(
-                        "READY" not in seen[r.dp_rank]
-                        and now - self.head_join.joined_at.get(r.dp_rank, started) > ready_timeout
-                        for r in self.engine_roles
-                        if r.dp_rank in self.head_join.joined_at or r not in self.remote_roles
-                    ):
-                        raise _ReadyLate
-                msg = self._recv(deadline=time.monotonic())
-                if msg is not None and msg[0] == TAG_HANDSHAKE:
-                    hs = decode_as(EngineHandshake, msg[1][0])
-                    if hs.kind not in ("HELLO", "READY") or hs.data_parallel_rank not in seen:
-                        raise ProtocolError(
-                            f"{hs.role} sent {hs.kind} (DP rank {hs.data_parallel_rank}) on its output "
-                            "socket; HELLO or READY from a planned engine was due"
-                        )
-                    seen[hs.data_parallel_rank][hs.kind] = hs
-                    logger.debug("engine core %s (pid %d) said %s", hs.role, hs.pid, hs.kind)
-                return all("READY" in kinds for kinds in seen.values())
-
-            try:
-                # The bounded-wait helper: a deadline, a name, and wait events for telemetry.
-                awaited = f"READY from {', '.join(r.name for r in self.engine_roles)}"
-                wait_for(awaited, handshake_step, timeout_s=timeout, poll_interval_s=0)
-            except (WaitTimeout, _ReadyLate):
-                late = [r for r in self.engine_roles if "READY" not in seen[r.dp_rank]]
-                if late and all(r in self.remote_roles for r in late):  # their status files are on their node
-                    message = (
-                        f"Not every engine became ready within GLASSBOX_ENGINE_READY_TIMEOUT_S={ready_timeout:g} s "
-                        f"of joining; not ready: {', '.join(r.name for r in late)}, on headless node(s): `glassbox ps` "
-                        "or engine-top there shows the stage."
-                    )
-                    hello = self.joined.get(late[0].dp_rank)
-                    root = processes.format_root_cause(
-                        self.run_dir, late[0].name, hello.pid if hello else None, None, rank=late[0].dp_rank,
-                        note=message, exit_detail="not READY in time (it runs on a headless node)",
-                    )  # fmt: skip
-                    raise processes.EngineStartupTimeout(message, root) from None
-                message = self._startup_timeout_message(ready_timeout, seen)
-                raise processes.EngineStartupTimeout(message, self._startup_root_cause(message)) from None
-            ready = [seen[r.dp_rank]["READY"] for r in self.engine_roles]
+            self.engine_manager, self.coordinator_proc = launch_core_engines(
+                self.config, self.run_dir, [r for r in self.engine_roles if r not in self.remote_roles],
+                input_addresses=self.input_addresses, output_addresses=self.output_addresses,
+                coordinator=(self.coordinator_role, coordinator) if coordinator else None,
+            )  # fmt: skip
+            ready = wait_for_engine_startup(self)
             # Every engine sizes its own KV cache; report the smallest.
             self.num_gpu_blocks = min(hs.num_gpu_blocks for hs in ready)
             self.device_info = {"device": ready[0].device, "dtype": ready[0].dtype}
             st.set(catalogue.ATTR_KV_NUM_BLOCKS, self.num_gpu_blocks)
-            # Each engine's DEALER announces itself once connected; wait for all so the
-            # first request cannot be dropped by the ROUTER.
-            self._await_engine_registration(deadline)
 
     # ------------------------------------------------------------------ multi-node DP
 
@@ -516,71 +414,6 @@ class MPClient(EngineCoreClient):
         self._fail_utility_calls()
         _stop_all(self._children())
         raise self.dead
-
-    def _await_engine_registration(self, deadline: float) -> None:
-        """Every engine's CONNECTED on this client's input socket (``tracing.wait_for``).
-
-        Raises:
-            TimeoutError: an engine core never connected by ``deadline`` (named).
-            EngineDeadError: an engine process died meanwhile.
-        """
-        from tracing import WaitTimeout, wait_for
-
-        waiting = set(self.engine_identities)
-
-        def all_connected() -> bool:
-            if self.input_socket.poll(POLL_MS):
-                frames = self.input_socket.recv_multipart()
-                hs = decode_as(EngineHandshake, frames[-1])
-                if hs.kind != "CONNECTED" or frames[0] not in waiting:
-                    raise ProtocolError(
-                        f"{hs.role} sent {hs.kind} as {frames[0]!r} on its input socket; CONNECTED "
-                        f"from one of {sorted(waiting)!r} was due"
-                    )
-                waiting.discard(frames[0])
-            else:
-                self._check_alive()
-            return not waiting
-
-        try:
-            wait_for("CONNECTED from every engine core", all_connected,
-                     timeout_s=max(deadline - time.monotonic(), 0.0), poll_interval_s=0)  # fmt: skip
-            return
-        except WaitTimeout:
-            pass
-        names = [r.name for r, i in zip(self.engine_roles, self.engine_identities) if i in waiting]
-        raise TimeoutError(f"the engine core(s) {', '.join(names)} never connected their input socket")
-
-    def _startup_root_cause(self, message: str) -> str:
-        """The root-cause block of a start-up deadline: the process holding start-up back (the
-        deepest one in a stage, else the first that never started), with its state."""
-        laggard = find_laggard(self.run_dir)
-        role, pid = laggard if laggard is not None else (self.engine_role.name, None)
-        if pid is None:  # no status file yet (still importing, say): this client spawned it
-            pid = self._spawned_pids().get(role)
-        state = _os_state(pid) if pid else None
-        if state == "stopped":
-            state = "stopped by a signal (SIGSTOP?)"
-        return processes.format_root_cause(self.run_dir, role, pid, None, note=message, state=state)
-
-    def _spawned_pids(self) -> dict[str, int]:
-        """Role name → pid of each child this client spawned (engine cores, coordinator)."""
-        return {p.role: p.pid for p in self._children()}
-
-    def _startup_timeout_message(self, timeout: float, seen: dict[int, dict[str, EngineHandshake]]) -> str:
-        late = describe_laggard(self.run_dir, spawned=self._spawned_pids())
-        if len(seen) == 1:
-            said = "it said HELLO" if "HELLO" in seen[self.engine_role.dp_rank] else "it never said HELLO"
-            return f"The engine did not become ready within GLASSBOX_ENGINE_READY_TIMEOUT_S={timeout:g} s ({said}). {late}"
-        laggards = [
-            f"{r.name} ({'said HELLO' if 'HELLO' in seen[r.dp_rank] else 'never said HELLO'})"
-            for r in self.engine_roles
-            if "READY" not in seen[r.dp_rank]
-        ]
-        return (
-            f"Not every engine became ready within GLASSBOX_ENGINE_READY_TIMEOUT_S={timeout:g} s; "
-            f"not ready: {', '.join(laggards)}. {late}"
-        )
 
     # ------------------------------------------------------------------ load balancing
 
@@ -990,11 +823,6 @@ def _abort(request_ids: list[str]) -> AbortRequests:
     from tracing.propagation import inject_trace_headers
 
     return AbortRequests(request_ids=request_ids, trace_headers=inject_trace_headers() or None)
-
-
-class _ReadyLate(Exception):
-    """An engine (multi-node DP) is past its own READY deadline (``GLASSBOX_ENGINE_READY_TIMEOUT_S``
-    from its start or join) while the overall wait still runs."""
 
 
 def client_input_address(run_dir: Path, client_index: int) -> str:
