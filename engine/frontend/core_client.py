@@ -2,18 +2,26 @@
 
 Mirrors vLLM's ``vllm/v1/engine/core_client.py``. The frontend never touches the engine
 core's internals: it adds requests, aborts them, asks for outputs and makes utility calls
-through an ``EngineCoreClient``:
+through a client:
 
 - ``InprocClient`` (``GLASSBOX_ENABLE_MULTIPROCESSING=0``): the ``EngineCore`` lives in the
   caller's process and ``get_output()`` runs one ``step()``.
-- ``SyncMPClient`` (the offline default): the engine core runs in its own process
-  (``EngineCoreProc``); requests go out on a ROUTER socket, outputs come back on a PULL
-  socket, both bound by this client on ``ipc://`` paths in the run directory.
-- ``AsyncMPClient`` (the API server's): the same, driven from an asyncio loop.
+- ``MPClient``: what the multiprocess clients share. The engine cores run in their own
+  processes (``EngineCoreProc``); requests go out on a ROUTER socket, outputs come back on a
+  PULL socket, both bound by this client (``ipc://`` paths in the run directory).
+- ``AsyncMPClient`` (the API server's): the one implementation of the calls, on asyncio.
+- ``SyncMPClient`` (the offline ``LLM``'s): a thin facade that runs ``AsyncMPClient``'s calls
+  to completion on a private event loop in the calling thread.
 
-With ``--data-parallel-size N`` a multiprocess client holds N engine cores and starts the
-``DPCoordinator``; it load-balances new requests over the engines (vLLM's
-``DPLBAsyncMPClient``: lowest ``waiting * 4 + running``), see ``MPClient``.
+Launching the engine cores and the start-up handshake are in ``engine_launcher.py``
+(vLLM's ``vllm/v1/engine/utils.py``); the head's side of the multi-node join is
+``engine/core/head_join.py``.
+
+With ``--data-parallel-size N`` a multiprocess client holds N engine cores and client 0
+starts the ``DPCoordinator``; new requests go to the engine with the lowest
+``waiting * 4 + running``. vLLM 0.32 folds that load balancing into its ``DPLBAsyncMPClient``
+class (a subclass of its ``AsyncMPClient``); Glassbox folds it into ``MPClient``, so the
+offline ``LLM`` balances too.
 
 Each multiprocess client is one of the engine cores' clients (``client_index``: the offline
 ``LLM``, or one per API server with ``--api-server-count``): it binds its own input and
@@ -26,16 +34,19 @@ client 0 hands on. The ``SchedulerStats`` that come with the outputs go into
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import zmq
+import zmq.asyncio
 
 from engine import envs
 from engine.config import ConfigError, EngineConfig
@@ -53,17 +64,16 @@ from engine.core.messages import (
     EngineDead,
     EngineHandshake,
     EnginesInfo,
-    JoinAccepted,
     UtilityReply,
     UtilityRequest,
     decode_as,
-    head_engine_addresses,
 )
 from engine.core.messages import encode as encode_message
 from engine.distributed import topology
 from engine.frontend.engine_launcher import (
     POLL_MS,
     CoreEngineProcManager,
+    client_addresses,
     coordinator_payload,
     launch_core_engines,
     wait_for_engine_registration,
@@ -75,10 +85,14 @@ from engine.utils import processes
 from engine.utils import run_dir as run_dirs
 from engine.utils.processes import EngineDeadError
 from engine.utils.wire import ErrorKind, ProtocolError
-from tracing import catalogue, stage
+from tracing import WaitTimeout, catalogue, stage
+from tracing.propagation import inject_trace_headers
 from tracing.telemetry.publisher import get_publisher
+from tracing.waits import wait_for_async
 
 logger = init_logger(__name__)
+
+T = TypeVar("T")
 
 
 class EngineCoreClient(ABC):
@@ -148,39 +162,32 @@ class InprocClient(EngineCoreClient):
         self.engine_core.shutdown()
 
 
-class MPClient(EngineCoreClient):
-    """What both multiprocess clients share: launching the engine cores and the handshake.
+class MPClient:
+    """What the multiprocess clients share: their sockets, the engines' processes, load
+    balancing, the replies' matching and the liveness checks.
 
     With ``--data-parallel-size N`` client 0 starts N engine cores (``EngineCore_DP<k>``,
     each with its own workers) and, for N > 1, the ``DPCoordinator``; with several clients
     (API servers) the others attach to those engines (``engines``). Every engine connects to
     each client's ROUTER (input; an engine's DEALER identity is its DP rank) and pushes to
     each client's PULL (outputs), so one client's outputs of every engine arrive merged on
-    its one socket, each stamped with its ``engine_index``. Each new request goes to the engine with the lowest
-    score ``waiting * 4 + running`` (vLLM's ``DPLBAsyncMPClient``): the coordinator's latest
+    its one socket, each stamped with its ``engine_index``. Each new request goes to the
+    engine with the lowest score ``waiting * 4 + running``: the coordinator's latest
     published counts, plus the requests this client sent each engine since that publish; a
     request that pins ``data_parallel_rank`` goes to that engine. Aborts go to the engine
-    that has the request; utility calls go to every engine (engine 0's answer is returned).
+    that has the request; utility calls go to every engine.
 
-    Multi-node DP (the head: ``--data-parallel-size-local`` K0 below the DP size D, with
-    ``--data-parallel-address``): client 0 starts only engines 0..K0-1; every socket an engine
-    uses is TCP on the head's address (``head_engine_addresses``), and client 0 binds a join
-    socket at ``--data-parallel-rpc-port`` where the headless nodes' engine cores say HELLO
-    and get those addresses (vLLM's handshake socket). A rank that has not joined within
-    ``GLASSBOX_DP_JOIN_TIMEOUT_S`` fails start-up with the ranks that never joined named; a
-    joined rank whose connection ends (its node died, SIGKILL included: the join
-    socket's monitor; or a silent network: ZMQ heartbeats) is reported lost — a log line and
-    the root cause naming it — and the tree stops, as vLLM's DP engines are all or nothing.
-    Stopping, client 0 tells each joined rank ``HeadStopping`` (they exit 0).
+    Multi-node DP (the head: ``--data-parallel-size-local`` K0 below the DP size D): client 0
+    starts only engines 0..K0-1, every socket an engine uses is TCP on the head's address
+    (``head_engine_addresses``), and client 0 holds the join socket (``HeadJoin``) where the
+    headless nodes' engine cores join; a joined rank whose connection ends is reported lost,
+    and the tree stops, as vLLM's DP engines are all or nothing.
 
-    Start-up (client 0) waits for HELLO then READY from every engine under one deadline
-    (``GLASSBOX_ENGINE_READY_TIMEOUT_S``); on expiry the error names the engines not ready
-    and the late process and its stage (from the status files). Every client then waits
-    for each engine's CONNECTED on its own input socket. Every later wait is a bounded poll
-    that checks every engine process (and the coordinator, and processes handed to
-    ``watch_child``) is alive between polls; when one dies, client 0 stops the others, and
-    one ``EngineDeadError`` names it. An attached client watches the engines by pid and
-    leaves stopping (and the root cause) to client 0.
+    Start-up (``engine_launcher``) waits for every engine under one deadline. Every later
+    wait is a bounded poll that checks every engine process (and the coordinator, and
+    processes handed to ``watch_child``) is alive between polls; when one dies, client 0
+    stops the others, and one ``EngineDeadError`` names it. An attached client watches the
+    engines by pid and leaves stopping (and the root cause) to client 0.
 
     Args:
         config: the engine config.
@@ -215,20 +222,10 @@ class MPClient(EngineCoreClient):
         self.run_dir = run_dir
         self.client_index = client_index
         self.ctx = zmq.Context()
-        pc = config.parallel_config
         # Multi-node DP (this is the head): TCP on --data-parallel-address, else ipc.
-        self.head_layout: JoinAccepted | None = None
-        if pc.multi_node:
-            try:
-                self.head_layout = head_engine_addresses(pc.data_parallel_address, pc.data_parallel_rpc_port,
-                                                         num_clients)  # fmt: skip
-            except ValueError as e:
-                raise ConfigError.from_message(str(e), flag="--data-parallel-rpc-port") from None
-            self.input_addresses = list(self.head_layout.input_addresses)
-            self.output_addresses = list(self.head_layout.output_addresses)
-        else:
-            self.input_addresses = [client_input_address(run_dir, i) for i in range(num_clients)]
-            self.output_addresses = [client_output_address(run_dir, i) for i in range(num_clients)]
+        self.head_layout, self.input_addresses, self.output_addresses = client_addresses(
+            config, run_dir, num_clients
+        )
         self.input_address = self.input_addresses[client_index]
         self.output_address = self.output_addresses[client_index]
         self.input_socket = self.ctx.socket(zmq.ROUTER)
@@ -473,19 +470,6 @@ class MPClient(EngineCoreClient):
 
     # ------------------------------------------------------------------ messages
 
-    def _recv(self, deadline: float | None) -> tuple[bytes, list[bytes]] | None:
-        """One message from the engines, or None at the deadline. Raises EngineDeadError."""
-        while True:
-            if self.output_socket.poll(POLL_MS):
-                tag, *frames = self.output_socket.recv_multipart()
-                if tag == ENGINE_CORE_DEAD:
-                    self._mark_dead(_dead_message(frames))
-                self._check_alive_now_and_then()
-                return tag, frames
-            self._check_alive()
-            if deadline is not None and time.monotonic() >= deadline:
-                return None
-
     def _check_alive_now_and_then(self) -> None:
         """While messages keep coming (no poll times out), still look at every child each
         ``POLL_MS``: with several engines, one can die while another streams outputs."""
@@ -569,16 +553,6 @@ class MPClient(EngineCoreClient):
                 future.set_exception(self.dead)
         self.utility_futures.clear()
 
-    def _send(self, request_type: EngineCoreRequestType, body: bytes, engine: int = 0) -> None:
-        if self.dead is not None:
-            raise self.dead
-        try:
-            self.input_socket.send_multipart(
-                [self.engine_identities[engine], request_type.value, body], copy=False
-            )
-        except zmq.ZMQError:
-            self._unroutable(engine)
-
     def _unroutable(self, engine: int = 0) -> None:
         """The ROUTER cannot reach an engine core: it disconnected, so it is dying or dead."""
         role = self.engine_roles[engine].name
@@ -632,8 +606,6 @@ class MPClient(EngineCoreClient):
 
     def _utility_request(self, method: str, args: tuple) -> tuple[Future, bytes]:
         """A new call id, its pending future, and the encoded ``UtilityRequest``."""
-        from tracing.propagation import inject_trace_headers
-
         call_id = next(self.call_ids)
         future: Future = Future()
         self.utility_futures[call_id] = (method, future)
@@ -661,72 +633,88 @@ class MPClient(EngineCoreClient):
         self.ctx.term()
 
 
-class SyncMPClient(MPClient):
-    """The engine cores in their own processes, driven synchronously (the offline ``LLM``'s client)."""
+class AsyncMPClient(MPClient):
+    """The multiprocess client's calls, driven from an asyncio loop: the API server's client,
+    and the one implementation ``SyncMPClient`` runs for the offline ``LLM``.
 
-    def add_request(self, request: EngineCoreRequest) -> None:
+    Start-up (the constructor) is synchronous, before any loop runs; afterwards the sockets
+    are used through ``zmq.asyncio`` shadows, so waiting for outputs never blocks the loop
+    (the liveness checks between polls use the plain sockets).
+
+    One task reads the output socket: the API server's output handler calls
+    ``get_output_async`` over and over, and the utility replies it receives resolve
+    ``call_utility_async``'s futures. Where no such task runs (``caller_reads_outputs``:
+    ``SyncMPClient``), a utility call reads itself until its answers come, and keeps the
+    outputs it receives meanwhile for ``get_output_async``.
+    """
+
+    caller_reads_outputs = False
+
+    def __init__(self, config: EngineConfig, run_dir: Path, **kwargs: Any) -> None:
+        super().__init__(config, run_dir, **kwargs)
+        self.async_input = zmq.asyncio.Socket.shadow(self.input_socket.underlying)
+        self.async_output = zmq.asyncio.Socket.shadow(self.output_socket.underlying)
+
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        """Send ``request`` to its engine (``_choose_engine``). Raises ``EngineDeadError``;
+        ``ValueError`` for a ``data_parallel_rank`` no engine has."""
         request.client_index = self.client_index
         engine = self._choose_engine(request)
-        self._send(EngineCoreRequestType.ADD, self.encoder.encode(request), engine)
+        await self._send(EngineCoreRequestType.ADD, self.encoder.encode(request), engine)
 
-    def abort_requests(self, request_ids: list[str]) -> None:
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        """Abort ``request_ids`` in the engines that have them (nothing once the engine is dead)."""
         if request_ids and self.dead is None:
             for engine, ids in self._engines_for_abort(request_ids).items():
-                self._send(EngineCoreRequestType.ABORT, self.encoder.encode(_abort(ids)), engine)
+                await self._send(EngineCoreRequestType.ABORT, self.encoder.encode(_abort(ids)), engine)
 
-    def get_output(self) -> EngineCoreOutputs:
-        while not self.pending:
-            self._dispatch(self._recv(deadline=None))
+    async def get_output_async(self) -> EngineCoreOutputs:
+        """The next outputs (of any engine); only one task may call this. Raises ``EngineDeadError``."""
+        await self._recv_until(lambda: bool(self.pending))
         return self.pending.popleft()
 
-    def call_utility(self, method: str, *args: Any) -> Any:
-        """Run the utility on every engine; engine 0's answer is returned."""
-        return self.call_utility_each(method, *args)[0]
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        """Run ``EngineCore.<method>(*args)`` on every engine; engine 0's answer is returned."""
+        return (await self.call_utility_each_async(method, *args))[0]
 
-    def call_utility_each(self, method: str, *args: Any) -> list[Any]:
-        """Run the utility on every engine; their answers, by DP rank."""
+    async def call_utility_each_async(self, method: str, *args: Any) -> list[Any]:
+        """Run ``EngineCore.<method>(*args)`` on every engine; their answers, by DP rank.
+
+        Raises:
+            TimeoutError: no answer within ``GLASSBOX_EXECUTE_MODEL_TIMEOUT_S``.
+            RuntimeError: the utility raised in an engine.
+            EngineDeadError: an engine died meanwhile.
+        """
         futures = []
         for engine in range(self.data_parallel_size):
             future, body = self._utility_request(method, args)
             futures.append(future)
-            self._send(EngineCoreRequestType.UTILITY, body, engine)
-        from tracing import WaitTimeout, wait_for
-
+            await self._send(EngineCoreRequestType.UTILITY, body, engine)
+        if self.caller_reads_outputs:  # nobody else reads: receive until the replies resolve them
+            awaited = [asyncio.ensure_future(self._recv_until(lambda: all(f.done() for f in futures)))]
+        else:  # the output handler's receive loop resolves them
+            awaited = [asyncio.wrap_future(f) for f in futures]
         timeout = envs.GLASSBOX_EXECUTE_MODEL_TIMEOUT_S
-
-        def answered() -> bool:
-            # This thread is the only reader: receive (keeping outputs for get_output) until
-            # the replies resolve the futures; each receive is one bounded slice.
-            if not all(f.done() for f in futures):
-                self._dispatch(self._recv(time.monotonic()))
-            return all(f.done() for f in futures)
-
         try:
-            wait_for(
-                f"the answers to utility call {method!r}", answered, timeout_s=timeout, poll_interval_s=0
-            )
+            # The wait checks between slices that the engines are alive.
+            await wait_for_async(f"the answers to utility call {method!r}", awaited, timeout_s=timeout,
+                                 check=self._check_alive, poll_interval_s=POLL_MS / 1000)  # fmt: skip
         except WaitTimeout:
+            for future in futures:
+                future.cancel()  # given up: a late answer is dropped
             raise TimeoutError(
                 f"utility call {method!r} got no answer within GLASSBOX_EXECUTE_MODEL_TIMEOUT_S={timeout:g} s"
             ) from None
         return [f.result() for f in futures]
 
+    async def _recv_until(self, done: Callable[[], bool]) -> None:
+        """Receive and dispatch messages until ``done()`` (outputs go to ``pending``)."""
+        while not done():
+            self._dispatch(await self._recv())
 
-class AsyncMPClient(MPClient):
-    """The engine cores in their own processes, driven from an asyncio loop (the API server's client).
-
-    The handshake runs synchronously before serving starts; afterwards the same sockets are
-    used through asyncio shadows, so waiting for outputs never blocks the event loop.
-    """
-
-    def __init__(self, config: EngineConfig, run_dir: Path, **kwargs: Any) -> None:
-        super().__init__(config, run_dir, **kwargs)
-        import zmq.asyncio
-
-        self.async_input = zmq.asyncio.Socket.shadow(self.input_socket.underlying)
-        self.async_output = zmq.asyncio.Socket.shadow(self.output_socket.underlying)
-
-    async def _recv_async(self, deadline: float | None) -> tuple[bytes, list[bytes]] | None:
+    async def _recv(self) -> tuple[bytes, list[bytes]]:
+        """One message from the engines: bounded polls (``POLL_MS``), every child checked alive
+        between them (and now and then while messages keep coming). Raises ``EngineDeadError``."""
         while True:
             if await self.async_output.poll(POLL_MS):
                 tag, *frames = await self.async_output.recv_multipart()
@@ -735,10 +723,8 @@ class AsyncMPClient(MPClient):
                 self._check_alive_now_and_then()
                 return tag, frames
             self._check_alive()
-            if deadline is not None and time.monotonic() >= deadline:
-                return None
 
-    async def _send_async(self, request_type: EngineCoreRequestType, body: bytes, engine: int = 0) -> None:
+    async def _send(self, request_type: EngineCoreRequestType, body: bytes, engine: int = 0) -> None:
         if self.dead is not None:
             raise self.dead
         try:
@@ -748,64 +734,57 @@ class AsyncMPClient(MPClient):
         except zmq.ZMQError:
             self._unroutable(engine)
 
-    async def add_request_async(self, request: EngineCoreRequest) -> None:
-        request.client_index = self.client_index
-        engine = self._choose_engine(request)
-        await self._send_async(EngineCoreRequestType.ADD, self.encoder.encode(request), engine)
 
-    async def abort_requests_async(self, request_ids: list[str]) -> None:
-        if request_ids and self.dead is None:
-            for engine, ids in self._engines_for_abort(request_ids).items():
-                await self._send_async(EngineCoreRequestType.ABORT, self.encoder.encode(_abort(ids)), engine)
+class SyncMPClient(AsyncMPClient, EngineCoreClient):
+    """The offline ``LLM``'s client: ``AsyncMPClient``'s calls, each run to completion on a
+    private event loop in the calling thread (``loop.run_until_complete``).
 
-    async def get_output_async(self) -> EngineCoreOutputs:
-        """The next outputs; only one task (the output handler) may call this."""
-        while not self.pending:
-            self._dispatch(await self._recv_async(deadline=None))
-        return self.pending.popleft()
+    The ``LLM`` is single-threaded, so this client has no thread of its own: signals (Ctrl-C,
+    SIGTERM) reach the main thread while it waits, and raise there. No output handler task
+    runs either, so a utility call reads outputs itself (``caller_reads_outputs``) and
+    ``get_output`` returns the ones it kept. vLLM's ``SyncMPClient`` reads outputs on a
+    background thread into a queue instead.
+    """
 
-    async def call_utility_async(self, method: str, *args: Any) -> Any:
-        """Utility call on every engine (engine 0's answer is returned); the answers are picked
-        up by the output handler's receive loop."""
-        import asyncio
+    caller_reads_outputs = True
 
-        futures = []
-        for engine in range(self.data_parallel_size):
-            future, body = self._utility_request(method, args)
-            futures.append(future)
-            await self._send_async(EngineCoreRequestType.UTILITY, body, engine)
-        from tracing import WaitTimeout
-        from tracing.waits import wait_for_async
+    def __init__(self, config: EngineConfig, run_dir: Path, **kwargs: Any) -> None:
+        self.loop = asyncio.new_event_loop()
+        super().__init__(config, run_dir, **kwargs)  # a failed start shuts down: the loop closes
 
-        timeout = envs.GLASSBOX_EXECUTE_MODEL_TIMEOUT_S
-        # The output handler resolves the futures; the wait checks between slices that the
-        # engines are alive.
+    def _run(self, call: Coroutine[Any, Any, T]) -> T:
+        task = self.loop.create_task(call)
         try:
-            answers = await wait_for_async(
-                f"the answers to utility call {method!r}",
-                [asyncio.wrap_future(f) for f in futures],
-                timeout_s=timeout,
-                check=self._check_alive,
-                poll_interval_s=POLL_MS / 1000,
-            )
-        except WaitTimeout:
-            raise TimeoutError(
-                f"utility call {method!r} got no answer within GLASSBOX_EXECUTE_MODEL_TIMEOUT_S={timeout:g} s"
-            ) from None
-        return answers[0]
+            return self.loop.run_until_complete(task)
+        finally:
+            # Interrupted (Ctrl-C): a call left pending must not read outputs when the loop next runs.
+            task.cancel()
 
-    # The synchronous verbs are not used from the event loop.
     def add_request(self, request: EngineCoreRequest) -> None:
-        raise NotImplementedError("use add_request_async")
+        self._run(self.add_request_async(request))
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        raise NotImplementedError("use abort_requests_async")
+        self._run(self.abort_requests_async(request_ids))
 
     def get_output(self) -> EngineCoreOutputs:
-        raise NotImplementedError("use get_output_async")
+        return self._run(self.get_output_async())
 
     def call_utility(self, method: str, *args: Any) -> Any:
-        raise NotImplementedError("use call_utility_async")
+        """Run the utility on every engine; engine 0's answer is returned."""
+        return self._run(self.call_utility_async(method, *args))
+
+    def call_utility_each(self, method: str, *args: Any) -> list[Any]:
+        """Run the utility on every engine; their answers, by DP rank."""
+        return self._run(self.call_utility_each_async(method, *args))
+
+    def shutdown(self) -> None:
+        if not self.loop.is_running():
+            cancelled = asyncio.all_tasks(self.loop)  # interrupted calls, cancelled: let them end
+            if cancelled:
+                self.loop.run_until_complete(asyncio.gather(*cancelled, return_exceptions=True))
+        super().shutdown()
+        if not self.loop.is_running():
+            self.loop.close()
 
 
 def _stop_all(children: list[processes.ChildProcess], timeout: float = 4.0) -> None:
@@ -820,19 +799,7 @@ def _stop_all(children: list[processes.ChildProcess], timeout: float = 4.0) -> N
 
 def _abort(request_ids: list[str]) -> AbortRequests:
     """An ABORT message carrying the caller's span (W3C)."""
-    from tracing.propagation import inject_trace_headers
-
     return AbortRequests(request_ids=request_ids, trace_headers=inject_trace_headers() or None)
-
-
-def client_input_address(run_dir: Path, client_index: int) -> str:
-    """Where client ``client_index`` sends requests from (its ROUTER: it binds, engines connect)."""
-    return f"ipc://{run_dir}/in{client_index}.sock"
-
-
-def client_output_address(run_dir: Path, client_index: int) -> str:
-    """Where client ``client_index`` receives its engine outputs (it binds, engines connect)."""
-    return f"ipc://{run_dir}/out{client_index}.sock"
 
 
 def _pid_running(pid: int) -> bool:

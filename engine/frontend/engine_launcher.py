@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine import envs
-from engine.config import EngineConfig
+from engine.config import ConfigError, EngineConfig
 from engine.core.coordinator_messages import CoordinatorSpawnPayload, coordinator_addresses, wave_address
 from engine.core.coordinator_messages import encode as encode_coordinator
 from engine.core.messages import (
@@ -47,6 +47,7 @@ from engine.core.messages import (
     JoinAccepted,
     decode_as,
     encode,
+    head_engine_addresses,
 )
 from engine.distributed import topology
 from engine.logger import init_logger
@@ -62,6 +63,37 @@ logger = init_logger(__name__)
 
 # One bounded wait on a socket (ms); between waits the client checks its children are alive.
 POLL_MS = 100
+
+
+def client_input_address(run_dir: Path, client_index: int) -> str:
+    """Where client ``client_index`` sends requests from (its ROUTER: it binds, engines connect)."""
+    return f"ipc://{run_dir}/in{client_index}.sock"
+
+
+def client_output_address(run_dir: Path, client_index: int) -> str:
+    """Where client ``client_index`` receives its engine outputs (it binds, engines connect)."""
+    return f"ipc://{run_dir}/out{client_index}.sock"
+
+
+def client_addresses(
+    config: EngineConfig, run_dir: Path, num_clients: int
+) -> tuple[JoinAccepted | None, list[str], list[str]]:
+    """Every client's input and output address, by client index (vLLM's ``EngineZmqAddresses``):
+    ``ipc://`` in the run directory, or, for a multi-node head, TCP on
+    ``--data-parallel-address`` (then also the head's layout, which joining ranks are told).
+
+    Raises:
+        ConfigError: the ports from ``--data-parallel-rpc-port`` on run past 65535.
+    """
+    pc = config.parallel_config
+    if not pc.multi_node:
+        inputs = [client_input_address(run_dir, i) for i in range(num_clients)]
+        return None, inputs, [client_output_address(run_dir, i) for i in range(num_clients)]
+    try:
+        layout = head_engine_addresses(pc.data_parallel_address, pc.data_parallel_rpc_port, num_clients)
+    except ValueError as e:
+        raise ConfigError.from_message(str(e), flag="--data-parallel-rpc-port") from None
+    return layout, list(layout.input_addresses), list(layout.output_addresses)
 
 
 class CoreEngineProcManager:
