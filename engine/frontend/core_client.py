@@ -96,7 +96,8 @@ T = TypeVar("T")
 
 
 class EngineCoreClient(ABC):
-    """The frontend's handle on an engine core."""
+    """The offline ``LLM``'s handle on an engine core, synchronous: ``InprocClient`` or
+    ``SyncMPClient`` (``make_client`` picks). The API server's is ``AsyncMPClient``."""
 
     # Resolved by the worker: {"device": "cpu", "dtype": "float32"}.
     device_info: dict[str, str]
@@ -134,6 +135,8 @@ class InprocClient(EngineCoreClient):
     """The engine core in the caller's process; ``get_output`` runs one ``step()``."""
 
     def __init__(self, config: EngineConfig, run_dir: Path | None = None) -> None:
+        # Imported here: the engine core brings torch, which the API server (this module's
+        # other user) never imports (tests/e2e/test_import_rules.py).
         from engine.core.engine_core import EngineCore
 
         self.engine_core = EngineCore(config, run_dir=str(run_dir) if run_dir else None)
