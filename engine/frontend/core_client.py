@@ -753,7 +753,11 @@ class SyncMPClient(AsyncMPClient, EngineCoreClient):
 
     def __init__(self, config: EngineConfig, run_dir: Path, **kwargs: Any) -> None:
         self.loop = asyncio.new_event_loop()
-        super().__init__(config, run_dir, **kwargs)  # a failed start shuts down: the loop closes
+        try:
+            super().__init__(config, run_dir, **kwargs)
+        except BaseException:
+            self.loop.close()  # closed already when a failed start shut down; not when arguments were bad
+            raise
 
     def _run(self, call: Coroutine[Any, Any, T]) -> T:
         task = self.loop.create_task(call)
