@@ -196,7 +196,7 @@ def short_path(file: str) -> str:
 
 def where_waits(frames: list[tuple[str, int, str]]) -> str | None:
     """Where a thread waits, in Glassbox's own code: the innermost frame outside the standard
-    library and installed packages (``engine/frontend/core_client.py:517 in _recv``); when
+    library and installed packages (``engine/frontend/core_client.py:765 in _run``); when
     that is a helper (an injected fault, a bounded wait, the stage hook), also the engine
     frame it serves (``..., inside engine/worker/worker.py:170 in determine_available_memory``).
     ``frames``: ``ThreadStack.frames``, most recent call first. None when every frame is a

@@ -2,18 +2,26 @@
 
 Mirrors vLLM's ``vllm/v1/engine/core_client.py``. The frontend never touches the engine
 core's internals: it adds requests, aborts them, asks for outputs and makes utility calls
-through an ``EngineCoreClient``:
+through a client:
 
 - ``InprocClient`` (``GLASSBOX_ENABLE_MULTIPROCESSING=0``): the ``EngineCore`` lives in the
   caller's process and ``get_output()`` runs one ``step()``.
-- ``SyncMPClient`` (the offline default): the engine core runs in its own process
-  (``EngineCoreProc``); requests go out on a ROUTER socket, outputs come back on a PULL
-  socket, both bound by this client on ``ipc://`` paths in the run directory.
-- ``AsyncMPClient`` (the API server's): the same, driven from an asyncio loop.
+- ``MPClient``: what the multiprocess clients share. The engine cores run in their own
+  processes (``EngineCoreProc``); requests go out on a ROUTER socket, outputs come back on a
+  PULL socket, both bound by this client (``ipc://`` paths in the run directory).
+- ``AsyncMPClient`` (the API server's): the one implementation of the calls, on asyncio.
+- ``SyncMPClient`` (the offline ``LLM``'s): a thin facade that runs ``AsyncMPClient``'s calls
+  to completion on a private event loop in the calling thread.
 
-With ``--data-parallel-size N`` a multiprocess client holds N engine cores and starts the
-``DPCoordinator``; it load-balances new requests over the engines (vLLM's
-``DPLBAsyncMPClient``: lowest ``waiting * 4 + running``), see ``MPClient``.
+Launching the engine cores and the start-up handshake are in ``engine_launcher.py``
+(vLLM's ``vllm/v1/engine/utils.py``); the head's side of the multi-node join is
+``engine/core/head_join.py``.
+
+With ``--data-parallel-size N`` a multiprocess client holds N engine cores and client 0
+starts the ``DPCoordinator``; new requests go to the engine with the lowest
+``waiting * 4 + running``. vLLM 0.32 folds that load balancing into its ``DPLBAsyncMPClient``
+class (a subclass of its ``AsyncMPClient``); Glassbox folds it into ``MPClient``, so the
+offline ``LLM`` balances too.
 
 Each multiprocess client is one of the engine cores' clients (``client_index``: the offline
 ``LLM``, or one per API server with ``--api-server-count``): it binds its own input and
@@ -26,70 +34,70 @@ client 0 hands on. The ``SchedulerStats`` that come with the outputs go into
 
 from __future__ import annotations
 
-import errno
+import asyncio
 import itertools
-import pickle
 import time
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import zmq
+import zmq.asyncio
 
 from engine import envs
 from engine.config import ConfigError, EngineConfig
-from engine.core.coordinator_messages import (
-    CoordinatorSpawnPayload,
-    EngineLoads,
-    coordinator_addresses,
-    score,
-    wave_address,
-)
+from engine.core.coordinator_messages import EngineLoads, score
 from engine.core.coordinator_messages import decode_as as decode_coordinator
-from engine.core.coordinator_messages import encode as encode_coordinator
+from engine.core.head_join import HeadJoin, bind_socket
 from engine.core.messages import (
     ENGINE_CORE_DEAD,
-    TAG_HANDSHAKE,
     TAG_OUTPUTS,
     TAG_UTILITY,
     AbortRequests,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
-    EngineCoreSpawnPayload,
     EngineDead,
     EngineHandshake,
     EnginesInfo,
-    HeadStopping,
-    JoinAccepted,
-    JoinRefused,
     UtilityReply,
     UtilityRequest,
     decode_as,
-    head_engine_addresses,
-    tcp_address,
 )
 from engine.core.messages import encode as encode_message
 from engine.distributed import topology
+from engine.frontend.engine_launcher import (
+    POLL_MS,
+    CoreEngineProcManager,
+    client_addresses,
+    coordinator_payload,
+    launch_core_engines,
+    wait_for_engine_registration,
+    wait_for_engine_startup,
+)
 from engine.frontend.engine_stats import EngineStatsTable
 from engine.logger import init_logger
 from engine.utils import processes
 from engine.utils import run_dir as run_dirs
 from engine.utils.processes import EngineDeadError
 from engine.utils.wire import ErrorKind, ProtocolError
+from tracing import WaitTimeout, catalogue, stage
+from tracing.propagation import inject_trace_headers
 from tracing.telemetry.publisher import get_publisher
+from tracing.waits import wait_for_async
 
 logger = init_logger(__name__)
 
-# One bounded wait on the output socket; between waits the client checks the engine is alive.
-POLL_MS = 100
+T = TypeVar("T")
 
 
 class EngineCoreClient(ABC):
-    """The frontend's handle on an engine core."""
+    """The offline ``LLM``'s handle on an engine core, synchronous: ``InprocClient`` or
+    ``SyncMPClient`` (``make_client`` picks). The API server's is ``AsyncMPClient``."""
 
     # Resolved by the worker: {"device": "cpu", "dtype": "float32"}.
     device_info: dict[str, str]
@@ -127,6 +135,8 @@ class InprocClient(EngineCoreClient):
     """The engine core in the caller's process; ``get_output`` runs one ``step()``."""
 
     def __init__(self, config: EngineConfig, run_dir: Path | None = None) -> None:
+        # Imported here: the engine core brings torch, which the API server (this module's
+        # other user) never imports (tests/e2e/test_import_rules.py).
         from engine.core.engine_core import EngineCore
 
         self.engine_core = EngineCore(config, run_dir=str(run_dir) if run_dir else None)
@@ -155,39 +165,32 @@ class InprocClient(EngineCoreClient):
         self.engine_core.shutdown()
 
 
-class MPClient(EngineCoreClient):
-    """What both multiprocess clients share: launching the engine cores and the handshake.
+class MPClient:
+    """What the multiprocess clients share: their sockets, the engines' processes, load
+    balancing, the replies' matching and the liveness checks.
 
     With ``--data-parallel-size N`` client 0 starts N engine cores (``EngineCore_DP<k>``,
     each with its own workers) and, for N > 1, the ``DPCoordinator``; with several clients
     (API servers) the others attach to those engines (``engines``). Every engine connects to
     each client's ROUTER (input; an engine's DEALER identity is its DP rank) and pushes to
     each client's PULL (outputs), so one client's outputs of every engine arrive merged on
-    its one socket, each stamped with its ``engine_index``. Each new request goes to the engine with the lowest
-    score ``waiting * 4 + running`` (vLLM's ``DPLBAsyncMPClient``): the coordinator's latest
+    its one socket, each stamped with its ``engine_index``. Each new request goes to the
+    engine with the lowest score ``waiting * 4 + running``: the coordinator's latest
     published counts, plus the requests this client sent each engine since that publish; a
     request that pins ``data_parallel_rank`` goes to that engine. Aborts go to the engine
-    that has the request; utility calls go to every engine (engine 0's answer is returned).
+    that has the request; utility calls go to every engine.
 
-    Multi-node DP (the head: ``--data-parallel-size-local`` K0 below the DP size D, with
-    ``--data-parallel-address``): client 0 starts only engines 0..K0-1; every socket an engine
-    uses is TCP on the head's address (``head_engine_addresses``), and client 0 binds a join
-    socket at ``--data-parallel-rpc-port`` where the headless nodes' engine cores say HELLO
-    and get those addresses (vLLM's handshake socket). A rank that has not joined within
-    ``GLASSBOX_DP_JOIN_TIMEOUT_S`` fails start-up with the ranks that never joined named; a
-    joined rank whose connection ends (its node died, SIGKILL included: the join
-    socket's monitor; or a silent network: ZMQ heartbeats) is reported lost — a log line and
-    the root cause naming it — and the tree stops, as vLLM's DP engines are all or nothing.
-    Stopping, client 0 tells each joined rank ``HeadStopping`` (they exit 0).
+    Multi-node DP (the head: ``--data-parallel-size-local`` K0 below the DP size D): client 0
+    starts only engines 0..K0-1, every socket an engine uses is TCP on the head's address
+    (``head_engine_addresses``), and client 0 holds the join socket (``HeadJoin``) where the
+    headless nodes' engine cores join; a joined rank whose connection ends is reported lost,
+    and the tree stops, as vLLM's DP engines are all or nothing.
 
-    Start-up (client 0) waits for HELLO then READY from every engine under one deadline
-    (``GLASSBOX_ENGINE_READY_TIMEOUT_S``); on expiry the error names the engines not ready
-    and the late process and its stage (from the status files). Every client then waits
-    for each engine's CONNECTED on its own input socket. Every later wait is a bounded poll
-    that checks every engine process (and the coordinator, and processes handed to
-    ``watch_child``) is alive between polls; when one dies, client 0 stops the others, and
-    one ``EngineDeadError`` names it. An attached client watches the engines by pid and
-    leaves stopping (and the root cause) to client 0.
+    Start-up (``engine_launcher``) waits for every engine under one deadline. Every later
+    wait is a bounded poll that checks every engine process (and the coordinator, and
+    processes handed to ``watch_child``) is alive between polls; when one dies, client 0
+    stops the others, and one ``EngineDeadError`` names it. An attached client watches the
+    engines by pid and leaves stopping (and the root cause) to client 0.
 
     Args:
         config: the engine config.
@@ -222,20 +225,10 @@ class MPClient(EngineCoreClient):
         self.run_dir = run_dir
         self.client_index = client_index
         self.ctx = zmq.Context()
-        pc = config.parallel_config
         # Multi-node DP (this is the head): TCP on --data-parallel-address, else ipc.
-        self.head_layout: JoinAccepted | None = None
-        if pc.multi_node:
-            try:
-                self.head_layout = head_engine_addresses(pc.data_parallel_address, pc.data_parallel_rpc_port,
-                                                         num_clients)  # fmt: skip
-            except ValueError as e:
-                raise ConfigError.from_message(str(e), flag="--data-parallel-rpc-port") from None
-            self.input_addresses = list(self.head_layout.input_addresses)
-            self.output_addresses = list(self.head_layout.output_addresses)
-        else:
-            self.input_addresses = [client_input_address(run_dir, i) for i in range(num_clients)]
-            self.output_addresses = [client_output_address(run_dir, i) for i in range(num_clients)]
+        self.head_layout, self.input_addresses, self.output_addresses = client_addresses(
+            config, run_dir, num_clients
+        )
         self.input_address = self.input_addresses[client_index]
         self.output_address = self.output_addresses[client_index]
         self.input_socket = self.ctx.socket(zmq.ROUTER)
@@ -243,16 +236,12 @@ class MPClient(EngineCoreClient):
         self.input_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.output_socket = self.ctx.socket(zmq.PULL)
         self.output_socket.setsockopt(zmq.LINGER, 0)
-        # The headless nodes' join socket (client 0 of a head only), and the ranks joined there:
-        # rank → its HELLO.
-        self.join_socket: zmq.Socket | None = None
-        self.joined: dict[int, EngineHandshake] = {}
-        self.joined_identities: dict[int, bytes] = {}  # rank → its join connection's ZMQ identity
-        self.joined_at: dict[int, float] = {}  # rank → when it joined (time.monotonic)
+        # The headless nodes' join socket and the ranks joined there (client 0 of a head only).
+        self.head_join: HeadJoin | None = None
         self.coordinator_sub: zmq.Socket | None = None
         try:
-            _bind(self.input_socket, self.input_address)
-            _bind(self.output_socket, self.output_address)
+            bind_socket(self.input_socket, self.input_address)
+            bind_socket(self.output_socket, self.output_address)
         except BaseException:
             self.input_socket.close(linger=0)
             self.output_socket.close(linger=0)
@@ -284,7 +273,7 @@ class MPClient(EngineCoreClient):
         self.utility_futures: dict[int, tuple[str, Future]] = {}
         self.call_ids = itertools.count()
         self.dead: EngineDeadError | None = None
-        self.engine_procs: list[processes.ChildProcess] = []
+        self.engine_manager: CoreEngineProcManager | None = None
         self.coordinator_proc: processes.ChildProcess | None = None
         # Other processes whose death takes the tree down (client 0: the other API servers).
         self.watched: list[processes.ChildProcess] = []
@@ -296,12 +285,17 @@ class MPClient(EngineCoreClient):
         self._closed = False
         try:
             if engines is None:
-                self._launch_and_wait_ready()
+                self._launch_core_engines()
             else:
                 self._attach(engines)
         except BaseException:
             self.shutdown()
             raise
+
+    @property
+    def engine_procs(self) -> list[processes.ChildProcess]:
+        """The engine-core processes this client started (none for an attached client)."""
+        return self.engine_manager.processes if self.engine_manager is not None else []
 
     @property
     def engine_proc(self) -> processes.ChildProcess | None:
@@ -357,7 +351,7 @@ class MPClient(EngineCoreClient):
         self.device_info = {"device": engines.device, "dtype": engines.dtype}
         if engines.coordinator_publish_address is not None:
             self._subscribe_coordinator(engines.coordinator_publish_address)
-        self._await_engine_registration(time.monotonic() + envs.GLASSBOX_ENGINE_READY_TIMEOUT_S)
+        wait_for_engine_registration(self, time.monotonic() + envs.GLASSBOX_ENGINE_READY_TIMEOUT_S)
 
     def _subscribe_coordinator(self, publish_address: str) -> None:
         self.coordinator_publish_address = publish_address
@@ -368,320 +362,58 @@ class MPClient(EngineCoreClient):
 
     # ------------------------------------------------------------------ start-up
 
-    def _launch_and_wait_ready(self) -> None:
-        from tracing import WaitTimeout, catalogue, stage, wait_for
-        from tracing.propagation import inject_trace_headers
-
+    def _launch_core_engines(self) -> None:
+        """Client 0: start the coordinator and this node's engine cores, bind the head's join
+        socket (multi-node DP), and wait until every engine is ready (``engine_launcher``)."""
         with stage(catalogue.ENGINE_CORE_HANDSHAKE) as st:
-            coordinator_input = coordinator_waves = None
+            coordinator = None
             if self.coordinator_role is not None:
-                coordinator_waves = wave_address(self.run_dir)
-                coordinator_input, publish = coordinator_addresses(self.run_dir)
-                if self.head_layout is not None:  # engines on other nodes reach it over TCP
-                    coordinator_input = self.head_layout.coordinator_address
-                    coordinator_waves = self.head_layout.coordinator_wave_address
-                self._subscribe_coordinator(publish)
-                coordinator_payload = CoordinatorSpawnPayload(
-                    input_address=coordinator_input,
-                    publish_address=publish,
-                    data_parallel_size=self.data_parallel_size,
-                    wave_address=coordinator_waves,
-                    trace_file=self.config.observability_config.trace_file,
-                    otlp_traces_endpoint=self.config.observability_config.otlp_traces_endpoint,
-                )
-                self.coordinator_proc = processes.spawn_process(
-                    self.coordinator_role.name,
-                    "engine.core.coordinator:DPCoordinator.run_coordinator",
-                    encode_coordinator(coordinator_payload),
-                    self.run_dir,
-                )
-            config_pickle = pickle.dumps(self.config, protocol=5)
-            trace_headers = inject_trace_headers()
+                coordinator = coordinator_payload(self.config, self.run_dir, self.head_layout)
+                self._subscribe_coordinator(coordinator.publish_address)
             if self.remote_roles:
-                self._bind_join_socket(coordinator_input, coordinator_waves)
-            for role in self.engine_roles:
-                if role in self.remote_roles:  # a headless node starts it; it joins below
-                    continue
-                payload = encode_message(
-                    EngineCoreSpawnPayload(
-                        config_pickle=config_pickle,
-                        input_addresses=self.input_addresses,
-                        output_addresses=self.output_addresses,
-                        data_parallel_rank=role.dp_rank,
-                        trace_headers=trace_headers,
-                        coordinator_address=coordinator_input,
-                        coordinator_wave_address=coordinator_waves,
-                    )
-                )
-                self.engine_procs.append(
-                    processes.spawn_process(
-                        role.name,
-                        "engine.core.engine_core_proc:EngineCoreProc.run_engine_core",
-                        payload,
-                        self.run_dir,
-                    )
-                )
-            ready_timeout = envs.GLASSBOX_ENGINE_READY_TIMEOUT_S
-            join_timeout = envs.GLASSBOX_DP_JOIN_TIMEOUT_S
-            started = time.monotonic()
-            # Each engine has GLASSBOX_ENGINE_READY_TIMEOUT_S from its start: a local one from
-            # now, a headless node's from its join (itself bounded by GLASSBOX_DP_JOIN_TIMEOUT_S).
-            timeout = ready_timeout + (join_timeout if self.remote_roles else 0.0)
-            deadline = started + timeout
-            # Per engine: the handshakes seen so far (HELLO, READY).
-            seen: dict[int, dict[str, EngineHandshake]] = {r.dp_rank: {} for r in self.engine_roles}
-
-            def handshake_step() -> bool:
-                """One short poll: record HELLO / READY; True once every engine is READY."""
-                if self.remote_roles:
-                    self._serve_joins()
-                    missing = [r for r in self.remote_roles if r.dp_rank not in self.joined]
-                    if missing and time.monotonic() - started > join_timeout:
-                        message = self._join_timeout_message(join_timeout, missing)
-                        root = processes.format_root_cause(
-                            self.run_dir, missing[0].name, None, None, rank=missing[0].dp_rank, note=message,
-                            exit_detail="never joined (no HELLO on the head's join socket)",
-                        )  # fmt: skip
-                        raise processes.EngineStartupTimeout(message, root)
-                    now = time.monotonic()
-                    if any(
-                        "READY" not in seen[r.dp_rank]
-                        and now - self.joined_at.get(r.dp_rank, started) > ready_timeout
-                        for r in self.engine_roles
-                        if r.dp_rank in self.joined_at or r not in self.remote_roles
-                    ):
-                        raise _ReadyLate
-                msg = self._recv(deadline=time.monotonic())
-                if msg is not None and msg[0] == TAG_HANDSHAKE:
-                    hs = decode_as(EngineHandshake, msg[1][0])
-                    if hs.kind not in ("HELLO", "READY") or hs.data_parallel_rank not in seen:
-                        raise ProtocolError(
-                            f"{hs.role} sent {hs.kind} (DP rank {hs.data_parallel_rank}) on its output "
-                            "socket; HELLO or READY from a planned engine was due"
-                        )
-                    seen[hs.data_parallel_rank][hs.kind] = hs
-                    logger.debug("engine core %s (pid %d) said %s", hs.role, hs.pid, hs.kind)
-                return all("READY" in kinds for kinds in seen.values())
-
-            try:
-                # The bounded-wait helper: a deadline, a name, and wait events for telemetry.
-                awaited = f"READY from {', '.join(r.name for r in self.engine_roles)}"
-                wait_for(awaited, handshake_step, timeout_s=timeout, poll_interval_s=0)
-            except (WaitTimeout, _ReadyLate):
-                late = [r for r in self.engine_roles if "READY" not in seen[r.dp_rank]]
-                if late and all(r in self.remote_roles for r in late):  # their status files are on their node
-                    message = (
-                        f"Not every engine became ready within GLASSBOX_ENGINE_READY_TIMEOUT_S={ready_timeout:g} s "
-                        f"of joining; not ready: {', '.join(r.name for r in late)}, on headless node(s): `glassbox ps` "
-                        "or engine-top there shows the stage."
-                    )
-                    hello = self.joined.get(late[0].dp_rank)
-                    root = processes.format_root_cause(
-                        self.run_dir, late[0].name, hello.pid if hello else None, None, rank=late[0].dp_rank,
-                        note=message, exit_detail="not READY in time (it runs on a headless node)",
-                    )  # fmt: skip
-                    raise processes.EngineStartupTimeout(message, root) from None
-                message = self._startup_timeout_message(ready_timeout, seen)
-                raise processes.EngineStartupTimeout(message, self._startup_root_cause(message)) from None
-            ready = [seen[r.dp_rank]["READY"] for r in self.engine_roles]
+                assert self.head_layout is not None
+                self.head_layout.coordinator_address = coordinator.input_address if coordinator else None
+                self.head_layout.coordinator_wave_address = coordinator.wave_address if coordinator else None
+                self.head_join = HeadJoin(self.ctx, self.config, self.head_layout, self.remote_roles)
+            self.engine_manager, self.coordinator_proc = launch_core_engines(
+                self.config, self.run_dir, [r for r in self.engine_roles if r not in self.remote_roles],
+                input_addresses=self.input_addresses, output_addresses=self.output_addresses,
+                coordinator=(self.coordinator_role, coordinator) if coordinator else None,
+            )  # fmt: skip
+            ready = wait_for_engine_startup(self)
             # Every engine sizes its own KV cache; report the smallest.
             self.num_gpu_blocks = min(hs.num_gpu_blocks for hs in ready)
             self.device_info = {"device": ready[0].device, "dtype": ready[0].dtype}
             st.set(catalogue.ATTR_KV_NUM_BLOCKS, self.num_gpu_blocks)
-            # Each engine's DEALER announces itself once connected; wait for all so the
-            # first request cannot be dropped by the ROUTER.
-            self._await_engine_registration(deadline)
 
     # ------------------------------------------------------------------ multi-node DP
 
-    def _bind_join_socket(self, coordinator_input: str | None, coordinator_waves: str | None) -> None:
-        """Client 0 of a head: bind the join ROUTER at ``--data-parallel-rpc-port`` (heartbeats
-        on, and a socket monitor for connections that end), and fix what a joining rank is told.
+    @property
+    def join_socket(self) -> zmq.Socket | None:
+        """The head's join socket (client 0 of a multi-node head), else None."""
+        return self.head_join.socket if self.head_join is not None else None
 
-        A ROUTER cannot say which peer left (``ROUTER_NOTIFY`` is a draft API of libzmq), so the
-        head remembers the connection (file descriptor, ``zmq.SRCFD``) each HELLO came on, and
-        the monitor's ``EVENT_DISCONNECTED`` names that descriptor."""
-        from engine.core.head_link import set_heartbeats
-
-        pc = self.config.parallel_config
-        assert self.head_layout is not None
-        self.head_layout.coordinator_address = coordinator_input
-        self.head_layout.coordinator_wave_address = coordinator_waves
-        self.head_layout.data_parallel_size = pc.data_parallel_size
-        self.join_address = tcp_address(pc.data_parallel_address, pc.data_parallel_rpc_port)
-        self.join_socket = self.ctx.socket(zmq.ROUTER)
-        self.join_socket.setsockopt(zmq.LINGER, 1000)
-        set_heartbeats(self.join_socket)
-        self.join_monitor = self.join_socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self.joined_fds: dict[int, int] = {}  # connection fd → the rank that joined on it
-        _bind(self.join_socket, self.join_address)
-        logger.info("Waiting for data-parallel rank(s) %s to join at %s (headless nodes: glassbox serve "
-                    "--headless -dp %d --data-parallel-start-rank ... --data-parallel-address %s "
-                    "--data-parallel-rpc-port %d)", ", ".join(str(r.dp_rank) for r in self.remote_roles),
-                    self.join_address, pc.data_parallel_size, pc.data_parallel_address,
-                    pc.data_parallel_rpc_port)  # fmt: skip
+    @property
+    def joined(self) -> dict[int, EngineHandshake]:
+        """The ranks joined from headless nodes: rank → its HELLO."""
+        return self.head_join.joined if self.head_join is not None else {}
 
     def _serve_joins(self) -> None:
-        """Answer every HELLO waiting on the join socket, and notice a joined rank's connection
-        ending (non-blocking). Raises ``EngineDeadError`` when a joined rank is lost."""
-        if self.join_socket is None:
-            return
-        from zmq.utils.monitor import recv_monitor_message
-
-        while True:
-            try:
-                frames = self.join_socket.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                break
-            if len(frames) != 2:
-                raise ProtocolError(f"{len(frames)} frames on the join socket; [identity, HELLO] was due")
-            identity, body = frames[0].bytes, frames[1].bytes
-            hello: EngineHandshake = decode_as(EngineHandshake, body)
-            refusal = self._refuse_join(hello)
-            if refusal is not None:
-                logger.error("refused %s (pid %d) from a headless node: %s", hello.role, hello.pid, refusal)
-                self.join_socket.send_multipart([identity, encode_message(JoinRefused(reason=refusal))])
-                continue
-            self.joined[hello.data_parallel_rank] = hello
-            self.joined_identities[hello.data_parallel_rank] = identity
-            self.joined_at[hello.data_parallel_rank] = time.monotonic()
-            self.joined_fds[frames[1].get(zmq.SRCFD)] = hello.data_parallel_rank
-            self.join_socket.send_multipart([identity, encode_message(self.head_layout)])
-            logger.info("Data-parallel rank %d joined: %s (pid %d on its node)", hello.data_parallel_rank,
-                        hello.role, hello.pid)  # fmt: skip
-        lost: list[int] = []
-        while self.join_monitor.poll(0):
-            event = recv_monitor_message(self.join_monitor)
-            rank = self.joined_fds.pop(int(event["value"]), None)
-            if event["event"] == zmq.EVENT_DISCONNECTED and rank is not None:
-                lost.append(rank)
+        """Answer the HELLOs waiting on the join socket (non-blocking). Raises ``EngineDeadError``
+        when a joined rank's connection ended."""
+        lost = self.head_join.serve() if self.head_join is not None else []
         if lost:
             self._mark_remote_lost(lost)
 
-    def _refuse_join(self, hello: EngineHandshake) -> str | None:
-        """Why ``hello`` cannot join (one line naming the flag to fix), or None."""
-        pc = self.config.parallel_config
-        rank = hello.data_parallel_rank
-        remote = [r.dp_rank for r in self.remote_roles]
-        if hello.kind != "HELLO":
-            return f"{hello.kind} on the join socket; HELLO with its DP rank was due"
-        if hello.data_parallel_size != pc.data_parallel_size:
-            return (f"--data-parallel-size {hello.data_parallel_size} there, {pc.data_parallel_size} on the "
-                    "head")  # fmt: skip
-        if rank not in remote:
-            return (f"--data-parallel-start-rank: rank {rank} is not one the head waits for (it waits for "
-                    f"{', '.join(map(str, remote))}; it runs 0..{remote[0] - 1} itself)")  # fmt: skip
-        if rank in self.joined:
-            return f"--data-parallel-start-rank: rank {rank} joined already (pid {self.joined[rank].pid})"
-        return None
-
-    def _join_timeout_message(self, timeout: float, missing: list[topology.ProcessRole]) -> str:
-        ranks = ", ".join(str(r.dp_rank) for r in missing)
-        return (
-            f"Data-parallel rank(s) {ranks} ({', '.join(r.name for r in missing)}) never joined the head at "
-            f"{self.join_address} within GLASSBOX_DP_JOIN_TIMEOUT_S={timeout:g} s: start them with `glassbox "
-            f"serve --headless -dp {self.data_parallel_size} --data-parallel-start-rank {missing[0].dp_rank} "
-            f"--data-parallel-address ... --data-parallel-rpc-port ...` on their node, and open the ports "
-            "(docs/multi-node.md)"
-        )
-
     def _mark_remote_lost(self, ranks: list[int]) -> None:
-        """Joined rank(s) ``ranks`` lost their connection: log it, the root cause names them, and
-        the tree stops (vLLM's DP engines are all or nothing). Raises ``EngineDeadError``."""
+        """Joined rank(s) ``ranks`` lost their connection: the root cause names them, and the
+        tree stops (vLLM's DP engines are all or nothing). Raises ``EngineDeadError``."""
         if self.dead is not None:
             raise self.dead
-        names = [topology.ProcessRole.engine_core(k).name for k in ranks]
-        first = self.joined[ranks[0]]
-        logger.error("Lost data-parallel rank(s) %s (%s): the connection from the headless node closed "
-                     "(the node or its engine core died, or the network is down); requests they held fail "
-                     "and the head stops: vLLM's data-parallel engines are all or nothing",
-                     ", ".join(map(str, ranks)), ", ".join(names))  # fmt: skip
-        root = processes.format_root_cause(
-            self.run_dir, names[0], first.pid, None, rank=ranks[0],
-            note=f"lost data-parallel rank(s) {', '.join(map(str, ranks))} ({', '.join(names)}); pid "
-                 f"{first.pid} is on the headless node, which joined at {self.join_address}",
-            exit_detail="lost: its connection to the head closed (its node died, it was killed, or the network is down)",
-        )  # fmt: skip
-        self.dead = EngineDeadError(root)
+        self.dead = EngineDeadError(self.head_join.lost_root_cause(self.run_dir, ranks))
         self._fail_utility_calls()
         _stop_all(self._children())
         raise self.dead
-
-    def _tell_joined_stopping(self, reason: str) -> None:
-        """Client 0 of a head is stopping: each joined rank gets ``HeadStopping`` (it exits 0)."""
-        if self.join_socket is None:
-            return
-        body = encode_message(HeadStopping(reason=reason))
-        for identity in self.joined_identities.values():
-            try:
-                self.join_socket.send_multipart([identity, body], zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-
-    def _await_engine_registration(self, deadline: float) -> None:
-        """Every engine's CONNECTED on this client's input socket (``tracing.wait_for``).
-
-        Raises:
-            TimeoutError: an engine core never connected by ``deadline`` (named).
-            EngineDeadError: an engine process died meanwhile.
-        """
-        from tracing import WaitTimeout, wait_for
-
-        waiting = set(self.engine_identities)
-
-        def all_connected() -> bool:
-            if self.input_socket.poll(POLL_MS):
-                frames = self.input_socket.recv_multipart()
-                hs = decode_as(EngineHandshake, frames[-1])
-                if hs.kind != "CONNECTED" or frames[0] not in waiting:
-                    raise ProtocolError(
-                        f"{hs.role} sent {hs.kind} as {frames[0]!r} on its input socket; CONNECTED "
-                        f"from one of {sorted(waiting)!r} was due"
-                    )
-                waiting.discard(frames[0])
-            else:
-                self._check_alive()
-            return not waiting
-
-        try:
-            wait_for("CONNECTED from every engine core", all_connected,
-                     timeout_s=max(deadline - time.monotonic(), 0.0), poll_interval_s=0)  # fmt: skip
-            return
-        except WaitTimeout:
-            pass
-        names = [r.name for r, i in zip(self.engine_roles, self.engine_identities) if i in waiting]
-        raise TimeoutError(f"the engine core(s) {', '.join(names)} never connected their input socket")
-
-    def _startup_root_cause(self, message: str) -> str:
-        """The root-cause block of a start-up deadline: the process holding start-up back (the
-        deepest one in a stage, else the first that never started), with its state."""
-        laggard = find_laggard(self.run_dir)
-        role, pid = laggard if laggard is not None else (self.engine_role.name, None)
-        if pid is None:  # no status file yet (still importing, say): this client spawned it
-            pid = self._spawned_pids().get(role)
-        state = _os_state(pid) if pid else None
-        if state == "stopped":
-            state = "stopped by a signal (SIGSTOP?)"
-        return processes.format_root_cause(self.run_dir, role, pid, None, note=message, state=state)
-
-    def _spawned_pids(self) -> dict[str, int]:
-        """Role name → pid of each child this client spawned (engine cores, coordinator)."""
-        return {p.role: p.pid for p in self._children()}
-
-    def _startup_timeout_message(self, timeout: float, seen: dict[int, dict[str, EngineHandshake]]) -> str:
-        late = describe_laggard(self.run_dir, spawned=self._spawned_pids())
-        if len(seen) == 1:
-            said = "it said HELLO" if "HELLO" in seen[self.engine_role.dp_rank] else "it never said HELLO"
-            return f"The engine did not become ready within GLASSBOX_ENGINE_READY_TIMEOUT_S={timeout:g} s ({said}). {late}"
-        laggards = [
-            f"{r.name} ({'said HELLO' if 'HELLO' in seen[r.dp_rank] else 'never said HELLO'})"
-            for r in self.engine_roles
-            if "READY" not in seen[r.dp_rank]
-        ]
-        return (
-            f"Not every engine became ready within GLASSBOX_ENGINE_READY_TIMEOUT_S={timeout:g} s; "
-            f"not ready: {', '.join(laggards)}. {late}"
-        )
 
     # ------------------------------------------------------------------ load balancing
 
@@ -740,19 +472,6 @@ class MPClient(EngineCoreClient):
         return by_engine
 
     # ------------------------------------------------------------------ messages
-
-    def _recv(self, deadline: float | None) -> tuple[bytes, list[bytes]] | None:
-        """One message from the engines, or None at the deadline. Raises EngineDeadError."""
-        while True:
-            if self.output_socket.poll(POLL_MS):
-                tag, *frames = self.output_socket.recv_multipart()
-                if tag == ENGINE_CORE_DEAD:
-                    self._mark_dead(_dead_message(frames))
-                self._check_alive_now_and_then()
-                return tag, frames
-            self._check_alive()
-            if deadline is not None and time.monotonic() >= deadline:
-                return None
 
     def _check_alive_now_and_then(self) -> None:
         """While messages keep coming (no poll times out), still look at every child each
@@ -837,16 +556,6 @@ class MPClient(EngineCoreClient):
                 future.set_exception(self.dead)
         self.utility_futures.clear()
 
-    def _send(self, request_type: EngineCoreRequestType, body: bytes, engine: int = 0) -> None:
-        if self.dead is not None:
-            raise self.dead
-        try:
-            self.input_socket.send_multipart(
-                [self.engine_identities[engine], request_type.value, body], copy=False
-            )
-        except zmq.ZMQError:
-            self._unroutable(engine)
-
     def _unroutable(self, engine: int = 0) -> None:
         """The ROUTER cannot reach an engine core: it disconnected, so it is dying or dead."""
         role = self.engine_roles[engine].name
@@ -900,8 +609,6 @@ class MPClient(EngineCoreClient):
 
     def _utility_request(self, method: str, args: tuple) -> tuple[Future, bytes]:
         """A new call id, its pending future, and the encoded ``UtilityRequest``."""
-        from tracing.propagation import inject_trace_headers
-
         call_id = next(self.call_ids)
         future: Future = Future()
         self.utility_futures[call_id] = (method, future)
@@ -915,85 +622,102 @@ class MPClient(EngineCoreClient):
         if self._closed:
             return
         self._closed = True
-        self._tell_joined_stopping("the head stopped" if self.dead is None else "the head's engine died")
+        if self.head_join is not None:
+            self.head_join.tell_stopping(
+                "the head stopped" if self.dead is None else "the head's engine died"
+            )
         _stop_all(self._children())
         self.input_socket.close(linger=0)
         self.output_socket.close(linger=0)
         if self.coordinator_sub is not None:
             self.coordinator_sub.close(linger=0)
-        if self.join_socket is not None:
-            self.join_socket.disable_monitor()
-            self.join_monitor.close(linger=0)
-            self.join_socket.close(linger=1000)  # HeadStopping on its way out
+        if self.head_join is not None:
+            self.head_join.close()  # HeadStopping on its way out
         self.ctx.term()
 
 
-class SyncMPClient(MPClient):
-    """The engine cores in their own processes, driven synchronously (the offline ``LLM``'s client)."""
+class AsyncMPClient(MPClient):
+    """The multiprocess client's calls, driven from an asyncio loop: the API server's client,
+    and the one implementation ``SyncMPClient`` runs for the offline ``LLM``.
 
-    def add_request(self, request: EngineCoreRequest) -> None:
+    Start-up (the constructor) is synchronous, before any loop runs; afterwards the sockets
+    are used through ``zmq.asyncio`` shadows, so waiting for outputs never blocks the loop
+    (the liveness checks between polls use the plain sockets).
+
+    One task reads the output socket: the API server's output handler calls
+    ``get_output_async`` over and over, and the utility replies it receives resolve
+    ``call_utility_async``'s futures. Where no such task runs (``caller_reads_outputs``:
+    ``SyncMPClient``), a utility call reads itself until its answers come, and keeps the
+    outputs it receives meanwhile for ``get_output_async``.
+    """
+
+    caller_reads_outputs = False
+
+    def __init__(self, config: EngineConfig, run_dir: Path, **kwargs: Any) -> None:
+        super().__init__(config, run_dir, **kwargs)
+        self.async_input = zmq.asyncio.Socket.shadow(self.input_socket.underlying)
+        self.async_output = zmq.asyncio.Socket.shadow(self.output_socket.underlying)
+
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        """Send ``request`` to its engine (``_choose_engine``). Raises ``EngineDeadError``;
+        ``ValueError`` for a ``data_parallel_rank`` no engine has."""
         request.client_index = self.client_index
         engine = self._choose_engine(request)
-        self._send(EngineCoreRequestType.ADD, self.encoder.encode(request), engine)
+        await self._send(EngineCoreRequestType.ADD, self.encoder.encode(request), engine)
 
-    def abort_requests(self, request_ids: list[str]) -> None:
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        """Abort ``request_ids`` in the engines that have them (nothing once the engine is dead)."""
         if request_ids and self.dead is None:
             for engine, ids in self._engines_for_abort(request_ids).items():
-                self._send(EngineCoreRequestType.ABORT, self.encoder.encode(_abort(ids)), engine)
+                await self._send(EngineCoreRequestType.ABORT, self.encoder.encode(_abort(ids)), engine)
 
-    def get_output(self) -> EngineCoreOutputs:
-        while not self.pending:
-            self._dispatch(self._recv(deadline=None))
+    async def get_output_async(self) -> EngineCoreOutputs:
+        """The next outputs (of any engine); only one task may call this. Raises ``EngineDeadError``."""
+        await self._recv_until(lambda: bool(self.pending))
         return self.pending.popleft()
 
-    def call_utility(self, method: str, *args: Any) -> Any:
-        """Run the utility on every engine; engine 0's answer is returned."""
-        return self.call_utility_each(method, *args)[0]
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        """Run ``EngineCore.<method>(*args)`` on every engine; engine 0's answer is returned."""
+        return (await self.call_utility_each_async(method, *args))[0]
 
-    def call_utility_each(self, method: str, *args: Any) -> list[Any]:
-        """Run the utility on every engine; their answers, by DP rank."""
+    async def call_utility_each_async(self, method: str, *args: Any) -> list[Any]:
+        """Run ``EngineCore.<method>(*args)`` on every engine; their answers, by DP rank.
+
+        Raises:
+            TimeoutError: no answer within ``GLASSBOX_EXECUTE_MODEL_TIMEOUT_S``.
+            RuntimeError: the utility raised in an engine.
+            EngineDeadError: an engine died meanwhile.
+        """
         futures = []
         for engine in range(self.data_parallel_size):
             future, body = self._utility_request(method, args)
             futures.append(future)
-            self._send(EngineCoreRequestType.UTILITY, body, engine)
-        from tracing import WaitTimeout, wait_for
-
+            await self._send(EngineCoreRequestType.UTILITY, body, engine)
+        if self.caller_reads_outputs:  # nobody else reads: receive until the replies resolve them
+            awaited = [asyncio.ensure_future(self._recv_until(lambda: all(f.done() for f in futures)))]
+        else:  # the output handler's receive loop resolves them
+            awaited = [asyncio.wrap_future(f) for f in futures]
         timeout = envs.GLASSBOX_EXECUTE_MODEL_TIMEOUT_S
-
-        def answered() -> bool:
-            # This thread is the only reader: receive (keeping outputs for get_output) until
-            # the replies resolve the futures; each receive is one bounded slice.
-            if not all(f.done() for f in futures):
-                self._dispatch(self._recv(time.monotonic()))
-            return all(f.done() for f in futures)
-
         try:
-            wait_for(
-                f"the answers to utility call {method!r}", answered, timeout_s=timeout, poll_interval_s=0
-            )
+            # The wait checks between slices that the engines are alive.
+            await wait_for_async(f"the answers to utility call {method!r}", awaited, timeout_s=timeout,
+                                 check=self._check_alive, poll_interval_s=POLL_MS / 1000)  # fmt: skip
         except WaitTimeout:
+            for future in futures:
+                future.cancel()  # given up: a late answer is dropped
             raise TimeoutError(
                 f"utility call {method!r} got no answer within GLASSBOX_EXECUTE_MODEL_TIMEOUT_S={timeout:g} s"
             ) from None
         return [f.result() for f in futures]
 
+    async def _recv_until(self, done: Callable[[], bool]) -> None:
+        """Receive and dispatch messages until ``done()`` (outputs go to ``pending``)."""
+        while not done():
+            self._dispatch(await self._recv())
 
-class AsyncMPClient(MPClient):
-    """The engine cores in their own processes, driven from an asyncio loop (the API server's client).
-
-    The handshake runs synchronously before serving starts; afterwards the same sockets are
-    used through asyncio shadows, so waiting for outputs never blocks the event loop.
-    """
-
-    def __init__(self, config: EngineConfig, run_dir: Path, **kwargs: Any) -> None:
-        super().__init__(config, run_dir, **kwargs)
-        import zmq.asyncio
-
-        self.async_input = zmq.asyncio.Socket.shadow(self.input_socket.underlying)
-        self.async_output = zmq.asyncio.Socket.shadow(self.output_socket.underlying)
-
-    async def _recv_async(self, deadline: float | None) -> tuple[bytes, list[bytes]] | None:
+    async def _recv(self) -> tuple[bytes, list[bytes]]:
+        """One message from the engines: bounded polls (``POLL_MS``), every child checked alive
+        between them (and now and then while messages keep coming). Raises ``EngineDeadError``."""
         while True:
             if await self.async_output.poll(POLL_MS):
                 tag, *frames = await self.async_output.recv_multipart()
@@ -1002,10 +726,8 @@ class AsyncMPClient(MPClient):
                 self._check_alive_now_and_then()
                 return tag, frames
             self._check_alive()
-            if deadline is not None and time.monotonic() >= deadline:
-                return None
 
-    async def _send_async(self, request_type: EngineCoreRequestType, body: bytes, engine: int = 0) -> None:
+    async def _send(self, request_type: EngineCoreRequestType, body: bytes, engine: int = 0) -> None:
         if self.dead is not None:
             raise self.dead
         try:
@@ -1015,64 +737,61 @@ class AsyncMPClient(MPClient):
         except zmq.ZMQError:
             self._unroutable(engine)
 
-    async def add_request_async(self, request: EngineCoreRequest) -> None:
-        request.client_index = self.client_index
-        engine = self._choose_engine(request)
-        await self._send_async(EngineCoreRequestType.ADD, self.encoder.encode(request), engine)
 
-    async def abort_requests_async(self, request_ids: list[str]) -> None:
-        if request_ids and self.dead is None:
-            for engine, ids in self._engines_for_abort(request_ids).items():
-                await self._send_async(EngineCoreRequestType.ABORT, self.encoder.encode(_abort(ids)), engine)
+class SyncMPClient(AsyncMPClient, EngineCoreClient):
+    """The offline ``LLM``'s client: ``AsyncMPClient``'s calls, each run to completion on a
+    private event loop in the calling thread (``loop.run_until_complete``).
 
-    async def get_output_async(self) -> EngineCoreOutputs:
-        """The next outputs; only one task (the output handler) may call this."""
-        while not self.pending:
-            self._dispatch(await self._recv_async(deadline=None))
-        return self.pending.popleft()
+    The ``LLM`` is single-threaded, so this client has no thread of its own: signals (Ctrl-C,
+    SIGTERM) reach the main thread while it waits, and raise there. No output handler task
+    runs either, so a utility call reads outputs itself (``caller_reads_outputs``) and
+    ``get_output`` returns the ones it kept. vLLM's ``SyncMPClient`` reads outputs on a
+    background thread into a queue instead.
+    """
 
-    async def call_utility_async(self, method: str, *args: Any) -> Any:
-        """Utility call on every engine (engine 0's answer is returned); the answers are picked
-        up by the output handler's receive loop."""
-        import asyncio
+    caller_reads_outputs = True
 
-        futures = []
-        for engine in range(self.data_parallel_size):
-            future, body = self._utility_request(method, args)
-            futures.append(future)
-            await self._send_async(EngineCoreRequestType.UTILITY, body, engine)
-        from tracing import WaitTimeout
-        from tracing.waits import wait_for_async
-
-        timeout = envs.GLASSBOX_EXECUTE_MODEL_TIMEOUT_S
-        # The output handler resolves the futures; the wait checks between slices that the
-        # engines are alive.
+    def __init__(self, config: EngineConfig, run_dir: Path, **kwargs: Any) -> None:
+        self.loop = asyncio.new_event_loop()
         try:
-            answers = await wait_for_async(
-                f"the answers to utility call {method!r}",
-                [asyncio.wrap_future(f) for f in futures],
-                timeout_s=timeout,
-                check=self._check_alive,
-                poll_interval_s=POLL_MS / 1000,
-            )
-        except WaitTimeout:
-            raise TimeoutError(
-                f"utility call {method!r} got no answer within GLASSBOX_EXECUTE_MODEL_TIMEOUT_S={timeout:g} s"
-            ) from None
-        return answers[0]
+            super().__init__(config, run_dir, **kwargs)
+        except BaseException:
+            self.loop.close()  # closed already when a failed start shut down; not when arguments were bad
+            raise
 
-    # The synchronous verbs are not used from the event loop.
+    def _run(self, call: Coroutine[Any, Any, T]) -> T:
+        task = self.loop.create_task(call)
+        try:
+            return self.loop.run_until_complete(task)
+        finally:
+            # Interrupted (Ctrl-C): a call left pending must not read outputs when the loop next runs.
+            task.cancel()
+
     def add_request(self, request: EngineCoreRequest) -> None:
-        raise NotImplementedError("use add_request_async")
+        self._run(self.add_request_async(request))
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        raise NotImplementedError("use abort_requests_async")
+        self._run(self.abort_requests_async(request_ids))
 
     def get_output(self) -> EngineCoreOutputs:
-        raise NotImplementedError("use get_output_async")
+        return self._run(self.get_output_async())
 
     def call_utility(self, method: str, *args: Any) -> Any:
-        raise NotImplementedError("use call_utility_async")
+        """Run the utility on every engine; engine 0's answer is returned."""
+        return self._run(self.call_utility_async(method, *args))
+
+    def call_utility_each(self, method: str, *args: Any) -> list[Any]:
+        """Run the utility on every engine; their answers, by DP rank."""
+        return self._run(self.call_utility_each_async(method, *args))
+
+    def shutdown(self) -> None:
+        if not self.loop.is_running():
+            cancelled = asyncio.all_tasks(self.loop)  # interrupted calls, cancelled: let them end
+            if cancelled:
+                self.loop.run_until_complete(asyncio.gather(*cancelled, return_exceptions=True))
+        super().shutdown()
+        if not self.loop.is_running():
+            self.loop.close()
 
 
 def _stop_all(children: list[processes.ChildProcess], timeout: float = 4.0) -> None:
@@ -1087,44 +806,7 @@ def _stop_all(children: list[processes.ChildProcess], timeout: float = 4.0) -> N
 
 def _abort(request_ids: list[str]) -> AbortRequests:
     """An ABORT message carrying the caller's span (W3C)."""
-    from tracing.propagation import inject_trace_headers
-
     return AbortRequests(request_ids=request_ids, trace_headers=inject_trace_headers() or None)
-
-
-class _ReadyLate(Exception):
-    """An engine (multi-node DP) is past its own READY deadline (``GLASSBOX_ENGINE_READY_TIMEOUT_S``
-    from its start or join) while the overall wait still runs."""
-
-
-def _bind(socket: zmq.Socket, address: str) -> None:
-    """Bind ``address``; a TCP one that is taken or not this machine's is the flag's error.
-
-    Raises:
-        ConfigError: a ``tcp://`` address that cannot be bound (names ``--data-parallel-rpc-port``
-            or ``--data-parallel-address``).
-    """
-    try:
-        socket.bind(address)
-    except zmq.ZMQError as e:
-        if not address.startswith("tcp://"):
-            raise
-        flag = "--data-parallel-rpc-port" if e.errno == errno.EADDRINUSE else "--data-parallel-address"
-        raise ConfigError.from_message(
-            f"{flag}: the head cannot bind {address}: {e.strerror} (multi-node DP uses "
-            "--data-parallel-rpc-port and the next 2 + 2 × API servers ports; docs/multi-node.md)",
-            flag=flag,
-        ) from None
-
-
-def client_input_address(run_dir: Path, client_index: int) -> str:
-    """Where client ``client_index`` sends requests from (its ROUTER: it binds, engines connect)."""
-    return f"ipc://{run_dir}/in{client_index}.sock"
-
-
-def client_output_address(run_dir: Path, client_index: int) -> str:
-    """Where client ``client_index`` receives its engine outputs (it binds, engines connect)."""
-    return f"ipc://{run_dir}/out{client_index}.sock"
 
 
 def _pid_running(pid: int) -> bool:

@@ -87,6 +87,8 @@ RULES = [
     Rule("the client ↔ engine-core messages import no engine.sched (no core ↔ sched cycle)",
          ("engine.core.messages",), ("engine.sched", "torch", "zmq")),
     Rule("the engine-core ↔ worker messages import no torch", ("engine.executor.messages",), ("torch",)),
+    Rule("the head's join socket, beside head_link.py, imports no frontend (the client holds it)",
+         ("engine.core.head_join",), ("engine.frontend", "torch")),
     Rule("the topology plan is torch-free", ("engine.distributed", "engine.distributed.topology"),
          ("torch", "zmq", *HTTP, "engine.model", "engine.worker", "engine.core", "engine.sched")),
     Rule("model knows nothing of scheduling, processes or HTTP", _modules("engine/model"),

@@ -330,7 +330,7 @@ def test_worker_spans_are_children_of_the_engine_cores_rpc_span_and_bad_input_ki
                 worker_span["parent_span_id"] == kv["span_id"] and worker_span["trace_id"] == kv["trace_id"]
             )
         # A message the engine core cannot read: it stops, and says why.
-        client._send(EngineCoreRequestType.UTILITY, b"\x93garbage")
+        client._run(client._send(EngineCoreRequestType.UTILITY, b"\x93garbage"))
         with pytest.raises(EngineDeadError) as err:
             client.call_utility("get_scheduler_stats")
         assert "ProtocolError: malformed message on the client ↔ engine core boundary" in err.value.root_cause

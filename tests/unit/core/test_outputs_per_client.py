@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import re
 import time
@@ -210,7 +211,8 @@ def test_two_clients_of_one_engine_core_each_get_only_their_own_outputs(default_
     client's requests go in through its own input socket, stamped with its index."""
     from engine.distributed import topology
     from engine.engine_args import EngineArgs
-    from engine.frontend.core_client import SyncMPClient, client_input_address, client_output_address
+    from engine.frontend.core_client import SyncMPClient
+    from engine.frontend.engine_launcher import client_input_address, client_output_address
     from engine.utils import run_dir as run_dirs
 
     config = EngineArgs(model=str(default_model_dir), max_model_len=128).create_engine_config(
@@ -292,7 +294,7 @@ def test_two_clients_of_one_engine_core_each_get_only_their_own_outputs(default_
         # Client 0's table reaches the idle figures too, from the outputs alone.
         deadline = time.monotonic() + 30
         while (stats := client.stats_table.snapshot()[0]).num_running_reqs or stats.num_waiting_reqs:
-            client._dispatch(client._recv(deadline))
+            client._dispatch(client._run(asyncio.wait_for(client._recv(), deadline - time.monotonic())))
             assert time.monotonic() < deadline
         assert stats.kv_cache_usage == 0 and stats.step_counter > 0
         assert not client.pending  # stats alone were not handed on as outputs
