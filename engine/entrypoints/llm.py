@@ -1,9 +1,10 @@
 """``LLM``: the offline API — give it prompts, get ``RequestOutput``s back.
 
 Mirrors vLLM's ``vllm/entrypoints/llm.py``. The pieces are the same ones the API server
-will use: ``InputProcessor`` (tokenize, validate) → engine core client (add, step, abort)
-→ ``OutputProcessor`` (detokenize, stop strings, gather ``n`` children). In this version
-the engine core runs in the caller's process (``InprocClient``).
+uses: ``InputProcessor`` (tokenize, validate) → engine core client (add, outputs, abort)
+→ ``OutputProcessor`` (detokenize, stop strings, gather ``n`` children). The engine core
+runs in its own process (``SyncMPClient``), or in the caller's with
+``GLASSBOX_ENABLE_MULTIPROCESSING=0`` (``InprocClient``).
 
 Example::
 
