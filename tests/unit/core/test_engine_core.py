@@ -49,7 +49,7 @@ from engine.core.messages import (
 )
 from engine.core.step_observer import StepObserver
 from engine.engine_args import EngineArgs
-from engine.frontend.core_client import client_input_address, client_output_address
+from engine.frontend.engine_launcher import client_input_address, client_output_address
 from engine.sampling_params import SamplingParams
 
 BLOCK_SIZE = 8
