@@ -51,17 +51,17 @@ from parallel_common import (  # noqa: E402
 
 from engine.distributed.topology import RoleKind  # noqa: E402
 from engine.utils.run_dir import planned_roles, status_file  # noqa: E402
-from tracing.setup import read_status_file  # noqa: E402
+from tracing.run_dir import read_status  # noqa: E402
 
 
 def _tree(llm) -> dict:
     """``{role: psutil.Process}`` for the planned processes of ``llm``'s tree (run directory)."""
     procs = {}
     for role in planned_roles(llm.run_dir):
-        status = read_status_file(status_file(llm.run_dir, role)) or {}
-        if role.kind is not RoleKind.FRONTEND and status.get("pid"):
+        status = read_status(status_file(llm.run_dir, role))
+        if role.kind is not RoleKind.FRONTEND and status is not None and status.pid:
             try:
-                procs[role] = psutil.Process(status["pid"])
+                procs[role] = psutil.Process(status.pid)
             except psutil.NoSuchProcess:
                 pass
     return procs

@@ -32,7 +32,6 @@ from tracing.setup import (  # noqa: E402
     clear_finished_spans,
     get_finished_spans,
     get_handle,
-    read_status_file,
     setup_tracing,
     shutdown_tracing,
 )
@@ -59,7 +58,6 @@ __all__ = [
     "get_handle",
     "get_finished_spans",
     "clear_finished_spans",
-    "read_status_file",
     "Stage",
     "OpenStage",
     "stage",

@@ -600,18 +600,3 @@ def clear_finished_spans() -> None:
     handle = _handle
     if handle is not None:
         handle.clear_finished_spans()
-
-
-def read_status_file(path: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The status file at ``path`` as a dict, or None when it is missing or unreadable.
-
-    The dict form of ``tracing.run_dir.read_status`` (which new code should call for the
-    typed ``ProcessStatus``), kept for callers that index it. Fields: ``role``, ``rank``,
-    ``pid``, ``stage`` (innermost open lifecycle stage or None), ``stage_stack`` (open
-    lifecycle stages, outermost first), ``entered_at`` (Unix time the current stage was
-    entered), ``updated_at``, ``last_finished`` (``name``, ``duration_ms``, ``error``,
-    ``finished_at`` of the last lifecycle stage left, or None); a field missing from the
-    file reads as None (``stage_stack``: ``[]``).
-    """
-    status = run_dirs.read_status(path)
-    return None if status is None else msgspec.to_builtins(status)

@@ -23,7 +23,7 @@ from engine.outputs import ModelRunnerOutput
 from engine.sched.output import SchedulerOutput
 from engine.utils import run_dir as run_dirs
 from engine.utils.wire import ErrorKind, ProtocolError
-from tracing import read_status_file
+from tracing.run_dir import ProcessStatus, read_status
 
 logger = init_logger(__name__)
 
@@ -95,10 +95,10 @@ class Executor(ABC):
     def _describe_reader(self, rank: int) -> str:
         """Worker ``rank``'s lifecycle stage and time in it, from its status file."""
         role = self.roles[rank]
-        status = read_status_file(run_dirs.status_file(Path(self.run_dir), role)) or {}
-        if status.get("stage"):
-            return f"{role} is in stage {status['stage']} for {time.time() - status.get('entered_at', time.time()):.1f} s"
-        last = (status.get("last_finished") or {}).get("name")
+        status = read_status(run_dirs.status_file(Path(self.run_dir), role)) or ProcessStatus()
+        if status.stage:
+            return f"{role} is in stage {status.stage} for {time.time() - (status.entered_at or time.time()):.1f} s"
+        last = status.last_finished.name if status.last_finished is not None else None
         return (
             f"{role} is past start-up (last lifecycle stage {last})" if last else f"{role} reports no stage"
         )

@@ -44,7 +44,6 @@ from tracing import (
     catalogue,
     current_stage,
     faults,
-    read_status_file,
     stacks,
     stage,
     wait_for,
@@ -251,9 +250,9 @@ class MultiprocExecutor(Executor):
         the line its main thread waits at (a stack dump on SIGUSR1, ``tracing.stacks``)."""
         role = self.roles[rank]
         parts = [self._describe_reader(rank)]
-        status = read_status_file(run_dirs.status_file(Path(self.run_dir), role)) or {}
-        for fault in status.get("faults") or []:
-            parts.append(f"an injected fault struck it: {fault.get('spec')} in {fault.get('stage')}")
+        status = contract.read_status(run_dirs.status_file(Path(self.run_dir), role))
+        for fault in status.faults if status is not None else ():
+            parts.append(f"an injected fault struck it: {fault.spec} in {fault.stage}")
         proc = self.workers[rank]
         if proc.poll() is None:
             dump = stacks.request_dump(self.run_dir, role, proc.pid, timeout_s=HUNG_STACK_TIMEOUT_S)

@@ -859,21 +859,21 @@ def describe_laggard(run_dir: Path, spawned: dict[str, int] | None = None) -> st
     reports a stage, the first planned one without a status file has not started — or, when
     ``spawned`` (role name → pid of the caller's children) has it, has not set up yet.
     """
-    from tracing import read_status_file
+    from tracing.run_dir import read_status
 
     engine_roles = [r.name for r in run_dirs.planned_roles(run_dir) if r.in_engine]
     now = time.time()
-    statuses = {role: read_status_file(run_dirs.status_file(run_dir, role)) for role in engine_roles}
-    in_stage = [role for role in engine_roles if (statuses[role] or {}).get("stage")]
+    statuses = {role: read_status(run_dirs.status_file(run_dir, role)) for role in engine_roles}
+    in_stage = [role for role in engine_roles if statuses[role] is not None and statuses[role].stage]
     if in_stage:
         role = in_stage[-1]  # planned order is engine core, then its workers
         status = statuses[role]
         from tracing.hints import stage_hint
 
-        hint = stage_hint(status["stage"]).hint  # the words engine-top and glassbox doctor show
+        hint = stage_hint(status.stage).hint  # the words engine-top and glassbox doctor show
         return (
-            f"{role} (pid {status.get('pid')}) has been in stage {status['stage']} for "
-            f"{now - status.get('entered_at', now):.1f} s." + (f" Usually: {hint}." if hint else "")
+            f"{role} (pid {status.pid}) has been in stage {status.stage} for "
+            f"{now - (status.entered_at or now):.1f} s." + (f" Usually: {hint}." if hint else "")
         )
     for role in engine_roles:
         if statuses[role] is None:

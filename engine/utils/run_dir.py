@@ -18,8 +18,9 @@ the engine:
   status file.
 
 The other names (``list_run_dirs``, ``creator_pid``, ``sweep_stale_run_dirs``,
-``remove_run_dir``, ``status_files``, ``read_manifest``) are the contract's, kept here for
-the engine's callers.
+``remove_run_dir``, ``status_files``) are the contract's, kept here for the engine's
+callers. The records are read typed, with the contract's readers
+(``tracing.run_dir.read_manifest``, ``read_status``, ``read_crash_report``).
 """
 
 from __future__ import annotations
@@ -203,17 +204,6 @@ def write_manifest(run_dir: Path, **fields: Any) -> None:
         OSError: the run directory is not writable.
     """
     contract.write_manifest(run_dir, build_manifest(run_dir, **fields))
-
-
-def read_manifest(run_dir: Path) -> dict:
-    """The manifest as a dict (unset fields left out; ``tracing.run_dir.read_manifest`` gives
-    the typed ``Manifest``).
-
-    Raises:
-        OSError: missing (``FileNotFoundError``) or unreadable.
-        ValueError: it does not decode (``tracing.run_dir.RecordError``).
-    """
-    return msgspec.to_builtins(contract.load_manifest(run_dir))
 
 
 def planned_roles(run_dir: Path) -> list[ProcessRole]:

@@ -40,7 +40,7 @@ from server_utils import Server
 
 from engine.distributed.topology import ProcessRole, RoleKind
 from engine.utils.run_dir import planned_roles, status_file
-from tracing.setup import read_status_file
+from tracing.run_dir import read_status
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -104,8 +104,8 @@ def _planned_pids(run_dir: Path, timeout: float = 30.0) -> dict[str, int]:
     deadline = time.monotonic() + timeout
     while True:
         roles = planned_roles(run_dir)
-        statuses = {r.name: read_status_file(status_file(run_dir, r)) for r in roles}
-        pids = {name: s["pid"] for name, s in statuses.items() if s and s.get("pid")}
+        statuses = {r.name: read_status(status_file(run_dir, r)) for r in roles}
+        pids = {name: s.pid for name, s in statuses.items() if s is not None and s.pid}
         if roles and len(pids) == len(roles):
             return pids
         missing = sorted(set(statuses) - set(pids)) if roles else ["manifest roles"]

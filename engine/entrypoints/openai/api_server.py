@@ -14,10 +14,10 @@ order, each step before the next:
 7. freeze the start-up objects out of the garbage collector's way (``gc.freeze``).
 
 With ``--api-server-count A > 1`` (default: the data-parallel size, as vLLM 0.32) this
-process is ``APIServer_0``: after step 4 it starts ``APIServer_1 .. A-1``, which inherit the
-listening socket from step 2 (the kernel spreads ``accept()`` among them), attach to the
-same engine cores with their own sockets (``run_api_server_worker``) and say ready; then it
-serves as one of them. Any of them dying brings the tree down with one root cause, printed
+process is ``APIServer_0``: after step 4 it starts ``APIServer_1 .. A-1``
+(``multi_api_server.py``), which inherit the listening socket from step 2 (the kernel spreads
+``accept()`` among them), attach to the same engine cores with their own sockets
+(``run_api_server_worker``) and say ready; then it serves as one of them. Any of them dying brings the tree down with one root cause, printed
 by APIServer_0; the others stop when APIServer_0 stops them (or dies: their lifeline).
 
 Metrics: with several API servers, APIServer_0 turns on prometheus_client's multiprocess mode
@@ -56,7 +56,6 @@ import errno
 import gc
 import json
 import os
-import pickle
 import signal
 import socket
 import sys
@@ -67,14 +66,7 @@ from pathlib import Path
 from engine import envs
 from engine.config import EngineConfig
 from engine.distributed import topology
-from engine.entrypoints.openai.api_server_messages import (
-    APIServerReady,
-    APIServerSpawnPayload,
-    ServerArgs,
-    decode_as,
-    encode,
-    ready_address,
-)
+from engine.entrypoints.openai.api_server_messages import ServerArgs
 from engine.logger import adopt_logger, init_logger, set_process_role
 from engine.utils import processes
 from engine.utils import run_dir as run_dirs
@@ -90,7 +82,7 @@ EXIT_ENGINE_DEAD = 1  # the engine died (the root cause is printed last)
 EXIT_INTERRUPTED = 130  # Ctrl-C during start-up (128 + SIGINT)
 
 
-__all__ = ["ServerArgs", "bind_socket", "run_server", "run_api_server_worker", "PortInUseError", "set_ulimit"]
+__all__ = ["ServerArgs", "bind_socket", "run_server", "PortInUseError", "set_ulimit"]
 
 # After --shutdown-timeout, how long the requests that were ended get to write their last
 # event before their tasks are cancelled, in seconds.
@@ -191,7 +183,7 @@ def run_server(config: EngineConfig, args: ServerArgs, sock: socket.socket | Non
     run_dir: Path | None = None
     failure: str | None = None  # why the tree ended, when it ended after a failure
     root_cause: str | None = None
-    loop = _new_event_loop()
+    loop = new_event_loop()
     asyncio.set_event_loop(loop)
     try:
         if sock is None:
@@ -218,8 +210,10 @@ def run_server(config: EngineConfig, args: ServerArgs, sock: socket.socket | Non
 
         engine = AsyncLLM(config, run_dir, client_index=0, num_clients=len(plan.api_servers))
         if len(plan.api_servers) > 1:
-            _start_api_servers(engine, plan, config, args, sock, run_dir)
-        serving = _serve(engine, config, args, sock, port, several_servers=several_servers,
+            from engine.entrypoints.openai.multi_api_server import start_api_servers
+
+            start_api_servers(engine, plan, config, args, sock, run_dir)
+        serving = run_server_worker(engine, config, args, sock, port, several_servers=several_servers,
                          startup_signal=startup_signal)  # fmt: skip
         return loop.run_until_complete(serving)
     except (KeyboardInterrupt, StartupInterrupted):
@@ -252,7 +246,7 @@ def run_server(config: EngineConfig, args: ServerArgs, sock: socket.socket | Non
             sock.close()
         loop.close()
         if engine is not None and engine.dead_error is not None and failure is None:
-            # Died while serving (_serve printed the root cause), or stayed up after it
+            # Died while serving (run_server_worker printed the root cause), or stayed up after it
             # (GLASSBOX_KEEP_ALIVE_ON_ENGINE_DEATH) until stopped.
             failure, root_cause = "the engine died", engine.dead_error.root_cause
         if run_dir is not None:
@@ -272,7 +266,8 @@ def _setup_multiprocess_metrics(run_dir: Path) -> None:
     logger.debug("Prometheus multiprocess mode: %s", path)
 
 
-def _new_event_loop() -> asyncio.AbstractEventLoop:
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """A uvloop event loop (asyncio's own where uvloop is missing), for every API server."""
     try:
         import uvloop
 
@@ -281,7 +276,7 @@ def _new_event_loop() -> asyncio.AbstractEventLoop:
         return asyncio.new_event_loop()
 
 
-async def _serve(
+async def run_server_worker(
     engine,
     config: EngineConfig,
     args: ServerArgs,
@@ -294,6 +289,8 @@ async def _serve(
     startup_signal: list[int] | None = None,
 ) -> int:
     """Serve ``engine``'s app on ``sock`` until told to stop; returns the exit code.
+
+    vLLM: ``run_server_worker``, which every API server runs, the first and the others alike.
 
     ``launcher``: this is APIServer_0, which owns the tree: an engine death ends it with
     ``EXIT_ENGINE_DEAD`` and the root cause printed last. Another API server reports the
@@ -664,144 +661,6 @@ async def _when_serving(server, on_serving: Callable[[], None]) -> None:
     while not server.started:
         await asyncio.sleep(0.01)
     on_serving()
-
-
-# ------------------------------------------------------------------ several API servers
-
-
-def _start_api_servers(engine, plan, config: EngineConfig, args: ServerArgs, sock: socket.socket,
-                       run_dir: Path) -> None:  # fmt: skip
-    """APIServer_0: spawn APIServer_1..A-1 on the shared socket; return once each serves.
-
-    Each is watched like an engine process: its death (also during start-up) stops the tree
-    with its root cause.
-
-    Raises:
-        EngineDeadError: an API server (or an engine process) died meanwhile.
-        TimeoutError: not every API server was serving within ``GLASSBOX_ENGINE_READY_TIMEOUT_S``.
-    """
-    import zmq
-
-    from tracing import WaitTimeout, catalogue, stage, wait_for
-    from tracing.propagation import inject_trace_headers
-
-    others = plan.api_servers[1:]
-    client = engine.engine_core
-    ctx = zmq.Context.instance()
-    ready_socket = ctx.socket(zmq.PULL)
-    ready_socket.setsockopt(zmq.LINGER, 0)
-    try:
-        with stage(catalogue.API_SERVER_START_OTHERS):
-            address = ready_address(run_dir)
-            ready_socket.bind(address)
-            engines = client.engines_info()
-            config_pickle = pickle.dumps(config, protocol=5)
-            trace_headers = inject_trace_headers() or None
-            for role in others:
-                payload = APIServerSpawnPayload(
-                    config_pickle=config_pickle,
-                    server_args=args,
-                    client_index=role.api_index,
-                    num_clients=len(plan.api_servers),
-                    engines=engines,
-                    listen_fd=sock.fileno(),
-                    ready_address=address,
-                    trace_headers=trace_headers,
-                )
-                proc = processes.spawn_process(
-                    role.name,
-                    "engine.entrypoints.openai.api_server:run_api_server_worker",
-                    encode(payload),
-                    run_dir,
-                    pass_fds=(sock.fileno(),),
-                )
-                client.watch_child(proc)
-            waiting = {role.api_index: role.name for role in others}
-
-            def all_serving() -> bool:
-                if ready_socket.poll(100):
-                    ready: APIServerReady = decode_as(APIServerReady, ready_socket.recv())
-                    waiting.pop(ready.client_index, None)
-                client._check_alive()  # a server that died during start-up: its root cause
-                return not waiting
-
-            timeout = envs.GLASSBOX_ENGINE_READY_TIMEOUT_S
-            try:
-                wait_for(f"ready from {', '.join(waiting.values())}", all_serving, timeout_s=timeout,
-                         poll_interval_s=0)  # fmt: skip
-            except WaitTimeout:
-                raise TimeoutError(
-                    f"API server(s) {', '.join(waiting.values())} not serving within "
-                    f"GLASSBOX_ENGINE_READY_TIMEOUT_S={timeout:g} s"
-                ) from None
-    finally:
-        ready_socket.close(linger=0)
-
-
-def run_api_server_worker(payload_bytes: bytes, *, run_dir: Path, role: str) -> int:
-    """Process target of APIServer_<i>, i > 0 (vLLM: ``run_api_server_worker_proc``).
-
-    Attaches to the engine cores APIServer_0 launched, serves on the inherited listening
-    socket, and tells APIServer_0 once it accepts connections. Exits 0 when stopped
-    (SIGTERM, or its lifeline to APIServer_0 closing); returns the exit status
-    (``engine.utils.process_harness.run_process``).
-    """
-    from engine.utils.process_harness import Observability, ProcessSpec, run_process
-
-    payload: APIServerSpawnPayload = decode_as(APIServerSpawnPayload, payload_bytes)
-    spec = ProcessSpec(role, run_dir, observability=Observability.of(payload.config.observability_config),
-                       target=lambda ctx: _serve_api_server_worker(payload, run_dir, role, ctx))  # fmt: skip
-    return run_process(spec)
-
-
-def _serve_api_server_worker(payload: APIServerSpawnPayload, run_dir: Path, role: str, ctx) -> None:
-    """APIServer_<i>'s life inside the harness (``run_api_server_worker``)."""
-    from tracing import catalogue, stage
-    from tracing.propagation import attached_trace_context
-
-    config: EngineConfig = payload.config
-    sock = socket.socket(fileno=payload.listen_fd)
-    port = sock.getsockname()[1]
-    loop = _new_event_loop()
-    asyncio.set_event_loop(loop)
-    engine = None
-
-    def close() -> None:
-        if engine is not None:
-            engine.shutdown()
-        sock.close()
-        loop.close()
-
-    ctx.at_exit(close)
-
-    def say_ready() -> None:
-        import zmq
-
-        push = zmq.Context.instance().socket(zmq.PUSH)
-        push.setsockopt(zmq.LINGER, 2000)
-        push.connect(payload.ready_address)
-        push.send(encode(APIServerReady(client_index=payload.client_index, role=role, pid=os.getpid())))
-        push.close()
-
-    from engine.frontend.async_llm import AsyncLLM
-
-    with attached_trace_context(payload.trace_headers), stage(catalogue.API_SERVER_ATTACH, role=role):
-        engine = AsyncLLM(config, run_dir, client_index=payload.client_index,
-                          num_clients=payload.num_clients, engines=payload.engines)  # fmt: skip
-    code = loop.run_until_complete(
-        _serve(
-            engine,
-            config,
-            payload.server_args,
-            sock,
-            port,
-            launcher=False,
-            on_serving=say_ready,
-            several_servers=payload.num_clients > 1,
-        )
-    )
-    if code:
-        raise SystemExit(code)
 
 
 def _ignore_signal(signum: int, frame: object) -> None:

@@ -18,6 +18,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 import tracing
 from tracing import catalogue
 from tracing.exporters import CountingExporter, JsonLinesSpanExporter
+from tracing.run_dir import ProcessStatus, read_status
 from tracing.stage import open_stages
 
 REPO = Path(__file__).resolve().parents[3]
@@ -86,39 +87,36 @@ def test_unknown_names_raise():
 
 def test_status_file_names_the_current_lifecycle_stage(traced):
     path = traced.status_file
-    before = tracing.read_status_file(path)
-    assert before["stage"] is None and before["role"] == "TestRole" and before["pid"] == os.getpid()
+    before = read_status(path)
+    assert before.stage is None and before.role == "TestRole" and before.pid == os.getpid()
     with tracing.stage(catalogue.EXECUTOR_INIT):
         with tracing.stage(catalogue.WORKER_LOAD_MODEL, rank=0):
-            inside = tracing.read_status_file(path)
+            inside = read_status(path)
             assert tracing.current_stage() == "worker.load_model"
-        between = tracing.read_status_file(path)
-    after = tracing.read_status_file(path)
-    assert inside["stage"] == "worker.load_model"
-    assert inside["stage_stack"] == ["executor.init", "worker.load_model"]
-    assert inside["rank"] == 3 and inside["entered_at"] <= inside["updated_at"]
-    assert between["stage"] == "executor.init"
-    assert between["last_finished"]["name"] == "worker.load_model"
-    assert after["stage"] is None and after["stage_stack"] == []
-    assert after["last_finished"]["name"] == "executor.init" and after["last_finished"]["error"] is None
+        between = read_status(path)
+    after = read_status(path)
+    assert inside.stage == "worker.load_model"
+    assert inside.stage_stack == ["executor.init", "worker.load_model"]
+    assert inside.rank == 3 and inside.entered_at <= inside.updated_at
+    assert between.stage == "executor.init"
+    assert between.last_finished.name == "worker.load_model"
+    assert after.stage is None and after.stage_stack == []
+    assert after.last_finished.name == "executor.init" and after.last_finished.error is None
     assert not list(Path(path).parent.glob("*.tmp"))  # atomic writes leave no temp files
 
 
 def test_status_file_is_the_contracts_typed_record(traced, caplog):
-    """Written through ``tracing.run_dir``'s one writer; ``read_status_file`` is its dict form."""
-    from tracing import run_dir as run_dirs
-
+    """Written and read through ``tracing.run_dir``'s one writer and reader."""
     with tracing.stage(catalogue.WORKER_LOAD_MODEL):
-        status = run_dirs.read_status(traced.status_file)
-    assert isinstance(status, run_dirs.ProcessStatus)
+        status = read_status(traced.status_file)
+    assert isinstance(status, ProcessStatus)
     assert (status.role, status.rank, status.stage_stack) == ("TestRole", 3, ["worker.load_model"])
-    assert tracing.read_status_file(traced.status_file) == {
-        "role": "TestRole", "rank": 3, "pid": os.getpid(), "stage": None, "stage_stack": [],
-        "entered_at": None, "updated_at": run_dirs.read_status(traced.status_file).updated_at,
-        "last_finished": tracing.read_status_file(traced.status_file)["last_finished"], "faults": [], "placement": {},
-        "runs_as": {},
-    }  # fmt: skip
-    assert tracing.read_status_file(Path(traced.status_file).parent / "none.status.json") is None
+    after = read_status(traced.status_file)
+    assert after == ProcessStatus(
+        role="TestRole", rank=3, pid=os.getpid(), stage=None, stage_stack=[], entered_at=None,
+        updated_at=after.updated_at, last_finished=after.last_finished, faults=[], placement={}, runs_as={},
+    )  # fmt: skip
+    assert read_status(Path(traced.status_file).parent / "none.status.json") is None
     # A field of the wrong type is a caller's bug: logged, the file left as it was, no raise.
     before = Path(traced.status_file).read_bytes()
     traced.write_status({"stage_stack": "not a list"})
@@ -129,8 +127,8 @@ def test_status_file_is_the_contracts_typed_record(traced, caplog):
 def test_status_file_records_a_failed_stage(traced):
     with pytest.raises(RuntimeError), tracing.stage(catalogue.WORKER_INIT_DEVICE):
         raise RuntimeError("no device")
-    last = tracing.read_status_file(traced.status_file)["last_finished"]
-    assert last["name"] == "worker.init_device" and last["error"] == "RuntimeError: no device"
+    last = read_status(traced.status_file).last_finished
+    assert last.name == "worker.init_device" and last.error == "RuntimeError: no device"
 
 
 def test_step_stages_do_not_touch_the_status_file(traced):
@@ -162,7 +160,7 @@ def test_open_stages_sees_other_threads(traced):
         assert entered.wait(5)
         assert [(s.name, s.thread) for s in open_stages()] == [("worker.load_model", "loader")]
         assert tracing.current_stage() is None  # this thread is in no stage
-        assert tracing.read_status_file(traced.status_file)["stage"] == "worker.load_model"
+        assert read_status(traced.status_file).stage == "worker.load_model"
     finally:
         release.set()
         t.join(5)
@@ -196,10 +194,7 @@ def test_hooks_see_enter_and_exit_and_can_fail_a_stage(traced):
     span = _by_name(traced.get_finished_spans())["worker.load_model"]
     assert span.status.status_code is StatusCode.ERROR
     assert tracing.current_stage() is None
-    assert (
-        tracing.read_status_file(traced.status_file)["last_finished"]["error"]
-        == "RuntimeError: injected fault"
-    )
+    assert read_status(traced.status_file).last_finished.error == "RuntimeError: injected fault"
 
 
 def test_record_span_starts_at_the_given_time(traced):
