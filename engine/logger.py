@@ -1,6 +1,6 @@
 """Logging: every line starts with the process's role and pid.
 
-Mirrors vLLM's ``vllm/logger.py`` (0.33 format): ``(Role pid=N) LEVEL MM-DD HH:MM:SS
+Mirrors vLLM's ``vllm/logger.py`` (0.32 format): ``(Role pid=N) LEVEL MM-DD HH:MM:SS
 [file.py:line] message``. The role is set once per process with ``set_process_role`` (the
 engine core and workers will each set their own when they get their own processes).
 
