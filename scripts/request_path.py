@@ -8,22 +8,22 @@ What it does:
    on ``PYTHONPATH``, so every process of the tree (API server, engine core, workers: each a
    fresh interpreter, started with spawn) loads it. It installs a ``sys.setprofile`` /
    ``threading.setprofile`` hook that notes, for each function of this repository's
-   ``engine/``, ``tracing/`` and ``tui/`` packages, the thread it ran on and the 10 ms ticks
-   (wall clock) in which it was entered (a coroutine is entered again at each resume). Each
-   process writes what it saw to a JSON file twice a second.
+   ``engine/``, ``tracing/`` and ``tui/`` packages, the thread it ran on, the 10 ms ticks (wall
+   clock) in which it was called, and which of our functions called it. A coroutine's resume
+   is not a call (only its first entry is). Each process writes what it saw to a JSON file
+   twice a second.
 2. It starts ``glassbox serve`` on the bundled model with the shipped defaults (plus any
    flags given), sends one streamed completion to warm up (compilation, first-touch), waits
    a second, then sends the measured one and notes the wall-clock window from the request
    to its ``data: [DONE]``.
-3. It stops the server and counts the functions entered within that window on the threads
-   a request crosses: the API server's event loop, the engine core's input, main and output
-   threads, the workers' main threads. Threads that run on a clock whatever the request does
-   (heartbeats, the telemetry publisher, the executor's worker monitor) are listed apart. A
-   function counts once its thread entered it in the window, or was running it at one of the
-   stack samples taken ten times a second in the window: the innermost frame of this
-   repository's code, or the direct caller of a function entered in the window (a loop entered
-   before the request, like the busy loop, is entered no more). The frames below those (a
-   process's entry, its harness) do not count.
+3. It stops the server and counts the functions that ran in that window on the threads a
+   request crosses (the API server's event loop, the engine core's input, main and output
+   threads, the workers' main threads): those called in the window, and those that called
+   one of ours in it (a loop entered before the request, like the busy loop, calls ``step``
+   but is entered no more). A process's entry and its harness, below those loops, call
+   nothing in the window and do not count. Threads that run on a clock whatever the
+   request does (heartbeats, the telemetry publisher, the executor's worker monitor) are
+   listed apart.
 
 A function's **lines** are the non-blank, non-comment lines of its body without its
 docstring (``ast``). What ran is told in four parts, by file:
@@ -95,25 +95,41 @@ def part(rel: str) -> str:
 PATH_THREADS = re.compile(r"^(MainThread|EngineCoreInputThread|EngineCoreOutputThread)$")
 
 SITECUSTOMIZE = """
-import json, os, sys, threading, time
+import dis, json, os, sys, threading, time
 _out = os.environ.get("REQUEST_PATH_OUT")
 if _out:
     _roots = tuple(os.environ["REQUEST_PATH_ROOTS"].split(os.pathsep))
-    _hits = {}  # entered: (file, first line, qualname, thread) -> 10 ms ticks
-    _stacks = {}  # the innermost frame of ours at a sample: the same
-    _callers = {}  # (caller's key, callee's file and first line) on a stack at a sample -> ticks
+    _hits = {}  # entered afresh: (file, first line, qualname, thread) -> 10 ms ticks
+    _callers = {}  # (caller's key, callee's file and first line) at a fresh entry -> ticks
+    _resume_at = {}  # a generator or coroutine's code -> the offset of its first RESUME
+    _GENERATOR_LIKE = 0x20 | 0x80 | 0x200  # CO_GENERATOR | CO_COROUTINE | CO_ASYNC_GENERATOR
+
+    def _fresh(frame, code):
+        # A coroutine is "called" again at every resume: only its first entry is a call.
+        if not code.co_flags & _GENERATOR_LIKE:
+            return True
+        at = _resume_at.get(code)
+        if at is None:
+            at = _resume_at[code] = next(i.offset for i in dis.get_instructions(code) if i.opname == "RESUME")
+        return frame.f_lasti <= at
 
     def _prof(frame, event, arg, _time=time.time, _thread=threading.current_thread):
         if event != "call":
             return
         code = frame.f_code
-        if not code.co_filename.startswith(_roots):
+        if not code.co_filename.startswith(_roots) or not _fresh(frame, code):
             return
-        key = (code.co_filename, code.co_firstlineno, code.co_qualname, _thread().name)
-        ticks = _hits.get(key)
-        if ticks is None:
-            ticks = _hits[key] = set()
-        ticks.add(int(_time() * 100))
+        tick = int(_time() * 100)
+        thread = _thread().name
+        key = (code.co_filename, code.co_firstlineno, code.co_qualname, thread)
+        _hits.setdefault(key, set()).add(tick)
+        caller = frame.f_back
+        # The caller named it (a C event loop calling a callback leaves no frame between: the
+        # frame below it is whatever Python frame ran the loop, which called nothing).
+        if caller is not None and caller.f_code.co_filename.startswith(_roots) and code.co_name in caller.f_code.co_names:
+            c = caller.f_code
+            edge = (c.co_filename, c.co_firstlineno, c.co_qualname, thread, code.co_filename, code.co_firstlineno)
+            _callers.setdefault(edge, set()).add(tick)
 
     def _dump():
         path = os.path.join(_out, f"{os.getpid()}.json")
@@ -123,44 +139,16 @@ if _out:
         except OSError:
             title = sys.argv[0]
         hits = [[*k, sorted(v)] for k, v in list(_hits.items())]
-        stacks = [[*k, sorted(v)] for k, v in list(_stacks.items())]
         callers = [[*k, sorted(v)] for k, v in list(_callers.items())]
         with open(path + ".tmp", "w") as f:
-            json.dump({"pid": os.getpid(), "title": title, "hits": hits, "stacks": stacks, "callers": callers}, f)
+            json.dump({"pid": os.getpid(), "title": title, "hits": hits, "callers": callers}, f)
         os.replace(path + ".tmp", path)
 
-    def _sample():
-        # A loop entered once, long before the request (a busy loop, a socket thread), is
-        # entered no more: note every function on every thread's stack as well.
-        tick = int(time.time() * 100)
-        names = {t.ident: t.name for t in threading.enumerate()}
-        for ident, frame in sys._current_frames().items():
-            thread = names.get(ident, "?")
-            child = None  # the frame just above, when it is ours
-            innermost = True
-            while frame is not None:
-                code = frame.f_code
-                if code.co_filename.startswith(_roots):
-                    key = (code.co_filename, code.co_firstlineno, code.co_qualname, thread)
-                    if innermost:
-                        _stacks.setdefault(key, set()).add(tick)
-                        innermost = False
-                    if child is not None:  # a direct call, no library frame between
-                        _callers.setdefault((*key, *child[:2]), set()).add(tick)
-                    child = key
-                else:
-                    child = None
-                frame = frame.f_back
-
     def _dumper():
-        n = 0
         while True:
-            n += 1
-            time.sleep(0.1)
+            time.sleep(0.5)
             try:
-                _sample()
-                if n % 5 == 0:
-                    _dump()
+                _dump()
             except Exception:
                 pass
 
@@ -235,15 +223,11 @@ def count(out_dir: Path, window: tuple[float, float]) -> dict:
     ran: dict[tuple[str, int], set[str]] = defaultdict(set)  # (file, first line) -> threads
     for dump in out_dir.glob("*.json"):
         data = json.loads(dump.read_text())
-        for kind in ("hits", "stacks"):
-            for filename, first, _qualname, thread, ticks in data[kind]:
-                if any(lo <= t <= hi for t in ticks):
-                    ran[(filename, first)].add(thread)
-        entered = {
-            (f, first) for f, first, _q, _t, ticks in data["hits"] if any(lo <= t <= hi for t in ticks)
-        }
-        for filename, first, _qualname, thread, child_file, child_first, ticks in data["callers"]:
-            if (child_file, child_first) in entered and any(lo <= t <= hi for t in ticks):
+        for filename, first, _qualname, thread, ticks in data["hits"]:
+            if any(lo <= t <= hi for t in ticks):
+                ran[(filename, first)].add(thread)
+        for filename, first, _qualname, thread, _callee_file, _callee_first, ticks in data["callers"]:
+            if any(lo <= t <= hi for t in ticks):
                 ran[(filename, first)].add(thread)  # a loop calling what the request runs
     parsed: dict[str, dict[int, tuple[str, list[str]]]] = {}
     rows = []
