@@ -2,7 +2,7 @@
 
 One table, read by everything that names a stuck stage — engine-top's alerts (through the
 telemetry collector's ``stage_hint``), ``glassbox doctor``'s diagnosis and the start-up
-deadline message (``engine.frontend.core_client.describe_laggard``) — so the three say the
+deadline message (``engine.utils.supervisor.describe_laggard``) — so the three say the
 same words. ``docs/troubleshooting-hangs.md`` carries the same table, generated from this one::
 
     python -m tracing.hints        # the Markdown table (a test checks the doc matches)

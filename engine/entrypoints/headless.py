@@ -31,7 +31,7 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.logger import init_logger, set_process_role
-from engine.utils import processes
+from engine.utils import processes, supervisor
 from engine.utils import run_dir as run_dirs
 from engine.utils.process_harness import Observability, ProcessSpec, install_stop_signals, start_observability
 
@@ -39,8 +39,6 @@ logger = init_logger(__name__)
 
 EXIT_OK = 0  # stopped by SIGTERM / Ctrl-C, or the head stopped (its engine cores exited 0)
 EXIT_FAILED = 1  # an engine core died or lost its head (the root cause is printed last)
-# How often the node looks at its engine cores (seconds).
-POLL_S = 0.2
 
 
 class _Stop(BaseException):
@@ -118,21 +116,21 @@ def run_headless(config: EngineConfig) -> int:
 
 
 def _watch(children: list[processes.ChildProcess], run_dir: Path) -> tuple[int, str | None]:
-    """Wait until an engine core ends; then the node ends: ``(EXIT_OK, None)`` when it ended
-    cleanly (the head stopped), else ``(EXIT_FAILED, its root-cause block)``."""
-    while True:
-        for child in children:
-            code = child.poll()
-            if code is None:
-                continue
-            if code == 0:
-                logger.info("%s exited: the head stopped; stopping this node", child.role)
-                return EXIT_OK, None
-            crash = processes.read_crash_report(run_dir, child.role)
-            if crash is not None:
-                logger.error("%s failed: %s", child.role, crash.get("exception"))
-            return EXIT_FAILED, processes.format_root_cause(run_dir, child.role, child.pid, code)
-        time.sleep(POLL_S)
+    """Wait (on the children's pidfds: ``supervisor.wait_for_exit``) until an engine core
+    ends; then the node ends: ``(EXIT_OK, None)`` when it ended cleanly (the head stopped),
+    else ``(EXIT_FAILED, its root-cause block)`` (the blame rule, told every exit status)."""
+    from tracing import run_dir as contract
+
+    child = supervisor.wait_for_exit(children, None, first=True)[0]
+    code = child.poll()
+    if code == 0:
+        logger.info("%s exited: the head stopped; stopping this node", child.role)
+        return EXIT_OK, None
+    crash = contract.read_crash_report(run_dir, child.role)
+    if crash is not None:
+        logger.error("%s failed: %s", child.role, crash.exception)
+    exits = {c.role: c.poll() for c in children if c.poll() is not None}
+    return EXIT_FAILED, processes.format_root_cause(run_dir, child.role, child.pid, code, exits=exits)
 
 
 __all__ = ["run_headless", "EXIT_OK", "EXIT_FAILED"]

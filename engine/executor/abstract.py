@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,8 @@ from engine.logger import init_logger
 from engine.outputs import ModelRunnerOutput
 from engine.sched.output import SchedulerOutput
 from engine.utils import run_dir as run_dirs
+from engine.utils.processes import ChildProcess, EngineDeadError
+from engine.utils.supervisor import Supervisor
 from engine.utils.wire import ErrorKind, ProtocolError
 from tracing.run_dir import ProcessStatus, read_status
 
@@ -39,6 +42,11 @@ class Executor(ABC):
         self.config = config
         # Where multiprocess executors keep their queues and workers their status files.
         self.run_dir = run_dir
+        # Executors with workers in other processes: each rank's role name, and the supervisor
+        # that turns the first worker failure into this executor's EngineDeadError.
+        self.roles: list[str] = []
+        self.supervisor: Supervisor | None = None
+        self.failure_callback: Callable[[EngineDeadError], None] | None = None
         # Set by init_device on every worker; the driver's copy is reported to the frontend.
         self.device_info: dict[str, str] = {}
         try:
@@ -90,7 +98,23 @@ class Executor(ABC):
         """Run ``method(*args, **kwargs)`` on every worker; results in rank order."""
 
     # ---------------------------------------------- for executors with worker processes
-    # (``roles``: each rank's role name; ``run_dir``: where their status files are.)
+    # (``roles``: each rank's role name; ``run_dir``: where their status files are;
+    # ``supervisor``: the one failure, and the callback it goes to.)
+
+    @property
+    def failure(self) -> EngineDeadError | None:
+        """The first worker failure (``supervisor.failure``), or None."""
+        return self.supervisor.failure if self.supervisor is not None else None
+
+    def _raise_if_failed(self) -> None:
+        """Raises the first worker failure, if there was one (``EngineDeadError``)."""
+        if self.supervisor is not None:
+            self.supervisor.raise_if_failed()
+
+    def _on_failure(self, error: EngineDeadError, child: ChildProcess | None) -> None:
+        """The supervisor's callback: hand the failure to the engine core's (once)."""
+        if self.failure_callback is not None:
+            self.failure_callback(error)
 
     def _describe_reader(self, rank: int) -> str:
         """Worker ``rank``'s lifecycle stage and time in it, from its status file."""
@@ -175,8 +199,9 @@ class Executor(ABC):
     def check_health(self) -> None:
         self.collective_rpc("check_health")
 
-    def register_failure_callback(self, callback) -> None:
-        """Call ``callback(error)`` when a worker dies (executors with worker processes)."""
+    def register_failure_callback(self, callback: Callable[[EngineDeadError], None]) -> None:
+        """Call ``callback(error)`` when a worker dies (executors with worker processes; from
+        the supervisor's thread, or the thread whose call saw the failure)."""
         self.failure_callback = callback
 
     @abstractmethod

@@ -7,10 +7,15 @@ Mirrors vLLM's ``vllm/v1/executor/multiproc_executor.py``::
 
 ``collective_rpc(method, args)`` encodes one ``WorkerRPC`` (with the caller's trace context)
 and broadcasts it; every worker runs it and (if it is asked to answer) replies with a
-``WorkerReply`` on its own response queue. The messages are in ``engine/executor/messages.py``. ``execute_model`` is the same call with only the output rank answering (TP rank 0 of the last pipeline stage). Every wait
-is bounded and, between waits, the executor checks that every worker is alive: a dead
-worker is noticed within ``DEATH_CHECK_S`` seconds, also when the engine is idle (a monitor
-thread), and turns into an ``EngineDeadError`` whose root cause names it.
+``WorkerReply`` on its own response queue. The messages are in ``engine/executor/messages.py``. ``execute_model`` is the same call with only the output rank answering (TP rank 0 of the last pipeline stage).
+
+Liveness is the ``Supervisor``'s (``engine/utils/supervisor.py``; vLLM's
+``start_worker_monitor``, a thread waiting on the workers' sentinels): it waits on every
+worker's pidfd, so a death is seen at once, also while the engine is idle, and a worker
+stopped or frozen past its deadline too; the first failure becomes one ``EngineDeadError``
+whose root cause the blame rule names (a peer killed first, not the survivors whose
+collective then broke), handed to the engine core's failure callback. Every wait here is
+bounded and looks up every ``DEATH_CHECK_S`` to raise that failure.
 
 The queues are files in the run directory, so removing the run directory removes them.
 """
@@ -20,9 +25,7 @@ from __future__ import annotations
 import functools
 import os
 import pickle
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +40,8 @@ from engine.logger import init_logger
 from engine.utils import processes
 from engine.utils import run_dir as run_dirs
 from engine.utils.process_harness import Observability, ProcessContext, ProcessSpec, run_process
-from engine.utils.processes import ChildProcess, EngineDeadError
+from engine.utils.processes import ChildProcess
+from engine.utils.supervisor import Supervisor
 from engine.utils.wire import ProtocolError
 from tracing import (
     WaitTimeout,
@@ -51,14 +55,13 @@ from tracing import (
 from tracing import run_dir as contract
 from tracing.propagation import attached_trace_context, inject_trace_headers
 from tracing.telemetry import events
-from tracing.telemetry.publisher import get_publisher
 
 logger = init_logger(__name__)
 
 WORKER_EXIT_GRACE_S = 2.0  # s a worker that reported a failure gets to exit before it is named
 HUNG_STACK_TIMEOUT_S = 2.0  # s to wait for a stack dump of a worker that missed its deadline
 
-# How often waits look up from the queue to check the workers are alive (seconds).
+# How often waits look up from the queue to raise a failure the supervisor saw (seconds).
 DEATH_CHECK_S = 0.5
 
 
@@ -90,9 +93,7 @@ class MultiprocExecutor(Executor):
         engine_role = plan.engine_cores[pc.data_parallel_rank]
         prefix = f"dp{engine_role.dp_rank}_"
         self.roles = [w.name for w in plan.workers_of(engine_role.dp_rank)]
-        self.failure: EngineDeadError | None = None
-        self.failure_callback: Callable[[EngineDeadError], None] | None = None
-        self._shutting_down = False
+        self.supervisor = Supervisor(run_dir, self._on_failure, name="MultiprocWorkerMonitor")
         self.workers: list[ChildProcess] = []
         with stage(catalogue.EXECUTOR_INIT):
             handle = MessageQueue.create(run_dir, f"{prefix}rpc", self.world_size, reader_names=self.roles,
@@ -120,6 +121,7 @@ class MultiprocExecutor(Executor):
                         role, "engine.executor.multiproc_executor:WorkerProc.worker_main", payload, run_dir
                     )
                 )
+                self.supervisor.watch(self.workers[-1], rank=rank)
             self.response_mqs = [MessageQueue.open_reader(h, 0) for h in response_handles]
             deadline = time.monotonic() + envs.GLASSBOX_ENGINE_READY_TIMEOUT_S
             for rank in range(self.world_size):
@@ -128,8 +130,6 @@ class MultiprocExecutor(Executor):
                     raise ProtocolError(
                         f"{self.roles[rank]} sent {ready!r} at start-up where WorkerReady for rank {rank} was due"
                     )
-            self._monitor = threading.Thread(target=self._monitor_workers, name="WorkerMonitor", daemon=True)
-            self._monitor.start()
             # Tensor parallelism: the workers meet on a TCP port free right now (none hard-coded).
             init_method = None
             if self.world_size > 1:
@@ -207,8 +207,8 @@ class MultiprocExecutor(Executor):
         return self.world_size - self.config.parallel_config.tensor_parallel_size
 
     def _receive(self, rank: int, deadline: float, what: str) -> WorkerReady | WorkerReply:
-        """One message from worker ``rank`` (``tracing.wait_for``: slices of ``DEATH_CHECK_S``
-        with a liveness check in between, one deadline).
+        """One message from worker ``rank`` (``tracing.wait_for``: slices of ``DEATH_CHECK_S``,
+        raising the supervisor's failure in between, one deadline).
 
         Raises:
             TimeoutError: nothing came by ``deadline``; the message names the worker and its stage.
@@ -218,7 +218,6 @@ class MultiprocExecutor(Executor):
 
         def one_slice() -> tuple[WorkerReady | WorkerReply] | None:
             self._raise_if_failed()
-            self._check_worker(rank)
             left = deadline - time.monotonic()
             try:
                 return (messages.decode_response(mq.dequeue(timeout=max(min(DEATH_CHECK_S, left), 0.001))),)
@@ -262,103 +261,26 @@ class MultiprocExecutor(Executor):
                 parts.append(f"its main thread waits at {where}")
         return "; ".join(parts)
 
-    def _check_worker(self, rank: int) -> None:
-        proc = self.workers[rank]
-        code = proc.poll()
-        if code is not None and not self._shutting_down:
-            self._fail(rank, code)
-
-    def _killed_peer(self, rank: int) -> int | None:
-        """A dead worker other than ``rank`` that failed first: it wrote no crash report
-        (killed from outside), or wrote one before ``rank`` did (``rank``'s error is then
-        the echo of the peer's, e.g. gloo's "Connection closed by peer")."""
-        run_dir = Path(self.run_dir)
-        mine = processes.read_crash_report(run_dir, self.roles[rank])
-        my_time = mine.get("time") if mine else None
-        for r, proc in enumerate(self.workers):
-            if r == rank or proc.poll() is None:
-                continue
-            report = processes.read_crash_report(run_dir, proc.role)
-            if report is None:
-                return r
-            if my_time is not None and report.get("time") is not None and report["time"] < my_time:
-                return r
-        return None
-
     def _blame_dead_peer(self, rank: int, grace_s: float = 1.0) -> None:
         """Tensor parallelism: when a worker dies or fails, its peers' next collective fails
-        and they report an error (then exit). The root cause is the peer that failed first,
-        not them: wait briefly for such a peer and, if there is one, fail with its root cause."""
+        and they report an error (then exit). Wait briefly for a peer of ``rank`` to exit; if
+        one did, fail with the supervisor's failure, whose root cause the blame rule names
+        (the peer that failed first, not the survivors)."""
         if self.world_size == 1:
             return
-        try:
-            peer = wait_for(f"a killed peer of {self.roles[rank]}", lambda: self._killed_peer(rank),
-                            timeout_s=grace_s, poll_interval_s=0.05)  # fmt: skip
-        except WaitTimeout:
-            return  # no peer died: the worker's own error is the root cause
-        self._fail(peer, self.workers[peer].poll())
+        peers = [role for r, role in enumerate(self.roles) if r != rank]
+        peer = self.supervisor.exited_within(peers, grace_s)
+        if peer is not None:
+            self._fail(self.roles.index(peer), self.workers[self.roles.index(peer)].poll())
 
-    def _fail(self, rank: int, code: int) -> None:
-        if self.failure is None:
-            if self.world_size > 1 and processes.read_crash_report(Path(self.run_dir), self.roles[rank]):
-                # This worker failed (e.g. a collective broke); a peer killed first is the cause.
-                peer = self._killed_peer(rank)
-                if peer is not None:
-                    rank, code = peer, self.workers[peer].poll()
-            proc = self.workers[rank]
-            root = processes.format_root_cause(Path(self.run_dir), proc.role, proc.pid, code, rank=rank)
-            if code is None:  # it reported its failure and has not exited yet
-                report = processes.read_crash_report(Path(self.run_dir), proc.role)
-                what = f"failed: {report['exception']}" if report else "failed"
-                logger.error("%s (pid %d) %s", proc.role, proc.pid, what)
-            else:
-                logger.error("%s (pid %d) died: %s", proc.role, proc.pid, processes.describe_exit(code))
-            publisher = get_publisher()
-            if publisher is not None:  # only a parent knows how its child ended: tell engine-top
-                publisher.note_child_exit(proc.role, processes.describe_exit(code))
-            self.failure = EngineDeadError(root)
-            if self.failure_callback is not None:
-                self.failure_callback(self.failure)
-        raise self.failure
-
-    def _raise_if_failed(self) -> None:
-        if self.failure is not None:
-            raise self.failure
-
-    def _monitor_workers(self) -> None:
-        """Notice a dead worker while the engine is idle, within DEATH_CHECK_S."""
-        stopped = processes.StoppedWatch()
-        while not self._shutting_down and self.failure is None:
-            for rank in range(self.world_size):
-                if self.workers[rank].poll() is not None and not self._shutting_down:
-                    try:
-                        self._fail(rank, self.workers[rank].poll())
-                    except EngineDeadError:
-                        return
-                proc = self.workers[rank]
-                seconds = stopped.stopped_for(proc.pid)
-                state = stopped.describe(seconds) if seconds is not None else None
-                if state is None:
-                    seconds = stopped.frozen_for(
-                        proc.pid, run_dirs.status_file(Path(self.run_dir), proc.role)
-                    )
-                    state = stopped.describe_frozen(seconds) if seconds is not None else None
-                if state is not None and not self._shutting_down and self.failure is None:
-                    # Stopped by a signal, or frozen, for too long: named, as a death would be.
-                    self.failure = EngineDeadError(processes.format_root_cause(
-                        Path(self.run_dir), proc.role, proc.pid, None, rank=rank, state=state))  # fmt: skip
-                    logger.error("%s (pid %d) is %s", proc.role, proc.pid, state)
-                    if self.failure_callback is not None:
-                        self.failure_callback(self.failure)
-                    return
-            time.sleep(DEATH_CHECK_S)
-
-    def register_failure_callback(self, callback: Callable[[EngineDeadError], None]) -> None:
-        self.failure_callback = callback
+    def _fail(self, rank: int, code: int | None) -> None:
+        """Fail the executor (once) naming worker ``rank`` (``code``: its exit status, None
+        while it exits) — or whom the blame rule names instead; raises ``EngineDeadError``."""
+        proc = self.workers[rank]
+        raise self.supervisor.fail(proc.role, proc.pid, code, rank=rank, child=proc)
 
     def check_health(self) -> None:
-        for rank in range(self.world_size):
-            self._check_worker(rank)
+        self._raise_if_failed()
 
     def telemetry_gauges(self) -> dict[str, float]:
         """The broadcast queue's positions: chunks written, and read by each worker (rank)."""
@@ -372,7 +294,8 @@ class MultiprocExecutor(Executor):
 
     def shutdown(self) -> None:
         """Stop every worker (lifeline closed, SIGTERM, then SIGKILL) and remove the queues."""
-        self._shutting_down = True
+        if self.supervisor is not None:
+            self.supervisor.close()  # what follows is stopping them: no failure
         for proc in getattr(self, "workers", []):
             proc.request_stop()  # all at once (and a SIGSTOPped one continued), then wait for each
         deadline = time.monotonic() + 1.5

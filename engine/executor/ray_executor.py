@@ -26,7 +26,10 @@ onto as few nodes as fit, as vLLM does.
 Failure: Ray tells us. A dead actor fails its lifeline ``ObjectRef`` (and any call in flight)
 with ``ActorDiedError``, whose message is Ray's death cause; a monitor thread waits on the
 lifelines, so a death is noticed within ``DEATH_CHECK_S`` also when the engine is idle, and
-becomes an ``EngineDeadError`` whose root-cause block names the worker and quotes Ray.
+becomes an ``EngineDeadError`` whose root-cause block names the worker and quotes Ray. An
+actor's process is the raylet's child, with no pidfd here: the ``Supervisor``
+(``engine/utils/supervisor.py``) watches nothing, it only keeps the first failure, by the
+blame rule, and hands it to the engine core's failure callback, as for the other executors.
 
 Each actor holds its ``glassbox::Worker_DP<k>_PP<p>_TP<t>`` title (Ray would retitle it
 ``ray::<class>.<method>`` on every call), writes its status file and crash report in the run
@@ -43,7 +46,6 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,11 +65,11 @@ from engine.logger import init_logger
 from engine.utils import processes
 from engine.utils.process_harness import Observability, ProcessSpec, report_crash, start_observability
 from engine.utils.processes import EngineDeadError
+from engine.utils.supervisor import Supervisor
 from engine.utils.wire import ProtocolError
 from tracing import catalogue, stage
 from tracing.propagation import attached_trace_context, inject_trace_headers
 from tracing.stage import set_placement
-from tracing.telemetry.publisher import get_publisher
 
 logger = init_logger(__name__)
 
@@ -241,8 +243,7 @@ class RayDistributedExecutor(Executor):
         plan = topology.plan(self.config)
         engine_role = plan.engine_cores[pc.data_parallel_rank]
         self.roles = [w.name for w in plan.workers_of(engine_role.dp_rank)]
-        self.failure: EngineDeadError | None = None
-        self.failure_callback: Callable[[EngineDeadError], None] | None = None
+        self.supervisor = Supervisor(self.run_dir, self._on_failure)
         self._shutting_down = False
         self.actors: list[Any] = []
         self.placements: list[dict[str, Any]] = []
@@ -477,7 +478,7 @@ class RayDistributedExecutor(Executor):
         """Fail the executor (once) with a root cause naming worker ``rank``: Ray's death
         cause when ``error`` is Ray's, else the worker's crash report. Calls the failure
         callback, then raises the ``EngineDeadError``."""
-        if self.failure is None:
+        if self.failure is None:  # else: raise the first failure
             role = self.roles[rank]
             where = self.placements[rank] if rank < len(self.placements) else {}
             if isinstance(error, RayActorError):
@@ -491,20 +492,10 @@ class RayDistributedExecutor(Executor):
                     f"the Ray actor reported a failure (actor {where.get('actor_id')}; stopped at shutdown)"
                 )
                 note = ""
-            root = processes.format_root_cause(Path(self.run_dir), role, where.get("pid"), None, rank=rank,
-                                               note=note, exit_detail=exit_detail)  # fmt: skip
-            logger.error("%s (Ray actor %s) failed: %s", role, self._where(rank), note or exit_detail)
-            publisher = get_publisher()
-            if publisher is not None:  # only the executor knows how an actor ended: tell engine-top
-                publisher.note_child_exit(role, exit_detail)
-            self.failure = EngineDeadError(root)
-            if self.failure_callback is not None:
-                self.failure_callback(self.failure)
-        raise self.failure
-
-    def _raise_if_failed(self) -> None:
-        if self.failure is not None:
-            raise self.failure
+            # Logs it, tells engine-top how the actor ended (only the executor knows), and
+            # calls the failure callback.
+            self.supervisor.fail(role, where.get("pid"), None, rank=rank, note=note, exit_detail=exit_detail)
+        self._raise_if_failed()
 
     def _monitor_actors(self) -> None:
         """Notice a dead actor while the engine is idle, within ``DEATH_CHECK_S``: Ray fails
@@ -524,9 +515,6 @@ class RayDistributedExecutor(Executor):
                         return
             return  # a lifeline returned (release): the executor is shutting down
 
-    def register_failure_callback(self, callback: Callable[[EngineDeadError], None]) -> None:
-        self.failure_callback = callback
-
     def check_health(self) -> None:
         self._raise_if_failed()
 
@@ -534,6 +522,8 @@ class RayDistributedExecutor(Executor):
         """Release every actor (it leaves its process group), kill it, remove the placement
         group, and stop Ray if this executor started it."""
         self._shutting_down = True
+        if self.supervisor is not None:
+            self.supervisor.close()
         actors = getattr(self, "actors", [])
         if actors and getattr(self, "failure", None) is None:
             try:

@@ -82,8 +82,8 @@ from engine.frontend.engine_launcher import (
 from engine.frontend.engine_stats import EngineStatsTable
 from engine.logger import init_logger
 from engine.utils import processes
-from engine.utils import run_dir as run_dirs
 from engine.utils.processes import EngineDeadError
+from engine.utils.supervisor import Supervisor, wait_for_exit
 from engine.utils.wire import ErrorKind, ProtocolError
 from tracing import WaitTimeout, catalogue, stage
 from tracing.propagation import inject_trace_headers
@@ -187,10 +187,11 @@ class MPClient:
     and the tree stops, as vLLM's DP engines are all or nothing.
 
     Start-up (``engine_launcher``) waits for every engine under one deadline. Every later
-    wait is a bounded poll that checks every engine process (and the coordinator, and
-    processes handed to ``watch_child``) is alive between polls; when one dies, client 0
-    stops the others, and one ``EngineDeadError`` names it. An attached client watches the
-    engines by pid and leaves stopping (and the root cause) to client 0.
+    wait is a bounded poll that raises, between polls, what the ``Supervisor``
+    (``engine/utils/supervisor.py``) noticed: it waits on the pidfd of every engine process
+    (and of the coordinator, and of processes handed to ``watch_child``); when one dies,
+    client 0 stops the others, and one ``EngineDeadError`` names it. An attached client
+    watches the engines by pid and leaves stopping (and the root cause) to client 0.
 
     Args:
         config: the engine config.
@@ -281,7 +282,11 @@ class MPClient:
         self.attached_engines: list[tuple[str, int]] = []
         self.coordinator_publish_address: str | None = None
         self._alive_checked_at = 0.0
-        self._stopped = processes.StoppedWatch()
+        # Waits on every child's pidfd; what it notices, the receive loop raises (_check_alive).
+        self.supervisor = Supervisor(run_dir, self._on_child_failure, name="MPClientEngineMonitor")
+        self._noticed: tuple[EngineDeadError, processes.ChildProcess | None] | None = None
+        self._supervised: set[processes.ChildProcess] = set()  # handed to it already
+        self._supervised_pids: set[str] = set()  # the attached engines handed to it, by role
         self._closed = False
         try:
             if engines is None:
@@ -311,17 +316,18 @@ class MPClient:
         return [*self.engine_procs, *coordinator, *self.watched]
 
     def watch_child(self, proc: processes.ChildProcess) -> None:
-        """Treat ``proc``'s death as the tree's (client 0 watches the other API servers)."""
+        """Treat ``proc``'s death as the tree's (client 0 watches the other API servers); one
+        that exits 0 while this process stops drained and left: no death."""
         self.watched.append(proc)
+        self._supervised.add(proc)
+        self.supervisor.watch(proc, clean_exit=lambda code: processes.is_stopping() and code == 0)
 
     def wait_watched_exit(self, timeout: float) -> list[str]:
         """Client 0, stopping: wait up to ``timeout`` s for the other API servers to finish
-        their own drain and exit; returns the roles still running then (they are stopped with
-        the engines)."""
-        deadline = time.monotonic() + timeout
-        while (alive := [p for p in self.watched if p.is_alive()]) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return [p.role for p in alive]
+        their own drain and exit (on their pidfds); returns the roles still running then (they
+        are stopped with the engines)."""
+        exited = wait_for_exit(self.watched, timeout)
+        return [p.role for p in self.watched if p not in exited]
 
     def engines_info(self) -> EnginesInfo:
         """What another client needs to attach to this client's engines (client 0 only)."""
@@ -482,62 +488,80 @@ class MPClient:
             self._check_alive()
 
     def _check_alive(self) -> None:
+        """Raise the tree's death, if there was one: the supervisor (waiting on every child's
+        pidfd, and on their stopped / heartbeat deadlines) noticed it, or an engine said
+        ENGINE_CORE_DEAD. Cheap: the receive loops call it between polls.
+
+        Raises:
+            EngineDeadError: a child died, or was stopped or frozen too long (root cause: the
+                blame rule, ``engine/utils/supervisor.py``).
+        """
         if self.dead is not None:
             raise self.dead
         if self.join_socket is not None:
             self._serve_joins()
-        for role, pid in self.attached_engines:
-            if not _pid_running(pid):
-                self.dead = EngineDeadError(
-                    f"{role} (pid {pid}) is gone; the API server that launched it "
-                    f"({topology.ProcessRole.api_server(0).name}) reports the root cause"
-                )
-                self._fail_utility_calls()
-                raise self.dead
+        self._supervise_children()
+        noticed = self._noticed
+        if noticed is None:
+            return
+        error, proc = noticed
+        if proc is None:  # an attached client's engine is gone: client 0 reports the root cause
+            self.dead = error
+            self._fail_utility_calls()
+            raise self.dead
+        # Give a dying engine a moment to deliver its ENGINE_CORE_DEAD message.
+        if proc.poll() is not None and self.output_socket.poll(200):
+            tag, *frames = self.output_socket.recv_multipart()
+            if tag == ENGINE_CORE_DEAD:
+                self._mark_dead(_dead_message(frames))
+        self._mark_dead(None, proc, root_cause=error.root_cause)
+
+    def _supervise_children(self) -> None:
+        """Hand the supervisor every child (and, attached, every engine by pid) not yet handed."""
         for proc in self._children():
-            if proc in self.watched and processes.is_stopping() and proc.popen.poll() == 0:
-                continue  # another API server that drained and left, as this one stops: no death
-            if proc.is_alive():
-                stopped = self._stopped.stopped_for(proc.pid)
-                if stopped is not None:
-                    self._mark_stopped(proc, self._stopped.describe(stopped))
-                frozen = self._stopped.frozen_for(proc.pid, run_dirs.status_file(self.run_dir, proc.role))
-                if frozen is not None:
-                    self._mark_stopped(proc, self._stopped.describe_frozen(frozen))
-                continue
-            # Give a dying engine a moment to deliver its ENGINE_CORE_DEAD message.
-            if self.output_socket.poll(200):
-                tag, *frames = self.output_socket.recv_multipart()
-                if tag == ENGINE_CORE_DEAD:
-                    self._mark_dead(_dead_message(frames))
-            self._mark_dead(None, proc)
+            if proc not in self._supervised:
+                self._supervised.add(proc)
+                self.supervisor.watch(proc)
+        for role, pid in self.attached_engines:
+            if role not in self._supervised_pids:
+                self._supervised_pids.add(role)
+                gone = (f"{role} (pid {pid}) is gone; the API server that launched it "
+                        f"({topology.ProcessRole.api_server(0).name}) reports the root cause")  # fmt: skip
+                self.supervisor.watch_pid(role, pid, gone)
+
+    def _on_child_failure(self, error: EngineDeadError, proc: processes.ChildProcess | None) -> None:
+        """The supervisor's callback (its thread): note it; the receive loop raises it
+        (``_check_alive``), as the sockets are this client's thread's."""
+        if self._noticed is None:
+            self._noticed = (error, proc)
 
     def tree_problems(self) -> list[str]:
         """Each process of this server's tree (the run directory's manifest) that is stopped,
         frozen or dead right now, by role, pid and why (``StoppedWatch.tree_problems``: the
         rule that tears the tree down after ``GLASSBOX_STOPPED_TIMEOUT_S``, applied at once)."""
-        return self._stopped.tree_problems(self.run_dir)
+        return self.supervisor.tree_problems()
 
-    def _mark_stopped(self, proc: processes.ChildProcess, state: str) -> None:
-        """A child stopped by a signal, or frozen, for too long: the tree is stuck on it;
-        report it by name (``state`` says which and for how long)."""
-        root = processes.format_root_cause(self.run_dir, proc.role, proc.pid, None, state=state)
-        self._mark_dead(
-            EngineDead(root_cause=root, error_type="Stopped", message=root, during_startup=False), proc
-        )
-
-    def _mark_dead(self, dead: EngineDead | None, proc: processes.ChildProcess | None = None) -> None:
+    def _mark_dead(
+        self,
+        dead: EngineDead | None,
+        proc: processes.ChildProcess | None = None,
+        root_cause: str | None = None,
+    ) -> None:
+        """The tree is dead: ``dead`` (an engine's ENGINE_CORE_DEAD), else ``root_cause`` (the
+        supervisor's), else the blame rule's for ``proc``. Stops the rest; raises."""
         if self.dead is None:
             proc = proc or self.engine_proc
-            root_cause = dead.root_cause if dead is not None else None
+            if dead is not None:
+                root_cause = dead.root_cause
             publisher = get_publisher()
             if publisher is not None and proc is not None and proc.poll() is not None:
                 # Only a parent knows how its child ended: tell engine-top.
                 publisher.note_child_exit(proc.role, processes.describe_exit(proc.poll()))
             if root_cause is None and proc is not None:
-                root_cause = processes.format_root_cause(self.run_dir, proc.role, proc.pid, proc.poll())
+                root_cause = self.supervisor.fail(proc.role, proc.pid, proc.poll(), child=proc).root_cause
             self.dead = EngineDeadError(root_cause or "the engine core died")
             self._fail_utility_calls()
+            self.supervisor.close()  # what follows is this client stopping the rest
             if len(self._children()) > 1:
                 # One process of the tree died: the rest (other engines, the coordinator)
                 # go down with it, so the root cause is the only story.
@@ -564,7 +588,7 @@ class MPClient:
             deadline = time.monotonic() + 2.0
             while time.monotonic() < deadline:
                 self._serve_joins()
-                time.sleep(0.05)
+                self.join_monitor.poll(50)  # its connection's end wakes this at once
             self._mark_remote_lost([engine])
         if proc is not None:
             try:
@@ -626,6 +650,7 @@ class MPClient:
             self.head_join.tell_stopping(
                 "the head stopped" if self.dead is None else "the head's engine died"
             )
+        self.supervisor.close()
         _stop_all(self._children())
         self.input_socket.close(linger=0)
         self.output_socket.close(linger=0)
@@ -809,78 +834,6 @@ def _abort(request_ids: list[str]) -> AbortRequests:
     return AbortRequests(request_ids=request_ids, trace_headers=inject_trace_headers() or None)
 
 
-def _pid_running(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie — dead, not yet reaped by its parent — does not)."""
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def _dead_message(frames: list[bytes]) -> EngineDead | None:
     """The ``EngineDead`` after an ``ENGINE_CORE_DEAD`` tag (None when it did not come)."""
     return decode_as(EngineDead, frames[0]) if frames else None
-
-
-def find_laggard(run_dir: Path) -> tuple[str, int | None] | None:
-    """(role, pid) of the process that holds start-up back: the deepest planned engine
-    process inside a stage, else the first without a status file (not started); None when
-    every one reports no stage."""
-    from tracing import run_dir as contract
-
-    roles = [r.name for r in run_dirs.planned_roles(run_dir) if r.in_engine]
-    statuses = {role: contract.read_status(run_dirs.status_file(run_dir, role)) for role in roles}
-    in_stage = [role for role in roles if statuses[role] is not None and statuses[role].stage]
-    if in_stage:
-        return in_stage[-1], statuses[in_stage[-1]].pid  # planned order: engine core, then its workers
-    for role in roles:
-        if statuses[role] is None:
-            return role, None
-    return None
-
-
-def _os_state(pid: int) -> str | None:
-    """psutil's word for ``pid`` ("stopped" for SIGSTOP, "sleeping", ...), None when gone."""
-    import psutil
-
-    try:
-        return psutil.Process(pid).status()
-    except psutil.Error:
-        return None
-
-
-def describe_laggard(run_dir: Path, spawned: dict[str, int] | None = None) -> str:
-    """Name the process that holds start-up back, and the stage it is in (from status files).
-
-    The engine core starts its workers, so the deepest process that is inside a stage is the
-    one everybody waits for: a worker in a stage wins over the engine core. When no process
-    reports a stage, the first planned one without a status file has not started — or, when
-    ``spawned`` (role name → pid of the caller's children) has it, has not set up yet.
-    """
-    from tracing.run_dir import read_status
-
-    engine_roles = [r.name for r in run_dirs.planned_roles(run_dir) if r.in_engine]
-    now = time.time()
-    statuses = {role: read_status(run_dirs.status_file(run_dir, role)) for role in engine_roles}
-    in_stage = [role for role in engine_roles if statuses[role] is not None and statuses[role].stage]
-    if in_stage:
-        role = in_stage[-1]  # planned order is engine core, then its workers
-        status = statuses[role]
-        from tracing.hints import stage_hint
-
-        hint = stage_hint(status.stage).hint  # the words engine-top and glassbox doctor show
-        return (
-            f"{role} (pid {status.pid}) has been in stage {status.stage} for "
-            f"{now - (status.entered_at or now):.1f} s." + (f" Usually: {hint}." if hint else "")
-        )
-    for role in engine_roles:
-        if statuses[role] is None:
-            if role in (spawned or {}):
-                return (
-                    f"{role} (pid {spawned[role]}) was started but has not set up yet (no status file in "
-                    f"{run_dir}: its interpreter is still starting or importing)."
-                )
-            return f"{role} has not started yet (no status file in {run_dir})."
-    return "No process reports a stage; see the log above."

@@ -52,6 +52,7 @@ from engine.core.messages import (
 from engine.distributed import topology
 from engine.logger import init_logger
 from engine.utils import processes
+from engine.utils.supervisor import describe_laggard, find_laggard, os_state
 from engine.utils.wire import ProtocolError
 from tracing import WaitTimeout, wait_for
 from tracing.propagation import inject_trace_headers
@@ -343,15 +344,11 @@ def wait_for_engine_registration(client: MPClient, deadline: float) -> None:
 def _startup_root_cause(client: MPClient, message: str) -> str:
     """The root-cause block of a start-up deadline: the process holding start-up back (the
     deepest one in a stage, else the first that never started), with its state."""
-    # They stay in core_client with the client's liveness checks; at the top of this module
-    # their import would be a cycle.
-    from engine.frontend.core_client import _os_state, find_laggard
-
     laggard = find_laggard(client.run_dir)
     role, pid = laggard if laggard is not None else (client.engine_role.name, None)
     if pid is None:  # no status file yet (still importing, say): this client spawned it
         pid = _spawned_pids(client).get(role)
-    state = _os_state(pid) if pid else None
+    state = os_state(pid) if pid else None
     if state == "stopped":
         state = "stopped by a signal (SIGSTOP?)"
     return processes.format_root_cause(client.run_dir, role, pid, None, note=message, state=state)
@@ -365,8 +362,6 @@ def _spawned_pids(client: MPClient) -> dict[str, int]:
 def _startup_timeout_message(
     client: MPClient, timeout: float, seen: dict[int, dict[str, EngineHandshake]]
 ) -> str:
-    from engine.frontend.core_client import describe_laggard  # as in _startup_root_cause
-
     late = describe_laggard(client.run_dir, spawned=_spawned_pids(client))
     if len(seen) == 1:
         said = "it said HELLO" if "HELLO" in seen[client.engine_role.dp_rank] else "it never said HELLO"

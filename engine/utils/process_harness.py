@@ -272,7 +272,7 @@ def main() -> int | None:
     then run ``target(payload, run_dir=..., role=...)``; its return value is the exit status."""
     continue_on_parent_death()
     from engine.logger import decorate_logs, init_logger, set_process_role
-    from engine.utils import processes
+    from engine.utils import processes, supervisor
 
     stdin_fd = sys.stdin.fileno()
     envelope = processes.read_payload(stdin_fd)
@@ -309,7 +309,7 @@ def main() -> int | None:
     # (GLASSBOX_HEARTBEAT_TIMEOUT_S). Its own thread, so telemetry being off changes nothing.
     from tracing import run_dir as run_dirs
 
-    processes.start_liveness_beat(run_dirs.status_path(run_dir, role))
+    supervisor.start_liveness_beat(run_dirs.status_path(run_dir, role))
     # From here a SIGTERM is judged by who sent it (run_process installs the same again).
     processes.install_sigterm_exit(run_dir, role)
     # `glassbox doctor` asks for every thread's stack with SIGUSR1 (written to <role>.stacks).

@@ -1,4 +1,4 @@
-"""Starting, naming, watching and reporting on Glassbox's processes.
+"""Starting, naming, stopping and reporting on Glassbox's processes.
 
 Every child (engine core, worker) is started the same way, by ``spawn_process``:
 
@@ -23,6 +23,10 @@ Every child (engine core, worker) is started the same way, by ``spawn_process``:
 - **a crash report**: an exception that escapes the child's target is written to
   ``<role>.crash.json`` in the run directory (role, rank, pid, stage, exception) before the
   child exits, so whoever notices the death can print one root-cause block.
+
+Watching them — a death, a stop, a frozen heartbeat — is ``engine/utils/supervisor.py``'s;
+the root-cause block it raises is ``format_root_cause`` here, which applies the one blame rule
+(``tracing/blame.py``).
 
 vLLM: ``vllm/v1/utils.py`` (process spawning), ``vllm/utils/system_utils.py``
 (``set_process_title``, ``decorate_logs``); the lifeline pipe is our own (vLLM leaves
@@ -334,16 +338,6 @@ def _last_flight_step(run_dir: Path, role: str) -> dict[str, Any] | None:
     return steps[-1] if steps and isinstance(steps[-1], dict) else None
 
 
-def read_crash_report(run_dir: Path, role: str) -> dict[str, Any] | None:
-    """The crash report of ``role`` as a dict (``tracing.run_dir.CrashReport``'s fields), or
-    None when it wrote none or it is unreadable (``tracing.run_dir.read_crash_report`` gives
-    the typed record)."""
-    from tracing import run_dir as run_dirs
-
-    report = run_dirs.read_crash_report(run_dir, role)
-    return None if report is None else msgspec.to_builtins(report)
-
-
 def describe_exit(returncode: int | None) -> str:
     if returncode is None:
         return "still running"
@@ -359,17 +353,24 @@ def describe_exit(returncode: int | None) -> str:
 
 
 def _blamed(
-    run_dir: Path, role: str, pid: int | None, returncode: int | None, state: str | None
+    run_dir: Path,
+    role: str,
+    pid: int | None,
+    returncode: int | None,
+    state: str | None,
+    exits: dict[str, int] | None = None,
 ) -> tuple | None:
     """The blame rule's culprit of ``run_dir``'s tree as (``tracing.blame.Blame``, its
     ``Seen``), told what the caller knows of ``role`` (its exit status, or ``state``:
-    "stopped …" or "frozen …"); None when the rule names no one."""
+    "stopped …" or "frozen …") and the exit statuses ``exits`` (role → status) it read of its
+    other children; None when the rule names no one."""
     from tracing import blame
 
-    told = blame.Seen(role, pid=pid, returncode=returncode)
+    known = {r: blame.Seen(r, returncode=code) for r, code in (exits or {}).items()}
+    told = known[role] = blame.Seen(role, pid=pid, returncode=returncode)
     if state is not None:
         told.stopped, told.frozen = (state, None) if state.startswith("stopped") else (None, state)
-    seen = blame.observe(run_dir, {role: told})
+    seen = blame.observe(run_dir, known)
     culprit = blame.find_culprit(seen, time.time())
     if culprit is None:
         return None
@@ -403,13 +404,18 @@ def format_root_cause(
     note: str = "",
     state: str | None = None,
     exit_detail: str | None = None,
+    exits: dict[str, int] | None = None,
 ) -> str:
     """One block naming the process that died first: role, rank, pid, stage, exit, exception.
 
-    Read from the run directory: the process's crash report and its status file (both
-    ``tracing.run_dir`` records), either of which may be missing. ``exit_detail`` replaces
-    the exit line's text where the exit status is not ours to read (a Ray actor's process is
-    the raylet's child: Ray reports its death, ``engine/executor/ray_executor.py``).
+    The caller names the process it noticed (``role``: its exit status, or ``state``); the
+    blame rule (``tracing.blame``) may name another, and ``exits`` (role → exit status: what
+    the caller read of its other children, ``engine/utils/supervisor.py``) lets it tell a
+    peer killed first from the survivors whose collectives then failed. Read from the run
+    directory: the process's crash report and its status file (both ``tracing.run_dir``
+    records), either of which may be missing. ``exit_detail`` replaces the exit line's text
+    where the exit status is not ours to read (a Ray actor's process is the raylet's child:
+    Ray reports its death, ``engine/executor/ray_executor.py``).
     """
     from tracing import blame
     from tracing import run_dir as run_dirs
@@ -418,7 +424,7 @@ def format_root_cause(
     if exit_detail is None:
         # The one blame rule (tracing/blame.py, as doctor and engine-top): the caller names the
         # process it noticed; the first failure, or the rank a collective waits for, wins.
-        culprit = _blamed(run_dir, role, pid, returncode, state)
+        culprit = _blamed(run_dir, role, pid, returncode, state, exits)
         if culprit is not None:
             found, other = culprit
             if found.role != role:
@@ -486,127 +492,6 @@ def format_root_cause(
         )
     lines.append("=" * 69)
     return "\n".join(lines)
-
-
-class StoppedWatch:
-    """Notices children stopped by a signal (SIGSTOP, Ctrl-Z, a debugger) for too long.
-
-    A stopped process is alive but does nothing — not even its lifeline or heartbeat — so
-    without this an idle tree would wait on it forever. ``stopped_for(pid)`` returns how long
-    ``pid`` has been seen stopped once that is ``timeout_s`` or more
-    (``GLASSBOX_STOPPED_TIMEOUT_S``), else None; a process that runs again is forgotten.
-    ``frozen_for(pid, status_file)`` does the same for a process that runs but whose
-    heartbeat stopped (``GLASSBOX_HEARTBEAT_TIMEOUT_S``): a native call holding the GIL.
-    """
-
-    def __init__(self, timeout_s: float | None = None, heartbeat_timeout_s: float | None = None) -> None:
-        from engine import envs
-
-        if timeout_s is None:
-            timeout_s = envs.GLASSBOX_STOPPED_TIMEOUT_S
-        if heartbeat_timeout_s is None:
-            heartbeat_timeout_s = envs.GLASSBOX_HEARTBEAT_TIMEOUT_S
-        self.timeout_s = timeout_s
-        self.heartbeat_timeout_s = heartbeat_timeout_s
-        self._since: dict[int, float] = {}
-        self._first_beat: dict[int, float] = {}  # pid → the first status-file mtime seen
-        self._beating: set[int] = set()  # pids seen to beat (their mtime moved)
-
-    def stopped_since(self, pid: int) -> float | None:
-        """Seconds ``pid`` has been seen stopped (from the first call that saw it so: 0.0),
-        at once, whatever the timeout; None while it runs (or is gone)."""
-        import psutil
-
-        from tracing.instances import STOPPED_STATES
-
-        try:
-            stopped = psutil.Process(pid).status() in STOPPED_STATES
-        except psutil.Error:
-            stopped = False
-        if not stopped:
-            self._since.pop(pid, None)
-            return None
-        since = self._since.setdefault(pid, time.monotonic())
-        return time.monotonic() - since
-
-    def stopped_for(self, pid: int) -> float | None:
-        waited = self.stopped_since(pid)
-        return waited if waited is not None and waited >= self.timeout_s else None
-
-    def frozen_for(self, pid: int, status_file: Path) -> float | None:
-        """Seconds since ``pid`` last beat, once over ``GLASSBOX_HEARTBEAT_TIMEOUT_S``, while
-        the OS shows it running; else None.
-
-        The heartbeat is ``status_file``'s mtime, touched each second by the child's liveness
-        thread (``start_liveness_beat``, telemetry on or off). A child is only judged once it
-        has been seen to beat (its mtime moved), so a child that has not written its status
-        file yet, or one started some other way (no liveness thread), is never called frozen.
-        """
-        if self.heartbeat_timeout_s <= 0:
-            return None
-        try:
-            mtime = os.stat(status_file).st_mtime
-        except OSError:
-            return None
-        if pid not in self._beating:
-            first = self._first_beat.setdefault(pid, mtime)
-            if mtime == first:
-                return None
-            self._beating.add(pid)
-        age = time.time() - mtime
-        if age < self.heartbeat_timeout_s:
-            return None
-        import psutil
-
-        try:
-            if psutil.Process(pid).status() not in (
-                psutil.STATUS_RUNNING,
-                psutil.STATUS_SLEEPING,
-                psutil.STATUS_DISK_SLEEP,
-            ):
-                return None  # stopped (stopped_for says so), or exiting
-        except psutil.Error:
-            return None
-        return age
-
-    def tree_problems(self, run_dir: Path) -> list[str]:
-        """What stops the process tree of ``run_dir`` from serving, now: one line per process
-        of its manifest (the source ``glassbox ps`` reads: ``tracing.instances``) that is
-        stopped by a signal (at once, not after ``GLASSBOX_STOPPED_TIMEOUT_S``), frozen
-        (``frozen_for``) or dead, naming its role, pid and why. Empty while every process runs.
-        A process with no pid known here (not started, or on another node) is not judged.
-        ``/health`` answers 503 with these."""
-        from tracing import run_dir as run_dirs
-        from tracing.instances import collect_instance
-
-        problems = []
-        for p in collect_instance(run_dir).processes:
-            if not p.planned or not p.counted or p.pid is None or p.role is None:
-                continue
-            if not p.alive:
-                problems.append(f"{p.role} (pid {p.pid}) is dead: {p.note or p.state}")
-                continue
-            stopped = self.stopped_since(p.pid)
-            if stopped is not None:
-                problems.append(
-                    f"{p.role} (pid {p.pid}) is stopped by a signal (SIGSTOP, Ctrl-Z or a debugger) for "
-                    f"{stopped:.0f} s; kill -CONT {p.pid} resumes it, else the server stops after "
-                    f"GLASSBOX_STOPPED_TIMEOUT_S={self.timeout_s:g} s"
-                )
-                continue
-            frozen = self.frozen_for(p.pid, run_dirs.status_path(run_dir, p.role))
-            if frozen is not None:
-                problems.append(f"{p.role} (pid {p.pid}) is {self.describe_frozen(frozen)}")
-        return problems
-
-    def describe(self, seconds: float) -> str:
-        return f"stopped by a signal (SIGSTOP?) for {seconds:.0f} s, over GLASSBOX_STOPPED_TIMEOUT_S={self.timeout_s:g}"
-
-    def describe_frozen(self, seconds: float) -> str:
-        return (
-            f"frozen: running but no heartbeat for {seconds:.0f} s, over GLASSBOX_HEARTBEAT_TIMEOUT_S="
-            f"{self.heartbeat_timeout_s:g} (a native call holding the GIL, or a deadlock; py-spy dump shows where)"
-        )
 
 
 class TerminatedFromOutside(Exception):
@@ -812,41 +697,6 @@ def watch_lifeline(fd: int, on_parent_death: Callable[[], None]) -> threading.Th
 
     _lifeline_fd = fd
     thread = threading.Thread(target=run, name="lifeline_watcher", daemon=True)
-    thread.start()
-    return thread
-
-
-# Seconds between two liveness beats (the status file's mtime, see ``start_liveness_beat``).
-LIVENESS_INTERVAL_S = 1.0
-
-
-def start_liveness_beat(
-    status_file: Path, interval_s: float = LIVENESS_INTERVAL_S, stop: threading.Event | None = None
-) -> threading.Thread:
-    """Start a daemon thread that sets ``status_file``'s mtime to now every ``interval_s`` (s).
-
-    This is the heartbeat a parent reads without subscribing to anything
-    (``StoppedWatch.frozen_for``, ``GLASSBOX_HEARTBEAT_TIMEOUT_S``): every child started by
-    ``spawn_process`` runs one from the process harness (``process_harness.main``), whatever ``GLASSBOX_TELEMETRY`` says.
-    It is a Python thread on purpose: a native call holding the GIL, or a deadlock in the
-    interpreter, stops it too, which is what "frozen" means. Before the child writes its
-    status file (``tracing.setup_tracing``) and after the run directory is removed there is
-    nothing to touch; the thread waits for the next beat. ``stop`` ends it (tests); a child
-    never stops it (a daemon thread, it ends with the process).
-
-    vLLM counterpart: none (vLLM has no frozen-process check).
-    """
-    stop = stop or threading.Event()
-
-    def run() -> None:
-        while not stop.is_set():
-            try:
-                os.utime(status_file)
-            except OSError:  # no status file (yet), or the run directory is being removed
-                pass
-            stop.wait(interval_s)
-
-    thread = threading.Thread(target=run, name="liveness_beat", daemon=True)
     thread.start()
     return thread
 

@@ -61,7 +61,7 @@ def test_engine_top_alerts_use_the_same_table():
 
 
 def test_the_deadline_message_carries_the_hint(tmp_path):
-    from engine.frontend.core_client import describe_laggard
+    from engine.utils.supervisor import describe_laggard
 
     manifest = {"roles": [{"role": "EngineCore_DP0", "kind": "engine_core"},
                           {"role": "Worker_DP0_PP0_TP0", "kind": "worker"}]}  # fmt: skip

@@ -3,7 +3,7 @@
 A parent reports a child "frozen" when the child's status-file mtime stops moving while the
 OS shows it running (``StoppedWatch.frozen_for``, ``GLASSBOX_HEARTBEAT_TIMEOUT_S``). The
 mtime is set each second by a liveness thread every child starts
-(``processes.start_liveness_beat``), so ``GLASSBOX_TELEMETRY=0`` leaves the check working
+(``supervisor.start_liveness_beat``), so ``GLASSBOX_TELEMETRY=0`` leaves the check working
 and an idle tree healthy. A child that really stops beating is still reported (here by
 hand; ``tests/e2e/test_fault_matrix.py`` strikes a real process with ``gil``).
 """
@@ -18,7 +18,7 @@ import httpx
 import pytest
 from server_utils import start_server
 
-from engine.utils import processes
+from engine.utils import supervisor
 from tracing import run_dir as run_dirs
 from tracing.telemetry.publisher import telemetry_enabled
 
@@ -40,11 +40,11 @@ def test_the_liveness_beat_moves_the_status_file_mtime_with_telemetry_off(tmp_pa
     path.write_text("{}")
     an_hour_ago = time.time() - 3600
     os.utime(path, (an_hour_ago, an_hour_ago))
-    watch = processes.StoppedWatch(heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
+    watch = supervisor.StoppedWatch(heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
     assert watch.frozen_for(os.getpid(), path) is None  # first look: not yet seen beating
 
     stop = threading.Event()
-    beat = processes.start_liveness_beat(path, interval_s=0.05, stop=stop)
+    beat = supervisor.start_liveness_beat(path, interval_s=0.05, stop=stop)
     try:
         first = _wait_mtime_after(path, an_hour_ago)
         assert first > time.time() - 60  # set to now, not nudged

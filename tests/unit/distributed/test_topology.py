@@ -332,7 +332,7 @@ def test_glassbox_ps_reads_a_planned_manifest(tmp_path, monkeypatch):
 
 
 def test_the_laggard_is_the_deepest_planned_process_in_a_stage(tmp_path):
-    from engine.frontend.core_client import describe_laggard
+    from engine.utils.supervisor import describe_laggard
 
     p = topology.plan(_shape(tp=2))
     run_dirs.write_manifest(tmp_path, **run_dirs.plan_tree(p))
