@@ -70,7 +70,7 @@ def _tree(llm) -> dict:
 def observe(llm) -> dict:
     """The DP client's counters and the tree's CPU seconds and memory, right now."""
     client = llm.engine_core
-    client.engine_scores()  # drains the coordinator's published load tables: loads_seq is current
+    client.load_balancer.engine_scores()  # drains the coordinator's published load tables: loads_seq is current
     cpu, rss = {}, 0
     for role, proc in _tree(llm).items():
         try:
@@ -80,9 +80,9 @@ def observe(llm) -> dict:
             continue
         cpu[role.kind] = cpu.get(role.kind, 0.0) + times.user + times.system
     return {
-        "requests": list(client.requests_sent),
+        "requests": list(client.load_balancer.requests_sent),
         "steps": [s.step_counter for s in client.stats_table.snapshot().values()],
-        "publishes": client.loads_seq,
+        "publishes": client.load_balancer.loads_seq,
         "cpu": cpu,
         "rss_mib": rss / (1 << 20),
     }

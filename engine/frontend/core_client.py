@@ -19,9 +19,9 @@ Launching the engine cores and the start-up handshake are in ``engine_launcher.p
 
 With ``--data-parallel-size N`` a multiprocess client holds N engine cores and client 0
 starts the ``DPCoordinator``; new requests go to the engine with the lowest
-``waiting * 4 + running``. vLLM 0.32 folds that load balancing into its ``DPLBAsyncMPClient``
-class (a subclass of its ``AsyncMPClient``); Glassbox folds it into ``MPClient``, so the
-offline ``LLM`` balances too.
+``waiting * 4 + running`` (``DPLoadBalancer``, ``dp_load_balancer.py``). vLLM 0.32 does that
+in its ``DPLBAsyncMPClient`` class (a subclass of its ``AsyncMPClient``); every Glassbox
+multiprocess client holds a balancer, so the offline ``LLM`` balances too.
 
 Each multiprocess client is one of the engine cores' clients (``client_index``: the offline
 ``LLM``, or one per API server with ``--api-server-count``): it binds its own input and
@@ -50,8 +50,6 @@ import zmq.asyncio
 
 from engine import envs
 from engine.config import ConfigError, EngineConfig
-from engine.core.coordinator_messages import EngineLoads, score
-from engine.core.coordinator_messages import decode_as as decode_coordinator
 from engine.core.head_join import HeadJoin, bind_socket
 from engine.core.messages import (
     ENGINE_CORE_DEAD,
@@ -70,6 +68,7 @@ from engine.core.messages import (
 )
 from engine.core.messages import encode as encode_message
 from engine.distributed import topology
+from engine.frontend.dp_load_balancer import DPLoadBalancer
 from engine.frontend.engine_launcher import (
     POLL_MS,
     CoreEngineProcManager,
@@ -239,7 +238,6 @@ class MPClient:
         self.output_socket.setsockopt(zmq.LINGER, 0)
         # The headless nodes' join socket and the ranks joined there (client 0 of a head only).
         self.head_join: HeadJoin | None = None
-        self.coordinator_sub: zmq.Socket | None = None
         try:
             bind_socket(self.input_socket, self.input_address)
             bind_socket(self.output_socket, self.output_address)
@@ -258,16 +256,8 @@ class MPClient:
         self.engine_identity = self.engine_identities[0]
         self.coordinator_role = plan.coordinator
         self.stats_table = EngineStatsTable(r.dp_rank for r in self.engine_roles)
-        # Load balancing: the coordinator's latest (waiting, running) per engine, what this
-        # client sent each engine since then, and which engine has each request.
-        dp = len(self.engine_roles)
-        self.engine_loads: list[tuple[int, int]] = [(0, 0)] * dp
-        self.sent_since_loads = [0] * dp
-        self.requests_sent = [0] * dp  # per engine, since start (tests, introspection)
-        self.loads_seq = 0
-        # The coordinator's wave state, as last published (data parallelism).
-        self.current_wave, self.engines_running = 0, False
-        self.request_engine: dict[str, int] = {}
+        # Which engine gets each new request, and which has each request (data parallelism).
+        self.load_balancer = DPLoadBalancer(len(self.engine_roles))
         self.encoder = msgspec.msgpack.Encoder()
         self.pending: deque[EngineCoreOutputs] = deque()
         # Utility calls in flight: call id → (method, the future its UtilityReply resolves).
@@ -280,7 +270,6 @@ class MPClient:
         self.watched: list[processes.ChildProcess] = []
         # An attached client's engines, watched by pid: (role, pid).
         self.attached_engines: list[tuple[str, int]] = []
-        self.coordinator_publish_address: str | None = None
         self._alive_checked_at = 0.0
         # Waits on every child's pidfd; what it notices, the receive loop raises (_check_alive).
         self.supervisor = Supervisor(run_dir, self._on_child_failure, name="MPClientEngineMonitor")
@@ -341,7 +330,7 @@ class MPClient:
             num_gpu_blocks=self.num_gpu_blocks,
             device=self.device_info["device"],
             dtype=self.device_info["dtype"],
-            coordinator_publish_address=self.coordinator_publish_address,
+            coordinator_publish_address=self.load_balancer.publish_address,
         )
 
     def _attach(self, engines: EnginesInfo) -> None:
@@ -356,15 +345,8 @@ class MPClient:
         self.num_gpu_blocks = engines.num_gpu_blocks
         self.device_info = {"device": engines.device, "dtype": engines.dtype}
         if engines.coordinator_publish_address is not None:
-            self._subscribe_coordinator(engines.coordinator_publish_address)
+            self.load_balancer.subscribe(self.ctx, engines.coordinator_publish_address)
         wait_for_engine_registration(self, time.monotonic() + envs.GLASSBOX_ENGINE_READY_TIMEOUT_S)
-
-    def _subscribe_coordinator(self, publish_address: str) -> None:
-        self.coordinator_publish_address = publish_address
-        self.coordinator_sub = self.ctx.socket(zmq.SUB)
-        self.coordinator_sub.setsockopt(zmq.LINGER, 0)
-        self.coordinator_sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self.coordinator_sub.connect(publish_address)
 
     # ------------------------------------------------------------------ start-up
 
@@ -375,7 +357,7 @@ class MPClient:
             coordinator = None
             if self.coordinator_role is not None:
                 coordinator = coordinator_payload(self.config, self.run_dir, self.head_layout)
-                self._subscribe_coordinator(coordinator.publish_address)
+                self.load_balancer.subscribe(self.ctx, coordinator.publish_address)
             if self.remote_roles:
                 assert self.head_layout is not None
                 self.head_layout.coordinator_address = coordinator.input_address if coordinator else None
@@ -420,62 +402,6 @@ class MPClient:
         self._fail_utility_calls()
         _stop_all(self._children())
         raise self.dead
-
-    # ------------------------------------------------------------------ load balancing
-
-    def _drain_coordinator(self) -> None:
-        """Take the coordinator's newest published counts, if any arrived (non-blocking)."""
-        if self.coordinator_sub is None:
-            return
-        while True:
-            try:
-                frame = self.coordinator_sub.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            loads: EngineLoads = decode_coordinator(EngineLoads, frame)
-            if loads.seq > self.loads_seq and len(loads.counts) == self.data_parallel_size:
-                self.loads_seq = loads.seq
-                self.engine_loads = [tuple(c) for c in loads.counts]
-                self.sent_since_loads = [0] * self.data_parallel_size
-                self.current_wave, self.engines_running = loads.current_wave, loads.engines_running
-
-    def engine_scores(self) -> list[int]:
-        """Each engine's score ``waiting * 4 + running``: the coordinator's latest counts, with
-        the requests sent since counted as waiting."""
-        self._drain_coordinator()
-        return [
-            score(waiting + sent, running)
-            for (waiting, running), sent in zip(self.engine_loads, self.sent_since_loads)
-        ]
-
-    def _choose_engine(self, request: EngineCoreRequest) -> int:
-        """The engine for a new request: its pinned ``data_parallel_rank``, else the lowest score."""
-        dp = self.data_parallel_size
-        if request.data_parallel_rank is not None:
-            if not 0 <= request.data_parallel_rank < dp:
-                raise ValueError(
-                    f"request {request.request_id!r} asks for data_parallel_rank "
-                    f"{request.data_parallel_rank}, but there are {dp} engine(s) (0..{dp - 1})"
-                )
-            engine = request.data_parallel_rank
-        elif dp == 1:
-            engine = 0
-        else:
-            scores = self.engine_scores()
-            engine = min(range(dp), key=lambda k: (scores[k], k))
-        self.sent_since_loads[engine] += 1
-        self.requests_sent[engine] += 1
-        self.request_engine[request.request_id] = engine
-        return engine
-
-    def _engines_for_abort(self, request_ids: list[str]) -> dict[int, list[str]]:
-        """Engine → the ids it has (an id this client does not know goes to every engine)."""
-        by_engine: dict[int, list[str]] = {}
-        for request_id in request_ids:
-            engine = self.request_engine.pop(request_id, None)
-            for k in [engine] if engine is not None else range(self.data_parallel_size):
-                by_engine.setdefault(k, []).append(request_id)
-        return by_engine
 
     # ------------------------------------------------------------------ messages
 
@@ -588,7 +514,7 @@ class MPClient:
             deadline = time.monotonic() + 2.0
             while time.monotonic() < deadline:
                 self._serve_joins()
-                self.join_monitor.poll(50)  # its connection's end wakes this at once
+                self.head_join.monitor.poll(50)  # its connection's end wakes this at once
             self._mark_remote_lost([engine])
         if proc is not None:
             try:
@@ -605,12 +531,7 @@ class MPClient:
         if tag == TAG_OUTPUTS:
             outputs: EngineCoreOutputs = decode_as(EngineCoreOutputs, frames[0])
             self.stats_table.update_from_outputs(outputs)
-            if self.request_engine:  # finished requests are no engine's any more
-                for output in outputs.outputs:
-                    if output.finished:
-                        self.request_engine.pop(output.request_id, None)
-                for request_id in outputs.finished_requests or ():
-                    self.request_engine.pop(request_id, None)
+            self.load_balancer.forget_finished(outputs)
             if outputs.outputs or outputs.finished_requests:
                 self.pending.append(outputs)  # stats alone need nothing more
         elif tag == TAG_UTILITY:
@@ -654,8 +575,7 @@ class MPClient:
         _stop_all(self._children())
         self.input_socket.close(linger=0)
         self.output_socket.close(linger=0)
-        if self.coordinator_sub is not None:
-            self.coordinator_sub.close(linger=0)
+        self.load_balancer.close()
         if self.head_join is not None:
             self.head_join.close()  # HeadStopping on its way out
         self.ctx.term()
@@ -684,16 +604,16 @@ class AsyncMPClient(MPClient):
         self.async_output = zmq.asyncio.Socket.shadow(self.output_socket.underlying)
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
-        """Send ``request`` to its engine (``_choose_engine``). Raises ``EngineDeadError``;
+        """Send ``request`` to its engine (``DPLoadBalancer.get_core_engine_for_request``). Raises ``EngineDeadError``;
         ``ValueError`` for a ``data_parallel_rank`` no engine has."""
         request.client_index = self.client_index
-        engine = self._choose_engine(request)
+        engine = self.load_balancer.get_core_engine_for_request(request)
         await self._send(EngineCoreRequestType.ADD, self.encoder.encode(request), engine)
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         """Abort ``request_ids`` in the engines that have them (nothing once the engine is dead)."""
         if request_ids and self.dead is None:
-            for engine, ids in self._engines_for_abort(request_ids).items():
+            for engine, ids in self.load_balancer.engines_for_abort(request_ids).items():
                 await self._send(EngineCoreRequestType.ABORT, self.encoder.encode(_abort(ids)), engine)
 
     async def get_output_async(self) -> EngineCoreOutputs:

@@ -51,6 +51,7 @@ from engine.core.coordinator_messages import (
 )
 from engine.core.messages import EngineCoreRequest
 from engine.frontend.core_client import SyncMPClient
+from engine.frontend.dp_load_balancer import DPLoadBalancer
 from engine.utils.processes import EngineDeadError
 from engine.utils.wire import ProtocolError
 
@@ -176,18 +177,6 @@ def test_an_engine_starts_a_wave_once_and_restarts_one_that_ended_under_its_requ
     assert engine.engines_running and len(sent) == 2
 
 
-def _client(dp: int) -> SyncMPClient:
-    """A client's routing state without processes (the routing methods need no sockets)."""
-    client = SyncMPClient.__new__(SyncMPClient)
-    client.engine_roles = list(range(dp))
-    client.engine_loads = [(0, 0)] * dp
-    client.sent_since_loads = [0] * dp
-    client.requests_sent = [0] * dp
-    client.request_engine = {}
-    client.coordinator_sub = None
-    return client
-
-
 def _request(request_id: str, rank: int | None = None) -> EngineCoreRequest:
     return EngineCoreRequest(request_id=request_id, prompt_token_ids=[1], sampling_params=SamplingParams(),
                              eos_token_id=None, arrival_time=0.0, data_parallel_rank=rank)  # fmt: skip
@@ -195,20 +184,20 @@ def _request(request_id: str, rank: int | None = None) -> EngineCoreRequest:
 
 def test_client_picks_the_lowest_score_counting_what_it_sent_since_the_last_publish():
     assert score(num_waiting=1, num_running=0) == 4 and score(0, 3) == 3
-    client = _client(2)
+    client = DPLoadBalancer(2)  # the routing state every multiprocess client holds
     # Nothing published yet: a burst alternates, each send counted as waiting.
-    assert [client._choose_engine(_request(f"r{i}")) for i in range(4)] == [0, 1, 0, 1]
+    assert [client.get_core_engine_for_request(_request(f"r{i}")) for i in range(4)] == [0, 1, 0, 1]
     # The coordinator says engine 0 has 2 waiting, engine 1 runs 5: 8 vs 5 → engine 1, then
     # engine 1 counts 4 more (9) → engine 0.
     client.engine_loads, client.sent_since_loads = [(2, 0), (0, 5)], [0, 0]
-    assert client._choose_engine(_request("a")) == 1
-    assert client._choose_engine(_request("b")) == 0
-    assert client._choose_engine(_request("pinned", rank=1)) == 1
+    assert client.get_core_engine_for_request(_request("a")) == 1
+    assert client.get_core_engine_for_request(_request("b")) == 0
+    assert client.get_core_engine_for_request(_request("pinned", rank=1)) == 1
     with pytest.raises(ValueError, match="data_parallel_rank 2"):
-        client._choose_engine(_request("bad", rank=2))
+        client.get_core_engine_for_request(_request("bad", rank=2))
     assert client.requests_sent == [3, 4]
     # Aborts go to the engine that has the request; an unknown id goes to every engine.
-    assert client._engines_for_abort(["a", "b", "pinned", "nobody"]) == {1: ["a", "pinned", "nobody"],
+    assert client.engines_for_abort(["a", "b", "pinned", "nobody"]) == {1: ["a", "pinned", "nobody"],
                                                                          0: ["b", "nobody"]}  # fmt: skip
     assert "a" not in client.request_engine
 
@@ -264,12 +253,12 @@ def test_dp2_llm_equals_dp1_spreads_work_honours_pins_counts_five_processes_and_
         stats = client.stats_table.snapshot()
         assert sorted(stats) == [0, 1]
         assert all(s.step_counter > 0 for s in stats.values()), "both engines stepped"
-        assert min(client.requests_sent) >= 2, client.requests_sent
+        assert min(client.load_balancer.requests_sent) >= 2, client.load_balancer.requests_sent
 
         # A request pinned to engine 1 runs there (its outputs say engine_index 1), and
         # starts a wave: engine 0, with nothing to do, runs dummy batches meanwhile.
         waves_before = _wave_over(client)
-        before = list(client.requests_sent)
+        before = list(client.load_balancer.requests_sent)
         pinned = EngineCoreRequest(request_id="pinned", prompt_token_ids=[5, 6, 7],
                                    sampling_params=SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
                                    eos_token_id=None, arrival_time=time.time(), data_parallel_rank=1)  # fmt: skip
@@ -281,7 +270,7 @@ def test_dp2_llm_equals_dp1_spreads_work_honours_pins_counts_five_processes_and_
             if any(o.request_id == "pinned" and o.finished for o in out.outputs):
                 break
         assert engines == {1}
-        assert client.requests_sent == [before[0], before[1] + 1]
+        assert client.load_balancer.requests_sent == [before[0], before[1] + 1]
         waves = _wave_over(client)
         dummy = [w["num_dummy_steps"] - b["num_dummy_steps"] for w, b in zip(waves, waves_before)]
         assert dummy[0] > 0, waves  # the idle engine stepped while engine 1 worked

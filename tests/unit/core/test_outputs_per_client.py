@@ -131,10 +131,11 @@ def test_client_fills_the_table_from_received_outputs():
     """The receive path (``_dispatch``): stats go into the table; outputs with requests in
     them are handed on, stats that came alone are not."""
     from engine.frontend.core_client import SyncMPClient
+    from engine.frontend.dp_load_balancer import DPLoadBalancer
 
     client = object.__new__(SyncMPClient)  # no engine process: only the receive logic
     client.pending, client.stats_table = deque(), EngineStatsTable([0])
-    client.request_engine = {}  # which engine has each request (data parallelism)
+    client.load_balancer = DPLoadBalancer(1)  # which engine has each request (data parallelism)
     busy = SchedulerStats(num_running_reqs=1, kv_cache_usage=0.5)
     client._dispatch((TAG_OUTPUTS, [encode(_out("r", stats=busy))]))
     assert client.stats_table.snapshot()[0] == busy
