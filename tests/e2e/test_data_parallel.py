@@ -46,12 +46,10 @@ from engine.core.coordinator_messages import (
     StartWave,
     coordinator_addresses,
     decode_as,
-    score,
     wave_address,
 )
 from engine.core.messages import EngineCoreRequest
 from engine.frontend.core_client import SyncMPClient
-from engine.frontend.dp_load_balancer import DPLoadBalancer
 from engine.utils.processes import EngineDeadError
 from engine.utils.wire import ProtocolError
 
@@ -175,34 +173,6 @@ def test_an_engine_starts_a_wave_once_and_restarts_one_that_ended_under_its_requ
     assert not engine.engines_running and engine.current_wave == 2
     engine._on_wave(DPWave(wave=2, running=True, exclude_engine=0))
     assert engine.engines_running and len(sent) == 2
-
-
-def _request(request_id: str, rank: int | None = None) -> EngineCoreRequest:
-    return EngineCoreRequest(request_id=request_id, prompt_token_ids=[1], sampling_params=SamplingParams(),
-                             eos_token_id=None, arrival_time=0.0, data_parallel_rank=rank)  # fmt: skip
-
-
-def test_client_picks_the_lowest_score_counting_what_it_sent_since_the_last_publish():
-    assert score(num_waiting=1, num_running=0) == 4 and score(0, 3) == 3
-    client = DPLoadBalancer(2)  # the routing state every multiprocess client holds
-    # Nothing published yet: a burst alternates, each send counted as waiting.
-    assert [client.get_core_engine_for_request(_request(f"r{i}")) for i in range(4)] == [0, 1, 0, 1]
-    # The coordinator says engine 0 has 2 waiting, engine 1 runs 5: 8 vs 5 → engine 1, then
-    # engine 1 counts 4 more (9) → engine 0.
-    client.engine_loads, client.sent_since_loads = [(2, 0), (0, 5)], [0, 0]
-    assert client.get_core_engine_for_request(_request("a")) == 1
-    assert client.get_core_engine_for_request(_request("b")) == 0
-    assert client.get_core_engine_for_request(_request("pinned", rank=1)) == 1
-    with pytest.raises(ValueError, match="data_parallel_rank 2"):
-        client.get_core_engine_for_request(_request("bad", rank=2))
-    assert client.requests_sent == [3, 4]
-    # Aborts go to the engine that has the request; an unknown id goes to every engine.
-    assert client.engines_for_abort(["a", "b", "pinned", "nobody"]) == {1: ["a", "pinned", "nobody"],
-                                                                         0: ["b", "nobody"]}  # fmt: skip
-    assert "a" not in client.request_engine
-
-
-# ---------------------------------------------------------------------- slow: the real tree
 
 
 def _wave_over(client: SyncMPClient) -> list[dict]:
