@@ -3,9 +3,9 @@
 Each process of the tree starts one ``TelemetryPublisher`` (``start_telemetry(run_dir,
 role)``); engine code reaches it anywhere with ``telemetry()``, which is ``NULL_PUBLISHER``
 (the same methods, doing nothing) when telemetry is off, so no caller needs a None guard
-(``get_publisher()`` is the publisher or None, for code that asks whether one runs). It binds an XPUB socket on ``telemetry_address(run_dir, role)`` (``ipc://<run
-dir>/<role>.tel``; the run directory is 0700) and publishes the events of
-``tracing.telemetry.events``:
+(``get_publisher()`` is the publisher or None, for code that asks whether one runs). It
+binds an XPUB socket on ``telemetry_address(run_dir, role)`` (``ipc://<run dir>/<role>.tel``;
+the run directory is 0700) and publishes the events of ``tracing.telemetry.events``:
 
 - ``StageEntered``/``StageLeft``/``WaitStarted``/``WaitEnded`` from a stage hook
   (``tracing.stage.add_stage_hook``; no second instrumentation path). Lifecycle stages and
