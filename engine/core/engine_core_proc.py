@@ -71,6 +71,7 @@ from engine.core.messages import (
     decode_as,
 )
 from engine.core.messages import encode as _encode
+from engine.core.request_tracing import EngineCoreInputTracer
 from engine.distributed.topology import ProcessRole
 from engine.executor.abstract import Executor
 from engine.logger import init_logger
@@ -78,8 +79,8 @@ from engine.utils import processes
 from engine.utils import run_dir as run_dirs
 from engine.utils.process_harness import Observability, ProcessContext, ProcessSpec, run_process
 from engine.utils.wire import ProtocolError
-from tracing import catalogue, is_recording, record_span, stage
-from tracing.propagation import attached_trace_context, extract_trace_context
+from tracing import catalogue, record_span, stage
+from tracing.propagation import attached_trace_context
 from tracing.stage import open_stages
 from tracing.telemetry import events
 
@@ -186,8 +187,8 @@ class EngineCoreProc(EngineCore):
         self.role = ProcessRole.engine_core(data_parallel_rank).name
         # (request_type, payload) or, for a traced ABORT, (request_type, payload, received_ns).
         self.input_queue: queue.Queue[tuple[Any, ...]] = queue.Queue()
-        # Request id → when the input thread put it on input_queue (traced requests only).
-        self._input_queued_ns: dict[str, int] = {}
+        # The spans of a traced request's way in (input thread → input_queue → busy loop).
+        self.input_tracer = EngineCoreInputTracer()
         if not output_addresses or len(input_addresses) != len(output_addresses):
             raise ProtocolError(f"the engine core's spawn payload names {len(input_addresses)} client input "
                                 f"and {len(output_addresses)} output address(es); one of each per client "
@@ -403,25 +404,14 @@ class EngineCoreProc(EngineCore):
         the messages whose span starts there (a traced ABORT)."""
         if request_type == EngineCoreRequestType.ADD:
             self._check_client_index(payload.client_index, f"request {payload.request_id!r}")
-            queued_ns = self._input_queued_ns.pop(payload.request_id, None)
-            if queued_ns is not None:
-                now = time.time_ns()
-                record_span(catalogue.ENGINE_CORE_INPUT_QUEUE, start_ns=queued_ns, end_ns=now,
-                            parent=extract_trace_context(payload.trace_headers),
-                            attributes={catalogue.ATTR_GEN_AI_REQUEST_ID: payload.request_id,
-                                        catalogue.ATTR_QUEUE_WAIT_MS: (now - queued_ns) / 1e6})  # fmt: skip
+            self.input_tracer.dequeued(payload)
             self.add_request(payload)
             self._maybe_start_wave(payload.trace_headers)
         elif request_type == EngineCoreRequestType.START_DP_WAVE:
             self._on_wave(payload)
         elif request_type == EngineCoreRequestType.ABORT:
-            taken_ns = time.time_ns()
-            self.abort_requests(payload.request_ids)
-            if received_ns is not None:  # in the caller's trace: received, waited, aborted
-                record_span(catalogue.ENGINE_CORE_ABORT, start_ns=received_ns,
-                            parent=extract_trace_context(payload.trace_headers),
-                            attributes={catalogue.ATTR_REQUEST_IDS: payload.request_ids,
-                                        catalogue.ATTR_QUEUE_WAIT_MS: (taken_ns - received_ns) / 1e6})  # fmt: skip
+            with self.input_tracer.aborting(payload, received_ns):
+                self.abort_requests(payload.request_ids)
         elif request_type in (EngineCoreRequestType.EXECUTOR_FAILED, EngineCoreRequestType.PROTOCOL_ERROR,
                               EngineCoreRequestType.HEAD_LOST):  # fmt: skip
             raise payload
@@ -480,15 +470,9 @@ class EngineCoreProc(EngineCore):
                             self.input_queue.put((EngineCoreRequestType.START_DP_WAVE, wave))
                             continue
                         received_ns = time.time_ns()
-                        item = _decode_input(frames, client_of[socket])
-                        if item[0] == EngineCoreRequestType.ADD and item[1].trace_headers and is_recording():
-                            self._trace_input(item[1], received_ns)
-                        elif (
-                            item[0] == EngineCoreRequestType.ABORT
-                            and item[1].trace_headers
-                            and is_recording()
-                        ):
-                            item = (*item, received_ns)  # engine_core.abort starts here
+                        item = self.input_tracer.received(
+                            _decode_input(frames, client_of[socket]), received_ns
+                        )
                         self.input_queue.put(item)
                     except ProtocolError as e:
                         # A frontend that breaks the protocol is a bug: stop with a clear error.
@@ -515,16 +499,6 @@ class EngineCoreProc(EngineCore):
                 record_span(catalogue.ENGINE_CORE_OUTPUT_SEND, start_ns=taken_ns,
                             parent=trace.set_span_in_context(trace.NonRecordingSpan(step_context)),
                             attributes={catalogue.ATTR_QUEUE_WAIT_MS: (taken_ns - queued_ns) / 1e6})  # fmt: skip
-
-    def _trace_input(self, request: EngineCoreRequest, received_ns: int) -> None:
-        """``engine_core.input`` (receive + decode) in the request's trace; remember when it
-        went on ``input_queue`` for ``engine_core.input_queue``."""
-        now = time.time_ns()
-        record_span(catalogue.ENGINE_CORE_INPUT, start_ns=received_ns, end_ns=now,
-                    parent=extract_trace_context(request.trace_headers),
-                    attributes={catalogue.ATTR_GEN_AI_REQUEST_ID: request.request_id,
-                                catalogue.ATTR_MESSAGE_TYPE: EngineCoreRequestType.ADD.name})  # fmt: skip
-        self._input_queued_ns[request.request_id] = now
 
     def _send_handshake(self, handshake: EngineHandshake) -> None:
         """HELLO / READY to client 0, the one that launched this engine and waits for them."""

@@ -1,8 +1,13 @@
-"""A request's phases inside the engine core, as spans of the request's own trace.
+"""A request's spans inside the engine core, as spans of the request's own trace.
 
 The API server's ``api_server.request`` span travels in ``EngineCoreRequest.trace_headers``;
 the engine core adds, as its children:
 
+- ``engine_core.input``: received → decoded and put on ``input_queue``, on the input thread;
+- ``engine_core.input_queue``: put on ``input_queue`` → taken off it by the busy loop;
+- ``engine_core.abort``: an abort received → done, with the time it waited in the queue;
+  these three from ``EngineCoreInputTracer``, which ``EngineCoreProc``'s input thread and
+  busy loop call;
 - ``scheduler.waiting``: queued → first scheduled (vLLM's time in queue);
 - ``request.prefill``: first scheduled → first token, over ``glassbox.request.num_chunks``
   steps, **linked** to the ``engine_core.step`` spans that computed it (a step belongs to
@@ -15,16 +20,25 @@ An abort ends the phase the request is in at that moment, with finish reason ``a
 
 Kept cheap: nothing is tracked unless this process records spans and the request came with
 trace context; at most ``MAX_LINKS`` links per prefill. vLLM records one flat ``llm_request``
-span per request in the frontend; these phases are Glassbox's.
+span per request in the frontend (``engine/frontend/request_tracing.py``); these spans are
+Glassbox's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.core.messages import EngineCoreOutputs, FinishReason
+from engine.core.messages import (
+    AbortRequests,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    FinishReason,
+)
 from engine.core.step_observer import StepObserver
 from engine.sched.output import SchedulerOutput
 from tracing import catalogue, is_recording, record_span
@@ -33,6 +47,63 @@ from tracing.stage import Stage
 from tracing.telemetry.events import StepRecord
 
 MAX_LINKS = 16
+
+
+class EngineCoreInputTracer:
+    """The spans of a traced request's way in: ``engine_core.input``,
+    ``engine_core.input_queue`` and ``engine_core.abort`` (see the module docstring).
+
+    The input thread passes each decoded item through ``received``; the busy loop calls
+    ``dequeued`` for an ADD it takes off the queue and wraps an ABORT in ``aborting``. Only
+    requests that came with trace context, in a process that records spans, are followed.
+    """
+
+    def __init__(self) -> None:
+        # Request id → when the input thread put it on input_queue (Unix ns); written by the
+        # input thread, popped by the busy loop.
+        self._queued_ns: dict[str, int] = {}
+
+    def received(self, item: tuple[EngineCoreRequestType, Any], received_ns: int) -> tuple[Any, ...]:
+        """The input thread got ``item`` (``(type, message)``) at ``received_ns`` (Unix ns):
+        a traced ADD gets its ``engine_core.input`` span and its queued time noted; a traced
+        ABORT is returned as ``(type, message, received_ns)``, where its span starts. Returns
+        what goes on ``input_queue``."""
+        request_type, message = item
+        if request_type == EngineCoreRequestType.ADD and message.trace_headers and is_recording():
+            now = time.time_ns()
+            record_span(catalogue.ENGINE_CORE_INPUT, start_ns=received_ns, end_ns=now,
+                        parent=extract_trace_context(message.trace_headers),
+                        attributes={catalogue.ATTR_GEN_AI_REQUEST_ID: message.request_id,
+                                    catalogue.ATTR_MESSAGE_TYPE: EngineCoreRequestType.ADD.name})  # fmt: skip
+            self._queued_ns[message.request_id] = now
+        elif request_type == EngineCoreRequestType.ABORT and message.trace_headers and is_recording():
+            return (*item, received_ns)
+        return item
+
+    def dequeued(self, request: EngineCoreRequest) -> None:
+        """The busy loop took ``request`` off ``input_queue``: its ``engine_core.input_queue``
+        span, when ``received`` noted it."""
+        queued_ns = self._queued_ns.pop(request.request_id, None)
+        if queued_ns is not None:
+            now = time.time_ns()
+            record_span(catalogue.ENGINE_CORE_INPUT_QUEUE, start_ns=queued_ns, end_ns=now,
+                        parent=extract_trace_context(request.trace_headers),
+                        attributes={catalogue.ATTR_GEN_AI_REQUEST_ID: request.request_id,
+                                    catalogue.ATTR_QUEUE_WAIT_MS: (now - queued_ns) / 1e6})  # fmt: skip
+
+    @contextlib.contextmanager
+    def aborting(self, abort: AbortRequests, received_ns: int | None) -> Iterator[None]:
+        """Around the busy loop's abort of ``abort.request_ids``: the ``engine_core.abort``
+        span, from ``received_ns`` (the input thread's, None when untraced) to the abort
+        done, with the time it waited in the queue (``glassbox.queue.wait_ms``). No span when
+        the abort raises."""
+        taken_ns = time.time_ns()
+        yield
+        if received_ns is not None:  # in the caller's trace: received, waited, aborted
+            record_span(catalogue.ENGINE_CORE_ABORT, start_ns=received_ns,
+                        parent=extract_trace_context(abort.trace_headers),
+                        attributes={catalogue.ATTR_REQUEST_IDS: abort.request_ids,
+                                    catalogue.ATTR_QUEUE_WAIT_MS: (taken_ns - received_ns) / 1e6})  # fmt: skip
 
 
 @dataclass

@@ -43,7 +43,7 @@ from engine.sched.scheduler import Scheduler
 from tracing import catalogue
 from tracing.stage import Stage
 from tracing.telemetry.events import StepRecord
-from tracing.telemetry.publisher import get_publisher
+from tracing.telemetry.publisher import telemetry
 
 # Step records the flight recorder keeps (a ring buffer).
 FLIGHT_RECORDER_STEPS = 64
@@ -136,7 +136,7 @@ class FlightRecorder(StepObserver):
 
 
 class StepTelemetry(StepObserver):
-    """Live telemetry, when this process publishes it (``get_publisher()``): each step's
+    """Live telemetry, when this process publishes it (``telemetry()``): each step's
     record (``StepRecord``, also a mark of progress for the heartbeat's ``last_step_at``)
     and its requests' changes as ``RequestEvent`` — scheduled, preempted (its KV freed: it
     recomputes from 0), finished (with its final counts). Nothing is read without a
@@ -154,7 +154,7 @@ class StepTelemetry(StepObserver):
         requests = self.scheduler.requests
         self._held = (
             {rid: r for rid in scheduler_output.num_scheduled_tokens if (r := requests.get(rid)) is not None}
-            if get_publisher() is not None
+            if telemetry().enabled
             else {}
         )
 
@@ -162,8 +162,8 @@ class StepTelemetry(StepObserver):
         self, record: StepRecord, scheduler_output: SchedulerOutput, outputs: dict[int, EngineCoreOutputs]
     ) -> None:
         held, self._held = self._held, {}
-        publisher = get_publisher()
-        if publisher is None:
+        publisher = telemetry()
+        if not publisher.enabled:  # nothing to build the events for
             return
         rank = record.engine_index
         publisher.mark_step()
@@ -188,7 +188,6 @@ class StepTelemetry(StepObserver):
                                                 reason=str(out.finish_reason), **counts)  # fmt: skip
 
     def on_dummy_step(self, record: StepRecord) -> None:
-        publisher = get_publisher()
-        if publisher is not None:
-            publisher.mark_step()
-            publisher.publish_step(**record.figures())
+        publisher = telemetry()
+        publisher.mark_step()
+        publisher.publish_step(**record.figures())

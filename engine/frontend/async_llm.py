@@ -38,7 +38,7 @@ from engine.sampling_params import SamplingParams
 from engine.utils.processes import EngineDeadError
 from tracing.propagation import attached_trace_context
 from tracing.telemetry import events
-from tracing.telemetry.publisher import get_publisher
+from tracing.telemetry.publisher import telemetry
 
 logger = init_logger(__name__)
 
@@ -156,10 +156,10 @@ class AsyncLLM:
             self._log_request(request_id, text, requests[0][0].prompt_token_ids, sampling_params)
         finished = False
         stop_reason = "not finished"
-        publisher = get_publisher()
-        if publisher is not None:
-            publisher.publish_request_event(request_id, "arrived",
-                                            num_prompt_tokens=len(requests[0][0].prompt_token_ids))  # fmt: skip
+        publisher = telemetry()
+        publisher.publish_request_event(
+            request_id, "arrived", num_prompt_tokens=len(requests[0][0].prompt_token_ids)
+        )
         self.first_output_pending.add(request_id)
         try:
             for req, parent, index in requests:
@@ -171,12 +171,11 @@ class AsyncLLM:
                     raise item
                 if request_id in self.first_output_pending:
                     self.first_output_pending.discard(request_id)
-                    if publisher is not None:  # a first token means its whole prompt was computed
-                        n_prompt = len(item.prompt_token_ids)
-                        publisher.publish_request_event(
-                            request_id, "first_token", num_prompt_tokens=n_prompt, num_computed_tokens=n_prompt,
-                            num_output_tokens=sum(len(o.token_ids) for o in item.outputs),
-                        )  # fmt: skip
+                    n_prompt = len(item.prompt_token_ids)  # a first token: its whole prompt was computed
+                    publisher.publish_request_event(
+                        request_id, "first_token", num_prompt_tokens=n_prompt, num_computed_tokens=n_prompt,
+                        num_output_tokens=sum(len(o.token_ids) for o in item.outputs),
+                    )  # fmt: skip
                 finished = item.finished
                 yield item
                 if finished:
@@ -187,9 +186,8 @@ class AsyncLLM:
         finally:
             self.queues.pop(request_id, None)
             self.first_output_pending.discard(request_id)
-            if not finished and publisher is not None:
-                publisher.publish_request_event(request_id, "aborted", reason=stop_reason)
             if not finished:
+                publisher.publish_request_event(request_id, "aborted", reason=stop_reason)
                 # Shielded: a cancelled HTTP handler must still get its abort through. In the
                 # request's trace: the ABORT message carries its context to the engine core.
                 with attached_trace_context(trace_headers):

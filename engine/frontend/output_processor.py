@@ -29,7 +29,8 @@ first and last token times from the batches that carried tokens). Each ``process
 call fills one ``IterationStats`` (tokens, time to first token, inter-token latencies,
 finished requests) and hands it to ``stats_sink(engine_index, iteration_stats)`` when one is
 set (the API server's ``StatLoggerManager``: Prometheus and the periodic log line). A
-finished request's figures also go on its ``llm_request`` span (``gen_ai.*`` attributes).
+finished request's figures also go on its ``llm_request`` span (``gen_ai.*`` attributes), which
+``request_tracing.do_tracing`` makes.
 
 Left out: per-request asyncio queues (the caller routes ``request_outputs`` by
 ``request_id``), LoRA, pooling.
@@ -44,6 +45,7 @@ from dataclasses import dataclass
 from engine.core.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from engine.frontend.detokenizer import IncrementalDetokenizer, backend_tokenizer
 from engine.frontend.outputs import CompletionOutput, Logprob, LogprobsDict, RequestOutput
+from engine.frontend.request_tracing import do_tracing
 from engine.metrics import stats as metrics_stats
 from engine.metrics.stats import RequestStateStats
 from engine.outputs import LogprobsLists
@@ -329,7 +331,7 @@ class OutputProcessor:
                     state.stats, str(FinishReason.ABORT), len(state.prompt_token_ids),
                     state.sampling_params.max_tokens, now,
                 )  # fmt: skip
-                _record_request_span(state, done, self.model_name, now)
+                do_tracing(state, done, self.model_name, now)
                 if state.parent_req is not None:
                     state.parent_req.child_requests.discard(request_id)
                     if state.parent_req.finished:
@@ -411,7 +413,7 @@ class OutputProcessor:
                     state.sampling_params.max_tokens, now,
                 )  # fmt: skip
                 iteration.finished_requests.append(done)
-                _record_request_span(state, done, self.model_name, now)
+                do_tracing(state, done, self.model_name, now)
             if not finished and (not new_token_ids or state.output_kind == RequestOutputKind.FINAL_ONLY):
                 continue
             completion = state.make_completion_output(new_token_ids, finish_reason, stop_reason)
@@ -481,57 +483,3 @@ class OutputProcessor:
             k += len(token_ids)
             rows.append(row)
         return rows
-
-
-def _record_request_span(
-    state: RequestState, done: metrics_stats.FinishedRequestStats, model_name: str | None, now: float
-) -> None:
-    """vLLM's ``llm_request`` span: arrival → finish, child of the caller's trace context.
-
-    Carries the GenAI semantic-convention attributes and vLLM's latency attributes (seconds).
-    A no-op, before any attribute is built, when tracing records nothing.
-    """
-    from tracing import setup
-
-    handle = setup.get_handle()
-    if handle is None or not handle.recording:
-        return
-    from opentelemetry.trace import SpanKind
-
-    from tracing import catalogue, record_span
-    from tracing.propagation import extract_trace_context
-
-    params = state.sampling_params
-    req = state.stats
-    num_prompt = len(state.prompt_token_ids)
-    attributes = {
-        catalogue.ATTR_GEN_AI_REQUEST_ID: state.request_id,
-        catalogue.ATTR_GEN_AI_REQUEST_MODEL: model_name,
-        catalogue.ATTR_GEN_AI_RESPONSE_MODEL: model_name,
-        catalogue.ATTR_GEN_AI_USAGE_PROMPT_TOKENS: num_prompt,
-        catalogue.ATTR_GEN_AI_USAGE_COMPLETION_TOKENS: state.num_output_tokens,
-        catalogue.ATTR_GEN_AI_USAGE_INPUT_TOKENS: num_prompt,
-        catalogue.ATTR_GEN_AI_USAGE_OUTPUT_TOKENS: state.num_output_tokens,
-        catalogue.ATTR_GEN_AI_RESPONSE_FINISH_REASONS: [done.finish_reason],
-        catalogue.ATTR_GEN_AI_LATENCY_E2E: done.e2e_latency,
-        catalogue.ATTR_GEN_AI_REQUEST_MAX_TOKENS: params.max_tokens,
-        catalogue.ATTR_GEN_AI_REQUEST_TEMPERATURE: params.temperature,
-        catalogue.ATTR_GEN_AI_REQUEST_TOP_P: params.top_p,
-        catalogue.ATTR_GEN_AI_REQUEST_N: params.n,
-    }
-    if req.scheduled_ts:
-        attributes[catalogue.ATTR_GEN_AI_LATENCY_TIME_IN_QUEUE] = done.queued_time
-    if req.num_generation_tokens:
-        attributes[catalogue.ATTR_GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN] = req.first_token_latency
-        if req.scheduled_ts:
-            attributes[catalogue.ATTR_GEN_AI_LATENCY_TIME_IN_MODEL_PREFILL] = done.prefill_time
-            attributes[catalogue.ATTR_GEN_AI_LATENCY_TIME_IN_MODEL_INFERENCE] = done.inference_time
-        attributes[catalogue.ATTR_GEN_AI_LATENCY_TIME_IN_MODEL_DECODE] = done.decode_time
-    record_span(
-        catalogue.LLM_REQUEST,
-        start_ns=int(state.arrival_time * 1e9),
-        end_ns=int(now * 1e9),
-        attributes=attributes,
-        parent=extract_trace_context(state.trace_headers),
-        kind=SpanKind.SERVER,
-    )

@@ -50,7 +50,7 @@ from engine.worker.model_runner import ModelRunner
 from tracing import catalogue, stage
 from tracing.stage import set_runs_as
 from tracing.telemetry import events
-from tracing.telemetry.publisher import get_publisher
+from tracing.telemetry.publisher import telemetry
 
 logger = init_logger(__name__)
 
@@ -291,9 +291,7 @@ class Worker:
         self._execute_model_s += elapsed
         self._num_steps += 1
         self._last_forward_ms = elapsed * 1e3
-        publisher = get_publisher()
-        if publisher is not None:
-            publisher.mark_step()
+        telemetry().mark_step()
         return output if self.is_driver_worker else None
 
     def telemetry_gauges(self) -> dict[str, float]:

@@ -1,10 +1,11 @@
 """One process's live telemetry: a ZMQ publisher that never makes the engine wait.
 
 Each process of the tree starts one ``TelemetryPublisher`` (``start_telemetry(run_dir,
-role)``); engine code reaches it anywhere with ``get_publisher()`` (None when telemetry is
-off). It binds an XPUB socket on ``telemetry_address(run_dir, role)`` (``ipc://<run
-dir>/<role>.tel``; the run directory is 0700) and publishes the events of
-``tracing.telemetry.events``:
+role)``); engine code reaches it anywhere with ``telemetry()``, which is ``NULL_PUBLISHER``
+(the same methods, doing nothing) when telemetry is off, so no caller needs a None guard
+(``get_publisher()`` is the publisher or None, for code that asks whether one runs). It
+binds an XPUB socket on ``telemetry_address(run_dir, role)`` (``ipc://<run dir>/<role>.tel``;
+the run directory is 0700) and publishes the events of ``tracing.telemetry.events``:
 
 - ``StageEntered``/``StageLeft``/``WaitStarted``/``WaitEnded`` from a stage hook
   (``tracing.stage.add_stage_hook``; no second instrumentation path). Lifecycle stages and
@@ -36,9 +37,9 @@ well under 1 µs for a stage hook call that is rate-limited away; the heartbeat 
 10 times a second and does its psutil reads once per ``interval_s``.
 
 Switched off with ``GLASSBOX_TELEMETRY=0`` (read here, in ``telemetry_enabled``, the one
-place; ``engine/envs.py`` declares it): ``start_telemetry`` then returns None and
-``get_publisher()`` stays None, so the engine's ``if (pub := get_publisher()) is not None``
-costs one global read.
+place; ``engine/envs.py`` declares it): ``start_telemetry`` then returns None,
+``get_publisher()`` stays None and ``telemetry()`` is ``NULL_PUBLISHER``: an engine call such
+as ``telemetry().mark_step()`` costs one global read and an empty method call.
 
 vLLM counterpart: none. vLLM's live numbers are Prometheus metrics scraped from
 ``/metrics`` (and the vllm-top tools poll that once a second); nothing in vLLM says which
@@ -152,7 +153,8 @@ class _Window:
 
 
 class TelemetryPublisher:
-    """Live telemetry of one process (see the module docstring).
+    """Live telemetry of one process (see the module docstring). ``enabled`` is True (False
+    on ``NullPublisher``): a caller that builds an event's fields first can skip that work.
 
     Args:
         run_dir: the instance's run directory (the socket goes there).
@@ -167,6 +169,8 @@ class TelemetryPublisher:
     Raises:
         zmq.ZMQError: the socket cannot be bound (``start_telemetry`` logs it and returns None).
     """
+
+    enabled = True
 
     def __init__(
         self,
@@ -651,8 +655,53 @@ class TelemetryPublisher:
 
 # ---------------------------------------------------------------------- the process's publisher
 
+
+class NullPublisher:
+    """The publisher of a process without telemetry (off, or not started): the methods
+    engine code calls on ``TelemetryPublisher``, with its signatures, doing nothing and
+    raising nothing; the ``publish*`` ones return False (not sent), as a refused send does."""
+
+    enabled = False
+
+    def publish(self, cls: type[Event], /, **fields: Any) -> bool:
+        return False
+
+    def publish_step(self, **fields: Any) -> bool:
+        return False
+
+    def mark_step(self, t: float | None = None) -> None:
+        pass
+
+    def publish_request_event(self, request_id: str, event: str, **fields: Any) -> bool:
+        return False
+
+    def publish_gauges(self, values: Mapping[str, float]) -> None:
+        pass
+
+    def add_gauge_provider(self, fn: Callable[[], Mapping[str, float]]) -> Callable[[], None]:
+        return _nothing
+
+    def note_child_exit(self, role: str, description: str) -> None:
+        pass
+
+    def set_requests_provider(self, fn: Callable[[], list[RequestProgress]] | None) -> None:
+        pass
+
+
+def _nothing() -> None:
+    pass
+
+
+NULL_PUBLISHER = NullPublisher()
 _publisher: TelemetryPublisher | None = None
 _start_lock = threading.Lock()
+
+
+def telemetry() -> TelemetryPublisher | NullPublisher:
+    """This process's publisher, or ``NULL_PUBLISHER`` when telemetry is off or not started:
+    call its methods without a None guard. One global read."""
+    publisher = _publisher
+    return NULL_PUBLISHER if publisher is None else publisher
 
 
 def get_publisher() -> TelemetryPublisher | None:
@@ -690,7 +739,8 @@ def start_telemetry(
 
 
 def stop_telemetry() -> None:
-    """Close this process's publisher (if any); ``get_publisher()`` is None afterwards."""
+    """Close this process's publisher (if any); ``get_publisher()`` is None and
+    ``telemetry()`` is ``NULL_PUBLISHER`` afterwards."""
     global _publisher
     with _start_lock:
         pub, _publisher = _publisher, None

@@ -382,14 +382,12 @@ async def run_server_worker(
 
     engine.on_engine_dead.append(on_engine_dead)
     from tracing.telemetry import events
-    from tracing.telemetry.publisher import get_publisher
+    from tracing.telemetry.publisher import telemetry
 
-    publisher = get_publisher()
-    if publisher is not None:
-        in_flight = app.state.http_in_flight
-        publisher.add_gauge_provider(
-            lambda: {events.GAUGE_API_IN_FLIGHT: in_flight.value, **engine.telemetry_gauges()}
-        )
+    in_flight = app.state.http_in_flight
+    telemetry().add_gauge_provider(
+        lambda: {events.GAUGE_API_IN_FLIGHT: in_flight.value, **engine.telemetry_gauges()}
+    )
     watchdog = asyncio.create_task(_watch_engine(engine))
     from engine.metrics.loggers import run_log_loop
     from engine.metrics.prometheus import mark_process_dead

@@ -51,6 +51,7 @@ from engine.entrypoints.openai.serving_engine import (
     sse_event,
 )
 from engine.frontend.outputs import LogprobsDict, RequestOutput
+from engine.frontend.request_tracing import start_request_trace
 from engine.logger import init_logger
 from engine.utils.processes import EngineDeadError
 
@@ -101,7 +102,7 @@ class OpenAIServingChat(OpenAIServing):
             raise bad_request_from_value_error(e, "messages", renames) from None
 
         request_id = f"chatcmpl-{random_uuid()}"
-        rtrace = self.start_request_trace(request_id, headers, arrived_ns)
+        rtrace = start_request_trace(request_id, headers, arrived_ns)
         rtrace.record_inputs(tokenize_ns, tokenized_ns)
         generator = self.engine.generate({"prompt_token_ids": prompt_ids}, params, request_id,
                                          trace_headers=rtrace.engine_headers)  # fmt: skip

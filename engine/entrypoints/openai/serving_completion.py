@@ -55,6 +55,7 @@ from engine.entrypoints.openai.serving_engine import (
 )
 from engine.frontend.detokenizer import IncrementalDetokenizer, backend_tokenizer
 from engine.frontend.outputs import LogprobsDict, RequestOutput
+from engine.frontend.request_tracing import start_request_trace
 from engine.frontend.tokenizer import encode
 from engine.logger import init_logger
 from engine.utils.processes import EngineDeadError
@@ -99,7 +100,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 raise bad_request_from_value_error(e, "prompt") from None
 
         request_id = f"cmpl-{random_uuid()}"
-        rtrace = self.start_request_trace(request_id, headers, arrived_ns)
+        rtrace = start_request_trace(request_id, headers, arrived_ns)
         rtrace.record_inputs(tokenize_ns, tokenized_ns)
         generators = [
             self.engine.generate(

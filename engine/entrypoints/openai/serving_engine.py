@@ -45,8 +45,6 @@ T = TypeVar("T")
 MIN_LOGPROB = -9999.0
 # vLLM's default ``max_logprobs``; the limit applied is the server's --max-logprobs.
 MAX_LOGPROBS = 20
-# The W3C trace-context headers that follow a request into the engine.
-TRACE_HEADERS = ("traceparent", "tracestate")
 # The ``type`` of an error body, by status (the names the ``openai`` client uses).
 ERROR_TYPES = {
     400: "BadRequestError",
@@ -426,16 +424,6 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ helpers
 
-    def start_request_trace(self, request_id: str, headers: Any, arrived_ns: int) -> RequestTrace:
-        """The ``api_server.request`` span of one request (see ``RequestTrace``)."""
-        return RequestTrace(request_id, self.trace_headers(headers or {}), arrived_ns)
-
-    @staticmethod
-    def trace_headers(headers: Any) -> dict[str, str] | None:
-        """The W3C trace-context headers of the HTTP request, if any."""
-        found = {name: headers[name] for name in TRACE_HEADERS if name in headers}
-        return found or None
-
     def token_text(self, token_id: int, decoded: str | None) -> str:
         """A token as text: the engine's decoding when it has one, else decoded here."""
         if decoded is not None:
@@ -486,85 +474,3 @@ async def merge_async_iterators(*iterators: AsyncGenerator[T, None]) -> AsyncIte
             task.cancel()
         # Let each generator's ``finally`` (the engine abort) run before we return.
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-class RequestTrace:
-    """The root of one request's trace in the API server: ``api_server.request``, from the
-    HTTP arrival (``arrived_ns``) to the last byte sent, a child of the caller's W3C
-    ``traceparent`` when one came (vLLM honours it the same way).
-
-    ``engine_headers`` is what the engine requests carry (``EngineCoreRequest.trace_headers``):
-    this span's context, so the engine core's spans for the request (input thread, queues,
-    the scheduler's waiting, prefill, decode) and the ``llm_request`` span join this trace.
-    When tracing records nothing, the caller's headers pass through unchanged.
-    """
-
-    def __init__(self, request_id: str, incoming: dict[str, str] | None, arrived_ns: int) -> None:
-        from opentelemetry import trace
-        from opentelemetry.trace import SpanKind
-
-        from tracing import catalogue, is_recording, start_span
-        from tracing.propagation import extract_trace_context, inject_trace_headers
-
-        self.request_id = request_id
-        self.engine_headers = incoming
-        self.span = None
-        self._ended = False
-        if is_recording():
-            self.span = start_span(catalogue.API_SERVER_REQUEST, parent=extract_trace_context(incoming),
-                                   attributes={catalogue.ATTR_GEN_AI_REQUEST_ID: request_id},
-                                   kind=SpanKind.SERVER, start_ns=arrived_ns)  # fmt: skip
-            self.context = trace.set_span_in_context(self.span)
-            self.engine_headers = inject_trace_headers(self.context) or incoming
-
-    def record_inputs(self, start_ns: int, end_ns: int) -> None:
-        """``api_server.process_inputs``: tokenization (and the chat template), timed by the caller."""
-        if self.span is None:
-            return
-        from tracing import catalogue, record_span
-
-        record_span(catalogue.API_SERVER_PROCESS_INPUTS, start_ns=start_ns, end_ns=end_ns, parent=self.context,
-                    attributes={catalogue.ATTR_GEN_AI_REQUEST_ID: self.request_id})  # fmt: skip
-
-    def end(self, error: BaseException | None = None, num_chunks_sent: int = 0) -> None:
-        """End the span. ``error``: what ended the request early; a ``CancelledError`` or
-        ``GeneratorExit`` is the client going away (the route cancelled the work, or the
-        stream was closed after ``num_chunks_sent`` chunks): a ``glassbox.client_disconnected``
-        event, not an error status. Anything else is recorded as the span's error."""
-        if self.span is None or self._ended:
-            return
-        self._ended = True
-        if isinstance(error, (GeneratorExit, asyncio.CancelledError)):
-            from tracing import add_span_event, catalogue
-
-            add_span_event(self.span, catalogue.EVENT_CLIENT_DISCONNECTED,
-                           {catalogue.ATTR_NUM_CHUNKS_SENT: num_chunks_sent})  # fmt: skip
-        elif error is not None:
-            from opentelemetry.trace import Status, StatusCode
-
-            self.span.record_exception(error)
-            self.span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
-        self.span.end()
-
-    def wrap_stream(self, stream: AsyncIterator[str]) -> AsyncIterator[str]:
-        """``stream``, with the span ended after its last chunk (or when it is closed early);
-        ``stream`` itself when there is no span (tracing records nothing): one async
-        generator less for every chunk to pass through."""
-        if self.span is None:
-            return stream
-        return self._wrap_stream(stream)
-
-    async def _wrap_stream(self, stream: AsyncIterator[str]) -> AsyncIterator[str]:
-        error: BaseException | None = None
-        num_chunks = 0
-        try:
-            # Closing us closes ``stream`` first (its engine abort runs inside this span).
-            async with contextlib.aclosing(stream):
-                async for chunk in stream:
-                    yield chunk
-                    num_chunks += 1
-        except BaseException as e:
-            error = e
-            raise
-        finally:
-            self.end(error, num_chunks)

@@ -444,6 +444,53 @@ def test_telemetry_switched_off_by_the_environment(run_dir, monkeypatch):
     assert get_publisher() is None
 
 
+OFF_CHILD = """
+import sys, threading
+from tracing import catalogue
+from tracing.stage import stage
+from tracing.telemetry.events import RequestEvent
+from tracing.telemetry.publisher import NULL_PUBLISHER, get_publisher, start_telemetry, telemetry
+assert start_telemetry(sys.argv[1], sys.argv[2]) is None and get_publisher() is None
+pub = telemetry()
+assert pub is NULL_PUBLISHER and not pub.enabled
+with stage(catalogue.WORKER_LOAD_MODEL, rank=0):
+    sent = [pub.publish(RequestEvent, request_id="r", event="arrived"), pub.publish_step(step_id=1),
+            pub.publish_request_event("r", "finished", reason="stop")]
+    pub.mark_step()
+    pub.publish_gauges({"engine.input_queue": 1})
+    pub.add_gauge_provider(lambda: {"engine.input_queue": 2})()
+    pub.set_requests_provider(lambda: [])
+    pub.note_child_exit("Worker_DP0_PP0_TP0", "killed by SIGKILL (exit status -9)")
+assert sent == [False, False, False], sent
+print(",".join(sorted(t.name for t in threading.enumerate())))
+"""
+
+
+def test_a_process_with_telemetry_off_publishes_nothing_and_raises_nothing(run_dir):
+    """Engine code calls ``telemetry()``'s methods with no None guard: with
+    ``GLASSBOX_TELEMETRY=0`` they do nothing — no socket, no heartbeat thread, no error."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), publisher_mod.ENV_TELEMETRY: "0"}
+    child = subprocess.run([sys.executable, "-c", OFF_CHILD, str(run_dir), ROLE], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.strip() == "MainThread"
+    assert list(run_dir.glob("*.tel")) == []
+
+
+def test_the_null_publisher_has_the_engine_methods_of_the_publisher():
+    """Every method engine code may call on ``TelemetryPublisher`` is on ``NullPublisher``, with
+    the same signature (the owner's own methods, closing and beating, are not)."""
+    import inspect
+
+    owners = {"beat", "close", "pending_dropped", "seq"}
+    engine_api = {n for n in dir(TelemetryPublisher) if not n.startswith("_")} - owners - {"enabled"}
+    null_api = {n for n in dir(publisher_mod.NullPublisher) if not n.startswith("_")} - {"enabled"}
+    assert null_api == engine_api
+    for name in engine_api:
+        real, null = getattr(TelemetryPublisher, name), getattr(publisher_mod.NullPublisher, name)
+        assert inspect.signature(null) == inspect.signature(real), name
+
+
 def test_the_stage_hook_is_cheap(run_dir):
     """Step-level stages rate-limited away cost about a microsecond per hook call; the bound
     here is loose (a loaded CI machine), the measured figures are in docs/telemetry.md."""
