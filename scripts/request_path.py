@@ -19,9 +19,9 @@ What it does:
 3. It stops the server and counts the functions that ran in that window on the threads a
    request crosses (the API server's event loop, the engine core's input, main and output
    threads, the workers' main threads): those called in the window, and those that called
-   one of ours in it (a loop entered before the request, like the busy loop, calls ``step``
-   but is entered no more). A process's entry and its harness, below those loops, call
-   nothing in the window and do not count. Threads that run on a clock whatever the
+   one of ours in it, by its name or a module-level alias (a loop entered before the
+   request, like the busy loop, calls ``step`` but is entered no more). A process's entry
+   and its harness, below those loops, call nothing in the window and do not count. Threads that run on a clock whatever the
    request does (heartbeats, the telemetry publisher, the executor's worker monitor) are
    listed apart.
 
@@ -114,6 +114,20 @@ if _out:
             at = _resume_at[code] = next(i.offset for i in dis.get_instructions(code) if i.opname == "RESUME")
         return frame.f_lasti <= at
 
+    _named_cache = {}
+
+    def _named(caller, code):
+        # By its own name, or by a module-level alias (``from m import encode as _encode``).
+        pair = (caller.f_code, code)
+        named = _named_cache.get(pair)
+        if named is None:
+            names = caller.f_code.co_names
+            named = code.co_name in names or any(
+                getattr(caller.f_globals.get(n), "__code__", None) is code for n in names
+            )
+            _named_cache[pair] = named
+        return named
+
     def _prof(frame, event, arg, _time=time.time, _thread=threading.current_thread):
         if event != "call":
             return
@@ -127,7 +141,7 @@ if _out:
         caller = frame.f_back
         # The caller named it (a C event loop calling a callback leaves no frame between: the
         # frame below it is whatever Python frame ran the loop, which called nothing).
-        if caller is not None and caller.f_code.co_filename.startswith(_roots) and code.co_name in caller.f_code.co_names:
+        if caller is not None and caller.f_code.co_filename.startswith(_roots) and _named(caller, code):
             c = caller.f_code
             edge = (c.co_filename, c.co_firstlineno, c.co_qualname, thread, code.co_filename, code.co_firstlineno)
             _callers.setdefault(edge, set()).add(tick)
