@@ -47,7 +47,11 @@ def add_subparser(sub: argparse._SubParsersAction) -> None:
         description=DESCRIPTION,
         formatter_class=DefaultsHelpFormatter,
     )
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="Server URL (default %(default)s).")
+    p.add_argument("--host", default="127.0.0.1", help="Server host, with --port (default %(default)s).")
+    p.add_argument("--port", type=int, default=8000, help="Server port (default %(default)s).")
+    p.add_argument(
+        "--base-url", default=None, help="Server URL; overrides --host and --port (e.g. https://host:8443)."
+    )
     p.add_argument("--endpoint", default="/v1/completions", help="API route (default %(default)s).")
     p.add_argument("--model", default=None, help="Model name to send (default: the first of GET /v1/models).")
     p.add_argument(
@@ -128,7 +132,11 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             parser.error(f"{flag}: must be > 0, got {value}")
     if not 0 <= args.random_range_ratio < 1:
         parser.error(f"--random-range-ratio: must be in [0, 1), got {args.random_range_ratio}")
-    if not args.base_url.startswith(("http://", "https://")):
+    if not 0 < args.port < 65536:
+        parser.error(f"--port: must be in 1..65535, got {args.port}")
+    if args.base_url is None:
+        args.base_url = f"http://{args.host}:{args.port}"
+    elif not args.base_url.startswith(("http://", "https://")):
         parser.error(f"--base-url: must start with http:// or https://, got {args.base_url!r}")
     if not args.endpoint.startswith("/"):
         parser.error(f"--endpoint: must start with '/', got {args.endpoint!r}")

@@ -284,6 +284,17 @@ def test_run_reports_the_peer_timing(peer, tmp_path, capsys):
     assert len(body["prompt"]) == 12 and all(isinstance(t, int) for t in body["prompt"])
 
 
+def test_host_and_port_name_the_server_as_in_vllm(peer, tmp_path):
+    state, url = peer
+    port = url.rsplit(":", 1)[1]
+    out = tmp_path / "result.json"
+    rc = main(["bench", "serve", "--host", "127.0.0.1", "--port", port, "--num-prompts", "2",
+               "--random-output-len", "3", "--result-json", str(out)])  # fmt: skip
+    result = json.loads(out.read_text())
+    assert rc == 0 and (result["completed"], result["failed"]) == (2, 0)
+    assert len(state.bodies) == 2
+
+
 def test_no_ignore_eos_lets_the_server_stop_early(peer, tmp_path):
     state, url = peer
     flags = [
@@ -465,6 +476,8 @@ def test_chat_endpoint_with_tokenizer_sends_text(peer, tmp_path, default_model_d
         (["--random-output-len", "-1"], "--random-output-len"),
         (["--timeout", "0"], "--timeout"),
         (["--base-url", "localhost:8000"], "--base-url"),
+        (["--port", "0"], "--port"),
+        (["--port", "x"], "--port"),
         (["--vocab-range", "9", "9"], "--vocab-range"),
         (["--tokenizer", "/nonexistent"], "--tokenizer"),
         (["--endpoint", "/v1/chat/completions"], "--endpoint"),
