@@ -93,6 +93,9 @@ logger = init_logger(__name__)
 
 T = TypeVar("T")
 
+# How long a dead engine core's ENGINE_CORE_DEAD may still take to arrive once its exit is seen.
+DEAD_MESSAGE_GRACE_S = 0.5
+
 
 class EngineCoreClient(ABC):
     """The offline ``LLM``'s handle on an engine core, synchronous: ``InprocClient`` or
@@ -272,7 +275,8 @@ class MPClient:
         self.attached_engines: list[tuple[str, int]] = []
         self._alive_checked_at = 0.0
         # Waits on every child's pidfd; what it notices, the receive loop raises (_check_alive).
-        self.supervisor = Supervisor(run_dir, self._on_child_failure, name="MPClientEngineMonitor")
+        self.supervisor = Supervisor(run_dir, self._on_child_failure, name="MPClientEngineMonitor",
+                                     log_failures=False)  # fmt: skip
         self._noticed: tuple[EngineDeadError, processes.ChildProcess | None] | None = None
         self._supervised: set[processes.ChildProcess] = set()  # handed to it already
         self._supervised_pids: set[str] = set()  # the attached engines handed to it, by role
@@ -435,11 +439,14 @@ class MPClient:
             self.dead = error
             self._fail_utility_calls()
             raise self.dead
-        # Give a dying engine a moment to deliver its ENGINE_CORE_DEAD message.
-        if proc.poll() is not None and self.output_socket.poll(200):
-            tag, *frames = self.output_socket.recv_multipart()
-            if tag == ENGINE_CORE_DEAD:
-                self._mark_dead(_dead_message(frames))
+        # Give a dying engine a moment to deliver its ENGINE_CORE_DEAD message (what it says
+        # beats what its exit status says: a setting it refused is one ConfigError line).
+        if proc.poll() is not None:
+            deadline = time.monotonic() + DEAD_MESSAGE_GRACE_S
+            while (left := deadline - time.monotonic()) > 0 and self.output_socket.poll(int(left * 1000) + 1):
+                tag, *frames = self.output_socket.recv_multipart()
+                if tag == ENGINE_CORE_DEAD:
+                    self._mark_dead(_dead_message(frames))
         self._mark_dead(None, proc, root_cause=error.root_cause)
 
     def _supervise_children(self) -> None:

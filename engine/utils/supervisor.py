@@ -154,6 +154,9 @@ class Supervisor:
         name: the thread's name (vLLM: ``MultiprocWorkerMonitor``, ``MPClientEngineMonitor``).
         stopped_timeout_s, heartbeat_timeout_s: ``StoppedWatch``'s deadlines (None: the
             ``GLASSBOX_STOPPED_TIMEOUT_S`` / ``GLASSBOX_HEARTBEAT_TIMEOUT_S`` settings).
+        log_failures: log one line for the failure noticed (the executors); False when the
+            owner tells the story itself (the client: the root-cause block, or one
+            ``ConfigError`` line when a dying engine core says a setting was the cause).
     """
 
     def __init__(
@@ -164,9 +167,11 @@ class Supervisor:
         name: str = "Supervisor",
         stopped_timeout_s: float | None = None,
         heartbeat_timeout_s: float | None = None,
+        log_failures: bool = True,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.on_failure = on_failure
+        self.log_failures = log_failures
         self.name = name
         self.states = StoppedWatch(stopped_timeout_s, heartbeat_timeout_s)
         self._watched: list[Watched] = []
@@ -366,19 +371,19 @@ class Supervisor:
         who = f"{role} (pid {pid if pid is not None else '?'})"
         if code is not None or detail is not None:
             how = detail or processes.describe_exit(code)
-            logger.error(
-                "%s %s", who, f"died: {how}" if code is not None else how + (f"; {note}" if note else "")
-            )
             publisher = get_publisher()
             if publisher is not None:
                 publisher.note_child_exit(role, how)
+            line = (
+                f"{who} died: {how}" if code is not None else f"{who} {how}" + (f"; {note}" if note else "")
+            )
         elif state is not None:
-            logger.error("%s is %s", who, state)
+            line = f"{who} is {state}"
         else:
             crash = contract.read_crash_report(self.run_dir, role)
-            logger.error(
-                "%s failed%s", who, f": {crash.exception}" if crash is not None and crash.exception else ""
-            )
+            line = f"{who} failed" + (f": {crash.exception}" if crash is not None and crash.exception else "")
+        if self.log_failures:
+            logger.error("%s", line)
 
     def _close_fds(self) -> None:
         with self._changed:
