@@ -25,6 +25,7 @@ handshake (a reader can open its end before or after the writer has published).
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import os
 import re
@@ -237,10 +238,11 @@ class MessageQueue:
         self.rank = rank  # None: the writer
         self._describe_peer = describe_peer
         self._layout = layout = _Layout(handle.n_readers, handle.max_chunks, handle.max_chunk_bytes)
-        # Offsets computed once: the hot path only indexes these lists.
-        self._slot_base = [layout.slot_word(s) for s in range(handle.max_chunks)]  # words
-        self._chunk_offset = [
-            layout.data_offset + s * handle.max_chunk_bytes for s in range(handle.max_chunks)
+        # Offsets computed once: the hot path only indexes this list. Per slot: (its first
+        # metadata word, in words; its chunk's first byte, in bytes).
+        self._slots = [
+            (layout.slot_word(s), layout.data_offset + s * handle.max_chunk_bytes)
+            for s in range(handle.max_chunks)
         ]
         fd = os.open(handle.buffer_path, os.O_RDWR)
         try:
@@ -276,11 +278,19 @@ class MessageQueue:
         # Go on from where this end left off (1 for a fresh queue): the writer after the
         # newest chunk written, a reader after the newest chunk it read.
         seq_word = _M_WRITTEN if rank is None else _M_READ + rank
-        self._next_seq = max(self._words[base + seq_word] for base in self._slot_base) + 1
+        self._next_seq = max(self._words[base + seq_word] for base, _ in self._slots) + 1
         self._poller = select.poll()
         self._poller.register(self._wakeup_fd, select.POLLIN)
         self._parts: list[bytes] = []  # reader: chunks of a message gathered so far
         self._closed = False
+        # A reader's waits are named once (tracing.wait_for's events); who is awaited and
+        # what it is doing are looked up only when a wait passes its deadline.
+        self._awaited = (
+            None
+            if rank is None
+            else f"{handle.writer_name} to publish on shared-memory queue {handle.name!r} "
+            f"(reader {handle.reader_names[rank]})"
+        )
 
     # ---- opening and closing ----
 
@@ -423,23 +433,15 @@ class MessageQueue:
         msg_len = payload.nbytes
         timeout_s = default_timeout_s() if timeout is None else timeout
         deadline = time.monotonic() + timeout_s
-        chunk_bytes, words = self._layout.max_chunk_bytes, self._words
+        words = self._words
         start = 0
-        while True:
+        while True:  # one chunk per turn (an empty message takes one too)
             seq = self._next_seq
-            slot = (seq - 1) % self._layout.max_chunks
-            base = self._slot_base[slot]
-            if not self._lagging_readers(base):
-                _fence()  # the readers' copies are done before the payload is overwritten
-            else:
-                try:
-                    self._wait_slot_free(base, seq, deadline, timeout_s)
-                except MessageQueueTimeout:
-                    if start > 0:  # readers hold a partial message: nothing can follow it
-                        self.close()
-                    raise
-            n = min(chunk_bytes, msg_len - start)
-            offset = self._chunk_offset[slot]
+            base, offset = self._slots[(seq - 1) % self._layout.max_chunks]
+            if not self._slot_free(base):
+                self._wait_slot_free(base, seq, deadline, timeout_s, mid_message=start > 0)
+            _fence()  # the readers' copies are done before the payload is overwritten
+            n = min(self._layout.max_chunk_bytes, msg_len - start)
             self._mm[offset : offset + n] = payload[start : start + n]
             words[base + _M_NBYTES] = n
             words[base + _M_MSG_LEN] = msg_len
@@ -460,41 +462,49 @@ class MessageQueue:
             return None
         words, n = self._words, self._layout.n_readers
         try:
-            written = max(words[base + _M_WRITTEN] for base in self._slot_base)
-            read = [max(words[base + _M_READ + r] for base in self._slot_base) for r in range(n)]
+            written = max(words[base + _M_WRITTEN] for base, _ in self._slots)
+            read = [max(words[base + _M_READ + r] for base, _ in self._slots) for r in range(n)]
         except ValueError:  # "operation forbidden on released memoryview": closed meanwhile
             return None
         return written, read
 
+    def _slot_free(self, base: int) -> bool:
+        """Every reader has read the chunk in the slot at ``base`` (or the slot was never used)."""
+        old = self._words[base + _M_WRITTEN]
+        read_seqs = self._words[base + _M_READ : base + _M_READ + self._layout.n_readers]
+        return old == 0 or read_seqs.tolist().count(old) == self._layout.n_readers
+
+    def _wait_slot_free(
+        self, base: int, seq: int, deadline: float, timeout_s: float, mid_message: bool
+    ) -> None:
+        """Block until the slot at ``base`` is free (its readers are slow: the rare case).
+
+        Raises:
+            MessageQueueTimeout: not by ``deadline``; names the lagging readers. With
+                ``mid_message`` (readers hold part of this message) the queue is closed.
+        """
+        where = f"to read chunk {seq - self._layout.max_chunks} of shared-memory queue {self.handle.name!r}"
+        names = [self.handle.reader_names[i] for i in self._lagging_readers(base)]
+        awaited = f"{', '.join(names) or 'the readers'} {where}"  # (none: freed in the last instant)
+        self._words[_H_WRITER_WAITING] = 1
+        try:
+            free = self._wait(lambda: self._slot_free(base), deadline, awaited, _WRITER_SLICE_S, None)
+        finally:
+            self._words[_H_WRITER_WAITING] = 0
+        if free:
+            return
+        lagging = self._lagging_readers(base)
+        described = ", ".join(self._describe(i, self.handle.reader_names[i]) for i in lagging)
+        names = [self.handle.reader_names[i] for i in lagging]
+        if mid_message:  # readers hold a partial message: nothing can follow it
+            self.close()
+        raise MessageQueueTimeout(f"{described or 'the readers'} {where}", timeout_s, tuple(names))
+
     def _lagging_readers(self, base: int) -> list[int]:
         """Ranks of the readers that have not read the chunk in the slot at ``base`` yet."""
         old = self._words[base + _M_WRITTEN]
-        if old == 0:  # never used
-            return []
         read_seqs = self._words[base + _M_READ : base + _M_READ + self._layout.n_readers].tolist()
-        return (
-            [] if read_seqs.count(old) == len(read_seqs) else [i for i, r in enumerate(read_seqs) if r != old]
-        )
-
-    def _wait_slot_free(self, base: int, seq: int, deadline: float, timeout_s: float) -> None:
-        def free() -> bool:
-            return not self._lagging_readers(base)
-
-        def what(describe: bool) -> tuple[str, tuple[str, ...]]:
-            lagging = self._lagging_readers(base)
-            # (Empty only if the slot was freed in the last instant.)
-            names = ", ".join(self._peer_name(i, describe) for i in lagging) or "the readers"
-            old = seq - self._layout.max_chunks
-            text = f"{names} to read chunk {old} of shared-memory queue {self.handle.name!r}"
-            return text, tuple(self._peer_name(i) for i in lagging)
-
-        if not self._spin(free):
-            self._words[_H_WRITER_WAITING] = 1
-            try:
-                self._block(free, deadline, timeout_s, _WRITER_SLICE_S, None, what)
-            finally:
-                self._words[_H_WRITER_WAITING] = 0
-        _fence()  # the readers' copies are done before the payload is overwritten
+        return [] if old == 0 else [i for i, r in enumerate(read_seqs) if r != old]
 
     def _poke_all(self) -> None:
         for fd in self._peer_fds:
@@ -521,111 +531,117 @@ class MessageQueue:
             raise MessageQueueClosed(f"this reader's end of queue {self.handle.name!r} was closed")
         timeout_s = default_timeout_s() if timeout is None else timeout
         deadline = time.monotonic() + timeout_s
-        words, rank = self._words, self.rank
-        while True:
+        words = self._words
+        while True:  # one chunk per turn, until the message is whole
             seq = self._next_seq
-            slot = (seq - 1) % self._layout.max_chunks
-            base = self._slot_base[slot]
+            base, offset = self._slots[(seq - 1) % self._layout.max_chunks]
             if words[base + _M_WRITTEN] != seq:
                 self._wait_published(base, seq, deadline, timeout_s, cancel)
             _fence()  # the payload is read only after the chunk was seen published
             n = words[base + _M_NBYTES]
             msg_len = words[base + _M_MSG_LEN]
-            offset = self._chunk_offset[slot]
-            chunk = self._mm[offset : offset + n]  # a copy
+            self._parts.append(self._mm[offset : offset + n])  # a copy
             _fence()  # the copy is done before the slot is handed back
-            words[base + _M_READ + rank] = seq
+            words[base + _M_READ + self.rank] = seq
             self._next_seq = seq + 1
             if words[_H_WRITER_WAITING]:
                 _poke(self._peer_fds[0])
-            if not self._parts and n == msg_len:
-                return chunk
-            self._parts.append(chunk)
             if sum(map(len, self._parts)) >= msg_len:
+                # (bytes.join of a single chunk returns that chunk: no second copy.)
                 message, self._parts = b"".join(self._parts), []
                 return message
 
     def _wait_published(
         self, base: int, seq: int, deadline: float, timeout_s: float, cancel: threading.Event | None
     ) -> None:
-        words = self._words
+        """Block until chunk ``seq`` is in the slot at ``base``.
 
-        def published() -> bool:
-            # Read `closed` first: the writer sets it after its last publish, so once it is
-            # seen, a chunk still missing below will never come.
-            closed = words[_H_CLOSED]
-            if words[base + _M_WRITTEN] == seq:
-                return True
-            if closed:
-                raise MessageQueueClosed(
-                    f"shared-memory queue {self.handle.name!r} was closed by {self.handle.writer_name}"
-                )
-            return False
+        Raises:
+            MessageQueueTimeout: not by ``deadline`` (``_reader_timeout``).
+            MessageQueueClosed: the writer closed the queue without publishing it.
+            WaitCancelled: ``cancel`` was set.
+        """
+        slice_s = _CANCEL_SLICE_S if cancel is not None else math.inf
+        if not self._wait(lambda: self._published(base, seq), deadline, self._awaited, slice_s, cancel):
+            raise self._reader_timeout(timeout_s)
 
-        if not self._spin(published):
-            slice_s = _CANCEL_SLICE_S if cancel is not None else None
-            self._block(published, deadline, timeout_s, slice_s, cancel, self._writer_what)
+    def _published(self, base: int, seq: int) -> bool:
+        """Chunk ``seq`` is in the slot at ``base``.
 
-    def _writer_what(self, describe: bool) -> tuple[str, tuple[str, ...]]:
-        writer = self._peer_name(0, describe)
-        reader = self.handle.reader_names[self.rank]
+        Raises:
+            MessageQueueClosed: it is not, and never will be: the queue was closed.
+        """
+        # Read `closed` first: the writer sets it after its last publish, so once it is
+        # seen, a chunk still missing below will never come.
+        closed = self._words[_H_CLOSED]
+        if self._words[base + _M_WRITTEN] == seq:
+            return True
+        if closed:
+            raise MessageQueueClosed(
+                f"shared-memory queue {self.handle.name!r} was closed by {self.handle.writer_name}"
+            )
+        return False
+
+    def _reader_timeout(self, timeout_s: float) -> MessageQueueTimeout:
+        """The error of a reader's wait that passed its deadline: it names the writer and
+        what the describe hook says about it, and whether part of a message is held."""
+        writer = self.handle.writer_name
         state = "the rest of a message" if self._parts else "the next message"
-        return (
-            f"{writer} to publish {state} on shared-memory queue {self.handle.name!r} (reader {reader})",
-            (self.handle.writer_name,),
+        return MessageQueueTimeout(
+            f"{self._describe(0, writer)} to publish {state} on shared-memory queue "
+            f"{self.handle.name!r} (reader {self.handle.reader_names[self.rank]})",
+            timeout_s,
+            (writer,),
         )
 
     # ---- waiting ----
 
-    def _peer_name(self, index: int, describe: bool = False) -> str:
-        """Reader ``index``'s name (on the writer's end) or the writer's (on a reader's),
-        with what the describe hook says about it when ``describe``."""
-        name = self.handle.writer_name if self.rank is not None else self.handle.reader_names[index]
-        if not describe or self._describe_peer is None:
+    def _describe(self, index: int, name: str) -> str:
+        """``name`` (of reader ``index`` on the writer's end, of the writer on a reader's)
+        with what the describe hook says about it, for a timeout message."""
+        if self._describe_peer is None:
             return name
         try:
             return f"{name} ({self._describe_peer(index)})"
         except Exception as e:  # a broken hook must not hide the timeout itself
             return f"{name} (describe hook failed: {type(e).__name__}: {e})"
 
-    @staticmethod
-    def _spin(ready: Callable[[], bool]) -> bool:
-        return any(ready() for _ in range(_SPIN_CHECKS))
-
-    def _block(
+    def _wait(
         self,
         ready: Callable[[], bool],
         deadline: float,
-        timeout_s: float,
-        slice_s: float | None,
+        awaited: str,
+        slice_s: float,
         cancel: threading.Event | None,
-        what: Callable[[bool], tuple[str, tuple[str, ...]]],
-    ) -> None:
-        """Sleep on this end's FIFO until ``ready()``; ``slice_s`` caps each sleep (s).
+    ) -> bool:
+        """Wait until ``ready()`` (True) or ``deadline`` (False, ``time.monotonic()`` s).
 
-        ``what(describe)`` gives (text, names) of who is awaited, for the timeout message
-        and the wait's name (``tracing.wait_for``'s events).
+        A few re-checks first (a few µs: catches a chunk that is just landing), then sleeps
+        on this end's FIFO, each at most ``slice_s`` s, woken by the other end's poke.
+        ``awaited`` names the wait (``tracing.wait_for``'s events).
+
+        Raises:
+            WaitCancelled: ``cancel`` was set.
         """
-        awaited = what(False)[0]
+        if any(ready() for _ in range(_SPIN_CHECKS)):
+            return True
 
         def ready_else_sleep() -> bool:
             _drain(self._wakeup_fd)  # before the check: a later poke stays in the FIFO
             if ready():
                 return True
-            remaining = deadline - time.monotonic()
-            if remaining > 0:
-                sleep_s = remaining if slice_s is None else min(remaining, slice_s)
-                self._poller.poll(max(1, int(sleep_s * 1000 + 0.999)))  # ms, rounded up
+            sleep_s = min(deadline - time.monotonic(), slice_s)
+            if sleep_s > 0:
+                self._poller.poll(math.ceil(sleep_s * 1000))  # ms, rounded up
             return False
 
         try:
             # tracing.waits: the deadline, the cancel event and the wait events; the sleeping
             # is this queue's own (on its FIFO, woken by the other end's poke).
-            wait_for(awaited, ready_else_sleep, timeout_s=max(deadline - time.monotonic(), 0.0),
-                     poll_interval_s=0, cancel=cancel)  # fmt: skip
+            return wait_for(awaited, ready_else_sleep, timeout_s=max(deadline - time.monotonic(), 0.0),
+                            poll_interval_s=0, cancel=cancel)  # fmt: skip
         except WaitTimeout:
-            text, names = what(True)
-            raise MessageQueueTimeout(text, timeout_s, names) from None
+            return False
 
 
 def _poke(fd: int) -> None:
