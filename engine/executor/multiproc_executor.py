@@ -22,6 +22,7 @@ The queues are files in the run directory, so removing the run directory removes
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import pickle
@@ -164,10 +165,11 @@ class MultiprocExecutor(Executor):
         deadline = time.monotonic() + (timeout or envs.GLASSBOX_EXECUTE_MODEL_TIMEOUT_S)
         # The RPC carries the caller's span: the worker's span for it is that span's child.
         rpc = WorkerRPC.make(method, args, kwargs, unique_reply_rank, inject_trace_headers() or None)
-        message = messages.encode(rpc)
         try:
             with stage(catalogue.EXECUTOR_BROADCAST):
-                self.rpc_broadcast_mq.enqueue(message, timeout=max(deadline - time.monotonic(), 0.001))
+                self.rpc_broadcast_mq.enqueue(
+                    messages.encode(rpc), timeout=max(deadline - time.monotonic(), 0.001)
+                )
         except MessageQueueTimeout as e:
             self._raise_if_failed()
             raise TimeoutError(f"{method}: {e}") from None
@@ -175,24 +177,33 @@ class MultiprocExecutor(Executor):
         results = []
         for rank in ranks:
             reply = self._receive(rank, deadline, method)
-            if not isinstance(reply, WorkerReply) or reply.rank != rank or reply.method != method:
-                raise ProtocolError(
-                    f"{self.roles[rank]} sent {type(reply).__name__} "
-                    f"({getattr(reply, 'method', '?')!r} from rank {getattr(reply, 'rank', '?')}) where the "
-                    f"reply to {method!r} from rank {rank} was due"
-                )
+            if not isinstance(reply, WorkerReply) or (reply.rank, reply.method) != (rank, method):
+                raise self._unexpected_reply(rank, method, reply)
             if not reply.ok:
-                self._raise_for_worker_error(rank, method, reply)
-                # The worker wrote its crash report and exits: the root cause names it (its
-                # pid, stage, exception), not this engine core that only relayed the failure.
-                proc = self.workers[rank]
-                try:
-                    proc.popen.wait(WORKER_EXIT_GRACE_S)
-                except Exception:  # still running: named as it is
-                    pass
-                self._fail(rank, proc.poll())
+                self._fail_for_error_reply(rank, method, reply)
             results.append(reply.result())
         return results
+
+    def _unexpected_reply(self, rank: int, method: str, reply: WorkerReady | WorkerReply) -> ProtocolError:
+        """The error for a message from worker ``rank`` that is not its reply to ``method``."""
+        return ProtocolError(
+            f"{self.roles[rank]} sent {type(reply).__name__} "
+            f"({getattr(reply, 'method', '?')!r} from rank {getattr(reply, 'rank', '?')}) where the "
+            f"reply to {method!r} from rank {rank} was due"
+        )
+
+    def _fail_for_error_reply(self, rank: int, method: str, reply: WorkerReply) -> None:
+        """Worker ``rank`` answered ``method`` with an error: raise it as the caller's (a
+        ``ConfigError``, a ``ValueError``), or fail the engine naming the worker.
+
+        Raises:
+            ConfigError, ValueError, ProtocolError: see ``_raise_for_worker_error``.
+            EngineDeadError: otherwise.
+        """
+        self._raise_for_worker_error(rank, method, reply)
+        # The worker wrote its crash report and exits: the root cause names it (its pid,
+        # stage, exception), not this engine core that only relayed the failure.
+        self._fail_once_exited(rank, WORKER_EXIT_GRACE_S, code_if_running=None)
 
     def execute_model(self, scheduler_output):
         # The last pipeline stage samples: its TP rank 0 answers (vLLM: output_rank).
@@ -214,39 +225,36 @@ class MultiprocExecutor(Executor):
             TimeoutError: nothing came by ``deadline``; the message names the worker and its stage.
             EngineDeadError: the worker (or a peer) died meanwhile.
         """
-        mq = self.response_mqs[rank]
-
-        def one_slice() -> tuple[WorkerReady | WorkerReply] | None:
-            self._raise_if_failed()
-            left = deadline - time.monotonic()
-            try:
-                return (messages.decode_response(mq.dequeue(timeout=max(min(DEATH_CHECK_S, left), 0.001))),)
-            except MessageQueueTimeout:
-                return None
-            except MessageQueueClosed:
-                # The worker closed its side: it is exiting. Blame it, with its exit status.
-                proc = self.workers[rank]
-                try:
-                    proc.popen.wait(2.0)
-                except Exception:
-                    pass
-                self._fail(rank, proc.poll() if proc.poll() is not None else 0)
-
         try:
-            (message,) = wait_for(f"{what} from {self.roles[rank]}", one_slice,
+            (message,) = wait_for(f"{what} from {self.roles[rank]}", lambda: self._receive_slice(rank, deadline),
                                   timeout_s=max(deadline - time.monotonic(), 0.0), poll_interval_s=0)  # fmt: skip
         except WaitTimeout:
-            raise TimeoutError(
-                f"{self.roles[rank]} (pid {self.workers[rank].pid}) did not answer {what} within its deadline; "
-                f"{self._describe_hung(rank)}"
-            ) from None
+            raise self._hung_error(rank, what) from None
         return message
+
+    def _receive_slice(self, rank: int, deadline: float) -> tuple[WorkerReady | WorkerReply] | None:
+        """One slice of ``_receive``: raise a failure the supervisor saw, then wait at most
+        ``DEATH_CHECK_S`` for worker ``rank``'s message; ``(message,)``, or None if none came.
+
+        Raises:
+            EngineDeadError: a failure was seen, or the worker closed its queue (it is exiting).
+        """
+        self._raise_if_failed()
+        slice_s = max(min(DEATH_CHECK_S, deadline - time.monotonic()), 0.001)
+        try:
+            return (messages.decode_response(self.response_mqs[rank].dequeue(timeout=slice_s)),)
+        except MessageQueueTimeout:
+            return None
+        except MessageQueueClosed:
+            # The worker closed its side: it is exiting. Blame it, with its exit status.
+            self._fail_once_exited(rank, 2.0, code_if_running=0)
 
     # ------------------------------------------------------------------ liveness
 
-    def _describe_hung(self, rank: int) -> str:
-        """Why worker ``rank`` may not answer: its stage, an injected fault that struck it, and
-        the line its main thread waits at (a stack dump on SIGUSR1, ``tracing.stacks``)."""
+    def _hung_error(self, rank: int, what: str) -> TimeoutError:
+        """The error for worker ``rank`` not answering ``what`` by its deadline, with why it may
+        not: its stage, an injected fault that struck it, and the line its main thread waits
+        at (a stack dump on SIGUSR1, ``tracing.stacks``)."""
         role = self.roles[rank]
         parts = [self._describe_reader(rank)]
         status = contract.read_status(run_dirs.status_file(Path(self.run_dir), role))
@@ -259,7 +267,10 @@ class MultiprocExecutor(Executor):
             where = stacks.where_waits(main.frames) if main is not None else None
             if where:
                 parts.append(f"its main thread waits at {where}")
-        return "; ".join(parts)
+        return TimeoutError(
+            f"{role} (pid {self.workers[rank].pid}) did not answer {what} within its deadline; "
+            + "; ".join(parts)
+        )
 
     def _blame_dead_peer(self, rank: int, grace_s: float = 1.0) -> None:
         """Tensor parallelism: when a worker dies or fails, its peers' next collective fails
@@ -272,6 +283,18 @@ class MultiprocExecutor(Executor):
         peer = self.supervisor.exited_within(peers, grace_s)
         if peer is not None:
             self._fail(self.roles.index(peer), self.workers[self.roles.index(peer)].poll())
+
+    def _fail_once_exited(self, rank: int, grace_s: float, code_if_running: int | None) -> None:
+        """Worker ``rank`` is exiting (it reported a failure, or closed its queue): give it
+        ``grace_s`` s to exit, then ``_fail`` naming it with its exit status
+        (``code_if_running`` if it still runs); raises ``EngineDeadError``."""
+        proc = self.workers[rank]
+        try:
+            proc.popen.wait(grace_s)
+        except Exception:  # still running: named as it is
+            pass
+        code = proc.poll()
+        self._fail(rank, code_if_running if code is None else code)
 
     def _fail(self, rank: int, code: int | None) -> None:
         """Fail the executor (once) naming worker ``rank`` (``code``: its exit status, None
@@ -334,23 +357,27 @@ def run_worker_rpc(
     if board is not None:
         board.rpc_enter(rpc_msg.method)
     try:
-        with attached_trace_context(rpc_msg.trace_headers):
-            args, kwargs = rpc_msg.call_args()
-            if rpc_msg.method == "execute_model" and (
-                worker_spans or catalogue.WORKER_EXECUTE_MODEL in faults.armed_stages()
-            ):
-                waited_ms = max(time.time() - rpc_msg.sent_at, 0.0) * 1e3
-                with stage(catalogue.WORKER_EXECUTE_MODEL, rank=rank,
-                           **{catalogue.ATTR_QUEUE_WAIT_MS: waited_ms}):  # fmt: skip
-                    value = wrapper.execute_method(rpc_msg.method, *args, **kwargs)
-            else:
-                value = wrapper.execute_method(rpc_msg.method, *args, **kwargs)
+        args, kwargs = rpc_msg.call_args()
+        with attached_trace_context(rpc_msg.trace_headers), _execute_model_stage(rpc_msg, rank, worker_spans):
+            value = wrapper.execute_method(rpc_msg.method, *args, **kwargs)
         if board is not None:
             board.rpc_exit()
         return WorkerReply.success(rank, rpc_msg.method, value)
     except Exception as e:
         processes.write_crash_report(run_dir, role, e, current_stage() or _rpc_stage(rpc_msg.method), rank)
         return WorkerReply.failure(rank, rpc_msg.method, e)
+
+
+def _execute_model_stage(rpc_msg: WorkerRPC, rank: int, worker_spans: bool):
+    """The ``worker.execute_model`` stage of an ``execute_model`` RPC (its attribute: how long
+    the RPC waited in the queue, ms) when worker spans are asked for or a fault is armed
+    there; else nothing."""
+    if rpc_msg.method != "execute_model" or not (
+        worker_spans or catalogue.WORKER_EXECUTE_MODEL in faults.armed_stages()
+    ):
+        return contextlib.nullcontext()
+    waited_ms = max(time.time() - rpc_msg.sent_at, 0.0) * 1e3
+    return stage(catalogue.WORKER_EXECUTE_MODEL, rank=rank, **{catalogue.ATTR_QUEUE_WAIT_MS: waited_ms})
 
 
 def _rpc_stage(method: str) -> str:
@@ -361,11 +388,37 @@ def _rpc_stage(method: str) -> str:
 
 
 class WorkerProc:
-    """The worker process: a ``WorkerWrapperBase`` behind the broadcast queue.
+    """The worker process: a ``WorkerWrapperBase`` behind the broadcast queue (vLLM's ``WorkerProc``).
 
-    Its busy loop dequeues one RPC at a time (bounded waits, repeated while idle), runs it
+    Built inside the harness, it opens the queues, builds the wrapper and says READY; its
+    busy loop then dequeues one RPC at a time (bounded waits, repeated while idle), runs it
     on the wrapper, and answers on its response queue when asked to.
     """
+
+    def __init__(self, payload: WorkerSpawnPayload, ctx: ProcessContext) -> None:
+        from engine.distributed import parallel_state  # torch: workers only
+        from engine.worker.worker_base import WorkerWrapperBase
+
+        self.run_dir, self.role, self.rank = ctx.spec.run_dir, ctx.spec.role, payload.rank
+        config = payload.config
+        self.rpc_broadcast_mq = MessageQueue.open_reader(payload.rpc_handle, self.rank)
+        self.worker_response_mq = MessageQueue.open_writer(payload.response_handle)
+        self.wrapper: WorkerWrapperBase | None = None
+        ctx.at_exit(self.close)
+        # --collect-detailed-traces worker|all: a worker.execute_model span per step.
+        self.worker_spans = config.observability_config.collect_worker_traces
+        self.board = parallel_state.open_comm_board(
+            self.run_dir, self.role
+        )  # <role>.comm: its step and collective
+        with attached_trace_context(payload.trace_headers):
+            self.wrapper = WorkerWrapperBase(config, rpc_rank=self.rank)
+        ready = WorkerReady(role=self.role, rank=self.rank, pid=os.getpid(), device=str(config.device_config.device),
+                            dtype=str(config.model_config.dtype))  # fmt: skip
+        self.worker_response_mq.enqueue(messages.encode(ready))
+        if ctx.telemetry is not None:  # the Worker itself is built later, by init_worker
+            ctx.telemetry.add_gauge_provider(
+                lambda: self.wrapper.worker.telemetry_gauges() if self.wrapper.worker else {}
+            )
 
     @staticmethod
     def worker_main(payload_bytes: bytes, *, run_dir: Path, role: str) -> int:
@@ -379,49 +432,35 @@ class WorkerProc:
 
     @staticmethod
     def _serve(payload: WorkerSpawnPayload, ctx: ProcessContext) -> None:
-        """The worker's life inside the harness: open the queues, build the wrapper, say
-        READY, then run RPCs until the engine core closes the queue."""
-        from engine.worker.worker_base import WorkerWrapperBase
+        """The worker's life inside the harness: start up, then run RPCs until the engine
+        core closes the queue."""
+        WorkerProc(payload, ctx).worker_busy_loop()
 
-        run_dir, role, rank = ctx.spec.run_dir, ctx.spec.role, payload.rank
-        config = payload.config
-        rpc = MessageQueue.open_reader(payload.rpc_handle, rank)
-        response = MessageQueue.open_writer(payload.response_handle)
-        wrapper: WorkerWrapperBase | None = None
+    def close(self) -> None:
+        """Leave the torch.distributed group (TP) and close both queues (at exit)."""
+        worker = getattr(self.wrapper, "worker", None)
+        if worker is not None:
+            worker.shutdown()
+        self.rpc_broadcast_mq.close()
+        self.worker_response_mq.close()
 
-        def close() -> None:
-            worker = getattr(wrapper, "worker", None)
-            if worker is not None:
-                worker.shutdown()  # leaves the torch.distributed group (TP)
-            rpc.close()
-            response.close()
+    def worker_busy_loop(self) -> None:
+        """Run RPCs until the engine core closes the queue (an orderly shutdown).
 
-        ctx.at_exit(close)
-        # --collect-detailed-traces worker|all: a worker.execute_model span per step.
-        worker_spans = config.observability_config.collect_worker_traces
-        from engine.distributed import parallel_state  # torch: workers only
-
-        board = parallel_state.open_comm_board(run_dir, role)  # <role>.comm: its step and collective
-        with attached_trace_context(payload.trace_headers):
-            wrapper = WorkerWrapperBase(config, rpc_rank=rank)
-        ready = WorkerReady(role=role, rank=rank, pid=os.getpid(), device=str(config.device_config.device),
-                            dtype=str(config.model_config.dtype))  # fmt: skip
-        response.enqueue(messages.encode(ready))
-        if ctx.telemetry is not None:  # the Worker itself is built later, by init_worker
-            ctx.telemetry.add_gauge_provider(
-                lambda: wrapper.worker.telemetry_gauges() if wrapper.worker else {}
-            )
+        Raises:
+            SystemExit: 1, after replying with a failure (the crash report is written).
+        """
         while True:
             try:
-                message = rpc.dequeue(timeout=1.0)
+                message = self.rpc_broadcast_mq.dequeue(timeout=1.0)
             except MessageQueueTimeout:
                 continue  # idle: wait again (the lifeline watcher handles a dead parent)
             except MessageQueueClosed:
                 return  # the engine core closed the queue: an orderly shutdown
             rpc_msg = messages.decode_rpc(message)
-            reply = run_worker_rpc(wrapper, rpc_msg, rank, run_dir=run_dir, role=role,
-                                   worker_spans=worker_spans, board=board)  # fmt: skip
-            if rpc_msg.output_rank is None or rpc_msg.output_rank == rank:
-                response.enqueue(messages.encode(reply))
+            reply = run_worker_rpc(self.wrapper, rpc_msg, self.rank, run_dir=self.run_dir, role=self.role,
+                                   worker_spans=self.worker_spans, board=self.board)  # fmt: skip
+            if rpc_msg.output_rank is None or rpc_msg.output_rank == self.rank:
+                self.worker_response_mq.enqueue(messages.encode(reply))
             if not reply.ok:
                 raise SystemExit(1)

@@ -366,14 +366,12 @@ class Supervisor:
     ) -> None:
         """Log the failure noticed, and tell engine-top how the child ended (only a parent knows)."""
         from tracing import run_dir as contract
-        from tracing.telemetry.publisher import get_publisher
+        from tracing.telemetry.publisher import telemetry
 
         who = f"{role} (pid {pid if pid is not None else '?'})"
         if code is not None or detail is not None:
             how = detail or processes.describe_exit(code)
-            publisher = get_publisher()
-            if publisher is not None:
-                publisher.note_child_exit(role, how)
+            telemetry().note_child_exit(role, how)  # NULL_PUBLISHER when telemetry is off
             line = (
                 f"{who} died: {how}" if code is not None else f"{who} {how}" + (f"; {note}" if note else "")
             )
