@@ -114,8 +114,7 @@ class _Batch:
     attn_metadata: AttentionMetadata
     sample_rows: list[int]  # batch indices of requests that sample this step
     logits_indices: torch.Tensor  # (len(sample_rows),) token index of each one's last token
-    # (batch index, index of the first token, its position, count) per prompt-logprobs request
-    prompt_logprob_spans: list[tuple[int, int, int, int]]
+    prompt_logprob_rows: list[int]  # batch indices of requests that asked for prompt logprobs
 
 
 def _is_compile_failure(error: BaseException) -> bool:
@@ -434,7 +433,7 @@ class ModelRunner:
         logprobs: dict[str, LogprobsLists] = {}
         with self._detail(catalogue.MODEL_RUNNER_SAMPLE), op_threads():
             self._sample(batch, hidden, sampled_lists, logprobs)
-        prompt_logprobs = self._prompt_logprobs(batch, hidden) if batch.prompt_logprob_spans else {}
+        prompt_logprobs = self._prompt_logprobs(batch, hidden) if batch.prompt_logprob_rows else {}
         return ModelRunnerOutput(
             req_ids=batch.req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(batch.req_ids)},
@@ -527,8 +526,9 @@ class ModelRunner:
     def _prepare_inputs(self, so: SchedulerOutput) -> _Batch:
         """Flatten the scheduled requests (decodes first) into token arrays and metadata."""
         scheduled = so.num_scheduled_tokens
-        req_ids = [r for r, n in scheduled.items() if n == 1] + [r for r, n in scheduled.items() if n > 1]
-        num_decodes = sum(1 for n in scheduled.values() if n == 1)
+        decodes = [r for r, n in scheduled.items() if n == 1]
+        req_ids = decodes + [r for r, n in scheduled.items() if n > 1]
+        num_decodes = len(decodes)
         states = [self.requests[r] for r in req_ids]
         num_reqs = len(req_ids)
 
@@ -538,40 +538,29 @@ class ModelRunner:
         np.cumsum(num_scheduled, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
         seq_lens = num_computed + num_scheduled  # (num_reqs,) tokens in the cache after this step
-
-        # Per token: which request it belongs to, and its position in that request.
-        req_index = np.repeat(np.arange(num_reqs), num_scheduled)  # (num_tokens,)
-        positions = num_computed[req_index] + np.arange(num_tokens) - query_start_loc[req_index]
-
-        input_ids: list[int] = []
-        for state, start, end in zip(states, num_computed.tolist(), seq_lens.tolist()):
-            input_ids.extend(state.token_ids(start, end))
-
-        max_blocks = max(len(s.block_array) for s in states)
-        block_table = np.zeros((num_reqs, max_blocks), dtype=np.int32)  # 0 = the null block
-        for i, state in enumerate(states):
-            block_table[i, : len(state.block_array)] = state.block_array
-        bs = self.block_size
-        slot_mapping = block_table[req_index, positions // bs].astype(np.int64) * bs + positions % bs
-
-        # Sampling rows: requests whose known tokens are all in the cache after this step.
-        sample_rows, logits_indices, spans = [], [], []
         qsl = query_start_loc.tolist()
+
+        # Per request: its tokens of this step, its row of the block table, and whether it
+        # samples (all its known tokens are in the cache after this step).
+        input_ids: list[int] = []
+        block_table = np.zeros((num_reqs, max(len(s.block_array) for s in states)), dtype=np.int32)  # 0: null
+        sample_rows, logits_indices, prompt_logprob_rows = [], [], []
         for i, (state, start, end) in enumerate(zip(states, num_computed.tolist(), seq_lens.tolist())):
+            input_ids.extend(state.token_ids(start, end))
+            block_table[i, : len(state.block_array)] = state.block_array
             if end >= state.num_tokens:
                 sample_rows.append(i)
                 logits_indices.append(qsl[i + 1] - 1)
             if state.sampling_params.prompt_logprobs is not None:
-                # The hidden state at position p scores prompt token p + 1.
-                first = max(start, state.num_prompt_logprobs_done)
-                last = min(end, state.num_prompt_tokens - 1)
-                if last > first:
-                    spans.append((i, qsl[i] + first - start, first, last - first))
-                    state.num_prompt_logprobs_done = last
+                prompt_logprob_rows.append(i)
 
-        def to_device(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-            return torch.from_numpy(array).to(device=self.device, dtype=dtype, non_blocking=True)
+        # Per token: which request it belongs to, its position in that request, its KV slot.
+        req_index = np.repeat(np.arange(num_reqs), num_scheduled)  # (num_tokens,)
+        positions = num_computed[req_index] + np.arange(num_tokens) - query_start_loc[req_index]
+        bs = self.block_size
+        slot_mapping = block_table[req_index, positions // bs].astype(np.int64) * bs + positions % bs
 
+        to_device = self._to_device
         meta = AttentionMetadata(
             num_reqs=num_reqs,
             num_decodes=num_decodes,
@@ -595,8 +584,12 @@ class ModelRunner:
             attn_metadata=meta,
             sample_rows=sample_rows,
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=self.device),
-            prompt_logprob_spans=spans,
+            prompt_logprob_rows=prompt_logprob_rows,
         )
+
+    def _to_device(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        """A numpy array of the step's inputs as a tensor of ``dtype`` on the device."""
+        return torch.from_numpy(array).to(device=self.device, dtype=dtype, non_blocking=True)
 
     def _decode_slots(self, block_table: np.ndarray, seq_lens: np.ndarray, num_decodes: int) -> np.ndarray:
         """``(num_decodes, longest decode)`` int64: the flat cache slot of every key of every
@@ -623,10 +616,25 @@ class ModelRunner:
         return out
 
     def _prompt_logprobs(self, batch: _Batch, hidden: torch.Tensor) -> dict[str, LogprobsLists]:
-        """Rows for the prompt positions computed this step; row k scores the prompt's next token."""
-        states = [self.requests[batch.req_ids[row]] for row, _, _, _ in batch.prompt_logprob_spans]
+        """Rows for the prompt positions computed this step; row k scores the prompt's next token.
+
+        Each prompt position is reported once: ``num_prompt_logprobs_done`` advances here."""
+        meta = batch.attn_metadata
+        states, spans = [], []  # span: (index of the first token, its position, count)
+        for row in batch.prompt_logprob_rows:
+            state = self.requests[batch.req_ids[row]]
+            start, end = meta.num_computed_tokens_cpu[row], meta.seq_lens_cpu[row]
+            # The hidden state at position p scores prompt token p + 1.
+            first = max(start, state.num_prompt_logprobs_done)
+            last = min(end, state.num_prompt_tokens - 1)
+            if last > first:
+                states.append(state)
+                spans.append((meta.query_start_loc_cpu[row] + first - start, first, last - first))
+                state.num_prompt_logprobs_done = last
+        if not spans:
+            return {}
         index, targets = [], []
-        for state, (_, first_token, position, count) in zip(states, batch.prompt_logprob_spans):
+        for state, (first_token, position, count) in zip(states, spans):
             index.extend(range(first_token, first_token + count))
             targets.extend(state.prompt_token_ids[position + 1 : position + 1 + count])
         index_t = torch.tensor(index, dtype=torch.int64, device=self.device)
@@ -635,7 +643,7 @@ class ModelRunner:
         tensors = gather_logprobs(logprobs, max_n, torch.tensor(targets, device=self.device))
         ids, lps, ranks = tensors.token_ids.tolist(), tensors.logprobs.tolist(), tensors.ranks.tolist()
         out, k = {}, 0
-        for state, (_, _, _, count) in zip(states, batch.prompt_logprob_spans):
+        for state, (_, _, count) in zip(states, spans):
             n = state.sampling_params.prompt_logprobs + 1
             out[state.req_id] = LogprobsLists(
                 logprob_token_ids=[r[:n] for r in ids[k : k + count]],
