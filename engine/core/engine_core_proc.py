@@ -287,7 +287,7 @@ class EngineCoreProc(EngineCore):
                 going_idle = not self.scheduler.has_requests()
                 for client_index, client_outputs in self.output_router.route(outputs, going_idle):
                     self.output_queue.put(
-                        (client_index, client_outputs, self.last_step_context, time.time_ns())
+                        (client_index, client_outputs, self.step_tracer.last_step_context, time.time_ns())
                     )
             elif self.engines_running:
                 self._dummy_step()
