@@ -46,7 +46,6 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
-from opentelemetry import trace
 
 from engine import envs
 from engine.config import ConfigError, EngineConfig
@@ -79,7 +78,7 @@ from engine.utils import processes
 from engine.utils import run_dir as run_dirs
 from engine.utils.process_harness import Observability, ProcessContext, ProcessSpec, run_process
 from engine.utils.wire import ProtocolError
-from tracing import catalogue, record_span, stage
+from tracing import catalogue, stage
 from tracing.propagation import attached_trace_context
 from tracing.stage import open_stages
 from tracing.telemetry import events
@@ -126,20 +125,17 @@ class OutputRouter:
     def route(
         self, outputs: dict[int, EngineCoreOutputs], going_idle: bool
     ) -> list[tuple[int, EngineCoreOutputs]]:
-        unknown = [index for index in outputs if not 0 <= index < self.num_clients]
+        unknown = outputs.keys() - range(self.num_clients)
         if unknown:
-            raise ProtocolError(f"outputs for client index {unknown[0]}, but this engine core has "
+            raise ProtocolError(f"outputs for client index {min(unknown)}, but this engine core has "
                                 f"{self.num_clients} client(s)")  # fmt: skip
         stats = next((o.scheduler_stats for o in outputs.values() if o.scheduler_stats is not None), None)
         now = self.clock()
         routed = []
         for client_index in range(self.num_clients):
             eco = outputs.get(client_index)
-            if stats is not None and (
-                eco is not None
-                or going_idle
-                or now - self.stats_sent_at[client_index] >= self.stats_interval_s
-            ):
+            stats_stale = now - self.stats_sent_at[client_index] >= self.stats_interval_s
+            if stats is not None and (eco is not None or going_idle or stats_stale):
                 eco = eco if eco is not None else EngineCoreOutputs()
                 eco.scheduler_stats = stats
                 self.stats_sent_at[client_index] = now
@@ -496,9 +492,7 @@ class EngineCoreProc(EngineCore):
             tag = TAG_OUTPUTS if isinstance(message, EngineCoreOutputs) else TAG_UTILITY
             self.output_sockets[client_index].send_multipart([tag, _encode(message)], copy=False)
             if step_context is not None:  # part of the step's trace: waited, encoded, sent
-                record_span(catalogue.ENGINE_CORE_OUTPUT_SEND, start_ns=taken_ns,
-                            parent=trace.set_span_in_context(trace.NonRecordingSpan(step_context)),
-                            attributes={catalogue.ATTR_QUEUE_WAIT_MS: (taken_ns - queued_ns) / 1e6})  # fmt: skip
+                self.step_tracer.record_output_send(step_context, queued_ns, taken_ns)
 
     def _send_handshake(self, handshake: EngineHandshake) -> None:
         """HELLO / READY to client 0, the one that launched this engine and waits for them."""

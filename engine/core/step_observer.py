@@ -39,11 +39,13 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
+from opentelemetry import trace
+
 from engine.core.messages import EngineCoreOutputs
 from engine.sched.output import SchedulerOutput
 from engine.sched.request import Request
 from engine.sched.scheduler import Scheduler
-from tracing import catalogue, stage
+from tracing import catalogue, record_span, stage
 from tracing.stage import Stage
 from tracing.telemetry.events import StepRecord
 from tracing.telemetry.publisher import telemetry
@@ -151,6 +153,17 @@ class StepTracer:
         """After the step's span ended: ``on_step`` for every observer."""
         for observer in self.observers:
             observer.on_step(self._record, self._scheduler_output, outputs)
+
+    @staticmethod
+    def record_output_send(step_context: Any, queued_ns: int, taken_ns: int) -> None:
+        """The ``engine_core.output_send`` span of one step's message, a child of its
+        ``engine_core.step`` (``step_context``: ``last_step_context`` as the message was
+        queued): from ``taken_ns`` (the output thread took it off ``output_queue``) to now,
+        with the time it waited there since ``queued_ns`` (Unix ns). Called on the output
+        thread."""
+        record_span(catalogue.ENGINE_CORE_OUTPUT_SEND, start_ns=taken_ns,
+                    parent=trace.set_span_in_context(trace.NonRecordingSpan(step_context)),
+                    attributes={catalogue.ATTR_QUEUE_WAIT_MS: (taken_ns - queued_ns) / 1e6})  # fmt: skip
 
     def _step_record(self) -> StepRecord:
         """This step's figures, as ``update_from_output`` ends."""
