@@ -6,8 +6,9 @@ core in its own process with input/output threads, is ``engine_core_proc.py``). 
 
     schedule()  →  execute_model()  →  update_from_output()
 
-and builds one ``StepRecord`` of it; what watches the steps (the spans' figures, request
-phases, the flight recorder, live telemetry) is a step observer (``step_observer.py``).
+each inside its span; the spans, the phase times and the step's ``StepRecord`` are the
+``StepTracer``'s, and what watches the steps (the spans' figures, request phases, the flight
+recorder, live telemetry) is a step observer (both in ``step_observer.py``).
 
 Start-up sizes the KV cache between the executor's creation and the scheduler's: the
 workers profile memory, the core turns bytes into blocks (``kv_cache_planning``), logs the
@@ -17,18 +18,22 @@ capacity, and only then builds the ``Scheduler`` over that many blocks.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from engine.config import EngineConfig
 from engine.core.messages import EngineCoreOutputs, EngineCoreRequest
 from engine.core.request_tracing import RequestPhaseTracer
-from engine.core.step_observer import FlightRecorder, StepObserver, StepSpanAttributes, StepTelemetry
+from engine.core.step_observer import (
+    FlightRecorder,
+    StepObserver,
+    StepSpanAttributes,
+    StepTelemetry,
+    StepTracer,
+)
 from engine.executor.abstract import Executor
 from engine.kv_cache.kv_cache_interface import KVCacheConfig
 from engine.kv_cache.kv_cache_planning import get_kv_cache_configs
 from engine.kv_cache.kv_cache_utils import get_request_block_hasher
 from engine.logger import init_logger
-from engine.sched.output import SchedulerOutput
 from engine.sched.request import Request, RequestStatus
 from engine.sched.scheduler import Scheduler
 from tracing import catalogue, stage
@@ -93,8 +98,13 @@ class EngineCore:
                 self.flight_recorder,
                 StepTelemetry(self.scheduler),
             ]
-            # The latest engine_core.step span's context (None unless spans are recorded).
-            self.last_step_context = None
+            # The step's spans and phase times, and the hooks of step_observers.
+            self.step_tracer = StepTracer(
+                self.scheduler,
+                config.parallel_config.data_parallel_rank,
+                config.scheduler_config.max_num_batched_tokens,
+                self.step_observers,
+            )
             self.step_delay_s = config.observability_config.step_delay_ms / 1e3
 
     def _initialize_kv_caches(self) -> KVCacheConfig:
@@ -147,7 +157,8 @@ class EngineCore:
         self.request_tracer.abort(request_ids)
 
     def step(self) -> tuple[dict[int, EngineCoreOutputs], bool]:
-        """One engine step; its ``StepRecord`` goes to every one of ``step_observers``.
+        """One engine step: schedule, execute, update, each in its span (``step_tracer``),
+        whose ``StepRecord`` goes to every one of ``step_observers``.
 
         Returns:
             ``(outputs per client index, model_executed)``. Nothing runs when there is
@@ -156,59 +167,20 @@ class EngineCore:
         if not self.scheduler.has_requests():
             return {}, False
         self.step_counter += 1
-        step_id = {catalogue.ATTR_STEP_ID: self.step_counter}
-        started_at, t0 = time.time(), time.perf_counter()
-        with stage(catalogue.ENGINE_CORE_STEP, **step_id) as step_span:
-            with stage(catalogue.SCHEDULER_SCHEDULE, **step_id) as schedule_span:
+        tracer = self.step_tracer
+        with tracer.step(self.step_counter):
+            with tracer.phase(catalogue.SCHEDULER_SCHEDULE):
                 scheduler_output = self.scheduler.schedule()
-                batch, prefill_ids = self._classify_batch(scheduler_output)
-                for observer in self.step_observers:
-                    observer.on_schedule(scheduler_output, prefill_ids, step_span, schedule_span)
-            t1 = time.perf_counter()
-            with stage(catalogue.EXECUTOR_EXECUTE_MODEL, **step_id):
+                tracer.scheduled(scheduler_output)
+            with tracer.phase(catalogue.EXECUTOR_EXECUTE_MODEL):
                 model_output = self.model_executor.execute_model(scheduler_output)
-            t2 = time.perf_counter()
-            with stage(catalogue.SCHEDULER_UPDATE_FROM_OUTPUT, **step_id) as update_span:
+            with tracer.phase(catalogue.SCHEDULER_UPDATE_FROM_OUTPUT):
                 outputs = self.scheduler.update_from_output(scheduler_output, model_output)
-                record = self._step_record(scheduler_output, batch, started_at, (t0, t1, t2))
-                for observer in self.step_observers:
-                    observer.on_update(record, step_span, update_span)
-        self.last_step_context = step_span.span.get_span_context() if step_span.span is not None else None
-        for observer in self.step_observers:
-            observer.on_step(record, scheduler_output, outputs)
+                tracer.updated()
+        tracer.stepped(outputs)
         if self.step_delay_s:
             time.sleep(self.step_delay_s)  # --step-delay-ms: slow motion for a class
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
-
-    def _step_record(
-        self,
-        scheduler_output: SchedulerOutput,
-        batch: dict[str, int],
-        started_at: float,
-        marks: tuple[float, float, float],
-    ) -> StepRecord:
-        """This step's figures, just after ``update_from_output`` (which ends its update
-        phase now). ``batch``: its decode / prefill counts (``_classify_batch``);
-        ``started_at``: Unix s; ``marks``: ``perf_counter`` seconds at the start, after
-        scheduling and after execution."""
-        (t0, t1, t2), t3 = marks, time.perf_counter()
-        num_running, num_waiting = self.scheduler.get_request_counts()
-        return StepRecord(
-            engine_index=self.config.parallel_config.data_parallel_rank,
-            step_id=self.step_counter,
-            started_at=started_at,
-            duration_ms=(t3 - t0) * 1e3,
-            schedule_ms=(t1 - t0) * 1e3,
-            execute_ms=(t2 - t1) * 1e3,
-            update_ms=(t3 - t2) * 1e3,
-            **batch,
-            tokens_scheduled=scheduler_output.total_num_scheduled_tokens,
-            token_budget=self.config.scheduler_config.max_num_batched_tokens,
-            num_running=num_running,
-            num_waiting=num_waiting,
-            num_preempted=len(scheduler_output.preempted_req_ids),
-            kv_usage=self.scheduler.kv_cache_manager.usage,
-        )
 
     def dummy_step_record(self, started_at: float, duration_ms: float) -> StepRecord:
         """A DP dummy batch's record (no request: every count 0): ``started_at`` Unix s,
@@ -262,35 +234,6 @@ class EngineCore:
             events.GAUGE_KV_CACHED: len(pool.cached_block_hash_to_block),
             events.GAUGE_PREFIX_HIT_RATE: scheduler.prefix_cache_hits / queries if queries else 0.0,
         }
-
-    def _classify_batch(self, so: SchedulerOutput) -> tuple[dict[str, Any], set[str]]:
-        """Split a step's requests into decodes (one token, past the prompt) and prefills
-        (prompt tokens, or recomputation after preemption); a prefill that leaves tokens for
-        a later step is a chunk. Returns the counts and the prefilling request ids."""
-        decode_reqs = decode_tokens = prefill_reqs = prefill_tokens = chunked = 0
-        prefill_ids: set[str] = set()
-        requests = self.scheduler.requests
-        for req_id, n in so.num_scheduled_tokens.items():
-            request = requests.get(req_id)
-            if request is None:
-                continue
-            computed = request.num_computed_tokens - n  # the scheduler has advanced it already
-            if n == 1 and computed >= request.num_prompt_tokens:
-                decode_reqs += 1
-                decode_tokens += 1
-            else:
-                prefill_reqs += 1
-                prefill_tokens += n
-                prefill_ids.add(req_id)
-                if computed + n < request.num_tokens:
-                    chunked += 1
-        return {
-            "num_decode_reqs": decode_reqs,
-            "num_decode_tokens": decode_tokens,
-            "num_prefill_reqs": prefill_reqs,
-            "num_prefill_tokens": prefill_tokens,
-            "num_chunked_prefills": chunked,
-        }, prefill_ids
 
     # Utility calls (the frontend reaches these through ``call_utility``).
 

@@ -46,7 +46,6 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
-from opentelemetry import trace
 
 from engine import envs
 from engine.config import ConfigError, EngineConfig
@@ -79,7 +78,7 @@ from engine.utils import processes
 from engine.utils import run_dir as run_dirs
 from engine.utils.process_harness import Observability, ProcessContext, ProcessSpec, run_process
 from engine.utils.wire import ProtocolError
-from tracing import catalogue, record_span, stage
+from tracing import catalogue, stage
 from tracing.propagation import attached_trace_context
 from tracing.stage import open_stages
 from tracing.telemetry import events
@@ -126,20 +125,17 @@ class OutputRouter:
     def route(
         self, outputs: dict[int, EngineCoreOutputs], going_idle: bool
     ) -> list[tuple[int, EngineCoreOutputs]]:
-        unknown = [index for index in outputs if not 0 <= index < self.num_clients]
+        unknown = outputs.keys() - range(self.num_clients)
         if unknown:
-            raise ProtocolError(f"outputs for client index {unknown[0]}, but this engine core has "
+            raise ProtocolError(f"outputs for client index {min(unknown)}, but this engine core has "
                                 f"{self.num_clients} client(s)")  # fmt: skip
         stats = next((o.scheduler_stats for o in outputs.values() if o.scheduler_stats is not None), None)
         now = self.clock()
         routed = []
         for client_index in range(self.num_clients):
             eco = outputs.get(client_index)
-            if stats is not None and (
-                eco is not None
-                or going_idle
-                or now - self.stats_sent_at[client_index] >= self.stats_interval_s
-            ):
+            stats_stale = now - self.stats_sent_at[client_index] >= self.stats_interval_s
+            if stats is not None and (eco is not None or going_idle or stats_stale):
                 eco = eco if eco is not None else EngineCoreOutputs()
                 eco.scheduler_stats = stats
                 self.stats_sent_at[client_index] = now
@@ -281,13 +277,14 @@ class EngineCoreProc(EngineCore):
             # learns of arrivals before this engine prefills them (else a wave could end under
             # it), and of a step's changes at the next turn, which never waits for input after
             # a step that changed them (a DP engine with requests is in a running wave).
-            self._report_load()
+            if self.coordinator_socket is not None:  # data parallelism
+                self._report_load()
             if self.scheduler.has_requests():
                 outputs, _ = self.step()
                 going_idle = not self.scheduler.has_requests()
                 for client_index, client_outputs in self.output_router.route(outputs, going_idle):
                     self.output_queue.put(
-                        (client_index, client_outputs, self.last_step_context, time.time_ns())
+                        (client_index, client_outputs, self.step_tracer.last_step_context, time.time_ns())
                     )
             elif self.engines_running:
                 self._dummy_step()
@@ -324,9 +321,8 @@ class EngineCoreProc(EngineCore):
             self._handle_client_request(*item)
 
     def _report_load(self) -> None:
-        """Push (waiting, running) to the DP coordinator when they changed (data parallelism)."""
-        if self.coordinator_socket is None:
-            return
+        """Push (waiting, running) to the DP coordinator when they changed (data parallelism:
+        ``coordinator_socket`` is set)."""
         self._flush_coordinator_backlog()
         load = (len(self.scheduler.waiting), len(self.scheduler.running))
         if load == self.load_sent:
@@ -350,8 +346,9 @@ class EngineCoreProc(EngineCore):
     def _maybe_start_wave(self, trace_headers: dict[str, str] | None = None) -> None:
         """A request arrived (or remains) while this engine's wave is over: start the next one
         (vLLM 0.32: an idle engine that gets a request starts the wave itself). ``trace_headers``:
-        that request's span, so the wave shows in its trace."""
-        if self.coordinator_socket is None or self.engines_running:
+        that request's span, so the wave shows in its trace. Data parallelism only
+        (``coordinator_socket`` is set)."""
+        if self.engines_running:
             return
         self.engines_running = True
         start = StartWave(
@@ -381,21 +378,16 @@ class EngineCoreProc(EngineCore):
         }
 
     def _process_input_queue(self) -> None:
-        if not self.scheduler.has_requests() and not self.engines_running:
-            # Idle: wait for the next request, a bounded wait repeated forever.
-            while True:
-                try:
-                    item = self.input_queue.get(timeout=IDLE_POLL_S)
-                    break
-                except queue.Empty:
-                    continue
-            self._handle_client_request(*item)
-        while True:
+        """Handle what is on ``input_queue``; when idle (no request, no running wave), first
+        wait for work, a bounded wait repeated forever."""
+        while not self.scheduler.has_requests() and not self.engines_running:
             try:
-                item = self.input_queue.get_nowait()
+                item = self.input_queue.get(timeout=IDLE_POLL_S)
             except queue.Empty:
-                return
+                continue
             self._handle_client_request(*item)
+        while not self.input_queue.empty():
+            self._handle_client_request(*self.input_queue.get_nowait())
 
     def _handle_client_request(
         self, request_type: EngineCoreRequestType, payload: Any, received_ns: int | None = None
@@ -406,7 +398,8 @@ class EngineCoreProc(EngineCore):
             self._check_client_index(payload.client_index, f"request {payload.request_id!r}")
             self.input_tracer.dequeued(payload)
             self.add_request(payload)
-            self._maybe_start_wave(payload.trace_headers)
+            if self.coordinator_socket is not None:  # data parallelism: a request starts a wave
+                self._maybe_start_wave(payload.trace_headers)
         elif request_type == EngineCoreRequestType.START_DP_WAVE:
             self._on_wave(payload)
         elif request_type == EngineCoreRequestType.ABORT:
@@ -424,8 +417,6 @@ class EngineCoreProc(EngineCore):
             except Exception as e:  # a failed utility call is the caller's error, not ours
                 reply = UtilityReply.failure(call.call_id, e)
             self.output_queue.put((call.client_index, reply, None, time.time_ns()))
-        else:
-            logger.warning("ignoring request type %s", request_type)
 
     def _check_client_index(self, client_index: int, what: str) -> None:
         if not 0 <= client_index < len(self.output_sockets):
@@ -436,17 +427,52 @@ class EngineCoreProc(EngineCore):
     # ------------------------------------------------------------------ threads
 
     def process_input_sockets(self) -> None:
-        # One DEALER per client, connected to its ROUTER; our identity there is our DP rank.
-        sockets: list[zmq.Socket] = []
+        """The input thread: each message from a client's socket, decoded (``_decode_input``),
+        and each wave news from the coordinator go on ``input_queue``; a message that breaks
+        the protocol goes there as PROTOCOL_ERROR and ends the thread."""
+        poller, client_of, wave_socket = self._connect_input_sockets()
+        try:
+            while not self._stop.is_set():
+                for socket, _ in poller.poll(timeout=int(IDLE_POLL_S * 1000)):
+                    frames = socket.recv_multipart()
+                    received_ns = time.time_ns()
+                    try:
+                        if socket is wave_socket:
+                            wave = decode_coordinator(DPWave, frames[-1])
+                            item = (EngineCoreRequestType.START_DP_WAVE, wave)
+                        else:
+                            message = _decode_input(frames, client_of[socket])
+                            item = self.input_tracer.received(message, received_ns)
+                    except ProtocolError as e:
+                        # A frontend that breaks the protocol is a bug: stop with a clear error.
+                        self.input_queue.put((EngineCoreRequestType.PROTOCOL_ERROR, e))
+                        return
+                    self.input_queue.put(item)
+        except zmq.ZMQError:
+            pass
+        finally:
+            for socket, _ in poller.sockets:
+                socket.close()
+
+    def _connect_input_sockets(self) -> tuple[zmq.Poller, dict[zmq.Socket, int], zmq.Socket | None]:
+        """The input thread's sockets, at its start: one DEALER per client, connected to its
+        ROUTER (our identity there is our DP rank) and told CONNECTED; with data parallelism,
+        a SUB socket on the coordinator's wave address. Returns the poller over them all, the
+        client index of each DEALER, and the wave socket (None without a coordinator)."""
         poller = zmq.Poller()
-        for address in self.input_addresses:
+        client_of: dict[zmq.Socket, int] = {}
+        # Tell each client's ROUTER who we are, so it can route to us right away (a client
+        # that binds later gets it when it does: ZMQ queues it meanwhile).
+        connected = _encode(EngineHandshake(kind="CONNECTED", role=self.role, pid=os.getpid(),
+                                            data_parallel_rank=self.data_parallel_rank))  # fmt: skip
+        for index, address in enumerate(self.input_addresses):
             socket = self.ctx.socket(zmq.DEALER)
             socket.setsockopt(zmq.IDENTITY, self.data_parallel_rank.to_bytes(2, "little"))
             socket.setsockopt(zmq.LINGER, 0)
             socket.connect(address)
             poller.register(socket, zmq.POLLIN)
-            sockets.append(socket)
-        client_of = {socket: index for index, socket in enumerate(sockets)}
+            client_of[socket] = index
+            socket.send_multipart([connected])
         wave_socket = None
         if self.coordinator_wave_address is not None:
             wave_socket = self.ctx.socket(zmq.SUB)
@@ -454,37 +480,7 @@ class EngineCoreProc(EngineCore):
             wave_socket.setsockopt(zmq.SUBSCRIBE, b"")
             wave_socket.connect(self.coordinator_wave_address)
             poller.register(wave_socket, zmq.POLLIN)
-        try:
-            # Tell each client's ROUTER who we are, so it can route to us right away (a
-            # client that binds later gets it when it does: ZMQ queues it meanwhile).
-            connected = EngineHandshake(kind="CONNECTED", role=self.role, pid=os.getpid(),
-                                        data_parallel_rank=self.data_parallel_rank)  # fmt: skip
-            for socket in sockets:
-                socket.send_multipart([_encode(connected)])
-            while not self._stop.is_set():
-                for socket, _ in poller.poll(timeout=int(IDLE_POLL_S * 1000)):
-                    frames = socket.recv_multipart()
-                    try:
-                        if socket is wave_socket:
-                            wave = decode_coordinator(DPWave, frames[-1])
-                            self.input_queue.put((EngineCoreRequestType.START_DP_WAVE, wave))
-                            continue
-                        received_ns = time.time_ns()
-                        item = self.input_tracer.received(
-                            _decode_input(frames, client_of[socket]), received_ns
-                        )
-                        self.input_queue.put(item)
-                    except ProtocolError as e:
-                        # A frontend that breaks the protocol is a bug: stop with a clear error.
-                        self.input_queue.put((EngineCoreRequestType.PROTOCOL_ERROR, e))
-                        return
-        except zmq.ZMQError:
-            pass
-        finally:
-            for socket in sockets:
-                socket.close()
-            if wave_socket is not None:
-                wave_socket.close()
+        return poller, client_of, wave_socket
 
     def process_output_sockets(self) -> None:
         while True:
@@ -496,9 +492,7 @@ class EngineCoreProc(EngineCore):
             tag = TAG_OUTPUTS if isinstance(message, EngineCoreOutputs) else TAG_UTILITY
             self.output_sockets[client_index].send_multipart([tag, _encode(message)], copy=False)
             if step_context is not None:  # part of the step's trace: waited, encoded, sent
-                record_span(catalogue.ENGINE_CORE_OUTPUT_SEND, start_ns=taken_ns,
-                            parent=trace.set_span_in_context(trace.NonRecordingSpan(step_context)),
-                            attributes={catalogue.ATTR_QUEUE_WAIT_MS: (taken_ns - queued_ns) / 1e6})  # fmt: skip
+                self.step_tracer.record_output_send(step_context, queued_ns, taken_ns)
 
     def _send_handshake(self, handshake: EngineHandshake) -> None:
         """HELLO / READY to client 0, the one that launched this engine and waits for them."""

@@ -1,20 +1,21 @@
 """Step observers: everything that watches the engine core's steps, plugged in beside it.
 
-``EngineCore.step()`` is the engine in three calls (schedule, execute, update) and builds
-one ``StepRecord`` per step (``tracing.telemetry.events``: tokens, budget, requests, KV
-usage, phase times). Everything else a step feeds subscribes here, so ``step()`` stays the
-three calls and a reader can read it next to vLLM's::
+``EngineCore.step()`` is the engine in three calls (schedule, execute, update). Its
+``StepTracer`` wraps each in its span, times the phases and builds one ``StepRecord`` per step
+(``tracing.telemetry.events``: tokens, budget, requests, KV usage, phase times); everything
+else a step feeds subscribes here, so ``step()`` stays the three calls and a reader can read
+it next to vLLM's::
 
-    step()                                    each observer in EngineCore.step_observers
-    ├─ engine_core.step span
-    │  ├─ scheduler.schedule span
-    │  │    schedule()                  ──▶   on_schedule(scheduler_output, prefill_ids, step_span, schedule_span)
-    │  ├─ executor.execute_model span
+    step()                                    StepTracer → each observer in EngineCore.step_observers
+    ├─ tracer.step(): engine_core.step span
+    │  ├─ tracer.phase(): scheduler.schedule span
+    │  │    schedule(); tracer.scheduled()  ──▶  on_schedule(scheduler_output, prefill_ids, step_span, schedule_span)
+    │  ├─ tracer.phase(): executor.execute_model span
     │  │    execute_model()
-    │  └─ scheduler.update_from_output span
-    │       update_from_output(); record ──▶  on_update(record, step_span, update_span)
-    └─ (span ended)                     ──▶   on_step(record, scheduler_output, outputs)
-    _dummy_step() (a DP dummy batch)    ──▶   on_dummy_step(record)
+    │  └─ tracer.phase(): scheduler.update_from_output span
+    │       update_from_output(); tracer.updated() ──▶  on_update(record, step_span, update_span)
+    └─ (span ended) tracer.stepped(outputs) ──▶  on_step(record, scheduler_output, outputs)
+    _dummy_step() (a DP dummy batch)        ──▶  on_dummy_step(record)
 
 The observers an engine core holds (in this order):
 
@@ -32,15 +33,19 @@ them (``SchedulerStats``); spans, a flight recorder and live telemetry are Glass
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
+
+from opentelemetry import trace
 
 from engine.core.messages import EngineCoreOutputs
 from engine.sched.output import SchedulerOutput
 from engine.sched.request import Request
 from engine.sched.scheduler import Scheduler
-from tracing import catalogue
+from tracing import catalogue, record_span, stage
 from tracing.stage import Stage
 from tracing.telemetry.events import StepRecord
 from tracing.telemetry.publisher import telemetry
@@ -75,6 +80,141 @@ class StepObserver:
 
     def on_dummy_step(self, record: StepRecord) -> None:
         """After a DP dummy batch (``record.dummy``; every count 0)."""
+
+
+class StepTracer:
+    """What ``EngineCore.step()`` hands the glass: its spans, phase times and observers.
+
+    ``step(step_id)`` opens ``engine_core.step`` and ``phase(name)`` each phase span inside it
+    (``scheduler.schedule``, ``executor.execute_model``, ``scheduler.update_from_output``), all
+    with ``glassbox.step.id``; ``scheduled`` (in the schedule span), ``updated`` (in the update
+    span) and ``stepped`` (after the step span) call every observer's hook with what it needs:
+    the step's prefilling requests, its ``StepRecord``, its outputs.
+
+    Args:
+        scheduler: the engine's scheduler (requests, counts, KV usage are read from it).
+        engine_index: the DP rank, on every record.
+        token_budget: ``max_num_batched_tokens``, on every record.
+        observers: ``EngineCore.step_observers`` (the same list: a test may append to it).
+    """
+
+    def __init__(
+        self, scheduler: Scheduler, engine_index: int, token_budget: int, observers: list[StepObserver]
+    ) -> None:
+        self.scheduler = scheduler
+        self.engine_index = engine_index
+        self.token_budget = token_budget
+        self.observers = observers
+        # The latest engine_core.step span's context (None unless spans are recorded): the
+        # parent of its outputs' engine_core.output_send spans.
+        self.last_step_context: Any = None
+        self._attributes: dict[str, int] = {}
+        self._started_at = 0.0  # Unix s
+        self._marks: list[float] = []  # perf_counter s: the step's start, then each later phase's
+        self._step_span: Stage | None = None
+        self._phase_span: Stage | None = None
+        self._scheduler_output: SchedulerOutput | None = None
+        self._batch: dict[str, int] = {}
+        self._record: StepRecord | None = None
+
+    @contextlib.contextmanager
+    def step(self, step_id: int) -> Iterator[None]:
+        """The ``engine_core.step`` span around one step (numbered ``step_id``, from 1)."""
+        self._attributes = {catalogue.ATTR_STEP_ID: step_id}
+        self._started_at, self._marks = time.time(), [time.perf_counter()]
+        with stage(catalogue.ENGINE_CORE_STEP, **self._attributes) as self._step_span:
+            yield
+        span = self._step_span.span
+        self.last_step_context = span.get_span_context() if span is not None else None
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """One phase's span inside the step; every phase after the first marks its start."""
+        if name != catalogue.SCHEDULER_SCHEDULE:
+            self._marks.append(time.perf_counter())
+        with stage(name, **self._attributes) as self._phase_span:
+            yield
+
+    def scheduled(self, scheduler_output: SchedulerOutput) -> None:
+        """Right after ``schedule()``, in its span: ``on_schedule`` for every observer."""
+        self._scheduler_output = scheduler_output
+        self._batch, prefill_ids = self._classify_batch(scheduler_output)
+        for observer in self.observers:
+            observer.on_schedule(scheduler_output, prefill_ids, self._step_span, self._phase_span)
+
+    def updated(self) -> None:
+        """Right after ``update_from_output()``, in its span (which ends the update phase
+        now): the step's ``StepRecord``, and ``on_update`` for every observer."""
+        self._record = record = self._step_record()
+        for observer in self.observers:
+            observer.on_update(record, self._step_span, self._phase_span)
+
+    def stepped(self, outputs: dict[int, EngineCoreOutputs]) -> None:
+        """After the step's span ended: ``on_step`` for every observer."""
+        for observer in self.observers:
+            observer.on_step(self._record, self._scheduler_output, outputs)
+
+    @staticmethod
+    def record_output_send(step_context: Any, queued_ns: int, taken_ns: int) -> None:
+        """The ``engine_core.output_send`` span of one step's message, a child of its
+        ``engine_core.step`` (``step_context``: ``last_step_context`` as the message was
+        queued): from ``taken_ns`` (the output thread took it off ``output_queue``) to now,
+        with the time it waited there since ``queued_ns`` (Unix ns). Called on the output
+        thread."""
+        record_span(catalogue.ENGINE_CORE_OUTPUT_SEND, start_ns=taken_ns,
+                    parent=trace.set_span_in_context(trace.NonRecordingSpan(step_context)),
+                    attributes={catalogue.ATTR_QUEUE_WAIT_MS: (taken_ns - queued_ns) / 1e6})  # fmt: skip
+
+    def _step_record(self) -> StepRecord:
+        """This step's figures, as ``update_from_output`` ends."""
+        (t0, t1, t2), t3 = self._marks, time.perf_counter()
+        scheduler_output = self._scheduler_output
+        num_running, num_waiting = self.scheduler.get_request_counts()
+        return StepRecord(
+            engine_index=self.engine_index,
+            step_id=self._attributes[catalogue.ATTR_STEP_ID],
+            started_at=self._started_at,
+            duration_ms=(t3 - t0) * 1e3,
+            schedule_ms=(t1 - t0) * 1e3,
+            execute_ms=(t2 - t1) * 1e3,
+            update_ms=(t3 - t2) * 1e3,
+            **self._batch,
+            tokens_scheduled=scheduler_output.total_num_scheduled_tokens,
+            token_budget=self.token_budget,
+            num_running=num_running,
+            num_waiting=num_waiting,
+            num_preempted=len(scheduler_output.preempted_req_ids),
+            kv_usage=self.scheduler.kv_cache_manager.usage,
+        )
+
+    def _classify_batch(self, so: SchedulerOutput) -> tuple[dict[str, int], set[str]]:
+        """Split a step's requests into decodes (one token, past the prompt) and prefills
+        (prompt tokens, or recomputation after preemption); a prefill that leaves tokens for
+        a later step is a chunk. Returns the counts and the prefilling request ids."""
+        decode_reqs = decode_tokens = prefill_reqs = prefill_tokens = chunked = 0
+        prefill_ids: set[str] = set()
+        requests = self.scheduler.requests
+        for req_id, n in so.num_scheduled_tokens.items():
+            request = requests.get(req_id)
+            if request is None:
+                continue
+            computed = request.num_computed_tokens - n  # the scheduler has advanced it already
+            if n == 1 and computed >= request.num_prompt_tokens:
+                decode_reqs += 1
+                decode_tokens += 1
+            else:
+                prefill_reqs += 1
+                prefill_tokens += n
+                prefill_ids.add(req_id)
+                if computed + n < request.num_tokens:
+                    chunked += 1
+        return {
+            "num_decode_reqs": decode_reqs,
+            "num_decode_tokens": decode_tokens,
+            "num_prefill_reqs": prefill_reqs,
+            "num_prefill_tokens": prefill_tokens,
+            "num_chunked_prefills": chunked,
+        }, prefill_ids
 
 
 class StepSpanAttributes(StepObserver):

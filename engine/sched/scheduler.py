@@ -33,6 +33,7 @@ Pure Python: no torch, no ZMQ, no HTTP.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 
 from engine.config import CacheConfig, SchedulerConfig
@@ -333,28 +334,22 @@ class Scheduler:
         req_to_new_blocks: dict[str, KVCacheBlocks],
         num_scheduled_tokens: dict[str, int],
     ) -> CachedRequestData:
-        """Deltas for requests the workers know: new blocks, or a whole new table if resumed;
-        with PP also the scheduled token ids (vLLM fills ``new_token_ids`` only then too)."""
+        """Deltas for requests the workers know, running ones first, then resumed ones: new
+        blocks, or a resumed request's whole token list and block table (the workers dropped
+        it when it was preempted); with PP also the scheduled token ids (vLLM fills
+        ``new_token_ids`` only then too; a resumed request's ride in its token list)."""
         data = CachedRequestData.make_empty()
-        for req in running_reqs:
+        for index, req in enumerate(itertools.chain(running_reqs, resumed_reqs)):
+            resumed = index >= len(running_reqs)
             new_blocks = req_to_new_blocks[req.request_id]
+            data.req_ids.append(req.request_id)
+            data.resumed_from_preemption.append(resumed)
+            data.resumed_req_token_ids.append(list(req.all_token_ids) if resumed else None)
             if self.use_pp:
                 start = req.num_computed_tokens
-                data.new_token_ids.append(
-                    list(req.all_token_ids[start : start + num_scheduled_tokens[req.request_id]])
-                )
-            data.req_ids.append(req.request_id)
-            data.resumed_from_preemption.append(False)
-            data.resumed_req_token_ids.append(None)
-            data.new_block_ids.append(new_blocks.get_block_ids() if len(new_blocks) else None)
-            data.num_computed_tokens.append(req.num_computed_tokens)
-        for req in resumed_reqs:
-            data.req_ids.append(req.request_id)
-            data.resumed_from_preemption.append(True)
-            data.resumed_req_token_ids.append(list(req.all_token_ids))
-            if self.use_pp:
-                data.new_token_ids.append([])  # resumed_req_token_ids carries them all
-            data.new_block_ids.append(req_to_new_blocks[req.request_id].get_block_ids())
+                end = start if resumed else start + num_scheduled_tokens[req.request_id]
+                data.new_token_ids.append(list(req.all_token_ids[start:end]))
+            data.new_block_ids.append(new_blocks.get_block_ids() if resumed or len(new_blocks) else None)
             data.num_computed_tokens.append(req.num_computed_tokens)
         return data
 
