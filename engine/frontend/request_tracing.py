@@ -140,9 +140,9 @@ def do_tracing(state: RequestState, done: FinishedRequestStats, model_name: str 
         catalogue.ATTR_GEN_AI_REQUEST_MODEL: model_name,
         catalogue.ATTR_GEN_AI_RESPONSE_MODEL: model_name,
         catalogue.ATTR_GEN_AI_USAGE_PROMPT_TOKENS: num_prompt,
-        catalogue.ATTR_GEN_AI_USAGE_COMPLETION_TOKENS: state.num_output_tokens,
+        catalogue.ATTR_GEN_AI_USAGE_COMPLETION_TOKENS: req.num_generation_tokens,
         catalogue.ATTR_GEN_AI_USAGE_INPUT_TOKENS: num_prompt,
-        catalogue.ATTR_GEN_AI_USAGE_OUTPUT_TOKENS: state.num_output_tokens,
+        catalogue.ATTR_GEN_AI_USAGE_OUTPUT_TOKENS: req.num_generation_tokens,
         catalogue.ATTR_GEN_AI_RESPONSE_FINISH_REASONS: [done.finish_reason],
         catalogue.ATTR_GEN_AI_LATENCY_E2E: done.e2e_latency,
         catalogue.ATTR_GEN_AI_REQUEST_MAX_TOKENS: params.max_tokens,
@@ -160,7 +160,7 @@ def do_tracing(state: RequestState, done: FinishedRequestStats, model_name: str 
         attributes[catalogue.ATTR_GEN_AI_LATENCY_TIME_IN_MODEL_DECODE] = done.decode_time
     record_span(
         catalogue.LLM_REQUEST,
-        start_ns=int(state.arrival_time * 1e9),
+        start_ns=int(req.arrival_time * 1e9),
         end_ns=int(now * 1e9),
         attributes=attributes,
         parent=extract_trace_context(state.trace_headers),
