@@ -242,9 +242,9 @@ class AsyncLLM:
                         queue.put_nowait(out)
         except EngineDeadError as e:
             self._engine_died(e)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # a bug in the frontend must not leave requests hanging
+        # A bug in the frontend must not leave requests hanging. (A CancelledError, the
+        # shutdown cancelling this task, is a BaseException: it passes.)
+        except Exception as e:
             logger.exception("output handler failed")
             self._engine_died(EngineDeadError(f"the API server's output handler failed: {e!r}"))
 

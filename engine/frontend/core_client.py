@@ -522,9 +522,7 @@ class MPClient:
         self._check_alive()
         self._mark_dead(None, proc)
 
-    def _dispatch(self, msg: tuple[bytes, list[bytes]] | None) -> None:
-        if msg is None:
-            return
+    def _dispatch(self, msg: tuple[bytes, list[bytes]]) -> None:
         tag, frames = msg
         if tag == TAG_OUTPUTS:
             outputs: EngineCoreOutputs = decode_as(EngineCoreOutputs, frames[0])

@@ -241,6 +241,8 @@ class IncrementalDetokenizer:
             # The stop token, left out of the text: it sits at the text's end.
             self.token_offsets.append(len(self.output_text))
 
+        if not self.stop:
+            return None
         new_chars = len(self.output_text) - search_from
         match = check_stop_strings(self.output_text, new_chars, self.stop, self.include_stop_str_in_output)
         if match is None:

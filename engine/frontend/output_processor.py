@@ -414,16 +414,23 @@ class OutputProcessor:
                 done = self._update_stats_from_finished(state, finish_reason, now)
                 iteration.finished_requests.append(done)
 
-        # n > 1: one output per parent whose children moved (the deviation in the module docstring).
-        for parent in [p for p in self.parent_requests.values() if p.updated]:
-            parent_output = parent.make_request_output()
-            if parent_output is not None:
-                request_outputs.append(parent_output)
-            if parent.finished:
-                del self.parent_requests[parent.request_id]
+        if self.parent_requests:
+            request_outputs.extend(self._make_parent_outputs())
         if self.stats_sink is not None:
             self.stats_sink(engine_index, iteration)
         return OutputProcessorOutput(request_outputs=request_outputs, reqs_to_abort=reqs_to_abort)
+
+    def _make_parent_outputs(self) -> list[RequestOutput]:
+        """``n`` > 1: one output per parent whose children moved in this ``process_outputs``
+        call (the deviation in the module docstring); a finished parent is forgotten."""
+        outputs: list[RequestOutput] = []
+        for parent in [p for p in self.parent_requests.values() if p.updated]:
+            parent_output = parent.make_request_output()
+            if parent_output is not None:
+                outputs.append(parent_output)
+            if parent.finished:
+                del self.parent_requests[parent.request_id]
+        return outputs
 
     def _update_stats_from_finished(
         self, state: RequestState, finish_reason: FinishReason, now: float
