@@ -386,8 +386,7 @@ class OutputProcessor:
                 continue
             # 1) Stats.
             iteration.update_from_output(output, len(state.prompt_token_ids), state.stats, token_ts)
-            finish_reason = output.finish_reason
-            stop_reason = output.stop_reason
+            finish_reason, stop_reason = output.finish_reason, output.stop_reason
             state.num_cached_tokens = output.num_cached_tokens
 
             # 2) Text, and stop strings. EOS / a stop token id ended it in the engine when
@@ -395,8 +394,7 @@ class OutputProcessor:
             stop_terminated = finish_reason == FinishReason.STOP and not isinstance(stop_reason, str)
             stop_str = state.detokenizer.update(output.new_token_ids, stop_terminated)
             if stop_str is not None:
-                finish_reason = FinishReason.STOP
-                stop_reason = stop_str
+                finish_reason, stop_reason = FinishReason.STOP, stop_str
 
             # 3) Logprobs.
             self._update_logprobs(state, output)
@@ -448,15 +446,22 @@ class OutputProcessor:
     # ------------------------------------------------------------------ logprobs
 
     def _update_logprobs(self, state: RequestState, output: EngineCoreOutput) -> None:
-        if state.logprobs is not None and output.new_logprobs is not None:
-            rows = self._to_dicts(output.new_logprobs, state.sampling_params.detokenize)
-            state.logprobs.extend(rows)
+        """Take the logprob rows an output carries (vLLM's ``LogprobsProcessor.update_from_output``);
+        the engine sends them only for a request that asked."""
+        if output.new_logprobs is not None:
+            self._update_sample_logprobs(state, output.new_logprobs)
+        if output.new_prompt_logprobs is not None:
+            self._update_prompt_logprobs(state, output.new_prompt_logprobs)
+
+    def _update_sample_logprobs(self, state: RequestState, lists: LogprobsLists) -> None:
+        if state.logprobs is not None:
+            state.logprobs.extend(self._to_dicts(lists, state.sampling_params.detokenize))
             # The first entry of each row is the sampled token.
-            state.cumulative_logprob += sum(lp[0] for lp in output.new_logprobs.logprobs)
-        if state.prompt_logprobs is not None and output.new_prompt_logprobs is not None:
-            state.prompt_logprobs.extend(
-                self._to_dicts(output.new_prompt_logprobs, state.sampling_params.detokenize)
-            )
+            state.cumulative_logprob += sum(lp[0] for lp in lists.logprobs)
+
+    def _update_prompt_logprobs(self, state: RequestState, lists: LogprobsLists) -> None:
+        if state.prompt_logprobs is not None:
+            state.prompt_logprobs.extend(self._to_dicts(lists, state.sampling_params.detokenize))
 
     def _to_dicts(self, lists: LogprobsLists, decode: bool) -> list[LogprobsDict]:
         """Logprob rows → one ``{token_id: Logprob}`` per position.
