@@ -664,18 +664,18 @@ class AsyncMPClient(MPClient):
         """One message from the engines: bounded polls (``POLL_MS``), every child checked alive
         between them and after each message (with several engines, one can die while another
         streams outputs). Raises ``EngineDeadError``."""
-        while True:
-            if await self.async_output.poll(POLL_MS):
-                tag, *frames = await self.async_output.recv_multipart()
-                if tag == ENGINE_CORE_DEAD:
-                    self._mark_dead(_dead_message(frames))
-                self._check_alive()
-                return tag, frames
+        while not await self.async_output.poll(POLL_MS):
             self._check_alive()
+        tag, *frames = await self.async_output.recv_multipart()
+        if tag == ENGINE_CORE_DEAD:
+            self._mark_dead(_dead_message(frames))
+        self._check_alive()
+        return tag, frames
 
     async def _send(self, request_type: EngineCoreRequestType, body: bytes, engine: int = 0) -> None:
-        if self.dead is not None:
-            raise self.dead
+        """Send one message to engine ``engine`` (DP rank). Raises ``EngineDeadError`` when the
+        tree is dead, or the engine is unreachable (it disconnected: dying or dead)."""
+        self._check_alive()
         try:
             await self.async_input.send_multipart(
                 [self.engine_identities[engine], request_type.value, body], copy=False
