@@ -32,28 +32,16 @@ from engine.frontend.engine_stats import EngineStatsTable
 from engine.frontend.input_processor import InputProcessor
 from engine.frontend.output_processor import OutputProcessor, ParentRequest
 from engine.frontend.outputs import PromptType, RequestOutput
+from engine.frontend.request_tracing import LiveRequests
+from engine.frontend.request_tracing import abort_reason as abort_reason  # re-exported: its old home
 from engine.frontend.tokenizer import get_tokenizer
 from engine.logger import init_logger
 from engine.sampling_params import SamplingParams
 from engine.utils.processes import EngineDeadError
 from tracing.propagation import attached_trace_context
 from tracing.telemetry import events
-from tracing.telemetry.publisher import telemetry
 
 logger = init_logger(__name__)
-
-
-def abort_reason(error: BaseException) -> str:
-    """Why a request ended unfinished, in plain words for live telemetry's ``aborted`` event
-    (engine-top shows "aborted: engine died"): "client disconnected", "engine died", else the
-    exception's type and the first line of its message, at most 80 characters."""
-    if isinstance(error, (GeneratorExit, asyncio.CancelledError)):
-        return "client disconnected"
-    if isinstance(error, EngineDeadError):
-        return "engine died"
-    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    text = f"{type(error).__name__}: {first}" if first else type(error).__name__
-    return text if len(text) <= 80 else text[:79] + "…"
 
 
 class AsyncLLM:
@@ -89,8 +77,8 @@ class AsyncLLM:
             config, run_dir, client_index=client_index, num_clients=num_clients, engines=engines
         )
         self.queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
-        # Requests sent to the engine that have no output yet (live telemetry).
-        self.first_output_pending: set[str] = set()
+        # The requests' live-telemetry events, and those waiting for the engine's first output.
+        self.live_requests = LiveRequests()
         self.output_handler: asyncio.Task | None = None
         self.dead_error: EngineDeadError | None = None
         # Set by ``abort_all`` (the server shutting down): every later ``generate()`` raises it.
@@ -132,62 +120,38 @@ class AsyncLLM:
         if self.refuse_error is not None:
             raise copy.copy(self.refuse_error)
         self._ensure_output_handler()
+        # n > 1: one engine request per sample, gathered back under request_id (ParentRequest).
+        parent = ParentRequest(request_id, sampling_params) if sampling_params.n > 1 else None
         arrival = time.time()
-        if sampling_params.n == 1:
-            requests = [(self.input_processor.process_inputs(request_id, prompt, sampling_params, arrival, priority,
-                                                             trace_headers), None, 0)]  # fmt: skip
-        else:
-            parent = ParentRequest(request_id, sampling_params)
-            requests = []
-            for index in range(sampling_params.n):
-                child_id, child_params = parent.get_child_info(index)
-                req = self.input_processor.process_inputs(
-                    child_id, prompt, child_params, arrival, priority, trace_headers
+        requests = []
+        for index in range(sampling_params.n):
+            child_id, params = parent.get_child_info(index) if parent else (request_id, sampling_params)
+            requests.append(
+                self.input_processor.process_inputs(
+                    child_id, prompt, params, arrival, priority, trace_headers
                 )
-                requests.append((req, parent, index))
+            )
+        text = prompt if isinstance(prompt, str) else prompt.get("prompt")
+        if self.log_requests:
+            self._log_request(request_id, text, requests[0].prompt_token_ids, sampling_params)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.queues[request_id] = queue
-        text = (
-            prompt
-            if isinstance(prompt, str)
-            else (prompt.get("prompt") if isinstance(prompt, dict) else None)
-        )
-        if self.log_requests:
-            self._log_request(request_id, text, requests[0][0].prompt_token_ids, sampling_params)
         finished = False
-        stop_reason = "not finished"
-        publisher = telemetry()
-        publisher.publish_request_event(
-            request_id, "arrived", num_prompt_tokens=len(requests[0][0].prompt_token_ids)
-        )
-        self.first_output_pending.add(request_id)
         try:
-            for req, parent, index in requests:
-                self.output_processor.add_request(req, text, parent, index)
-                await self.engine_core.add_request_async(req)
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if request_id in self.first_output_pending:
-                    self.first_output_pending.discard(request_id)
-                    n_prompt = len(item.prompt_token_ids)  # a first token: its whole prompt was computed
-                    publisher.publish_request_event(
-                        request_id, "first_token", num_prompt_tokens=n_prompt, num_computed_tokens=n_prompt,
-                        num_output_tokens=sum(len(o.token_ids) for o in item.outputs),
-                    )  # fmt: skip
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        except BaseException as e:
-            stop_reason = abort_reason(e)
-            raise
+            with self.live_requests.track(request_id, len(requests[0].prompt_token_ids)) as live:
+                for index, request in enumerate(requests):
+                    self.output_processor.add_request(request, text, parent, index)
+                    await self.engine_core.add_request_async(request)
+                while not finished:
+                    item = await queue.get()
+                    if isinstance(item, BaseException):
+                        raise item
+                    live.output(item)
+                    finished = item.finished
+                    yield item
         finally:
             self.queues.pop(request_id, None)
-            self.first_output_pending.discard(request_id)
             if not finished:
-                publisher.publish_request_event(request_id, "aborted", reason=stop_reason)
                 # Shielded: a cancelled HTTP handler must still get its abort through. In the
                 # request's trace: the ABORT message carries its context to the engine core.
                 with attached_trace_context(trace_headers):
@@ -278,9 +242,9 @@ class AsyncLLM:
                         queue.put_nowait(out)
         except EngineDeadError as e:
             self._engine_died(e)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # a bug in the frontend must not leave requests hanging
+        # A bug in the frontend must not leave requests hanging. (A CancelledError, the
+        # shutdown cancelling this task, is a BaseException: it passes.)
+        except Exception as e:
             logger.exception("output handler failed")
             self._engine_died(EngineDeadError(f"the API server's output handler failed: {e!r}"))
 
@@ -312,7 +276,7 @@ class AsyncLLM:
     def telemetry_gauges(self) -> dict[str, float]:
         """This API server's queue gauges for live telemetry (called from the heartbeat thread)."""
         return {
-            events.GAUGE_API_WAITING_FOR_ENGINE: len(self.first_output_pending),
+            events.GAUGE_API_WAITING_FOR_ENGINE: len(self.live_requests.waiting_for_engine),
             events.GAUGE_API_PENDING_OUTPUTS: sum(q.qsize() for q in list(self.queues.values())),
         }
 

@@ -86,7 +86,7 @@ from engine.utils.supervisor import Supervisor, wait_for_exit
 from engine.utils.wire import ErrorKind, ProtocolError
 from tracing import WaitTimeout, catalogue, stage
 from tracing.propagation import inject_trace_headers
-from tracing.telemetry.publisher import get_publisher
+from tracing.telemetry.publisher import telemetry
 from tracing.waits import wait_for_async
 
 logger = init_logger(__name__)
@@ -273,13 +273,10 @@ class MPClient:
         self.watched: list[processes.ChildProcess] = []
         # An attached client's engines, watched by pid: (role, pid).
         self.attached_engines: list[tuple[str, int]] = []
-        self._alive_checked_at = 0.0
         # Waits on every child's pidfd; what it notices, the receive loop raises (_check_alive).
         self.supervisor = Supervisor(run_dir, self._on_child_failure, name="MPClientEngineMonitor",
                                      log_failures=False)  # fmt: skip
         self._noticed: tuple[EngineDeadError, processes.ChildProcess | None] | None = None
-        self._supervised: set[processes.ChildProcess] = set()  # handed to it already
-        self._supervised_pids: set[str] = set()  # the attached engines handed to it, by role
         self._closed = False
         try:
             if engines is None:
@@ -312,7 +309,6 @@ class MPClient:
         """Treat ``proc``'s death as the tree's (client 0 watches the other API servers); one
         that exits 0 while this process stops drained and left: no death."""
         self.watched.append(proc)
-        self._supervised.add(proc)
         self.supervisor.watch(proc, clean_exit=lambda code: processes.is_stopping() and code == 0)
 
     def wait_watched_exit(self, timeout: float) -> list[str]:
@@ -346,6 +342,7 @@ class MPClient:
         self.attached_engines = [
             (role, pid) for role, pid in zip(engines.engine_roles, engines.engine_pids) if pid
         ]
+        self._supervise_children()
         self.num_gpu_blocks = engines.num_gpu_blocks
         self.device_info = {"device": engines.device, "dtype": engines.dtype}
         if engines.coordinator_publish_address is not None:
@@ -372,6 +369,7 @@ class MPClient:
                 input_addresses=self.input_addresses, output_addresses=self.output_addresses,
                 coordinator=(self.coordinator_role, coordinator) if coordinator else None,
             )  # fmt: skip
+            self._supervise_children()
             ready = wait_for_engine_startup(self)
             # Every engine sizes its own KV cache; report the smallest.
             self.num_gpu_blocks = min(hs.num_gpu_blocks for hs in ready)
@@ -379,11 +377,6 @@ class MPClient:
             st.set(catalogue.ATTR_KV_NUM_BLOCKS, self.num_gpu_blocks)
 
     # ------------------------------------------------------------------ multi-node DP
-
-    @property
-    def join_socket(self) -> zmq.Socket | None:
-        """The head's join socket (client 0 of a multi-node head), else None."""
-        return self.head_join.socket if self.head_join is not None else None
 
     @property
     def joined(self) -> dict[int, EngineHandshake]:
@@ -410,17 +403,16 @@ class MPClient:
     # ------------------------------------------------------------------ messages
 
     def _check_alive_now_and_then(self) -> None:
-        """While messages keep coming (no poll times out), still look at every child each
-        ``POLL_MS``: with several engines, one can die while another streams outputs."""
-        now = time.monotonic()
-        if now - self._alive_checked_at >= POLL_MS / 1000:
-            self._alive_checked_at = now
-            self._check_alive()
+        """``_check_alive``, for the start-up waits' callers (``engine_launcher``); cheap
+        enough now to run after every message."""
+        self._check_alive()
 
     def _check_alive(self) -> None:
         """Raise the tree's death, if there was one: the supervisor (waiting on every child's
-        pidfd, and on their stopped / heartbeat deadlines) noticed it, or an engine said
-        ENGINE_CORE_DEAD. Cheap: the receive loops call it between polls.
+        pidfd, and on their stopped / heartbeat deadlines) noticed it (``_on_child_failure``),
+        or an engine said ENGINE_CORE_DEAD. Cheap (a few attribute reads; a multi-node head
+        also answers its join socket): the receive loops call it after every message and
+        between polls.
 
         Raises:
             EngineDeadError: a child died, or was stopped or frozen too long (root cause: the
@@ -428,13 +420,15 @@ class MPClient:
         """
         if self.dead is not None:
             raise self.dead
-        if self.join_socket is not None:
+        if self.head_join is not None:
             self._serve_joins()
-        self._supervise_children()
-        noticed = self._noticed
-        if noticed is None:
-            return
-        error, proc = noticed
+        if self._noticed is not None:
+            self._raise_noticed()
+
+    def _raise_noticed(self) -> None:
+        """The supervisor's failure, turned into this client's death (``_mark_dead``). Raises
+        ``EngineDeadError``."""
+        error, proc = self._noticed
         if proc is None:  # an attached client's engine is gone: client 0 reports the root cause
             self.dead = error
             self._fail_utility_calls()
@@ -450,17 +444,15 @@ class MPClient:
         self._mark_dead(None, proc, root_cause=error.root_cause)
 
     def _supervise_children(self) -> None:
-        """Hand the supervisor every child (and, attached, every engine by pid) not yet handed."""
-        for proc in self._children():
-            if proc not in self._supervised:
-                self._supervised.add(proc)
-                self.supervisor.watch(proc)
+        """Hand the supervisor the engines and coordinator just started (or, attached, every
+        engine by pid), once, at start-up: from then on a death reaches ``_on_child_failure``
+        without any polling. (``watch_child`` hands over the later ones.)"""
+        for proc in [*self.engine_procs, *([self.coordinator_proc] if self.coordinator_proc else [])]:
+            self.supervisor.watch(proc)
         for role, pid in self.attached_engines:
-            if role not in self._supervised_pids:
-                self._supervised_pids.add(role)
-                gone = (f"{role} (pid {pid}) is gone; the API server that launched it "
-                        f"({topology.ProcessRole.api_server(0).name}) reports the root cause")  # fmt: skip
-                self.supervisor.watch_pid(role, pid, gone)
+            gone = (f"{role} (pid {pid}) is gone; the API server that launched it "
+                    f"({topology.ProcessRole.api_server(0).name}) reports the root cause")  # fmt: skip
+            self.supervisor.watch_pid(role, pid, gone)
 
     def _on_child_failure(self, error: EngineDeadError, proc: processes.ChildProcess | None) -> None:
         """The supervisor's callback (its thread): note it; the receive loop raises it
@@ -486,10 +478,9 @@ class MPClient:
             proc = proc or self.engine_proc
             if dead is not None:
                 root_cause = dead.root_cause
-            publisher = get_publisher()
-            if publisher is not None and proc is not None and proc.poll() is not None:
+            if proc is not None and proc.poll() is not None:
                 # Only a parent knows how its child ended: tell engine-top.
-                publisher.note_child_exit(proc.role, processes.describe_exit(proc.poll()))
+                telemetry().note_child_exit(proc.role, processes.describe_exit(proc.poll()))
             if root_cause is None and proc is not None:
                 root_cause = self.supervisor.fail(proc.role, proc.pid, proc.poll(), child=proc).root_cause
             self.dead = EngineDeadError(root_cause or "the engine core died")
@@ -531,9 +522,7 @@ class MPClient:
         self._check_alive()
         self._mark_dead(None, proc)
 
-    def _dispatch(self, msg: tuple[bytes, list[bytes]] | None) -> None:
-        if msg is None:
-            return
+    def _dispatch(self, msg: tuple[bytes, list[bytes]]) -> None:
         tag, frames = msg
         if tag == TAG_OUTPUTS:
             outputs: EngineCoreOutputs = decode_as(EngineCoreOutputs, frames[0])
@@ -542,22 +531,26 @@ class MPClient:
             if outputs.outputs or outputs.finished_requests:
                 self.pending.append(outputs)  # stats alone need nothing more
         elif tag == TAG_UTILITY:
-            reply: UtilityReply = decode_as(UtilityReply, frames[0])
-            pending = self.utility_futures.pop(reply.call_id, None)
-            if pending is None:
-                raise ProtocolError(
-                    f"the engine core answered utility call {reply.call_id}, which is not pending"
-                )
-            method, future = pending
-            if future.done():  # the caller gave up (cancelled) before the answer came
-                return
-            if reply.ok:
-                future.set_result(reply.result())
-            else:
-                future.set_exception(RuntimeError(f"engine utility {method!r} failed: {reply.error}"))
+            self._process_utility_output(decode_as(UtilityReply, frames[0]))
         else:
             raise ProtocolError(f"the engine core sent a message tagged {tag!r} after start-up; "
                                 f"expected {TAG_OUTPUTS!r} or {TAG_UTILITY!r}")  # fmt: skip
+
+    def _process_utility_output(self, reply: UtilityReply) -> None:
+        """Resolve the future of the utility call ``reply`` answers (vLLM's
+        ``_process_utility_output``). Raises ``ProtocolError`` for a call that is not pending."""
+        pending = self.utility_futures.pop(reply.call_id, None)
+        if pending is None:
+            raise ProtocolError(
+                f"the engine core answered utility call {reply.call_id}, which is not pending"
+            )
+        method, future = pending
+        if future.done():  # the caller gave up (cancelled) before the answer came
+            return
+        if reply.ok:
+            future.set_result(reply.result())
+        else:
+            future.set_exception(RuntimeError(f"engine utility {method!r} failed: {reply.error}"))
 
     def _utility_request(self, method: str, args: tuple) -> tuple[Future, bytes]:
         """A new call id, its pending future, and the encoded ``UtilityRequest``."""
@@ -669,19 +662,20 @@ class AsyncMPClient(MPClient):
 
     async def _recv(self) -> tuple[bytes, list[bytes]]:
         """One message from the engines: bounded polls (``POLL_MS``), every child checked alive
-        between them (and now and then while messages keep coming). Raises ``EngineDeadError``."""
-        while True:
-            if await self.async_output.poll(POLL_MS):
-                tag, *frames = await self.async_output.recv_multipart()
-                if tag == ENGINE_CORE_DEAD:
-                    self._mark_dead(_dead_message(frames))
-                self._check_alive_now_and_then()
-                return tag, frames
+        between them and after each message (with several engines, one can die while another
+        streams outputs). Raises ``EngineDeadError``."""
+        while not await self.async_output.poll(POLL_MS):
             self._check_alive()
+        tag, *frames = await self.async_output.recv_multipart()
+        if tag == ENGINE_CORE_DEAD:
+            self._mark_dead(_dead_message(frames))
+        self._check_alive()
+        return tag, frames
 
     async def _send(self, request_type: EngineCoreRequestType, body: bytes, engine: int = 0) -> None:
-        if self.dead is not None:
-            raise self.dead
+        """Send one message to engine ``engine`` (DP rank). Raises ``EngineDeadError`` when the
+        tree is dead, or the engine is unreachable (it disconnected: dying or dead)."""
+        self._check_alive()
         try:
             await self.async_input.send_multipart(
                 [self.engine_identities[engine], request_type.value, body], copy=False

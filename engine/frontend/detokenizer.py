@@ -138,7 +138,7 @@ class IncrementalDetokenizer:
         self.output_text = ""
         self.output_token_ids: list[int] = []
         # Per output token: where its text starts in output_text (the text before any stop
-        # string cut). See _decode_next().
+        # string cut). See _decode_next() and update().
         self.token_offsets: list[int] = []
         # How much of output_text get_next_output_text(delta=True) has handed out.
         self._last_output_text_offset = 0
@@ -205,14 +205,6 @@ class IncrementalDetokenizer:
         self._window_text = self._prefix_text
         return new_text, start
 
-    def _add_token(self, token_id: int) -> None:
-        """Decode one token onto ``output_text`` and record where its text starts."""
-        new_text, start = self._decode_next(token_id)
-        offset = len(self.output_text) + start
-        # Never before the previous token's (a decoder may rewrite text already out).
-        self.token_offsets.append(max(offset, self.token_offsets[-1] if self.token_offsets else 0))
-        self.output_text += new_text
-
     def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> str | None:
         """Add a step's tokens, extend ``output_text`` and ``token_offsets``, look for stop strings.
 
@@ -225,8 +217,6 @@ class IncrementalDetokenizer:
         Returns:
             The stop string that matched (``output_text`` is then already cut), or None.
         """
-        if not new_token_ids:
-            return None
         self.output_token_ids.extend(new_token_ids)
         if not self.detokenize:
             self.token_offsets.extend([0] * len(new_token_ids))
@@ -239,7 +229,12 @@ class IncrementalDetokenizer:
         num_before = len(self.output_token_ids) - len(new_token_ids)
         search_from = len(self.output_text)
         for i, token_id in enumerate(to_decode):
-            self._add_token(token_id)
+            new_text, start = self._decode_next(token_id)
+            # Where its text starts; never before the previous token's (a decoder may
+            # rewrite text already out).
+            offset = len(self.output_text) + start
+            self.token_offsets.append(max(offset, self.token_offsets[-1] if self.token_offsets else 0))
+            self.output_text += new_text
             if num_before + i + 1 <= self.min_tokens:
                 search_from = len(self.output_text)
         if len(to_decode) < len(new_token_ids):
@@ -248,12 +243,8 @@ class IncrementalDetokenizer:
 
         if not self.stop:
             return None
-        match = check_stop_strings(
-            self.output_text,
-            len(self.output_text) - search_from,
-            self.stop,
-            self.include_stop_str_in_output,
-        )
+        new_chars = len(self.output_text) - search_from
+        match = check_stop_strings(self.output_text, new_chars, self.stop, self.include_stop_str_in_output)
         if match is None:
             return None
         stop_str, truncate_to = match
@@ -276,7 +267,6 @@ class IncrementalDetokenizer:
         if not delta:
             return self.output_text[:visible]
         start = self._last_output_text_offset
-        if visible <= start:
-            return ""
-        self._last_output_text_offset = visible
+        # Never backwards: text once handed out is not handed out again.
+        self._last_output_text_offset = max(start, visible)
         return self.output_text[start:visible]

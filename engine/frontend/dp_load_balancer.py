@@ -113,8 +113,6 @@ class DPLoadBalancer:
 
     def forget_finished(self, outputs: EngineCoreOutputs) -> None:
         """Finished requests are no engine's any more."""
-        if not self.request_engine:
-            return
         for output in outputs.outputs:
             if output.finished:
                 self.request_engine.pop(output.request_id, None)

@@ -73,6 +73,11 @@ class ParentRequest:
         self.prompt_logprobs: list[LogprobsDict | None] | None = None
         self.num_cached_tokens = 0
         self.metrics: RequestStateStats | None = None
+        # The children's shared prompt, and whether a child added an output since the last
+        # ``make_request_output`` (set by ``add_child_output``).
+        self.prompt: str | None = None
+        self.prompt_token_ids: list[int] = []
+        self.updated = False
 
     @property
     def n(self) -> int:
@@ -95,10 +100,22 @@ class ParentRequest:
         self.child_requests.add(child_id)
         return child_id, params
 
-    def add_child_output(self, child_id: str, completion: CompletionOutput) -> None:
-        """Record a child's completion from this step."""
+    def add_child_output(self, child: RequestState, completion: CompletionOutput) -> None:
+        """Record a child's completion from this step (child 0 also brings the prompt
+        logprobs, the cached-token count and the stats, so each is reported once)."""
+        self.updated = True
+        self.prompt, self.prompt_token_ids = child.prompt, child.prompt_token_ids
+        if child.request_index == 0:
+            prompt_logprobs = child.take_prompt_logprobs()
+            if prompt_logprobs is not None:
+                delta = self.output_kind == RequestOutputKind.DELTA
+                self.prompt_logprobs = (
+                    (self.prompt_logprobs or []) + prompt_logprobs if delta else prompt_logprobs
+                )
+            self.num_cached_tokens = child.num_cached_tokens
+            self.metrics = child.metrics
         if completion.finished():
-            self.child_requests.discard(child_id)
+            self.child_requests.discard(child.request_id)
         old = self.completions.get(completion.index)
         if self.output_kind == RequestOutputKind.DELTA and old is not None:
             # Two deltas of one child before the parent's output was made: join them.
@@ -120,8 +137,9 @@ class ParentRequest:
     def finished(self) -> bool:
         return not self.child_requests
 
-    def make_request_output(self, prompt: str | None, prompt_token_ids: list[int]) -> RequestOutput | None:
+    def make_request_output(self) -> RequestOutput | None:
         """The parent's output after this step, or None when its kind says not yet."""
+        self.updated = False
         if self.output_kind == RequestOutputKind.FINAL_ONLY and not self.finished:
             return None
         if not self.completions:
@@ -133,8 +151,8 @@ class ParentRequest:
             self.prompt_logprobs = None
         return RequestOutput(
             request_id=self.request_id,
-            prompt=prompt,
-            prompt_token_ids=prompt_token_ids,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
             prompt_logprobs=prompt_logprobs,
             outputs=outputs,
             finished=self.finished,
@@ -163,8 +181,6 @@ class RequestState:
         self.request_index = request_index
         self.output_kind = params.output_kind
         self.detokenizer = IncrementalDetokenizer.from_new_request(tokenizer, request)
-        self.decode_logprob_tokens = params.detokenize
-
         self.logprobs: list[LogprobsDict] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
         # Position 0 has no logprob: nothing comes before the first prompt token.
@@ -174,52 +190,63 @@ class RequestState:
         # DELTA: how many prompt-logprob entries earlier outputs already carried.
         self.num_prompt_logprobs_sent = 0
         self.num_cached_tokens = 0
-        # Always kept (a few floats): the stat loggers and the llm_request span read it;
-        # RequestOutput.metrics shows it only with log_stats.
+        # The request's one stats object (a few floats), always kept: the stat loggers and
+        # the llm_request span read it; RequestOutput.metrics shows it only with log_stats.
         self.stats = RequestStateStats(arrival_time=request.arrival_time)
-        self.log_stats = log_stats
-        self.arrival_time = request.arrival_time
-        self.num_output_tokens = 0
+        self.metrics = self.stats if log_stats else None
         self.sampling_params = params
         self.trace_headers = request.trace_headers
 
-    @property
-    def metrics(self) -> RequestStateStats | None:
-        """What ``RequestOutput.metrics`` carries: the stats with ``log_stats``, else None."""
-        return self.stats if self.log_stats else None
-
-    def make_completion_output(
+    def make_request_output(
         self, new_token_ids: list[int], finish_reason: FinishReason | None, stop_reason: int | str | None
+    ) -> RequestOutput | None:
+        """This step's output (vLLM's ``RequestState.make_request_output``), or None: nothing
+        to show yet (a step that computed only part of the prompt; FINAL_ONLY before the end),
+        or a child of an ``n`` > 1 request, whose completion goes to its parent (which makes
+        one output per ``process_outputs`` call)."""
+        finished = finish_reason is not None
+        if not finished and (not new_token_ids or self.output_kind == RequestOutputKind.FINAL_ONLY):
+            return None
+        completion = self._new_completion_output(len(new_token_ids), finish_reason, stop_reason)
+        if self.parent_req is not None:
+            self.parent_req.add_child_output(self, completion)
+            return None
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            prompt_logprobs=self.take_prompt_logprobs(),
+            outputs=[completion],
+            finished=finished,
+            num_cached_tokens=self.num_cached_tokens,
+            metrics=self.metrics,
+        )
+
+    def _new_completion_output(
+        self, num_new_tokens: int, finish_reason: FinishReason | None, stop_reason: int | str | None
     ) -> CompletionOutput:
-        """This step's completion, shaped by the output kind (DELTA: only what is new)."""
+        """This step's completion, shaped by the output kind (vLLM's ``_new_completion_output``)."""
         finished = finish_reason is not None
         delta = self.output_kind == RequestOutputKind.DELTA
-        text = self.detokenizer.get_next_output_text(finished, delta)
+
+        def shaped(items: list | None) -> list | None:
+            """DELTA: the entries of this step's tokens; else a copy of all (later steps append
+            to our lists, and an output already handed to the user must not change)."""
+            if items is None:
+                return None
+            return items[len(items) - num_new_tokens :] if delta else list(items)
+
         # With logprobs, where each token's text starts (the completions API's text_offset).
         offsets = self.detokenizer.token_offsets if self.logprobs is not None else None
-        if delta:
-            token_ids = list(new_token_ids)
-            logprobs = (
-                self.logprobs[len(self.logprobs) - len(new_token_ids) :]
-                if self.logprobs is not None
-                else None
-            )
-            text_offsets = offsets[len(offsets) - len(new_token_ids) :] if offsets is not None else None
-        else:
-            # Copies: later steps append to our lists, and an output already handed to the
-            # user must not change under them.
-            token_ids = list(self.detokenizer.output_token_ids)
-            logprobs = list(self.logprobs) if self.logprobs is not None else None
-            text_offsets = list(offsets) if offsets is not None else None
         return CompletionOutput(
             index=self.request_index,
-            text=text,
-            token_ids=token_ids,
+            text=self.detokenizer.get_next_output_text(finished, delta),
+            token_ids=shaped(self.detokenizer.output_token_ids),
             cumulative_logprob=self.cumulative_logprob,
-            logprobs=logprobs,
+            logprobs=shaped(self.logprobs),
             finish_reason=str(finish_reason) if finished else None,
             stop_reason=stop_reason if finished else None,
-            text_offsets=text_offsets,
+            text_offsets=shaped(offsets),
         )
 
     def take_prompt_logprobs(self) -> list[LogprobsDict | None] | None:
@@ -231,18 +258,6 @@ class RequestState:
         unsent = self.prompt_logprobs[self.num_prompt_logprobs_sent :]
         self.num_prompt_logprobs_sent = len(self.prompt_logprobs)
         return unsent or None
-
-    def make_request_output(self, completion: CompletionOutput, finished: bool) -> RequestOutput:
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            prompt_logprobs=self.take_prompt_logprobs(),
-            outputs=[completion],
-            finished=finished,
-            num_cached_tokens=self.num_cached_tokens,
-            metrics=self.metrics,
-        )
 
 
 @dataclass
@@ -276,8 +291,8 @@ class OutputProcessor:
         # The served model name, for the llm_request span (gen_ai.request/response.model).
         self.model_name: str | None = None
         # Where the next batch came from, when the caller cannot pass it to process_outputs
-        # (set by ``set_batch_origin``; used once).
-        self._batch_origin: tuple[int, float | None] | None = None
+        # (set by ``set_batch_origin``; used once): (engine index, engine-core timestamp).
+        self._batch_origin: tuple[int, float | None] = (0, None)
         # Engine-core monotonic timestamps → wall clock (one system-wide monotonic clock).
         self._mono_to_wall = time.time() - time.monotonic()
 
@@ -327,11 +342,7 @@ class OutputProcessor:
             state = self.request_states.pop(request_id, None)
             if state is not None:
                 to_abort.append(request_id)
-                done = metrics_stats.finished_request_stats(
-                    state.stats, str(FinishReason.ABORT), len(state.prompt_token_ids),
-                    state.sampling_params.max_tokens, now,
-                )  # fmt: skip
-                do_tracing(state, done, self.model_name, now)
+                self._update_stats_from_finished(state, FinishReason.ABORT, now)
                 if state.parent_req is not None:
                     state.parent_req.child_requests.discard(request_id)
                     if state.parent_req.finished:
@@ -361,14 +372,9 @@ class OutputProcessor:
         """
         request_outputs: list[RequestOutput] = []
         reqs_to_abort: list[str] = []
-        # Parents touched this call, in first-touch order; each gets one output at the end.
-        parents: dict[str, tuple[ParentRequest, RequestState]] = {}
-        origin, self._batch_origin = self._batch_origin, None
-        if origin is not None:
-            if engine_index is None:
-                engine_index = origin[0]
-            if engine_core_timestamp is None:
-                engine_core_timestamp = origin[1]
+        origin, self._batch_origin = self._batch_origin, (0, None)
+        engine_index = origin[0] if engine_index is None else engine_index
+        engine_core_timestamp = origin[1] if engine_core_timestamp is None else engine_core_timestamp
         now = time.time()
         iteration = metrics_stats.IterationStats(now)
         # When this batch's tokens were made: the engine core's stamp (wall clock) if known.
@@ -378,84 +384,84 @@ class OutputProcessor:
             state = self.request_states.get(output.request_id)
             if state is None:
                 continue
-            new_token_ids = output.new_token_ids
-            finish_reason = output.finish_reason
-            stop_reason = output.stop_reason
+            # 1) Stats.
+            iteration.update_from_output(output, len(state.prompt_token_ids), state.stats, token_ts)
+            finish_reason, stop_reason = output.finish_reason, output.stop_reason
             state.num_cached_tokens = output.num_cached_tokens
-            if output.events:
-                iteration.update_from_events(output.events, state.stats)
-            if new_token_ids:
-                iteration.update_from_tokens(
-                    len(new_token_ids), len(state.prompt_token_ids), state.stats, token_ts
-                )
-            state.num_output_tokens += len(new_token_ids)
 
-            # 1) Text, and stop strings. EOS / a stop token id ended it in the engine when
+            # 2) Text, and stop strings. EOS / a stop token id ended it in the engine when
             #    it finished with "stop" and no stop string.
             stop_terminated = finish_reason == FinishReason.STOP and not isinstance(stop_reason, str)
-            stop_str = state.detokenizer.update(new_token_ids, stop_terminated)
+            stop_str = state.detokenizer.update(output.new_token_ids, stop_terminated)
             if stop_str is not None:
-                finish_reason = FinishReason.STOP
-                stop_reason = stop_str
-                if not output.finished:
-                    reqs_to_abort.append(output.request_id)
+                finish_reason, stop_reason = FinishReason.STOP, stop_str
 
-            # 2) Logprobs.
+            # 3) Logprobs.
             self._update_logprobs(state, output)
 
-            # 3) Outputs. A step that only computed part of the prompt has no tokens.
-            finished = finish_reason is not None
-            if finished:
-                del self.request_states[output.request_id]
-                state.stats.finished_time = now
-                done = metrics_stats.finished_request_stats(
-                    state.stats, str(finish_reason), len(state.prompt_token_ids),
-                    state.sampling_params.max_tokens, now,
-                )  # fmt: skip
-                iteration.finished_requests.append(done)
-                do_tracing(state, done, self.model_name, now)
-            if not finished and (not new_token_ids or state.output_kind == RequestOutputKind.FINAL_ONLY):
-                continue
-            completion = state.make_completion_output(new_token_ids, finish_reason, stop_reason)
-            parent = state.parent_req
-            if parent is None:
-                request_outputs.append(state.make_request_output(completion, finished))
-                continue
-            parent.add_child_output(state.request_id, completion)
-            if state.request_index == 0:
-                prompt_logprobs = state.take_prompt_logprobs()
-                if prompt_logprobs is not None:
-                    parent.prompt_logprobs = (
-                        (parent.prompt_logprobs or []) + prompt_logprobs
-                        if state.output_kind == RequestOutputKind.DELTA
-                        else prompt_logprobs
-                    )
-                parent.num_cached_tokens = state.num_cached_tokens
-                parent.metrics = state.metrics
-            parents.setdefault(parent.request_id, (parent, state))
+            # 4) The user's output (a child's goes to its parent).
+            request_output = state.make_request_output(output.new_token_ids, finish_reason, stop_reason)
+            if request_output is not None:
+                request_outputs.append(request_output)
 
-        for parent, state in parents.values():
-            parent_output = parent.make_request_output(state.prompt, state.prompt_token_ids)
-            if parent_output is not None:
-                request_outputs.append(parent_output)
-            if parent.finished:
-                self.parent_requests.pop(parent.request_id, None)
+            # 5) Free a finished request; one a stop string finished, the engine core must abort.
+            if finish_reason is not None:
+                del self.request_states[output.request_id]
+                if not output.finished:
+                    reqs_to_abort.append(output.request_id)
+                done = self._update_stats_from_finished(state, finish_reason, now)
+                iteration.finished_requests.append(done)
+
+        if self.parent_requests:
+            request_outputs.extend(self._make_parent_outputs())
         if self.stats_sink is not None:
-            self.stats_sink(engine_index or 0, iteration)
+            self.stats_sink(engine_index, iteration)
         return OutputProcessorOutput(request_outputs=request_outputs, reqs_to_abort=reqs_to_abort)
+
+    def _make_parent_outputs(self) -> list[RequestOutput]:
+        """``n`` > 1: one output per parent whose children moved in this ``process_outputs``
+        call (the deviation in the module docstring); a finished parent is forgotten."""
+        outputs: list[RequestOutput] = []
+        for parent in [p for p in self.parent_requests.values() if p.updated]:
+            parent_output = parent.make_request_output()
+            if parent_output is not None:
+                outputs.append(parent_output)
+            if parent.finished:
+                del self.parent_requests[parent.request_id]
+        return outputs
+
+    def _update_stats_from_finished(
+        self, state: RequestState, finish_reason: FinishReason, now: float
+    ) -> metrics_stats.FinishedRequestStats:
+        """The figures of ``state``'s request, finished (or aborted) at ``now`` (wall-clock s);
+        its ``llm_request`` span ends with them (vLLM's ``_update_stats_from_finished``)."""
+        state.stats.finished_time = now
+        max_tokens = state.sampling_params.max_tokens
+        done = metrics_stats.finished_request_stats(
+            state.stats, str(finish_reason), len(state.prompt_token_ids), max_tokens, now
+        )
+        do_tracing(state, done, self.model_name, now)
+        return done
 
     # ------------------------------------------------------------------ logprobs
 
     def _update_logprobs(self, state: RequestState, output: EngineCoreOutput) -> None:
-        if state.logprobs is not None and output.new_logprobs is not None:
-            rows = self._to_dicts(output.new_logprobs, state.decode_logprob_tokens)
-            state.logprobs.extend(rows)
+        """Take the logprob rows an output carries (vLLM's ``LogprobsProcessor.update_from_output``);
+        the engine sends them only for a request that asked."""
+        if output.new_logprobs is not None:
+            self._update_sample_logprobs(state, output.new_logprobs)
+        if output.new_prompt_logprobs is not None:
+            self._update_prompt_logprobs(state, output.new_prompt_logprobs)
+
+    def _update_sample_logprobs(self, state: RequestState, lists: LogprobsLists) -> None:
+        if state.logprobs is not None:
+            state.logprobs.extend(self._to_dicts(lists, state.sampling_params.detokenize))
             # The first entry of each row is the sampled token.
-            state.cumulative_logprob += sum(lp[0] for lp in output.new_logprobs.logprobs)
-        if state.prompt_logprobs is not None and output.new_prompt_logprobs is not None:
-            state.prompt_logprobs.extend(
-                self._to_dicts(output.new_prompt_logprobs, state.decode_logprob_tokens)
-            )
+            state.cumulative_logprob += sum(lp[0] for lp in lists.logprobs)
+
+    def _update_prompt_logprobs(self, state: RequestState, lists: LogprobsLists) -> None:
+        if state.prompt_logprobs is not None:
+            state.prompt_logprobs.extend(self._to_dicts(lists, state.sampling_params.detokenize))
 
     def _to_dicts(self, lists: LogprobsLists, decode: bool) -> list[LogprobsDict]:
         """Logprob rows → one ``{token_id: Logprob}`` per position.

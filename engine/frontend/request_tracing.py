@@ -19,23 +19,30 @@ one came):
 
 Cheap when tracing records nothing: no span, no attribute built, and the caller's headers
 pass through unchanged.
+
+Also here, the request's side of live telemetry in the API server (``LiveRequests``): the
+``arrived``, ``first_token`` and ``aborted`` events engine-top shows for each request, and the
+gauge of requests still waiting for the engine's first output. vLLM has no counterpart.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from engine.utils.processes import EngineDeadError
 from tracing import add_span_event, catalogue, is_recording, record_span, start_span
 from tracing.propagation import TRACE_HEADERS, extract_trace_context, inject_trace_headers
+from tracing.telemetry.publisher import telemetry
 
 if TYPE_CHECKING:
     from engine.frontend.output_processor import RequestState
+    from engine.frontend.outputs import RequestOutput
     from engine.metrics.stats import FinishedRequestStats
 
 
@@ -140,9 +147,9 @@ def do_tracing(state: RequestState, done: FinishedRequestStats, model_name: str 
         catalogue.ATTR_GEN_AI_REQUEST_MODEL: model_name,
         catalogue.ATTR_GEN_AI_RESPONSE_MODEL: model_name,
         catalogue.ATTR_GEN_AI_USAGE_PROMPT_TOKENS: num_prompt,
-        catalogue.ATTR_GEN_AI_USAGE_COMPLETION_TOKENS: state.num_output_tokens,
+        catalogue.ATTR_GEN_AI_USAGE_COMPLETION_TOKENS: req.num_generation_tokens,
         catalogue.ATTR_GEN_AI_USAGE_INPUT_TOKENS: num_prompt,
-        catalogue.ATTR_GEN_AI_USAGE_OUTPUT_TOKENS: state.num_output_tokens,
+        catalogue.ATTR_GEN_AI_USAGE_OUTPUT_TOKENS: req.num_generation_tokens,
         catalogue.ATTR_GEN_AI_RESPONSE_FINISH_REASONS: [done.finish_reason],
         catalogue.ATTR_GEN_AI_LATENCY_E2E: done.e2e_latency,
         catalogue.ATTR_GEN_AI_REQUEST_MAX_TOKENS: params.max_tokens,
@@ -160,9 +167,72 @@ def do_tracing(state: RequestState, done: FinishedRequestStats, model_name: str 
         attributes[catalogue.ATTR_GEN_AI_LATENCY_TIME_IN_MODEL_DECODE] = done.decode_time
     record_span(
         catalogue.LLM_REQUEST,
-        start_ns=int(state.arrival_time * 1e9),
+        start_ns=int(req.arrival_time * 1e9),
         end_ns=int(now * 1e9),
         attributes=attributes,
         parent=extract_trace_context(state.trace_headers),
         kind=SpanKind.SERVER,
     )
+
+
+def abort_reason(error: BaseException) -> str:
+    """Why a request ended unfinished, in plain words for live telemetry's ``aborted`` event
+    (engine-top shows "aborted: engine died"): "client disconnected", "engine died", else the
+    exception's type and the first line of its message, at most 80 characters."""
+    if isinstance(error, (GeneratorExit, asyncio.CancelledError)):
+        return "client disconnected"
+    if isinstance(error, EngineDeadError):
+        return "engine died"
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    text = f"{type(error).__name__}: {first}" if first else type(error).__name__
+    return text if len(text) <= 80 else text[:79] + "…"
+
+
+class LiveRequests:
+    """The API server's requests as live telemetry sees them (engine-top's request rows).
+
+    ``track`` wraps one ``AsyncLLM.generate`` call: ``arrived`` as it starts, ``first_token``
+    with the first output (its whole prompt was computed by then), ``aborted`` (with
+    ``abort_reason``) when it ends unfinished. ``waiting_for_engine``: the requests sent to
+    the engine that have no output yet (the ``api.waiting_for_engine`` gauge). All calls
+    are no-ops but a set update when telemetry is off (``NULL_PUBLISHER``).
+    """
+
+    def __init__(self) -> None:
+        self.waiting_for_engine: set[str] = set()
+
+    @contextlib.contextmanager
+    def track(self, request_id: str, num_prompt_tokens: int) -> Iterator[LiveRequest]:
+        live = LiveRequest(self, request_id)
+        telemetry().publish_request_event(request_id, "arrived", num_prompt_tokens=num_prompt_tokens)
+        self.waiting_for_engine.add(request_id)
+        error: BaseException | None = None
+        try:
+            yield live
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            self.waiting_for_engine.discard(request_id)
+            if not live.finished:
+                reason = "not finished" if error is None else abort_reason(error)
+                telemetry().publish_request_event(request_id, "aborted", reason=reason)
+
+
+class LiveRequest:
+    """One request ``LiveRequests.track`` follows; ``output`` is told each ``RequestOutput``."""
+
+    def __init__(self, requests: LiveRequests, request_id: str) -> None:
+        self.requests = requests
+        self.request_id = request_id
+        self.finished = False
+
+    def output(self, output: RequestOutput) -> None:
+        self.finished = output.finished
+        if self.request_id in self.requests.waiting_for_engine:
+            self.requests.waiting_for_engine.discard(self.request_id)
+            n_prompt = len(output.prompt_token_ids)  # a first token: its whole prompt was computed
+            telemetry().publish_request_event(
+                self.request_id, "first_token", num_prompt_tokens=n_prompt, num_computed_tokens=n_prompt,
+                num_output_tokens=sum(len(o.token_ids) for o in output.outputs),
+            )  # fmt: skip

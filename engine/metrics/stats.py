@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from engine.core.messages import EngineCoreEvent, EngineCoreEventType
+from engine.core.messages import EngineCoreEvent, EngineCoreEventType, EngineCoreOutput
 
 
 @dataclass(slots=True)
@@ -122,6 +122,16 @@ class IterationStats:
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
     time_to_first_tokens_iter: list[float] = field(default_factory=list)
     inter_token_latencies_iter: list[float] = field(default_factory=list)
+
+    def update_from_output(
+        self, output: EngineCoreOutput, prompt_len: int, stats: RequestStateStats, token_ts: float
+    ) -> None:
+        """Take one request's output of this batch (vLLM's ``IterationStats.update_from_output``):
+        its engine-core events, then its new tokens, if any, made at ``token_ts`` (wall-clock s)."""
+        if output.events:
+            self.update_from_events(output.events, stats)
+        if output.new_token_ids:
+            self.update_from_tokens(len(output.new_token_ids), prompt_len, stats, token_ts)
 
     def update_from_events(self, events: Iterable[EngineCoreEvent], stats: RequestStateStats) -> None:
         """Take a request's engine-core events: queued, first scheduled, preemptions."""
