@@ -402,11 +402,6 @@ class MPClient:
 
     # ------------------------------------------------------------------ messages
 
-    def _check_alive_now_and_then(self) -> None:
-        """``_check_alive``, for the start-up waits' callers (``engine_launcher``); cheap
-        enough now to run after every message."""
-        self._check_alive()
-
     def _check_alive(self) -> None:
         """Raise the tree's death, if there was one: the supervisor (waiting on every child's
         pidfd, and on their stopped / heartbeat deadlines) noticed it (``_on_child_failure``),

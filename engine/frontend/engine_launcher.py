@@ -302,7 +302,7 @@ def _poll_output(client: MPClient) -> tuple[bytes, list[bytes]] | None:
         tag, *frames = client.output_socket.recv_multipart()
         if tag == ENGINE_CORE_DEAD:
             client._mark_dead(decode_as(EngineDead, frames[0]) if frames else None)
-        client._check_alive_now_and_then()
+        client._check_alive()
         return tag, frames
     client._check_alive()
     return None
