@@ -42,23 +42,19 @@ from engine.entrypoints.openai.protocol import (
 from engine.entrypoints.openai.serving_engine import (
     MIN_LOGPROB,
     SSE_DONE,
-    OpenAIError,
     OpenAIServing,
     StreamChunks,
     bad_request_from_value_error,
-    engine_dead_event,
-    error_response,
-    internal_error_message,
     merge_async_iterators,
     random_uuid,
     sse_event,
+    stream_error_event,
 )
 from engine.frontend.detokenizer import IncrementalDetokenizer, backend_tokenizer
 from engine.frontend.outputs import LogprobsDict, RequestOutput
 from engine.frontend.request_tracing import start_request_trace
 from engine.frontend.tokenizer import encode
 from engine.logger import init_logger
-from engine.utils.processes import EngineDeadError
 
 logger = init_logger(__name__)
 
@@ -84,7 +80,6 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_engine_alive()
         self.check_unsupported(request)
         self.check_fields(request)
-        self.check_logprobs(request.logprobs, "logprobs")
         self._check_prompts_fit(request.prompt)
         # Tokenizing a long prompt takes a while: off the event loop, so other requests stream on.
         tokenize_ns = time.time_ns()
@@ -98,6 +93,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 params.append(request.to_sampling_params(max_tokens, self.default_sampling_params))
             except ValueError as e:
                 raise bad_request_from_value_error(e, "prompt") from None
+            self.check_params(params[-1], "prompt")
 
         request_id = f"cmpl-{random_uuid()}"
         rtrace = start_request_trace(request_id, headers, arrived_ns)
@@ -292,16 +288,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                   total_tokens=prompt_tokens + completion_tokens)  # fmt: skip
                 yield sse_event(CompletionStreamResponse(id=request_id, created=created, model=self.served_model_name,
                                                          choices=[], usage=usage))  # fmt: skip
-        except ValueError as e:
-            err = bad_request_from_value_error(e, "prompt")
-            yield sse_event(error_response(err.status_code, err.message, err.param))
-        except OpenAIError as e:
-            yield sse_event(error_response(e.status_code, e.message, e.param))
-        except EngineDeadError as e:
-            yield engine_dead_event(e, request_id)
         except Exception as e:
-            logger.exception("completion stream %s failed", request_id)
-            yield sse_event(error_response(500, internal_error_message(e)))
+            yield stream_error_event(e, request_id, "prompt")
         yield SSE_DONE
 
     # ------------------------------------------------------------------ logprobs
