@@ -263,7 +263,6 @@ class OpenAIServing:
         self.engine = engine
         self.served_model_name = served_model_name
         self.tokenizer = engine.tokenizer
-        self.input_processor = engine.input_processor
         self.max_model_len: int = engine.model_config.max_model_len
         self.vocab_size: int = engine.model_config.vocab_size
         self.default_sampling_params = engine.get_default_sampling_params()
@@ -366,7 +365,7 @@ class OpenAIServing:
                 ``renames``).
         """
         try:
-            self.input_processor.validate_params(params)
+            self.engine.input_processor.validate_params(params)
         except ValueError as e:
             raise bad_request_from_value_error(e, blamed, renames) from None
 
