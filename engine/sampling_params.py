@@ -75,16 +75,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     output_text_buffer_length: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        elif self.stop is None:
-            self.stop = []
-        else:
-            self.stop = list(self.stop)
-        if self.stop_token_ids is None:
-            self.stop_token_ids = []
-        else:
-            self.stop_token_ids = list(self.stop_token_ids)
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+        self.stop_token_ids = list(self.stop_token_ids or ())
         self._verify_args()
         if self.temperature < SAMPLING_EPS:
             # Greedy: the other knobs cannot change the pick; normalise them as vLLM does.
@@ -151,10 +143,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             raise bad("prompt_logprobs", self.prompt_logprobs, "a non-negative integer")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", self.stop, "a list of non-empty strings")
-        if any(
-            not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= MAX_INT32
-            for t in self.stop_token_ids
-        ):
+        # Which ids exist is the vocabulary's question: the input processor's check.
+        if any(not isinstance(t, int) or isinstance(t, bool) for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "a list of token ids")
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
             raise bad("seed", self.seed, "a 64-bit integer")

@@ -13,7 +13,8 @@ stop strings that are not valid Unicode; copy the params and fill in what the en
 ``max_tokens`` (all the room left when unset) and the model's extra EOS ids from
 ``generation_config.json``.
 
-``logprobs`` / ``prompt_logprobs`` above ``--max-logprobs`` are refused here too.
+``logprobs`` / ``prompt_logprobs`` above ``--max-logprobs`` are refused here too
+(``validate_params``: the API server calls it as well, before a stream starts).
 
 Left out: multimodal inputs, encoder-decoder prompts, LoRA, structured outputs,
 ``n`` fan-out (done by the caller with ``ParentRequest``).
@@ -125,8 +126,7 @@ class InputProcessor:
         """
         prompt_token_ids = self._tokenize(prompt, tokenization_kwargs or {})
         validate_prompt(prompt_token_ids, self.model_config.max_model_len, self.model_config.vocab_size)
-        self._validate_params(params)
-        self._validate_logprobs(params)
+        self.validate_params(params)
 
         params = params.clone()
         if params.max_tokens is None:
@@ -145,8 +145,6 @@ class InputProcessor:
         )
 
     def _tokenize(self, prompt: PromptType, tokenization_kwargs: dict[str, Any]) -> list[int]:
-        if isinstance(prompt, str):
-            return encode(self.tokenizer, prompt, **tokenization_kwargs)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             try:  # numpy integers are fine too
                 return [operator.index(t) for t in prompt["prompt_token_ids"]]
@@ -154,17 +152,24 @@ class InputProcessor:
                 raise ValueError(
                     f"prompt_token_ids must be integers, got {prompt['prompt_token_ids']!r:.80}"
                 ) from None
-        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
-            return encode(self.tokenizer, prompt["prompt"], **tokenization_kwargs)
+        text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+        if isinstance(text, str):
+            return encode(self.tokenizer, text, **tokenization_kwargs)
         raise ValueError(
             'a prompt must be a string, {"prompt": str} or {"prompt_token_ids": [int, ...]}, '
             f"got {type(prompt).__name__}"
         )
 
-    def _validate_params(self, params: SamplingParams) -> None:
-        """What ``SamplingParams`` cannot check alone: it knows neither the vocabulary nor
-        that its strings must cross to the engine core as UTF-8. Messages start with the
-        field's name (the API server turns that into the error's ``param``)."""
+    def validate_params(self, params: SamplingParams) -> None:
+        """What ``SamplingParams`` cannot check alone: it knows neither the vocabulary, nor
+        ``--max-logprobs`` (-1: the vocabulary; vLLM's ``_validate_logprobs``), nor that its
+        strings must cross to the engine core as UTF-8. ``process_inputs`` calls it; the API
+        server too, before a stream answers 200.
+
+        Raises:
+            ValueError: the message starts with the field's name (the API server turns that
+                into the error's ``param``).
+        """
         if params.stop and not params.detokenize:
             raise ValueError("stop strings need detokenized text: set detokenize=True or drop stop")
         for stop_str in params.stop or ():
@@ -182,13 +187,9 @@ class InputProcessor:
                     f"stop_token_ids holds token id {token_id!r}, which is out of vocabulary "
                     f"(vocab_size={vocab_size})"
                 )
-
-    def _validate_logprobs(self, params: SamplingParams) -> None:
-        """vLLM's rule: at most ``--max-logprobs`` alternatives per token (-1: the vocabulary).
-        Raises ``ValueError`` starting with the field's name."""
         limit = self.model_config.max_logprobs
         if limit == -1:
-            limit = self.model_config.vocab_size
+            limit = vocab_size
         for field in ("logprobs", "prompt_logprobs"):
             value = getattr(params, field)
             if value is not None and value > limit:

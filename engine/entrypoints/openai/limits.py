@@ -75,7 +75,7 @@ async def send_error(send: Send, status: int, message: str, close: bool = False)
 
 
 class RequestBodyLimit:
-    """Reads each HTTP request's body, at most ``max_bytes`` of it, before the app runs.
+    """Bounds each HTTP request's body to ``max_bytes`` before the app reads it.
 
     Args:
         app: the ASGI app inside.
@@ -83,10 +83,12 @@ class RequestBodyLimit:
             means no limit.
 
     A ``Content-Length`` above ``max_bytes`` (or not a number) is answered at once (413,
-    400), nothing read; a chunked body is counted as it arrives and answered with 413 the
-    moment it passes ``max_bytes``. An accepted body is handed to the app in one message,
-    then ``receive`` is the server's again (disconnects still reach the app). After a large
-    body's request ends, freed memory is returned to the system (``release_memory``).
+    400), nothing read; one within it needs nothing more (the app reads the body as the
+    server delivers it, which is never more than the header said). A chunked body is
+    counted as it arrives and answered with 413 the moment it passes ``max_bytes``; once
+    accepted it is handed to the app in one message, then ``receive`` is the server's again
+    (disconnects still reach the app). After a large body's request ends, freed memory is
+    returned to the system (``release_memory``).
     """
 
     def __init__(self, app: ASGIApp, max_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> None:
@@ -97,15 +99,29 @@ class RequestBodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        headers = Headers(scope=scope)
+        length = headers.get("content-length")
+        if length is None or "transfer-encoding" in headers:
+            await self._read_counted(scope, receive, send)
+            return
+        # A Content-Length body: the HTTP parser hands the app at most that many bytes (what
+        # follows is the next request), so checking the header is the whole guarantee.
+        if not length.strip().isdigit():
+            await send_error(send, 400, f"Invalid Content-Length header: {length!r}.", close=True)
+            return
+        if 0 < self.max_bytes < int(length):
+            await send_error(send, 413, too_large_message(int(length), self.max_bytes), close=True)
+            return
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            if int(length) >= TRIM_AFTER_BYTES:
+                await release_memory()
+
+    async def _read_counted(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A body of unknown length (chunked, or none): read whole, counting its bytes, 413 as
+        soon as they pass ``max_bytes``; then handed to the app in one message."""
         limit = self.max_bytes if self.max_bytes > 0 else None
-        length = Headers(scope=scope).get("content-length")
-        if length is not None:
-            if not length.strip().isdigit():
-                await send_error(send, 400, f"Invalid Content-Length header: {length!r}.", close=True)
-                return
-            if limit is not None and int(length) > limit:
-                await send_error(send, 413, too_large_message(int(length), limit), close=True)
-                return
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -237,7 +253,9 @@ def decode_json(raw: bytes) -> Any:
         raise _invalid_json(f"nested too deeply (at most {MAX_JSON_DEPTH} levels)") from None
     except ValueError as e:  # NaN / Infinity, an overflowing number, an int of > 4300 digits
         raise _invalid_json(str(e)) from None
-    if isinstance(value, (dict, list)) and too_deep(value):
+    # Nesting needs a bracket per level: a body with few brackets cannot be too deep.
+    deep_enough = raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH
+    if deep_enough and isinstance(value, (dict, list)) and too_deep(value):
         raise _invalid_json(f"nested too deeply (at most {MAX_JSON_DEPTH} levels)")
     return value
 

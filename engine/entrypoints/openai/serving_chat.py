@@ -43,17 +43,14 @@ from engine.entrypoints.openai.serving_engine import (
     OpenAIServing,
     StreamChunks,
     bad_request_from_value_error,
-    engine_dead_event,
-    error_response,
-    internal_error_message,
     merge_async_iterators,
     random_uuid,
     sse_event,
+    stream_error_event,
 )
 from engine.frontend.outputs import LogprobsDict, RequestOutput
 from engine.frontend.request_tracing import start_request_trace
 from engine.logger import init_logger
-from engine.utils.processes import EngineDeadError
 
 logger = init_logger(__name__)
 
@@ -79,7 +76,6 @@ class OpenAIServingChat(OpenAIServing):
         self.check_engine_alive()
         self.check_unsupported(request)
         self.check_fields(request)
-        self.check_logprobs(request.top_logprobs, "top_logprobs")
         if request.top_logprobs and not request.logprobs:
             raise OpenAIError("top_logprobs needs logprobs to be true.", param="top_logprobs")
         if request.tools:
@@ -95,11 +91,12 @@ class OpenAIServingChat(OpenAIServing):
         self.check_prompt(prompt_ids, "messages")
         max_tokens_field = request.max_tokens_field
         max_tokens = self.resolve_max_tokens(request.requested_max_tokens, len(prompt_ids), max_tokens_field)
+        renames = {"max_tokens": max_tokens_field, "logprobs": "top_logprobs"}
         try:
             params = request.to_sampling_params(max_tokens, self.default_sampling_params)
         except ValueError as e:
-            renames = {"max_tokens": max_tokens_field, "logprobs": "top_logprobs"}
             raise bad_request_from_value_error(e, "messages", renames) from None
+        self.check_params(params, "messages", renames)
 
         request_id = f"chatcmpl-{random_uuid()}"
         rtrace = start_request_trace(request_id, headers, arrived_ns)
@@ -214,16 +211,8 @@ class OpenAIServingChat(OpenAIServing):
                 usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                                   total_tokens=prompt_tokens + completion_tokens)  # fmt: skip
                 yield chunk([], usage)
-        except ValueError as e:
-            err = bad_request_from_value_error(e, "messages")
-            yield sse_event(error_response(err.status_code, err.message, err.param))
-        except OpenAIError as e:
-            yield sse_event(error_response(e.status_code, e.message, e.param))
-        except EngineDeadError as e:
-            yield engine_dead_event(e, request_id)
         except Exception as e:
-            logger.exception("chat stream %s failed", request_id)
-            yield sse_event(error_response(500, internal_error_message(e)))
+            yield stream_error_event(e, request_id, "messages")
         yield SSE_DONE
 
     # ------------------------------------------------------------------ logprobs

@@ -42,23 +42,19 @@ from engine.entrypoints.openai.protocol import (
 from engine.entrypoints.openai.serving_engine import (
     MIN_LOGPROB,
     SSE_DONE,
-    OpenAIError,
     OpenAIServing,
     StreamChunks,
     bad_request_from_value_error,
-    engine_dead_event,
-    error_response,
-    internal_error_message,
     merge_async_iterators,
     random_uuid,
     sse_event,
+    stream_error_event,
 )
 from engine.frontend.detokenizer import IncrementalDetokenizer, backend_tokenizer
 from engine.frontend.outputs import LogprobsDict, RequestOutput
-from engine.frontend.request_tracing import start_request_trace
+from engine.frontend.request_tracing import RequestTrace, start_request_trace
 from engine.frontend.tokenizer import encode
 from engine.logger import init_logger
-from engine.utils.processes import EngineDeadError
 
 logger = init_logger(__name__)
 
@@ -84,7 +80,6 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_engine_alive()
         self.check_unsupported(request)
         self.check_fields(request)
-        self.check_logprobs(request.logprobs, "logprobs")
         self._check_prompts_fit(request.prompt)
         # Tokenizing a long prompt takes a while: off the event loop, so other requests stream on.
         tokenize_ns = time.time_ns()
@@ -98,6 +93,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 params.append(request.to_sampling_params(max_tokens, self.default_sampling_params))
             except ValueError as e:
                 raise bad_request_from_value_error(e, "prompt") from None
+            self.check_params(params[-1], "prompt")
 
         request_id = f"cmpl-{random_uuid()}"
         rtrace = start_request_trace(request_id, headers, arrived_ns)
@@ -108,15 +104,24 @@ class OpenAIServingCompletion(OpenAIServing):
             )
             for i, ((_, ids), sp) in enumerate(zip(prompts, params))
         ]
+        outputs = merge_async_iterators(*generators)
         if request.stream:
-            return rtrace.wrap_stream(
-                self._stream(request, request_id, prompts, merge_async_iterators(*generators))
-            )
+            return rtrace.wrap_stream(self._stream(request, request_id, prompts, outputs))
+        return await self._full(request, request_id, prompts, outputs, rtrace)
 
+    async def _full(
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        prompts: list[tuple[str | None, list[int]]],
+        outputs: AsyncIterator[tuple[int, RequestOutput]],
+        rtrace: RequestTrace,
+    ) -> CompletionResponse:
+        """The whole response, once every prompt's final output came (``FINAL_ONLY``)."""
         finals: list[RequestOutput | None] = [None] * len(prompts)
         error: BaseException | None = None
         try:
-            async with contextlib.aclosing(merge_async_iterators(*generators)) as outputs:
+            async with contextlib.aclosing(outputs):
                 async for i, output in outputs:
                     finals[i] = output
         except ValueError as e:
@@ -176,6 +181,24 @@ class OpenAIServingCompletion(OpenAIServing):
         best = next((r for r in replays if r.output_text == text), replays[0])
         return text, [min(offset, len(text)) for offset in best.token_offsets]
 
+    @staticmethod
+    def _with_echo(
+        echo: tuple[str, list[int]],
+        prompt_ids: list[int],
+        prompt_logprobs: list[LogprobsDict | None] | None,
+        text: str,
+        token_ids: list[int],
+        top: list[LogprobsDict | None] | None,
+        offsets: list[int],
+    ) -> tuple[str, list[int], list[LogprobsDict | None], list[int]]:
+        """A choice's output with the echoed prompt (``_echo``: its text and token offsets) in
+        front: text, token ids, per-token logprobs (None for prompt tokens without any) and
+        text offsets (the output's shifted by the echo's length)."""
+        echo_text, echo_offsets = echo
+        top = (prompt_logprobs or [None] * len(prompt_ids)) + (top or [])
+        shifted = [len(echo_text) + offset for offset in offsets]
+        return echo_text + text, prompt_ids + token_ids, top, echo_offsets + shifted
+
     def _replay(self, token_ids: list[int], skip_special_tokens: bool) -> IncrementalDetokenizer:
         """A detokenizer fed the prompt's ``token_ids``, for its ``token_offsets`` (as the
         output's were recorded)."""
@@ -199,16 +222,15 @@ class OpenAIServingCompletion(OpenAIServing):
             assert final is not None, "the engine ended a request without a final output"
             usage.prompt_tokens += len(prompt_ids)
             if request.echo:
-                echo_text, echo_offsets = self._echo(prompt_text, prompt_ids, want_logprobs)
+                echo = self._echo(prompt_text, prompt_ids, want_logprobs)
             for out in final.outputs:
                 usage.completion_tokens += len(out.token_ids)
                 text, token_ids, top = out.text, list(out.token_ids), out.logprobs
                 offsets = list(out.text_offsets or [])
                 if request.echo:
-                    text = echo_text + text
-                    token_ids = prompt_ids + token_ids
-                    top = (final.prompt_logprobs or [None] * len(prompt_ids)) + (top or [])
-                    offsets = echo_offsets + [len(echo_text) + offset for offset in offsets]
+                    text, token_ids, top, offsets = self._with_echo(
+                        echo, prompt_ids, final.prompt_logprobs, text, token_ids, top, offsets
+                    )
                 logprobs = None
                 if want_logprobs and top is not None:
                     logprobs = self.create_logprobs(token_ids, top, request.logprobs, offsets)
@@ -257,16 +279,14 @@ class OpenAIServingCompletion(OpenAIServing):
                         completion_tokens += len(out.token_ids)
                         text, token_ids, top = out.text, list(out.token_ids), out.logprobs
                         offsets = [echo_len[i] + o for o in out.text_offsets or ()]
-                        if needs_echo[i]:
+                        if needs_echo[i]:  # the choice's first chunk starts with the prompt
                             needs_echo[i] = False
                             if p not in echoes:
                                 echoes[p] = self._echo(prompt_text, prompt_ids, want_logprobs)
-                            echo_text, echo_offsets = echoes[p]
-                            echo_len[i] = len(echo_text)
-                            text = echo_text + text
-                            token_ids = prompt_ids + token_ids
-                            top = (prompt_logprobs[p] or [None] * len(prompt_ids)) + (top or [])
-                            offsets = echo_offsets + [echo_len[i] + o for o in offsets]
+                            echo_len[i] = len(echoes[p][0])
+                            text, token_ids, top, offsets = self._with_echo(
+                                echoes[p], prompt_ids, prompt_logprobs[p], text, token_ids, top, offsets
+                            )
                         logprobs = None
                         if want_logprobs and top is not None:
                             logprobs = self.create_logprobs(token_ids, top, request.logprobs, offsets)
@@ -292,16 +312,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                   total_tokens=prompt_tokens + completion_tokens)  # fmt: skip
                 yield sse_event(CompletionStreamResponse(id=request_id, created=created, model=self.served_model_name,
                                                          choices=[], usage=usage))  # fmt: skip
-        except ValueError as e:
-            err = bad_request_from_value_error(e, "prompt")
-            yield sse_event(error_response(err.status_code, err.message, err.param))
-        except OpenAIError as e:
-            yield sse_event(error_response(e.status_code, e.message, e.param))
-        except EngineDeadError as e:
-            yield engine_dead_event(e, request_id)
         except Exception as e:
-            logger.exception("completion stream %s failed", request_id)
-            yield sse_event(error_response(500, internal_error_message(e)))
+            yield stream_error_event(e, request_id, "prompt")
         yield SSE_DONE
 
     # ------------------------------------------------------------------ logprobs

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from http import HTTPStatus
 from typing import Any, TypeVar
 
@@ -36,6 +36,7 @@ from engine.frontend.input_processor import validate_prompt
 from engine.frontend.tokenizer import apply_chat_template, encode
 from engine.logger import init_logger
 from engine.sampling_params import SamplingParams
+from engine.utils.processes import EngineDeadError
 
 logger = init_logger(__name__)
 
@@ -55,6 +56,15 @@ ERROR_TYPES = {
     503: "ServiceUnavailableError",
 }
 _SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
+# Fields declared (so that using them is not silently ignored) but not implemented: the 400
+# each gets when given a value (``OpenAIServing.check_unsupported``).
+UNSUPPORTED_FIELDS = {
+    "logit_bias": "logit_bias is not supported.",
+    "suffix": "suffix is not supported.",
+    "prompt_logprobs": "prompt_logprobs is not supported by the server (left out); for completions, "
+    "echo with logprobs returns the prompt's logprobs.",
+    "chat_template": "A per-request chat_template is not supported; start the server with --chat-template.",
+}
 # Request fields accepted and ignored: not checked (``OpenAIServing.check_fields``).
 UNCHECKED_FIELDS = frozenset({"user"})
 # What a client is told when the engine is dead, streaming or not (503); the root cause
@@ -196,6 +206,21 @@ def engine_dead_event(error: BaseException, request_id: str) -> str:
     return sse_event(error_response(503, ENGINE_DEAD_MESSAGE))
 
 
+def stream_error_event(error: Exception, request_id: str, blamed: str) -> str:
+    """The SSE error event that ends a stream on ``error`` (then comes ``data: [DONE]``), with
+    the status a plain request would get: a ``ValueError`` (our convention for bad input)
+    is a 400 blaming ``blamed`` unless it names a field, an ``OpenAIError`` its own status,
+    a dead engine 503 (``engine_dead_event``), anything else a 500, logged."""
+    if isinstance(error, ValueError):
+        error = bad_request_from_value_error(error, blamed)
+    if isinstance(error, OpenAIError):
+        return sse_event(error_response(error.status_code, error.message, error.param))
+    if isinstance(error, EngineDeadError):
+        return engine_dead_event(error, request_id)
+    logger.error("stream %s failed", request_id, exc_info=error)
+    return sse_event(error_response(500, internal_error_message(error)))
+
+
 def internal_error_message(error: BaseException) -> str:
     """What a client is told of an unexpected error (500): its type, not its text (which may
     quote internals); the server logs the whole traceback."""
@@ -241,10 +266,8 @@ class OpenAIServing:
         self.max_model_len: int = engine.model_config.max_model_len
         self.vocab_size: int = engine.model_config.vocab_size
         self.default_sampling_params = engine.get_default_sampling_params()
-        # --max-logprobs (-1: the whole vocabulary), and the model's max_new_tokens
-        # (--generation-config), which caps max_tokens as in vLLM's get_max_tokens.
-        limit = engine.model_config.max_logprobs
-        self.max_logprobs: int = self.vocab_size if limit == -1 else limit
+        # The model's max_new_tokens (--generation-config): it caps max_tokens as in vLLM's
+        # get_max_tokens.
         self.default_max_tokens: int | None = engine.model_config.get_diff_sampling_param().get("max_tokens")
         self.max_chars_per_token = max_chars_per_token(self.tokenizer)
 
@@ -299,16 +322,17 @@ class OpenAIServing:
         all the room when ``requested`` is None; the model's ``max_new_tokens``
         (``--generation-config``), when it sets one, caps both.
 
+        A ``requested`` below 1 is left to ``SamplingParams`` to refuse (its ``max_tokens``
+        rule, ``LLM``'s too).
+
         Raises:
-            OpenAIError: ``requested`` < 1 or > ``max_model_len``.
+            OpenAIError: ``requested`` > ``max_model_len``.
         """
         room = self.max_model_len - prompt_len
         if self.default_max_tokens is not None:
             room = min(room, self.default_max_tokens)
         if requested is None:
             return room
-        if requested < 1:
-            raise OpenAIError(f"{param} must be at least 1, got {requested}.", param=param)
         if requested > self.max_model_len:
             raise OpenAIError(
                 f"'{param}' is too large: {requested}. This model's maximum context length is "
@@ -320,35 +344,40 @@ class OpenAIServing:
     def check_fields(self, request: BaseModel) -> None:
         """Refuse, before any work (and before a stream answers 200), values no later stage
         could take, naming the field: text that is not valid Unicode anywhere in the request
-        (a lone surrogate such as ``"\\ud800"`` is valid JSON but cannot be UTF-8 encoded),
-        and ``stop_token_ids`` outside the vocabulary.
+        (a lone surrogate such as ``"\\ud800"`` is valid JSON but cannot be UTF-8 encoded).
+        What the params must meet is ``check_params``'s.
 
         Every declared field is checked except ``user``, which is accepted and ignored.
         """
         for name in type(request).model_fields:
             if name not in UNCHECKED_FIELDS:
                 check_unicode(getattr(request, name), name)
-        for token_id in getattr(request, "stop_token_ids", None) or ():
-            if not 0 <= token_id < self.vocab_size:
-                raise OpenAIError(
-                    f"Token id {token_id} in stop_token_ids is out of vocabulary (vocab_size={self.vocab_size}).",
-                    param="stop_token_ids",
-                )
 
-    def check_logprobs(self, value: int | None, param: str) -> None:
-        if value is not None and not 0 <= value <= self.max_logprobs:
-            raise OpenAIError(
-                f"{param} must be between 0 and {self.max_logprobs} (--max-logprobs), got {value}.",
-                param=param,
-            )
+    def check_params(
+        self, params: SamplingParams, blamed: str, renames: dict[str, str] | None = None
+    ) -> None:
+        """Refuse, before a stream answers 200, what the input processor would refuse in the
+        params (``InputProcessor.validate_params``: the vocabulary, ``--max-logprobs``): the
+        same rule ``LLM`` meets.
+
+        Raises:
+            OpenAIError: (400) naming the field (renamed to the request's own through
+                ``renames``).
+        """
+        try:
+            self.engine.input_processor.validate_params(params)
+        except ValueError as e:
+            raise bad_request_from_value_error(e, blamed, renames) from None
 
     @staticmethod
     def check_unsupported(request: Any) -> None:
-        """Fields we accept in the schema but do not implement are errors when used."""
-        if getattr(request, "logit_bias", None):
-            raise OpenAIError("logit_bias is not supported.", param="logit_bias")
-        if getattr(request, "suffix", None):
-            raise OpenAIError("suffix is not supported.", param="suffix")
+        """Fields we accept in the schema but do not implement are errors when given a value
+        (``UNSUPPORTED_FIELDS``; an empty ``logit_bias`` or ``suffix`` asks for nothing).
+        Unknown fields are tolerated, as vLLM does (OpenAI's clients send new ones), and
+        logged."""
+        for field, message in UNSUPPORTED_FIELDS.items():
+            if getattr(request, field, None) not in (None, {}, ""):
+                raise OpenAIError(message, param=field)
         best_of = getattr(request, "best_of", None)
         if best_of is not None and best_of != request.n:
             raise OpenAIError(
@@ -356,21 +385,9 @@ class OpenAIServing:
             )
         if request.stream_options is not None and not request.stream:
             raise OpenAIError("stream_options can only be given when stream is true.", param="stream_options")
-        if getattr(request, "prompt_logprobs", None) is not None:
-            raise OpenAIError(
-                "prompt_logprobs is not supported by the server (left out); for completions, "
-                "echo with logprobs returns the prompt's logprobs.",
-                param="prompt_logprobs",
-            )
-        if getattr(request, "chat_template", None) is not None:
-            raise OpenAIError(
-                "A per-request chat_template is not supported; start the server with --chat-template.",
-                param="chat_template",
-            )
-        ignored = sorted(request.model_extra or {})
-        if ignored:
-            # As vLLM: an unknown field is tolerated (OpenAI's clients send new ones) but said.
-            logger.warning("The request's field(s) %s are not known and were ignored", ", ".join(ignored))
+        if request.model_extra:
+            ignored = ", ".join(sorted(request.model_extra))
+            logger.warning("The request's field(s) %s are not known and were ignored", ignored)
 
     # ------------------------------------------------------------------ prompts
 
@@ -431,20 +448,29 @@ class OpenAIServing:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-async def merge_async_iterators(*iterators: AsyncGenerator[T, None]) -> AsyncIterator[tuple[int, T]]:
+def merge_async_iterators(*iterators: AsyncGenerator[T, None]) -> AsyncGenerator[tuple[int, T], None]:
     """Items of several async generators as they come, each tagged with its generator's index.
 
     Closing (or cancelling) the merged iterator closes every generator — for
     ``AsyncLLM.generate`` that aborts the request in the engine. An exception from any
-    generator ends the merge with that exception (the others are closed).
+    generator ends the merge with that exception (the others are closed). One generator (the
+    common case) is only tagged, without tasks: closing the merge closes it directly.
     """
     if len(iterators) == 1:
-        # The common case, without tasks: closing us closes the generator directly.
-        async with contextlib.aclosing(iterators[0]) as it:
-            async for item in it:
-                yield 0, item
-        return
+        return _tagged(iterators[0])
+    return _merged_concurrently(iterators)
 
+
+async def _tagged(iterator: AsyncGenerator[T, None]) -> AsyncGenerator[tuple[int, T], None]:
+    async with contextlib.aclosing(iterator) as it:
+        async for item in it:
+            yield 0, item
+
+
+async def _merged_concurrently(
+    iterators: tuple[AsyncGenerator[T, None], ...],
+) -> AsyncGenerator[tuple[int, T], None]:
+    """``merge_async_iterators`` of several: one task drains each into a shared queue."""
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
     done = object()
 

@@ -27,11 +27,13 @@ SCRIPT = [("", [200], None), ("é", [201], None), (" x", [202], "length")]
 
 def _scripted_engine(events: list):
     from engine.frontend.async_llm import AsyncLLM
+    from engine.frontend.input_processor import InputProcessor
     from engine.frontend.tokenizer import get_tokenizer
 
     model_config = EngineArgs().create_engine_config().model_config
-    engine = types.SimpleNamespace(model_config=model_config, tokenizer=get_tokenizer(model_config.tokenizer),
-                                   dead_error=None)  # fmt: skip
+    tokenizer = get_tokenizer(model_config.tokenizer)
+    engine = types.SimpleNamespace(model_config=model_config, tokenizer=tokenizer, dead_error=None,
+                                   input_processor=InputProcessor(model_config, tokenizer))  # fmt: skip
     engine.get_default_sampling_params = lambda: AsyncLLM.get_default_sampling_params(engine)
 
     async def generate(prompt, params, request_id, **kwargs):
