@@ -105,8 +105,8 @@ class OutputRouter:
     ones are ``stats_interval_s`` old, or when the engine goes idle after this step (the
     final update, so every client sees 0 running once the requests are done).
 
-    Raises:
-        ProtocolError: an output for a client index this engine has no socket for.
+    Every output's client index is one of this engine's clients: ``_decode_input`` refused
+    any request stamped with another index than its socket's.
     """
 
     def __init__(
@@ -125,10 +125,6 @@ class OutputRouter:
     def route(
         self, outputs: dict[int, EngineCoreOutputs], going_idle: bool
     ) -> list[tuple[int, EngineCoreOutputs]]:
-        unknown = outputs.keys() - range(self.num_clients)
-        if unknown:
-            raise ProtocolError(f"outputs for client index {min(unknown)}, but this engine core has "
-                                f"{self.num_clients} client(s)")  # fmt: skip
         stats = next((o.scheduler_stats for o in outputs.values() if o.scheduler_stats is not None), None)
         now = self.clock()
         routed = []
@@ -395,7 +391,6 @@ class EngineCoreProc(EngineCore):
         """One item of ``input_queue``. ``received_ns``: when the input thread received it, for
         the messages whose span starts there (a traced ABORT)."""
         if request_type == EngineCoreRequestType.ADD:
-            self._check_client_index(payload.client_index, f"request {payload.request_id!r}")
             self.input_tracer.dequeued(payload)
             self.add_request(payload)
             if self.coordinator_socket is not None:  # data parallelism: a request starts a wave
@@ -410,19 +405,12 @@ class EngineCoreProc(EngineCore):
             raise payload
         elif request_type == EngineCoreRequestType.UTILITY:
             call: UtilityRequest = payload
-            self._check_client_index(call.client_index, f"utility call {call.method!r}")
             try:
                 with attached_trace_context(call.trace_headers):
                     reply = UtilityReply.success(call.call_id, getattr(self, call.method)(*call.call_args()))
             except Exception as e:  # a failed utility call is the caller's error, not ours
                 reply = UtilityReply.failure(call.call_id, e)
             self.output_queue.put((call.client_index, reply, None, time.time_ns()))
-
-    def _check_client_index(self, client_index: int, what: str) -> None:
-        if not 0 <= client_index < len(self.output_sockets):
-            raise ProtocolError(f"malformed message on the client ↔ engine core boundary: {what} comes from "
-                                f"client {client_index}, but this engine core has {len(self.output_sockets)} "
-                                "client(s)")  # fmt: skip
 
     # ------------------------------------------------------------------ threads
 

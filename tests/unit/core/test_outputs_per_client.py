@@ -86,27 +86,25 @@ def test_router_sends_each_client_its_own_outputs_and_everyone_the_stats():
     assert sorted(routed) == [0, 1, 2] and all(eco.scheduler_stats is final for eco in routed.values())
 
 
-def test_router_without_stats_sends_only_outputs_and_refuses_unknown_clients():
+def test_router_without_stats_sends_only_outputs():
     router = OutputRouter(num_clients=2, engine_index=0)
     routed = router.route({1: _out("b")}, going_idle=True)  # log_stats off: no stats at all
     assert [(i, [o.request_id for o in eco.outputs]) for i, eco in routed] == [(1, ["b"])]
-    with pytest.raises(ProtocolError, match="client index 2"):
-        router.route({2: _out("x")}, going_idle=False)
 
 
-def test_a_request_or_utility_call_from_an_unknown_client_is_a_protocol_error():
-    from engine.core.engine_core_proc import EngineCoreProc
+def test_a_request_or_utility_call_from_another_client_is_a_protocol_error():
+    """The one client-index check, where the message arrives: a request or utility call
+    stamped with another client than its socket's is refused, naming both; so every request
+    the scheduler holds, and every output the router gets, is one of the engine's clients."""
+    from engine.core.engine_core_proc import _decode_input
 
-    engine = object.__new__(EngineCoreProc)  # no process: only the input checks
-    engine.output_sockets = [object(), object()]  # two clients
     request = EngineCoreRequest(request_id="r", prompt_token_ids=[1], sampling_params=SamplingParams(),
                                 eos_token_id=None, arrival_time=0.0, client_index=2)  # fmt: skip
-    with pytest.raises(ProtocolError, match="request 'r' comes from client 2, but this engine core has 2"):
-        engine._handle_client_request(EngineCoreRequestType.ADD, request)
-    with pytest.raises(ProtocolError, match="utility call 'm' comes from client 5"):
-        engine._handle_client_request(
-            EngineCoreRequestType.UTILITY, UtilityRequest.make(1, "m", client_index=5)
-        )
+    with pytest.raises(ProtocolError, match="ADD stamped client_index 2 came in on client 1's socket"):
+        _decode_input([EngineCoreRequestType.ADD.value, encode(request)], client_index=1)
+    utility = encode(UtilityRequest.make(1, "m", client_index=5))
+    with pytest.raises(ProtocolError, match="UTILITY stamped client_index 5 came in on client 0's socket"):
+        _decode_input([EngineCoreRequestType.UTILITY.value, utility], client_index=0)
 
 
 # ---------------------------------------------------------------------------- client side
