@@ -69,14 +69,9 @@ class BlockPool:
         ``blocks[:num_cached_blocks]`` are already cached; ``blocks[num_cached_blocks:
         num_full_blocks]`` just became full and take their hashes from
         ``request.block_hashes`` (computed by the request's block hasher with the same
-        ``block_size``).
+        ``block_size``). The caller (``KVCacheManager.cache_blocks``) only asks for blocks
+        that have hashes, and only when there is at least one new full block.
         """
-        if num_cached_blocks >= num_full_blocks:
-            return
-        assert len(request.block_hashes) >= num_full_blocks, (
-            f"{request.request_id}: {num_full_blocks} full blocks of {block_size} tokens "
-            f"but only {len(request.block_hashes)} block hashes"
-        )
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             block_hash = request.block_hashes[i]
@@ -91,9 +86,7 @@ class BlockPool:
         Raises:
             ValueError: fewer than ``num_blocks`` blocks are free.
         """
-        if num_blocks > self.get_num_free_blocks():
-            raise ValueError(f"cannot get {num_blocks} blocks: only {self.get_num_free_blocks()} free")
-        blocks = self.free_block_queue.popleft_n(num_blocks)
+        blocks = self.free_block_queue.popleft_n(num_blocks)  # raises before taking any
         for block in blocks:
             if self.enable_caching:
                 self._maybe_evict_cached_block(block)
@@ -106,11 +99,11 @@ class BlockPool:
         block_hash = block.block_hash
         if block_hash is None:
             return
-        same_hash = self.cached_block_hash_to_block.get(block_hash)
-        if same_hash is not None:
-            same_hash.pop(block.block_id, None)
-            if not same_hash:
-                del self.cached_block_hash_to_block[block_hash]
+        # A block with a hash is always in the map under it (both are set together).
+        same_hash = self.cached_block_hash_to_block[block_hash]
+        del same_hash[block.block_id]
+        if not same_hash:
+            del self.cached_block_hash_to_block[block_hash]
         block.reset_hash()
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
