@@ -211,7 +211,6 @@ class Scheduler:
                 req_index += 1
                 continue
 
-            num_tokens_needing_slots = request.num_computed_tokens + num_new_tokens
             while True:
                 new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
                 if new_blocks is not None:
@@ -232,7 +231,7 @@ class Scheduler:
                 preempted_reqs.append(victim)
                 if victim is request:
                     if not self.running:
-                        self._raise_does_not_fit(request, num_tokens_needing_slots)
+                        self._raise_does_not_fit(request, request.num_computed_tokens + num_new_tokens)
                     break
             if new_blocks is None:
                 break  # the request preempted itself; nothing after it can fit either
@@ -247,11 +246,10 @@ class Scheduler:
         if not preempted_reqs:
             while self.waiting and token_budget > 0 and len(self.running) < self.max_num_running_reqs:
                 request = self.waiting.peek_request()
-                num_hit_tokens = 0
-                hit_blocks = None
-                if request.num_computed_tokens == 0:
-                    hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
-                num_computed_tokens = request.num_computed_tokens + num_hit_tokens
+                # A waiting request has computed nothing (preemption resets it to 0), so it
+                # starts after its prefix-cache hit. (vLLM skips the lookup for a request a KV
+                # connector loaded; we have no connectors.)
+                hit_blocks, num_computed_tokens = self.kv_cache_manager.get_computed_blocks(request)
 
                 # The hit is at most num_tokens - 1, so at least one token is left to compute.
                 num_new_tokens = request.num_tokens - num_computed_tokens
@@ -262,7 +260,7 @@ class Scheduler:
                 num_new_tokens = min(num_new_tokens, token_budget)
 
                 new_blocks = self.kv_cache_manager.allocate_slots(
-                    request, num_new_tokens, num_hit_tokens, hit_blocks
+                    request, num_new_tokens, num_computed_tokens, hit_blocks
                 )
                 if new_blocks is None:
                     if not self.running:
@@ -462,10 +460,10 @@ class Scheduler:
         """Scheduler state after the latest step (None unless ``log_stats``)."""
         if not self.log_stats:
             return None
+        # Not None: the KV cache manager logs stats whenever the scheduler does.
         prefix_stats = self.kv_cache_manager.make_prefix_cache_stats()
-        if prefix_stats is not None:
-            self.prefix_cache_queries += prefix_stats.queries
-            self.prefix_cache_hits += prefix_stats.hits
+        self.prefix_cache_queries += prefix_stats.queries
+        self.prefix_cache_hits += prefix_stats.hits
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
