@@ -503,11 +503,15 @@ class EngineCoreProc(EngineCore):
             self.head_link.close()
 
 
-# What each request type's body decodes as (the internal types never arrive on the socket).
-_INPUT_TYPES: dict[EngineCoreRequestType, Any] = {
-    EngineCoreRequestType.ADD: EngineCoreRequest,
-    EngineCoreRequestType.ABORT: AbortRequests,
-    EngineCoreRequestType.UTILITY: UtilityRequest,
+# A type frame → its request type and what the body decodes as (the internal types never
+# arrive on the socket).
+_INPUT_TYPES: dict[bytes, tuple[EngineCoreRequestType, Any]] = {
+    request_type.value: (request_type, body_type)
+    for request_type, body_type in (
+        (EngineCoreRequestType.ADD, EngineCoreRequest),
+        (EngineCoreRequestType.ABORT, AbortRequests),
+        (EngineCoreRequestType.UTILITY, UtilityRequest),
+    )
 }
 
 
@@ -521,14 +525,11 @@ def _decode_input(frames: list[bytes], client_index: int = 0) -> tuple[EngineCor
     if len(frames) != 2:
         raise ProtocolError(f"malformed message on the client ↔ engine core boundary: {len(frames)} frames, "
                             "expected [request type, body]")  # fmt: skip
-    try:
-        request_type = EngineCoreRequestType(frames[0])
-    except ValueError:
-        request_type = None
-    if request_type not in _INPUT_TYPES:
+    if frames[0] not in _INPUT_TYPES:
         raise ProtocolError(f"malformed message on the client ↔ engine core boundary: request type "
-                            f"{frames[0]!r} is not one of {[t.name for t in _INPUT_TYPES]}")  # fmt: skip
-    message = decode_as(_INPUT_TYPES[request_type], frames[1])
+                            f"{frames[0]!r} is not one of {[t.name for t, _ in _INPUT_TYPES.values()]}")  # fmt: skip
+    request_type, body_type = _INPUT_TYPES[frames[0]]
+    message = decode_as(body_type, frames[1])
     stamped = getattr(message, "client_index", client_index)
     if stamped != client_index:
         raise ProtocolError(f"malformed message on the client ↔ engine core boundary: a {request_type.name} "
