@@ -145,7 +145,6 @@ class EngineCore:
                 arrival_time=request.arrival_time,
                 priority=request.priority,
                 client_index=request.client_index,
-                trace_headers=request.trace_headers,
                 block_hasher=self.block_hasher,
             )
         )

@@ -75,14 +75,12 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         client_index: int = 0,
-        trace_headers: dict[str, str] | None = None,
         block_hasher: Callable[[Request], list[BlockHash]] | None = None,
     ) -> None:
         self.request_id = request_id
         self.client_index = client_index
         self.priority = priority
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
-        self.trace_headers = trace_headers
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.status = RequestStatus.WAITING
