@@ -166,14 +166,11 @@ class KVCacheManager:
         if num_blocks_to_allocate + num_free_hits > self.block_pool.get_num_free_blocks():
             return None
 
-        if request.request_id not in self.req_to_blocks:
-            self.req_to_blocks[request.request_id] = req_blocks
-            self.num_cached_block[request.request_id] = len(hit_blocks)
-        if hit_blocks:
-            self.block_pool.touch(hit_blocks)
-            req_blocks.extend(hit_blocks)
+        # A new request's block table starts with its hit blocks, which are cached already.
+        self.num_cached_block.setdefault(request.request_id, len(hit_blocks))
+        self.block_pool.touch(hit_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_blocks_to_allocate)
-        req_blocks.extend(new_blocks)
+        self.req_to_blocks.setdefault(request.request_id, []).extend(hit_blocks + new_blocks)
 
         if self.enable_caching:
             # Only tokens that really exist get cached (never slots reserved past them).
