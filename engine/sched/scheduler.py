@@ -120,13 +120,12 @@ class Scheduler:
         """Queue a new request (status WAITING).
 
         Raises:
-            ValueError: empty prompt, prompt longer than ``max_model_len``, or a request
-                id already in use. The frontend's rule (``validate_prompt``) is stricter —
-                it leaves room for one output token; this is only the backstop that keeps
-                the loop from stalling on a request that could never be scheduled.
+            ValueError: prompt longer than ``max_model_len``, or a request id already in
+                use. The frontend's rule (``validate_prompt``, which also refuses an empty
+                prompt) is stricter — it leaves room for one output token; this is only the
+                backstop that keeps the loop from stalling on a request that could never be
+                scheduled.
         """
-        if request.num_prompt_tokens == 0:
-            raise ValueError(f"{request.request_id}: the prompt is empty")
         if request.num_tokens > self.max_model_len:
             raise ValueError(
                 f"{request.request_id}: the prompt has {request.num_tokens} tokens, "
