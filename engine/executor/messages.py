@@ -103,6 +103,14 @@ class WorkerRPC(msgspec.Struct, kw_only=True, array_like=True):
         """The ``(args, kwargs)`` to call ``method`` with."""
         if self.scheduler_output is not None:
             return (self.scheduler_output,), {}
+        return self._unpickled_args()
+
+    def _unpickled_args(self) -> tuple[tuple, dict[str, Any]]:
+        """``args_pickle`` as ``(args, kwargs)`` (every RPC but ``execute_model``).
+
+        Raises:
+            ProtocolError: it does not hold a ``(tuple, dict)``.
+        """
         if not self.args_pickle:
             return (), {}
         call = pickle.loads(self.args_pickle)

@@ -15,7 +15,7 @@ worker's pidfd, so a death is seen at once, also while the engine is idle, and a
 stopped or frozen past its deadline too; the first failure becomes one ``EngineDeadError``
 whose root cause the blame rule names (a peer killed first, not the survivors whose
 collective then broke), handed to the engine core's failure callback. Every wait here is
-bounded and looks up every ``DEATH_CHECK_S`` to raise that failure.
+bounded and is cancelled by that failure (the supervisor's ``failed`` event).
 
 The queues are files in the run directory, so removing the run directory removes them.
 """
@@ -44,15 +44,7 @@ from engine.utils.process_harness import Observability, ProcessContext, ProcessS
 from engine.utils.processes import ChildProcess
 from engine.utils.supervisor import Supervisor
 from engine.utils.wire import ProtocolError
-from tracing import (
-    WaitTimeout,
-    catalogue,
-    current_stage,
-    faults,
-    stacks,
-    stage,
-    wait_for,
-)
+from tracing import WaitCancelled, catalogue, current_stage, faults, stacks, stage
 from tracing import run_dir as contract
 from tracing.propagation import attached_trace_context, inject_trace_headers
 from tracing.telemetry import events
@@ -61,9 +53,6 @@ logger = init_logger(__name__)
 
 WORKER_EXIT_GRACE_S = 2.0  # s a worker that reported a failure gets to exit before it is named
 HUNG_STACK_TIMEOUT_S = 2.0  # s to wait for a stack dump of a worker that missed its deadline
-
-# How often waits look up from the queue to raise a failure the supervisor saw (seconds).
-DEATH_CHECK_S = 0.5
 
 
 def worker_role(dp_rank: int, pp_rank: int, tp_rank: int) -> str:
@@ -218,36 +207,27 @@ class MultiprocExecutor(Executor):
         return self.world_size - self.config.parallel_config.tensor_parallel_size
 
     def _receive(self, rank: int, deadline: float, what: str) -> WorkerReady | WorkerReply:
-        """One message from worker ``rank`` (``tracing.wait_for``: slices of ``DEATH_CHECK_S``,
-        raising the supervisor's failure in between, one deadline).
+        """One message from worker ``rank``: one bounded dequeue, named ``"<what> from
+        <worker>"`` (engine-top's "waiting for"), cancelled by the supervisor's first failure.
 
         Raises:
             TimeoutError: nothing came by ``deadline``; the message names the worker and its stage.
-            EngineDeadError: the worker (or a peer) died meanwhile.
+            EngineDeadError: the worker (or a peer) died meanwhile, or closed its queue (it is exiting).
         """
         try:
-            (message,) = wait_for(f"{what} from {self.roles[rank]}", lambda: self._receive_slice(rank, deadline),
-                                  timeout_s=max(deadline - time.monotonic(), 0.0), poll_interval_s=0)  # fmt: skip
-        except WaitTimeout:
-            raise self._hung_error(rank, what) from None
-        return message
-
-    def _receive_slice(self, rank: int, deadline: float) -> tuple[WorkerReady | WorkerReply] | None:
-        """One slice of ``_receive``: raise a failure the supervisor saw, then wait at most
-        ``DEATH_CHECK_S`` for worker ``rank``'s message; ``(message,)``, or None if none came.
-
-        Raises:
-            EngineDeadError: a failure was seen, or the worker closed its queue (it is exiting).
-        """
-        self._raise_if_failed()
-        slice_s = max(min(DEATH_CHECK_S, deadline - time.monotonic()), 0.001)
-        try:
-            return (messages.decode_response(self.response_mqs[rank].dequeue(timeout=slice_s)),)
+            data = self.response_mqs[rank].dequeue(
+                timeout=max(deadline - time.monotonic(), 0.001),
+                cancel=self.supervisor.failed,
+                what=f"{what} from {self.roles[rank]}",
+            )
+        except WaitCancelled:
+            raise self.failure from None
         except MessageQueueTimeout:
-            return None
+            raise self._hung_error(rank, what) from None
         except MessageQueueClosed:
             # The worker closed its side: it is exiting. Blame it, with its exit status.
             self._fail_once_exited(rank, 2.0, code_if_running=0)
+        return messages.decode_response(data)
 
     # ------------------------------------------------------------------ liveness
 
@@ -452,7 +432,7 @@ class WorkerProc:
         """
         while True:
             try:
-                message = self.rpc_broadcast_mq.dequeue(timeout=1.0)
+                message = self.rpc_broadcast_mq.dequeue()
             except MessageQueueTimeout:
                 continue  # idle: wait again (the lifeline watcher handles a dead parent)
             except MessageQueueClosed:

@@ -512,11 +512,15 @@ class MessageQueue:
 
     # ---- a reader ----
 
-    def dequeue(self, timeout: float | None = None, cancel: threading.Event | None = None) -> bytes:
+    def dequeue(
+        self, timeout: float | None = None, cancel: threading.Event | None = None, what: str | None = None
+    ) -> bytes:
         """The next message, whole, as bytes.
 
         ``timeout`` (s) bounds the call; None means ``GLASSBOX_MQ_TIMEOUT_S``. With
-        ``cancel``, a blocked call looks at the event every 50 ms.
+        ``cancel``, a blocked call looks at the event every 50 ms. ``what`` names the wait
+        (``tracing.wait_for``'s events, e.g. "execute_model from Worker_DP0_PP0_TP0"; default:
+        the writer and this queue).
 
         Raises:
             MessageQueueTimeout: no (complete) message by the deadline; names the writer.
@@ -536,7 +540,7 @@ class MessageQueue:
             seq = self._next_seq
             base, offset = self._slots[(seq - 1) % self._layout.max_chunks]
             if words[base + _M_WRITTEN] != seq:
-                self._wait_published(base, seq, deadline, timeout_s, cancel)
+                self._wait_published(base, seq, deadline, timeout_s, cancel, what or self._awaited)
             _fence()  # the payload is read only after the chunk was seen published
             n = words[base + _M_NBYTES]
             msg_len = words[base + _M_MSG_LEN]
@@ -552,9 +556,15 @@ class MessageQueue:
                 return message
 
     def _wait_published(
-        self, base: int, seq: int, deadline: float, timeout_s: float, cancel: threading.Event | None
+        self,
+        base: int,
+        seq: int,
+        deadline: float,
+        timeout_s: float,
+        cancel: threading.Event | None,
+        what: str,
     ) -> None:
-        """Block until chunk ``seq`` is in the slot at ``base``.
+        """Block until chunk ``seq`` is in the slot at ``base`` (the wait named ``what``).
 
         Raises:
             MessageQueueTimeout: not by ``deadline`` (``_reader_timeout``).
@@ -562,7 +572,7 @@ class MessageQueue:
             WaitCancelled: ``cancel`` was set.
         """
         slice_s = _CANCEL_SLICE_S if cancel is not None else math.inf
-        if not self._wait(lambda: self._published(base, seq), deadline, self._awaited, slice_s, cancel):
+        if not self._wait(lambda: self._published(base, seq), deadline, what, slice_s, cancel):
             raise self._reader_timeout(timeout_s)
 
     def _published(self, base: int, seq: int) -> bool:

@@ -176,6 +176,9 @@ class Supervisor:
         self.states = StoppedWatch(stopped_timeout_s, heartbeat_timeout_s)
         self._watched: list[Watched] = []
         self._failure: EngineDeadError | None = None
+        # Set with the first failure: a bounded wait given it as ``cancel`` (vLLM: the
+        # executor's ``shutdown_event``) stops at once instead of looking up every slice.
+        self.failed = threading.Event()
         self._closed = False
         self._changed = threading.Condition(threading.RLock())  # guards all of the above
         self._wake_r, self._wake_w = os.pipe()
@@ -236,6 +239,7 @@ class Supervisor:
                 exit_detail=exit_detail, exits=self._exits(),
             )  # fmt: skip
             self._failure = EngineDeadError(root)
+            self.failed.set()
             self._changed.notify_all()
         self._told(role, pid, returncode, state, exit_detail, note)
         if self.on_failure is not None:
@@ -334,6 +338,7 @@ class Supervisor:
             with self._changed:
                 if self._failure is None:
                     self._failure = EngineDeadError(w.gone)
+                    self.failed.set()
             if self.on_failure is not None:
                 self.on_failure(self._failure, None)
             return

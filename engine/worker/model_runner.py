@@ -75,16 +75,6 @@ class CachedRequestState:
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     num_prompt_logprobs_done: int = 0
-    block_array: np.ndarray = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self.set_block_ids(self.block_ids)
-
-    def set_block_ids(self, block_ids: list[int]) -> None:
-        self.block_ids = block_ids
-        # A numpy copy, refreshed only when blocks change, so building the block table each
-        # step is a memcpy per request instead of a list conversion.
-        self.block_array = np.asarray(block_ids, dtype=np.int32)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -429,10 +419,8 @@ class ModelRunner:
         if not self.is_last_stage:
             return hidden  # IntermediateTensors, for the next stage
 
-        sampled_lists: list[list[int]] = [[] for _ in batch.req_ids]
-        logprobs: dict[str, LogprobsLists] = {}
         with self._detail(catalogue.MODEL_RUNNER_SAMPLE), op_threads():
-            self._sample(batch, hidden, sampled_lists, logprobs)
+            sampled_lists, logprobs = self._sample(batch, hidden)
         prompt_logprobs = self._prompt_logprobs(batch, hidden) if batch.prompt_logprob_rows else {}
         return ModelRunnerOutput(
             req_ids=batch.req_ids,
@@ -460,28 +448,31 @@ class ModelRunner:
         return stage(name, **({catalogue.ATTR_STEP_NUM_SCHEDULED_TOKENS: num_tokens} if num_tokens else {}))
 
     def _sample(
-        self, batch, hidden, sampled_lists: list[list[int]], logprobs: dict[str, LogprobsLists]
-    ) -> None:
-        """Logits of the rows that sample, then the sampler; fills ``sampled_lists`` and ``logprobs``."""
-        if batch.sample_rows:
-            states = [self.requests[batch.req_ids[row]] for row in batch.sample_rows]
-            logits = self.model.compute_logits(hidden[batch.logits_indices])  # (num_sample, vocab) float32
-            sampling_metadata = SamplingMetadata.build(
-                [s.sampling_params for s in states],
-                [s.prompt_token_ids for s in states],
-                [s.output_token_ids for s in states],
-                [s.generator for s in states],
-                [s.eos_token_id for s in states],
-                self.vocab_size,
-                self.device,
-            )
-            out = self.sampler(logits, sampling_metadata)
-            sampled = out.sampled_token_ids.tolist()
-            for j, (row, state) in enumerate(zip(batch.sample_rows, states)):
-                state.output_token_ids.append(sampled[j])
-                sampled_lists[row] = [sampled[j]]
-            if out.logprobs_tensors is not None:
-                logprobs.update(self._logprobs_lists(out.logprobs_tensors, states))
+        self, batch: _Batch, hidden: torch.Tensor
+    ) -> tuple[list[list[int]], dict[str, LogprobsLists]]:
+        """Logits of the rows that sample, then the sampler; each sampled token is appended to
+        its request's mirror. Returns one list per batch row (empty: no sample this step) and
+        the logprob rows of the requests that asked."""
+        sampled_lists: list[list[int]] = [[] for _ in batch.req_ids]
+        if not batch.sample_rows:
+            return sampled_lists, {}
+        states = [self.requests[batch.req_ids[row]] for row in batch.sample_rows]
+        logits = self.model.compute_logits(hidden[batch.logits_indices])  # (num_sample, vocab) float32
+        sampling_metadata = SamplingMetadata.build(
+            [s.sampling_params for s in states],
+            [s.prompt_token_ids for s in states],
+            [s.output_token_ids for s in states],
+            [s.generator for s in states],
+            [s.eos_token_id for s in states],
+            self.vocab_size,
+            self.device,
+        )
+        out = self.sampler(logits, sampling_metadata)
+        for row, state, token in zip(batch.sample_rows, states, out.sampled_token_ids.tolist()):
+            state.output_token_ids.append(token)
+            sampled_lists[row] = [token]
+        tensors = out.logprobs_tensors
+        return sampled_lists, (self._logprobs_lists(tensors, states) if tensors is not None else {})
 
     def _update_states(self, so: SchedulerOutput) -> None:
         """Apply the scheduler's news to the request mirror (see ``engine/sched/output.py``)."""
@@ -509,12 +500,12 @@ class ModelRunner:
             new_block_ids = cached.new_block_ids[i]
             if cached.resumed_from_preemption[i]:
                 # Preemption freed the old blocks: the new list replaces them.
-                state.set_block_ids(list(new_block_ids[0]) if new_block_ids else [])
+                state.block_ids = list(new_block_ids[0]) if new_block_ids else []
                 tokens = cached.resumed_req_token_ids[i]
                 if tokens is not None:
                     state.output_token_ids = list(tokens[state.num_prompt_tokens :])
-            elif new_block_ids is not None and new_block_ids[0]:
-                state.set_block_ids(state.block_ids + list(new_block_ids[0]))
+            elif new_block_ids is not None:
+                state.block_ids.extend(new_block_ids[0])
             if not self.is_last_stage and not cached.resumed_from_preemption[i] and cached.new_token_ids:
                 # PP: this stage samples nothing; learn the last stage's tokens from the
                 # scheduler (the tokens scheduled now, the newest of them sampled last step).
@@ -543,11 +534,11 @@ class ModelRunner:
         # Per request: its tokens of this step, its row of the block table, and whether it
         # samples (all its known tokens are in the cache after this step).
         input_ids: list[int] = []
-        block_table = np.zeros((num_reqs, max(len(s.block_array) for s in states)), dtype=np.int32)  # 0: null
+        block_table = np.zeros((num_reqs, max(len(s.block_ids) for s in states)), dtype=np.int32)  # 0: null
         sample_rows, logits_indices, prompt_logprob_rows = [], [], []
         for i, (state, start, end) in enumerate(zip(states, num_computed.tolist(), seq_lens.tolist())):
             input_ids.extend(state.token_ids(start, end))
-            block_table[i, : len(state.block_array)] = state.block_array
+            block_table[i, : len(state.block_ids)] = state.block_ids
             if end >= state.num_tokens:
                 sample_rows.append(i)
                 logits_indices.append(qsl[i + 1] - 1)
