@@ -236,8 +236,6 @@ class RequestState:
                 return None
             return items[len(items) - num_new_tokens :] if delta else list(items)
 
-        # With logprobs, where each token's text starts (the completions API's text_offset).
-        offsets = self.detokenizer.token_offsets if self.logprobs is not None else None
         return CompletionOutput(
             index=self.request_index,
             text=self.detokenizer.get_next_output_text(finished, delta),
@@ -246,7 +244,8 @@ class RequestState:
             logprobs=shaped(self.logprobs),
             finish_reason=str(finish_reason) if finished else None,
             stop_reason=stop_reason if finished else None,
-            text_offsets=shaped(offsets),
+            # With logprobs, where each token's text starts (the completions API's text_offset).
+            text_offsets=shaped(self.detokenizer.token_offsets),
         )
 
     def take_prompt_logprobs(self) -> list[LogprobsDict | None] | None:
