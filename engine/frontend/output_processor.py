@@ -289,16 +289,8 @@ class OutputProcessor:
         self.stats_sink: Callable[[int, metrics_stats.IterationStats], None] | None = None
         # The served model name, for the llm_request span (gen_ai.request/response.model).
         self.model_name: str | None = None
-        # Where the next batch came from, when the caller cannot pass it to process_outputs
-        # (set by ``set_batch_origin``; used once): (engine index, engine-core timestamp).
-        self._batch_origin: tuple[int, float | None] = (0, None)
         # Engine-core monotonic timestamps → wall clock (one system-wide monotonic clock).
         self._mono_to_wall = time.time() - time.monotonic()
-
-    def set_batch_origin(self, engine_index: int, engine_core_timestamp: float | None) -> None:
-        """The engine (DP rank) and the engine-core timestamp of the batch that the next
-        ``process_outputs`` call gets, for a caller that passes only the output list."""
-        self._batch_origin = (engine_index, engine_core_timestamp)
 
     def get_num_unfinished_requests(self) -> int:
         """Unfinished engine requests (each child of an ``n`` > 1 request counts)."""
@@ -355,7 +347,7 @@ class OutputProcessor:
         self,
         engine_core_outputs: list[EngineCoreOutput],
         engine_core_timestamp: float | None = None,
-        engine_index: int | None = None,
+        engine_index: int = 0,
     ) -> OutputProcessorOutput:
         """Detokenize one step's outputs, match stop strings, build ``RequestOutput``s.
 
@@ -364,16 +356,13 @@ class OutputProcessor:
             engine_core_timestamp: ``EngineCoreOutputs.timestamp`` (engine-core monotonic
                 seconds), used for ``metrics`` and the stats only.
             engine_index: ``EngineCoreOutputs.engine_index`` (the DP rank that sent them),
-                the ``engine`` label of the stats; else what ``set_batch_origin`` said, else 0.
+                the ``engine`` label of the stats.
 
         Outputs for ids no longer tracked (aborted, or stopped by a stop string while the
         engine was already computing the next step) are ignored.
         """
         request_outputs: list[RequestOutput] = []
         reqs_to_abort: list[str] = []
-        origin, self._batch_origin = self._batch_origin, (0, None)
-        engine_index = origin[0] if engine_index is None else engine_index
-        engine_core_timestamp = origin[1] if engine_core_timestamp is None else engine_core_timestamp
         now = time.time()
         iteration = metrics_stats.IterationStats(now)
         # When this batch's tokens were made: the engine core's stamp (wall clock) if known.
