@@ -148,8 +148,7 @@ class IncrementalDetokenizer:
         self._last_output_text_offset = 0
 
         # The decode window: a few prompt tokens as context, then the output tokens.
-        context = prompt_token_ids[-INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET:]
-        self._ids: list[int] = list(context)
+        self._ids: list[int] = prompt_token_ids[-INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET:]
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         # Text of ids[prefix_offset:read_offset]. When the prompt ends mid-character it
@@ -246,6 +245,8 @@ class IncrementalDetokenizer:
             missing = len(self.output_token_ids) - len(self.token_offsets)
             self.token_offsets += [len(self.output_text)] * missing
 
+        if not self.stop:
+            return None
         new_chars = len(self.output_text) - search_from
         match = check_stop_strings(self.output_text, new_chars, self.stop, self.include_stop_str_in_output)
         if match is None:
