@@ -187,8 +187,6 @@ class RequestState:
         self.prompt_logprobs: list[LogprobsDict | None] | None = (
             [None] if params.prompt_logprobs is not None else None
         )
-        # DELTA: how many prompt-logprob entries earlier outputs already carried.
-        self.num_prompt_logprobs_sent = 0
         self.num_cached_tokens = 0
         # The request's one stats object (a few floats), always kept: the stat loggers and
         # the llm_request span read it; RequestOutput.metrics shows it only with log_stats.
@@ -249,14 +247,13 @@ class RequestState:
         )
 
     def take_prompt_logprobs(self) -> list[LogprobsDict | None] | None:
-        """Prompt logprobs for the next output: all so far, or (DELTA) the unsent ones."""
-        if self.prompt_logprobs is None:
-            return None
-        if self.output_kind != RequestOutputKind.DELTA:
-            return list(self.prompt_logprobs)
-        unsent = self.prompt_logprobs[self.num_prompt_logprobs_sent :]
-        self.num_prompt_logprobs_sent = len(self.prompt_logprobs)
-        return unsent or None
+        """Prompt logprobs for the next output: all of them, or (DELTA) the unsent ones, which
+        are forgotten (vLLM's ``pop_prompt_logprobs``). The prompt's last chunk brings the
+        last of them, before the first output, so the list handed out no longer grows."""
+        prompt_logprobs = self.prompt_logprobs
+        if self.output_kind == RequestOutputKind.DELTA and prompt_logprobs:
+            self.prompt_logprobs = []
+        return prompt_logprobs or None
 
 
 @dataclass
@@ -377,10 +374,9 @@ class OutputProcessor:
             finish_reason, stop_reason = output.finish_reason, output.stop_reason
             state.num_cached_tokens = output.num_cached_tokens
 
-            # 2) Text, and stop strings. EOS / a stop token id ended it in the engine when
-            #    it finished with "stop" and no stop string.
-            stop_terminated = finish_reason == FinishReason.STOP and not isinstance(stop_reason, str)
-            stop_str = state.detokenizer.update(output.new_token_ids, stop_terminated)
+            # 2) Text, and stop strings. The engine core matches no stop strings: a "stop"
+            #    from it is EOS or a stop token id, on the last token.
+            stop_str = state.detokenizer.update(output.new_token_ids, finish_reason == FinishReason.STOP)
             if stop_str is not None:
                 finish_reason, stop_reason = FinishReason.STOP, stop_str
 
