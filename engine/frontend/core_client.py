@@ -522,7 +522,8 @@ class MPClient:
         if tag == TAG_OUTPUTS:
             outputs: EngineCoreOutputs = decode_as(EngineCoreOutputs, frames[0])
             self.stats_table.update_from_outputs(outputs)
-            self.load_balancer.forget_finished(outputs)
+            if self.load_balancer.request_engine:
+                self.load_balancer.forget_finished(outputs)
             if outputs.outputs or outputs.finished_requests:
                 self.pending.append(outputs)  # stats alone need nothing more
         elif tag == TAG_UTILITY:

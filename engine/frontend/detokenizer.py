@@ -31,7 +31,7 @@ streamed delta.
 
 Text offsets: ``token_offsets[i]`` is where output token ``i``'s text starts in
 ``output_text`` (before a stop-string cut) — what the legacy completions API reports as
-``logprobs.text_offset``. Counting each token's text decoded alone would be wrong twice over:
+``logprobs.text_offset``, so kept only for a request that asks for logprobs. Counting each token's text decoded alone would be wrong twice over:
 a token holding part of a UTF-8 character decodes alone to U+FFFD, one character too many,
 and a stream knows only the characters already sent, which lag behind by any held-back text.
 
@@ -107,12 +107,15 @@ class IncrementalDetokenizer:
         min_tokens: stop strings are not looked for in the text of the first
             ``min_tokens`` output tokens (as the scheduler ignores EOS until then).
         detokenize: False keeps only token ids; the text stays "" (and offsets are 0).
+        text_offsets: keep ``token_offsets`` (the output processor asks for them only for a
+            request with ``logprobs``: the completions API reports them with those).
 
     Attributes:
         output_text: the text so far (cut at a matched stop string).
         output_token_ids: every output token so far.
         token_offsets: per output token, the offset of its text in ``output_text``
-            (``len(output_text)`` or more for tokens cut off with a stop string).
+            (``len(output_text)`` or more for tokens cut off with a stop string); None
+            without ``text_offsets``.
     """
 
     def __init__(
@@ -126,6 +129,7 @@ class IncrementalDetokenizer:
         output_text_buffer_length: int = 0,
         min_tokens: int = 0,
         detokenize: bool = True,
+        text_offsets: bool = True,
     ) -> None:
         self.tokenizer = backend_tokenizer(tokenizer)
         self.skip_special_tokens = skip_special_tokens
@@ -138,14 +142,13 @@ class IncrementalDetokenizer:
         self.output_text = ""
         self.output_token_ids: list[int] = []
         # Per output token: where its text starts in output_text (the text before any stop
-        # string cut). See _decode_next() and update().
-        self.token_offsets: list[int] = []
+        # string cut), kept only when asked for. See _record_offset() and update().
+        self.token_offsets: list[int] | None = [] if text_offsets else None
         # How much of output_text get_next_output_text(delta=True) has handed out.
         self._last_output_text_offset = 0
 
         # The decode window: a few prompt tokens as context, then the output tokens.
-        context = prompt_token_ids[-INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET:]
-        self._ids: list[int] = list(context)
+        self._ids: list[int] = prompt_token_ids[-INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET:]
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         # Text of ids[prefix_offset:read_offset]. When the prompt ends mid-character it
@@ -167,46 +170,53 @@ class IncrementalDetokenizer:
             output_text_buffer_length=params.output_text_buffer_length,
             min_tokens=params.min_tokens,
             detokenize=params.detokenize,
+            text_offsets=params.logprobs is not None,
         )
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def decode_next(self, token_id: int) -> str:
-        """Add one token; return the text it completes ("" while a character is partial)."""
-        return self._decode_next(token_id)[0]
-
-    def _decode_next(self, token_id: int) -> tuple[str, int]:
-        """``decode_next``, and where the token's text starts, counted from the end of the
-        text handed out so far (0: right there; below 0: inside it, or in the prompt).
-
-        Where it starts is where the window's text before and after the token part: their
-        common prefix, less a trailing run of U+FFFD that is still an incomplete character.
-        So a lone byte that never becomes a character counts as one U+FFFD once text follows
-        it, and the bytes of a character under way point at that character.
-        """
-        before = self._window_text
+        """Add one token; return the text it completes ("" while a character is partial)
+        (vLLM's ``FastIncrementalDetokenizer.decode_next``). With ``token_offsets`` kept, it
+        also records where the token's text starts (``_record_offset``)."""
         self._ids.append(token_id)
         text = self._decode(self._ids[self._prefix_offset :])
-        # Mostly the token only appends text: no character-by-character comparison then.
-        common = len(before) if text.startswith(before) else len(os.path.commonprefix([before, text]))
-        while common and text[common - 1] == REPLACEMENT_CHAR and not text[common:].strip(REPLACEMENT_CHAR):
-            common -= 1
-        start = common - len(self._prefix_text)
+        if self.token_offsets is not None:
+            self._record_offset(text)
         if len(text) <= len(self._prefix_text) or text.endswith(REPLACEMENT_CHAR):
             # Nothing new yet: a skipped special token, a partial character, or the
             # output's first bytes completing a character the prompt began.
             self._window_text = text
-            return "", start
+            return ""
         new_text = text[len(self._prefix_text) :]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         self._window_text = self._prefix_text
-        return new_text, start
+        return new_text
+
+    def _record_offset(self, text: str) -> None:
+        """Append to ``token_offsets`` where the token just added starts in ``output_text``,
+        given ``text``, the window's text with it (``decode_next`` calls this before it
+        extends ``output_text``).
+
+        Where it starts is where the window's text before and after the token part: their
+        common prefix, less a trailing run of U+FFFD that is still an incomplete character.
+        So a lone byte that never becomes a character counts as one U+FFFD once text follows
+        it, and the bytes of a character under way point at that character. Never before the
+        previous token's offset (a decoder may rewrite text already out).
+        """
+        before = self._window_text
+        # Mostly the token only appends text: no character-by-character comparison then.
+        common = len(before) if text.startswith(before) else len(os.path.commonprefix([before, text]))
+        while common and text[common - 1] == REPLACEMENT_CHAR and not text[common:].strip(REPLACEMENT_CHAR):
+            common -= 1
+        offset = len(self.output_text) + common - len(self._prefix_text)
+        self.token_offsets.append(max(offset, self.token_offsets[-1] if self.token_offsets else 0))
 
     def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> str | None:
-        """Add a step's tokens, extend ``output_text`` and ``token_offsets``, look for stop strings.
+        """Add a step's tokens, extend ``output_text`` (and ``token_offsets``), look for stop strings.
 
         Args:
             new_token_ids: the tokens the engine produced this step.
@@ -218,28 +228,22 @@ class IncrementalDetokenizer:
             The stop string that matched (``output_text`` is then already cut), or None.
         """
         self.output_token_ids.extend(new_token_ids)
-        if not self.detokenize:
-            self.token_offsets.extend([0] * len(new_token_ids))
-            return None
-        to_decode = new_token_ids
+        to_decode = new_token_ids if self.detokenize else []
         if stop_terminated and not self.include_stop_str_in_output:
-            to_decode = new_token_ids[:-1]
+            to_decode = to_decode[:-1]
 
         # Text from tokens inside the first min_tokens is never searched for stop strings.
         num_before = len(self.output_token_ids) - len(new_token_ids)
         search_from = len(self.output_text)
         for i, token_id in enumerate(to_decode):
-            new_text, start = self._decode_next(token_id)
-            # Where its text starts; never before the previous token's (a decoder may
-            # rewrite text already out).
-            offset = len(self.output_text) + start
-            self.token_offsets.append(max(offset, self.token_offsets[-1] if self.token_offsets else 0))
-            self.output_text += new_text
+            self.output_text += self.decode_next(token_id)
             if num_before + i + 1 <= self.min_tokens:
                 search_from = len(self.output_text)
-        if len(to_decode) < len(new_token_ids):
-            # The stop token, left out of the text: it sits at the text's end.
-            self.token_offsets.append(len(self.output_text))
+        if self.token_offsets is not None:
+            # Tokens with no text of their own (the stop token left out; every token without
+            # detokenize) sit at the text's end.
+            missing = len(self.output_token_ids) - len(self.token_offsets)
+            self.token_offsets += [len(self.output_text)] * missing
 
         if not self.stop:
             return None

@@ -28,8 +28,10 @@ class DPLoadBalancer:
     Attributes:
         engine_loads: the coordinator's latest (waiting, running) per engine.
         sent_since_loads: requests this client sent each engine since that publish.
-        requests_sent: requests sent each engine since start (tests, introspection).
-        request_engine: request id → the engine that has it, until it finishes or is aborted.
+        requests_sent: requests sent each engine since start (tests, introspection; with one
+            engine only the pinned ones).
+        request_engine: request id → the engine that has it, until it finishes or is aborted
+            (with one engine only the pinned ones: an abort goes to it anyway).
         current_wave, engines_running: the coordinator's wave state, as last published.
     """
 
@@ -79,7 +81,8 @@ class DPLoadBalancer:
 
     def get_core_engine_for_request(self, request: EngineCoreRequest) -> int:
         """The engine for a new request: its pinned ``data_parallel_rank``, else the lowest
-        score (ties to the lower rank). Counts the request as sent there.
+        score (ties to the lower rank). Counts the request as sent there, and remembers it
+        for its abort (not with one engine, unless pinned).
 
         Raises:
             ValueError: ``data_parallel_rank`` is not one of the engines.
@@ -93,7 +96,7 @@ class DPLoadBalancer:
                 )
             engine = request.data_parallel_rank
         elif dp == 1:
-            engine = 0
+            return 0  # nothing to choose, nothing to remember: an abort goes to the one engine
         else:
             scores = self.engine_scores()
             engine = min(range(dp), key=lambda k: (scores[k], k))
@@ -112,7 +115,8 @@ class DPLoadBalancer:
         return by_engine
 
     def forget_finished(self, outputs: EngineCoreOutputs) -> None:
-        """Finished requests are no engine's any more."""
+        """Finished requests are no engine's any more (the client calls this only while
+        ``request_engine`` holds any, as vLLM's ``reqs_in_flight`` check)."""
         for output in outputs.outputs:
             if output.finished:
                 self.request_engine.pop(output.request_id, None)

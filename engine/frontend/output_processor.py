@@ -187,8 +187,6 @@ class RequestState:
         self.prompt_logprobs: list[LogprobsDict | None] | None = (
             [None] if params.prompt_logprobs is not None else None
         )
-        # DELTA: how many prompt-logprob entries earlier outputs already carried.
-        self.num_prompt_logprobs_sent = 0
         self.num_cached_tokens = 0
         # The request's one stats object (a few floats), always kept: the stat loggers and
         # the llm_request span read it; RequestOutput.metrics shows it only with log_stats.
@@ -236,8 +234,6 @@ class RequestState:
                 return None
             return items[len(items) - num_new_tokens :] if delta else list(items)
 
-        # With logprobs, where each token's text starts (the completions API's text_offset).
-        offsets = self.detokenizer.token_offsets if self.logprobs is not None else None
         return CompletionOutput(
             index=self.request_index,
             text=self.detokenizer.get_next_output_text(finished, delta),
@@ -246,18 +242,18 @@ class RequestState:
             logprobs=shaped(self.logprobs),
             finish_reason=str(finish_reason) if finished else None,
             stop_reason=stop_reason if finished else None,
-            text_offsets=shaped(offsets),
+            # With logprobs, where each token's text starts (the completions API's text_offset).
+            text_offsets=shaped(self.detokenizer.token_offsets),
         )
 
     def take_prompt_logprobs(self) -> list[LogprobsDict | None] | None:
-        """Prompt logprobs for the next output: all so far, or (DELTA) the unsent ones."""
-        if self.prompt_logprobs is None:
-            return None
-        if self.output_kind != RequestOutputKind.DELTA:
-            return list(self.prompt_logprobs)
-        unsent = self.prompt_logprobs[self.num_prompt_logprobs_sent :]
-        self.num_prompt_logprobs_sent = len(self.prompt_logprobs)
-        return unsent or None
+        """Prompt logprobs for the next output: all of them, or (DELTA) the unsent ones, which
+        are forgotten (vLLM's ``pop_prompt_logprobs``). The prompt's last chunk brings the
+        last of them, before the first output, so the list handed out no longer grows."""
+        prompt_logprobs = self.prompt_logprobs
+        if self.output_kind == RequestOutputKind.DELTA and prompt_logprobs:
+            self.prompt_logprobs = []
+        return prompt_logprobs or None
 
 
 @dataclass
@@ -290,16 +286,8 @@ class OutputProcessor:
         self.stats_sink: Callable[[int, metrics_stats.IterationStats], None] | None = None
         # The served model name, for the llm_request span (gen_ai.request/response.model).
         self.model_name: str | None = None
-        # Where the next batch came from, when the caller cannot pass it to process_outputs
-        # (set by ``set_batch_origin``; used once): (engine index, engine-core timestamp).
-        self._batch_origin: tuple[int, float | None] = (0, None)
         # Engine-core monotonic timestamps → wall clock (one system-wide monotonic clock).
         self._mono_to_wall = time.time() - time.monotonic()
-
-    def set_batch_origin(self, engine_index: int, engine_core_timestamp: float | None) -> None:
-        """The engine (DP rank) and the engine-core timestamp of the batch that the next
-        ``process_outputs`` call gets, for a caller that passes only the output list."""
-        self._batch_origin = (engine_index, engine_core_timestamp)
 
     def get_num_unfinished_requests(self) -> int:
         """Unfinished engine requests (each child of an ``n`` > 1 request counts)."""
@@ -356,7 +344,7 @@ class OutputProcessor:
         self,
         engine_core_outputs: list[EngineCoreOutput],
         engine_core_timestamp: float | None = None,
-        engine_index: int | None = None,
+        engine_index: int = 0,
     ) -> OutputProcessorOutput:
         """Detokenize one step's outputs, match stop strings, build ``RequestOutput``s.
 
@@ -365,16 +353,13 @@ class OutputProcessor:
             engine_core_timestamp: ``EngineCoreOutputs.timestamp`` (engine-core monotonic
                 seconds), used for ``metrics`` and the stats only.
             engine_index: ``EngineCoreOutputs.engine_index`` (the DP rank that sent them),
-                the ``engine`` label of the stats; else what ``set_batch_origin`` said, else 0.
+                the ``engine`` label of the stats.
 
         Outputs for ids no longer tracked (aborted, or stopped by a stop string while the
         engine was already computing the next step) are ignored.
         """
         request_outputs: list[RequestOutput] = []
         reqs_to_abort: list[str] = []
-        origin, self._batch_origin = self._batch_origin, (0, None)
-        engine_index = origin[0] if engine_index is None else engine_index
-        engine_core_timestamp = origin[1] if engine_core_timestamp is None else engine_core_timestamp
         now = time.time()
         iteration = metrics_stats.IterationStats(now)
         # When this batch's tokens were made: the engine core's stamp (wall clock) if known.
@@ -389,10 +374,9 @@ class OutputProcessor:
             finish_reason, stop_reason = output.finish_reason, output.stop_reason
             state.num_cached_tokens = output.num_cached_tokens
 
-            # 2) Text, and stop strings. EOS / a stop token id ended it in the engine when
-            #    it finished with "stop" and no stop string.
-            stop_terminated = finish_reason == FinishReason.STOP and not isinstance(stop_reason, str)
-            stop_str = state.detokenizer.update(output.new_token_ids, stop_terminated)
+            # 2) Text, and stop strings. The engine core matches no stop strings: a "stop"
+            #    from it is EOS or a stop token id, on the last token.
+            stop_str = state.detokenizer.update(output.new_token_ids, finish_reason == FinishReason.STOP)
             if stop_str is not None:
                 finish_reason, stop_reason = FinishReason.STOP, stop_str
 

@@ -113,12 +113,11 @@ def test_request_latencies_from_events_and_token_times(tokenizer):
     assert done.e2e_latency == pytest.approx(its[3].iteration_timestamp - t0)
 
 
-def test_batch_origin_set_by_the_caller_labels_the_next_batch_only(tokenizer):
+def test_the_batch_origin_labels_that_batch_only(tokenizer):
     processor, seen = _processor(tokenizer)
     now = time.time()
     _add(processor, "a", arrival=now)
-    processor.set_batch_origin(3, now)
-    processor.process_outputs([_out("a", [7])])
+    processor.process_outputs([_out("a", [7])], now, 3)
     processor.process_outputs([_out("a", [8], finish=FinishReason.STOP)])
     assert [engine for engine, _ in seen] == [3, 0]
     assert seen[1][1].finished_requests[0].finish_reason == "stop"
