@@ -8,13 +8,14 @@ it. The checks and messages follow vLLM's ``_validate_model_input``.
 What it does, in order: tokenize a text prompt (with the tokenizer's special tokens, so a
 BOS is added when the tokenizer adds one); reject an empty prompt, a prompt that leaves no
 room for one output token and out-of-vocabulary ids (``validate_prompt``, the one prompt
-rule: the API server calls it too); reject ``stop_token_ids`` outside the vocabulary and
+rule, for ``LLM`` and the API server alike); reject ``stop_token_ids`` outside the vocabulary and
 stop strings that are not valid Unicode; copy the params and fill in what the engine needs:
-``max_tokens`` (all the room left when unset) and the model's extra EOS ids from
-``generation_config.json``.
+``max_tokens`` (all the room left when unset, clamped to it when larger) and the model's
+extra EOS ids from ``generation_config.json``.
 
 ``logprobs`` / ``prompt_logprobs`` above ``--max-logprobs`` are refused here too
-(``validate_params``: the API server calls it as well, before a stream starts).
+(``validate_params``). The API server builds its engine requests here, before a stream
+answers 200, so a bad request is a plain 400 and every rule is checked once.
 
 Left out: multimodal inputs, encoder-decoder prompts, LoRA, structured outputs,
 ``n`` fan-out (done by the caller with ``ParentRequest``).
@@ -129,9 +130,10 @@ class InputProcessor:
         self.validate_params(params)
 
         params = params.clone()
-        if params.max_tokens is None:
-            # All the room left: at least 1, as validate_prompt leaves room for one token.
-            params.max_tokens = self.model_config.max_model_len - len(prompt_token_ids)
+        # All the room left when unset, and no more than it when set: at least 1, as
+        # validate_prompt leaves room for one token (vLLM's serving layer: get_max_tokens).
+        room = self.model_config.max_model_len - len(prompt_token_ids)
+        params.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         params.update_from_generation_config(self.generation_config, self.eos_token_id)
 
         return EngineCoreRequest(
@@ -163,8 +165,7 @@ class InputProcessor:
     def validate_params(self, params: SamplingParams) -> None:
         """What ``SamplingParams`` cannot check alone: it knows neither the vocabulary, nor
         ``--max-logprobs`` (-1: the vocabulary; vLLM's ``_validate_logprobs``), nor that its
-        strings must cross to the engine core as UTF-8. ``process_inputs`` calls it; the API
-        server too, before a stream answers 200.
+        strings must cross to the engine core as UTF-8. ``process_inputs`` calls it.
 
         Raises:
             ValueError: the message starts with the field's name (the API server turns that

@@ -105,7 +105,7 @@ class SamplingFields(OpenAIBaseModel):
 
     def _sampling_params(
         self,
-        max_tokens: int,
+        max_tokens: int | None,
         logprobs: int | None,
         prompt_logprobs: int | None,
         default: SamplingParams,
@@ -165,7 +165,7 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     best_of: int | None = None
 
-    def to_sampling_params(self, max_tokens: int, default: SamplingParams) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int | None, default: SamplingParams) -> SamplingParams:
         prompt_logprobs = self.logprobs if self.echo else None
         return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs, default)
 
@@ -265,7 +265,7 @@ class ChatCompletionRequest(SamplingFields):
             return self.max_completion_tokens
         return self.max_tokens
 
-    def to_sampling_params(self, max_tokens: int, default: SamplingParams) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int | None, default: SamplingParams) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens, logprobs, None, default)
 
