@@ -34,9 +34,7 @@ from engine.frontend.tokenizer import encode
 from engine.sampling_params import SamplingParams
 
 
-def validate_prompt(
-    prompt_token_ids: list[int], max_model_len: int, vocab_size: int, param: str = "prompt"
-) -> None:
+def validate_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: int) -> None:
     """The one rule every prompt meets, from ``LLM`` and the API server alike.
 
     A generation needs ``len(prompt) < max_model_len``: the prompt plus at least one output
@@ -48,8 +46,6 @@ def validate_prompt(
         prompt_token_ids: the prompt, in tokens.
         max_model_len: the context length, in tokens (prompt + output).
         vocab_size: token ids must lie in ``[0, vocab_size)``.
-        param: the request field the prompt came in, named by the message ("prompt" or,
-            over HTTP, "messages").
 
     Raises:
         ValueError: the prompt is empty, leaves no room for output (vLLM's "maximum context
@@ -61,7 +57,7 @@ def validate_prompt(
         raise ValueError(
             f"This model's maximum context length is {max_model_len} tokens. However, your "
             f"request has {len(prompt_token_ids)} input tokens, which leaves no room for output. "
-            f"Please reduce the length of the input {param}."
+            "Please reduce the length of the input prompt."
         )
     for token_id in prompt_token_ids:
         if not 0 <= token_id < vocab_size:
