@@ -27,6 +27,25 @@ MAX_N = 128
 MAX_LOGPROBS = 20
 
 
+# The type each numeric field must have (bool excluded; a float must be finite, an int is
+# accepted for it), and whether None is allowed.
+_FIELD_TYPES: dict[str, tuple[type, bool]] = {
+    "n": (int, False),
+    "top_k": (int, False),
+    "min_tokens": (int, False),
+    "max_tokens": (int, True),
+    "logprobs": (int, True),
+    "prompt_logprobs": (int, True),
+    "seed": (int, True),
+    "presence_penalty": (float, False),
+    "frequency_penalty": (float, False),
+    "repetition_penalty": (float, False),
+    "temperature": (float, False),
+    "top_p": (float, False),
+    "min_p": (float, False),
+}
+
+
 class RequestOutputKind(enum.IntEnum):
     """What each ``RequestOutput`` carries (vLLM's ``RequestOutputKind``)."""
 
@@ -95,25 +114,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             return ValueError(f"{field} must be {allowed}, got {value!r}.")
 
         # Types first: a bool is not a count, and NaN/inf are not probabilities.
-        for field in ("n", "top_k", "min_tokens"):
+        for field, (kind, optional) in _FIELD_TYPES.items():
             value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise bad(field, value, "an integer")
-        for field in ("max_tokens", "logprobs", "prompt_logprobs", "seed"):
-            value = getattr(self, field)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-                raise bad(field, value, "an integer")
-        for field in (
-            "presence_penalty",
-            "frequency_penalty",
-            "repetition_penalty",
-            "temperature",
-            "top_p",
-            "min_p",
-        ):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise bad(field, value, "a finite number")
+            if value is None and optional:
+                continue
+            number = kind is float and isinstance(value, (int, float)) and math.isfinite(value)
+            if isinstance(value, bool) or not (number or (kind is int and isinstance(value, int))):
+                raise bad(field, value, "an integer" if kind is int else "a finite number")
         if not 1 <= self.n <= MAX_N:
             raise bad("n", self.n, f"between 1 and {MAX_N}")
         if not -2.0 <= self.presence_penalty <= 2.0:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import time
 from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from typing import Any
 import msgspec
 
 from engine.config import EngineConfig
-from engine.core.messages import EnginesInfo
+from engine.core.messages import EngineCoreRequest, EnginesInfo
 from engine.frontend.core_client import AsyncMPClient
 from engine.frontend.engine_stats import EngineStatsTable
 from engine.frontend.input_processor import InputProcessor
@@ -99,7 +98,7 @@ class AsyncLLM:
 
     async def generate(
         self,
-        prompt: PromptType,
+        prompt: EngineCoreRequest | PromptType,
         sampling_params: SamplingParams,
         request_id: str,
         priority: int = 0,
@@ -107,6 +106,12 @@ class AsyncLLM:
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream ``RequestOutput``s for one request (``sampling_params.output_kind`` decides
         whether each carries everything so far or only what is new).
+
+        ``prompt``: a prompt, which the input processor turns into the engine request here,
+        or that engine request itself, built by the caller (``InputProcessor.process_inputs``:
+        the API server does, so that a bad request is refused before a stream answers 200);
+        then ``sampling_params``, ``priority`` and ``trace_headers`` are the request's own
+        (vLLM's ``AsyncLLM.add_request`` takes either too).
 
         Closing the generator early (a client that went away) aborts the request in the
         engine, so its KV blocks are freed.
@@ -120,20 +125,24 @@ class AsyncLLM:
         if self.refuse_error is not None:
             raise copy.copy(self.refuse_error)
         self._ensure_output_handler()
-        # n > 1: one engine request per sample, gathered back under request_id (ParentRequest).
-        parent = ParentRequest(request_id, sampling_params) if sampling_params.n > 1 else None
-        arrival = time.time()
-        requests = []
-        for index in range(sampling_params.n):
-            child_id, params = parent.get_child_info(index) if parent else (request_id, sampling_params)
-            requests.append(
-                self.input_processor.process_inputs(
-                    child_id, prompt, params, arrival, priority, trace_headers
-                )
+        if isinstance(prompt, EngineCoreRequest):
+            request, text = prompt, None
+        else:
+            request = self.input_processor.process_inputs(
+                request_id, prompt, sampling_params, None, priority, trace_headers
             )
-        text = prompt if isinstance(prompt, str) else prompt.get("prompt")
+            text = prompt if isinstance(prompt, str) else prompt.get("prompt")
+        # n > 1: one engine request per sample, gathered back under request_id (ParentRequest).
+        params = request.sampling_params
+        parent = ParentRequest(request_id, params) if params.n > 1 else None
+        requests = [request]
+        if parent is not None:
+            children = map(parent.get_child_info, range(params.n))
+            requests = [
+                msgspec.structs.replace(request, request_id=i, sampling_params=p) for i, p in children
+            ]
         if self.log_requests:
-            self._log_request(request_id, text, requests[0].prompt_token_ids, sampling_params)
+            self._log_request(request_id, text, request.prompt_token_ids, sampling_params)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.queues[request_id] = queue
         finished = False

@@ -8,13 +8,14 @@ it. The checks and messages follow vLLM's ``_validate_model_input``.
 What it does, in order: tokenize a text prompt (with the tokenizer's special tokens, so a
 BOS is added when the tokenizer adds one); reject an empty prompt, a prompt that leaves no
 room for one output token and out-of-vocabulary ids (``validate_prompt``, the one prompt
-rule: the API server calls it too); reject ``stop_token_ids`` outside the vocabulary and
+rule, for ``LLM`` and the API server alike); reject ``stop_token_ids`` outside the vocabulary and
 stop strings that are not valid Unicode; copy the params and fill in what the engine needs:
-``max_tokens`` (all the room left when unset) and the model's extra EOS ids from
-``generation_config.json``.
+``max_tokens`` (all the room left when unset, clamped to it when larger) and the model's
+extra EOS ids from ``generation_config.json``.
 
 ``logprobs`` / ``prompt_logprobs`` above ``--max-logprobs`` are refused here too
-(``validate_params``: the API server calls it as well, before a stream starts).
+(``validate_params``). The API server builds its engine requests here, before a stream
+answers 200, so a bad request is a plain 400 and every rule is checked once.
 
 Left out: multimodal inputs, encoder-decoder prompts, LoRA, structured outputs,
 ``n`` fan-out (done by the caller with ``ParentRequest``).
@@ -33,9 +34,7 @@ from engine.frontend.tokenizer import encode
 from engine.sampling_params import SamplingParams
 
 
-def validate_prompt(
-    prompt_token_ids: list[int], max_model_len: int, vocab_size: int, param: str = "prompt"
-) -> None:
+def validate_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: int) -> None:
     """The one rule every prompt meets, from ``LLM`` and the API server alike.
 
     A generation needs ``len(prompt) < max_model_len``: the prompt plus at least one output
@@ -47,8 +46,6 @@ def validate_prompt(
         prompt_token_ids: the prompt, in tokens.
         max_model_len: the context length, in tokens (prompt + output).
         vocab_size: token ids must lie in ``[0, vocab_size)``.
-        param: the request field the prompt came in, named by the message ("prompt" or,
-            over HTTP, "messages").
 
     Raises:
         ValueError: the prompt is empty, leaves no room for output (vLLM's "maximum context
@@ -60,7 +57,7 @@ def validate_prompt(
         raise ValueError(
             f"This model's maximum context length is {max_model_len} tokens. However, your "
             f"request has {len(prompt_token_ids)} input tokens, which leaves no room for output. "
-            f"Please reduce the length of the input {param}."
+            "Please reduce the length of the input prompt."
         )
     for token_id in prompt_token_ids:
         if not 0 <= token_id < vocab_size:
@@ -129,9 +126,10 @@ class InputProcessor:
         self.validate_params(params)
 
         params = params.clone()
-        if params.max_tokens is None:
-            # All the room left: at least 1, as validate_prompt leaves room for one token.
-            params.max_tokens = self.model_config.max_model_len - len(prompt_token_ids)
+        # All the room left when unset, and no more than it when set: at least 1, as
+        # validate_prompt leaves room for one token (vLLM's serving layer: get_max_tokens).
+        room = self.model_config.max_model_len - len(prompt_token_ids)
+        params.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         params.update_from_generation_config(self.generation_config, self.eos_token_id)
 
         return EngineCoreRequest(
@@ -163,8 +161,7 @@ class InputProcessor:
     def validate_params(self, params: SamplingParams) -> None:
         """What ``SamplingParams`` cannot check alone: it knows neither the vocabulary, nor
         ``--max-logprobs`` (-1: the vocabulary; vLLM's ``_validate_logprobs``), nor that its
-        strings must cross to the engine core as UTF-8. ``process_inputs`` calls it; the API
-        server too, before a stream answers 200.
+        strings must cross to the engine core as UTF-8. ``process_inputs`` calls it.
 
         Raises:
             ValueError: the message starts with the field's name (the API server turns that

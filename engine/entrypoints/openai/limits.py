@@ -11,9 +11,9 @@ route that takes a body parses it with ``parse_json_body``:
 - **Parsing** (``parse_json_body``): the body must be JSON (``Content-Type`` absent,
   ``application/json`` or ``application/*+json``), valid UTF-8, RFC 8259 JSON (no ``NaN``,
   ``Infinity``, or a number that overflows to infinity), nested at most
-  ``MAX_JSON_DEPTH`` deep. Anything else is a 400 naming what is wrong — never a 500, and
-  the keep-alive connection stays usable. A large body is decoded in a worker thread, off
-  the event loop.
+  ``MAX_JSON_DEPTH`` deep, with no lone surrogate in its text (``check_unicode``). Anything
+  else is a 400 naming what is wrong — never a 500, and the keep-alive connection stays
+  usable. A large body is decoded in a worker thread, off the event loop.
 - **Memory**: after a request whose body was large, ``malloc_trim`` hands the freed heap
   back to the system (glibc keeps it otherwise, in each thread's arena), so the server's
   resident memory returns near its baseline.
@@ -34,7 +34,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.entrypoints.openai.serving_engine import OpenAIError, error_response
+from engine.entrypoints.openai.serving_engine import UNCHECKED_FIELDS, OpenAIError, error_response
 from engine.logger import init_logger
 
 logger = init_logger(__name__)
@@ -54,6 +54,9 @@ MAX_JSON_DEPTH = 64
 THREAD_DECODE_BYTES = 64 * 1024
 # After a request whose body was at least this large, return freed memory to the system.
 TRIM_AFTER_BYTES = 1024 * 1024
+# Fields ``check_unicode`` leaves alone: ``user`` is accepted and ignored; a ``model`` that is
+# not valid Unicode is no served name, which the route answers with its 404.
+NOT_SCANNED = UNCHECKED_FIELDS | {"model"}
 
 
 class BodyTooLarge(Exception):
@@ -240,6 +243,8 @@ def decode_json(raw: bytes) -> Any:
         RequestValidationError: (a 400) invalid UTF-8, invalid JSON (``NaN``, ``Infinity``
             and numbers that overflow included), a number with too many digits, or nesting
             deeper than ``MAX_JSON_DEPTH``.
+        OpenAIError: (a 400) a field of an object body holds text that is not valid
+            Unicode (``check_unicode``).
     """
     try:
         text = raw.decode("utf-8")
@@ -257,7 +262,32 @@ def decode_json(raw: bytes) -> Any:
     deep_enough = raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH
     if deep_enough and isinstance(value, (dict, list)) and too_deep(value):
         raise _invalid_json(f"nested too deeply (at most {MAX_JSON_DEPTH} levels)")
+    # A lone surrogate can only come from a \uXXXX escape: a body without one has none.
+    if ("\\ud" in text or "\\uD" in text) and isinstance(value, dict):
+        check_unicode(value)
     return value
+
+
+def check_unicode(body: dict[str, Any]) -> None:
+    """Refuse text that is not valid Unicode anywhere in a request's field (a lone surrogate
+    such as ``"\\ud800"`` is valid JSON but cannot be UTF-8 encoded, so no later stage could
+    take it), naming the top-level field; ``NOT_SCANNED`` fields are left to the route.
+
+    Raises:
+        OpenAIError: (400, ``param``: the field).
+    """
+    for name, value in body.items():
+        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            if name in NOT_SCANNED:
+                continue
+            raise OpenAIError(
+                f"{name} is not valid Unicode text: {text[e.start]!r} (a lone surrogate) at position "
+                f"{e.start} of {text[:40]!r}.",
+                param=name,
+            ) from None
 
 
 def is_json_content_type(content_type: str | None) -> bool:

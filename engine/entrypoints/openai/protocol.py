@@ -71,6 +71,24 @@ class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = False
 
 
+# The request's sampling fields that ``SamplingParams`` takes as they are, and those that take
+# the model's defaults when unset (``None``).
+COPIED_FIELDS = (
+    "n",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "min_tokens",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+)
+DEFAULTED_FIELDS = ("repetition_penalty", "temperature", "top_p", "top_k", "min_p")
+
+
 class SamplingFields(OpenAIBaseModel):
     """The sampling and stopping fields that completions and chat share."""
 
@@ -105,7 +123,7 @@ class SamplingFields(OpenAIBaseModel):
 
     def _sampling_params(
         self,
-        max_tokens: int,
+        max_tokens: int | None,
         logprobs: int | None,
         prompt_logprobs: int | None,
         default: SamplingParams,
@@ -116,33 +134,15 @@ class SamplingFields(OpenAIBaseModel):
             ValueError: a value out of range; the message starts with the field name.
         """
 
-        def pick(value: Any, default_value: Any) -> Any:
-            return default_value if value is None else value
-
-        return SamplingParams(
-            n=self.n,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=pick(self.repetition_penalty, default.repetition_penalty),
-            temperature=pick(self.temperature, default.temperature),
-            top_p=pick(self.top_p, default.top_p),
-            top_k=pick(self.top_k, default.top_k),
-            min_p=pick(self.min_p, default.min_p),
-            seed=self.seed,
-            stop=self.stop,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
-            max_tokens=max_tokens,
-            min_tokens=self.min_tokens,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            skip_special_tokens=self.skip_special_tokens,
-            spaces_between_special_tokens=self.spaces_between_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output,
-            # Streams need only what is new (and the output processor holds back text that
-            # could still become a stop string); a full response needs only the end.
-            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
-        )
+        fields = {name: getattr(self, name) for name in COPIED_FIELDS}
+        for name in DEFAULTED_FIELDS:
+            value = getattr(self, name)
+            fields[name] = getattr(default, name) if value is None else value
+        # Streams need only what is new (and the output processor holds back text that could
+        # still become a stop string); a full response needs only the end.
+        output_kind = RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY
+        fields.update(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        return SamplingParams(**fields, output_kind=output_kind)
 
 
 # ---------------------------------------------------------------------------- completions
@@ -165,7 +165,7 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     best_of: int | None = None
 
-    def to_sampling_params(self, max_tokens: int, default: SamplingParams) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int | None, default: SamplingParams) -> SamplingParams:
         prompt_logprobs = self.logprobs if self.echo else None
         return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs, default)
 
@@ -265,7 +265,7 @@ class ChatCompletionRequest(SamplingFields):
             return self.max_completion_tokens
         return self.max_tokens
 
-    def to_sampling_params(self, max_tokens: int, default: SamplingParams) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int | None, default: SamplingParams) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens, logprobs, None, default)
 

@@ -75,7 +75,6 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(request.model)
         self.check_engine_alive()
         self.check_unsupported(request)
-        self.check_fields(request)
         if request.top_logprobs and not request.logprobs:
             raise OpenAIError("top_logprobs needs logprobs to be true.", param="top_logprobs")
         if request.tools:
@@ -88,21 +87,22 @@ class OpenAIServingChat(OpenAIServing):
             self.render_chat, request.messages, request.add_generation_prompt, True
         )
         tokenized_ns = time.time_ns()
-        self.check_prompt(prompt_ids, "messages")
         max_tokens_field = request.max_tokens_field
-        max_tokens = self.resolve_max_tokens(request.requested_max_tokens, len(prompt_ids), max_tokens_field)
+        max_tokens = self.resolve_max_tokens(request.requested_max_tokens, max_tokens_field)
         renames = {"max_tokens": max_tokens_field, "logprobs": "top_logprobs"}
+        request_id = f"chatcmpl-{random_uuid()}"
         try:
             params = request.to_sampling_params(max_tokens, self.default_sampling_params)
+            engine_request = self.engine.input_processor.process_inputs(
+                request_id, {"prompt_token_ids": prompt_ids}, params
+            )
         except ValueError as e:
             raise bad_request_from_value_error(e, "messages", renames) from None
-        self.check_params(params, "messages", renames)
 
-        request_id = f"chatcmpl-{random_uuid()}"
         rtrace = start_request_trace(request_id, headers, arrived_ns)
         rtrace.record_inputs(tokenize_ns, tokenized_ns)
-        generator = self.engine.generate({"prompt_token_ids": prompt_ids}, params, request_id,
-                                         trace_headers=rtrace.engine_headers)  # fmt: skip
+        engine_request.trace_headers = rtrace.engine_headers
+        generator = self.engine.generate(engine_request, params, request_id)
         outputs = merge_async_iterators(generator)
         if request.stream:
             return rtrace.wrap_stream(self._stream(request, request_id, len(prompt_ids), outputs))

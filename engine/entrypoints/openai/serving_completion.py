@@ -79,31 +79,28 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_model(request.model)
         self.check_engine_alive()
         self.check_unsupported(request)
-        self.check_fields(request)
-        self._check_prompts_fit(request.prompt)
+        max_tokens = self.resolve_max_tokens(request.max_tokens)
         # Tokenizing a long prompt takes a while: off the event loop, so other requests stream on.
         tokenize_ns = time.time_ns()
         prompts = await asyncio.to_thread(self._render_prompts, request.prompt)
         tokenized_ns = time.time_ns()
-        params = []
-        for _, prompt_token_ids in prompts:
-            self.check_prompt(prompt_token_ids, "prompt")
-            max_tokens = self.resolve_max_tokens(request.max_tokens, len(prompt_token_ids))
-            try:
-                params.append(request.to_sampling_params(max_tokens, self.default_sampling_params))
-            except ValueError as e:
-                raise bad_request_from_value_error(e, "prompt") from None
-            self.check_params(params[-1], "prompt")
-
         request_id = f"cmpl-{random_uuid()}"
+        process_inputs = self.engine.input_processor.process_inputs
+        try:
+            params = request.to_sampling_params(max_tokens, self.default_sampling_params)
+            engine_requests = [
+                process_inputs(f"{request_id}-{i}", {"prompt_token_ids": ids}, params)
+                for i, (_, ids) in enumerate(prompts)
+            ]
+        except ValueError as e:
+            raise bad_request_from_value_error(e, "prompt") from None
+
         rtrace = start_request_trace(request_id, headers, arrived_ns)
         rtrace.record_inputs(tokenize_ns, tokenized_ns)
-        generators = [
-            self.engine.generate(
-                {"prompt_token_ids": ids}, sp, f"{request_id}-{i}", trace_headers=rtrace.engine_headers
-            )
-            for i, ((_, ids), sp) in enumerate(zip(prompts, params))
-        ]
+        generators = []
+        for engine_request in engine_requests:
+            engine_request.trace_headers = rtrace.engine_headers
+            generators.append(self.engine.generate(engine_request, params, engine_request.request_id))
         outputs = merge_async_iterators(*generators)
         if request.stream:
             return rtrace.wrap_stream(self._stream(request, request_id, prompts, outputs))
@@ -136,20 +133,15 @@ class OpenAIServingCompletion(OpenAIServing):
         # off the event loop.
         return await asyncio.to_thread(self._full_response, request, request_id, prompts, finals)
 
-    def _check_prompts_fit(self, prompt: str | list[str] | list[int] | list[list[int]]) -> None:
-        """Refuse, before any tokenizing, a text or a list of ids that cannot fit the context."""
-        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-            prompt = [prompt]  # type: ignore[list-item]
-        for p in prompt:
-            if isinstance(p, str):
-                self.check_text_fits(p, "prompt")
-            elif isinstance(p, list) and len(p) >= self.max_model_len:
-                self.check_prompt(p, "prompt")
-
     def _render_prompts(
         self, prompt: str | list[str] | list[int] | list[list[int]]
     ) -> list[tuple[str | None, list[int]]]:
-        """The request's prompt field → one (text or None, token ids) per prompt."""
+        """The request's prompt field → one (text or None, token ids) per prompt.
+
+        Raises:
+            OpenAIError: a text too long to fit the context whatever it says, refused before
+                it is tokenized (``check_text_fits``).
+        """
         if isinstance(prompt, str):
             prompt = [prompt]
         elif not prompt or isinstance(prompt[0], int):
@@ -157,6 +149,7 @@ class OpenAIServingCompletion(OpenAIServing):
         rendered: list[tuple[str | None, list[int]]] = []
         for p in prompt:
             if isinstance(p, str):
+                self.check_text_fits(p, "prompt")
                 rendered.append((p, encode(self.tokenizer, p)))
             else:
                 rendered.append((None, list(p)))

@@ -12,7 +12,9 @@ Prompt-length and ``max_tokens`` rules (current vLLM): a prompt must leave room 
 one output token (``validate_prompt``, the input processor's: ``LLM`` follows the same
 rule); ``max_tokens`` unset means "all the room left"; ``max_tokens`` below 1 or above
 ``max_model_len`` is an error; a ``max_tokens`` that only overflows the room left after the
-prompt is clamped to fit.
+prompt is clamped to fit (by the input processor). Each route builds its engine requests
+with ``InputProcessor.process_inputs`` before a stream answers 200, so every rule is
+checked once, and a bad request is a plain 400.
 
 Left out: LoRA, request logging, ``X-Request-Id`` handling, per-request priority from the
 body.
@@ -32,7 +34,6 @@ from pydantic import BaseModel
 
 from engine.entrypoints.openai.protocol import ChatMessageParam, ErrorInfo, ErrorResponse
 from engine.frontend.async_llm import AsyncLLM
-from engine.frontend.input_processor import validate_prompt
 from engine.frontend.tokenizer import apply_chat_template, encode
 from engine.logger import init_logger
 from engine.sampling_params import SamplingParams
@@ -65,7 +66,7 @@ UNSUPPORTED_FIELDS = {
     "echo with logprobs returns the prompt's logprobs.",
     "chat_template": "A per-request chat_template is not supported; start the server with --chat-template.",
 }
-# Request fields accepted and ignored: not checked (``OpenAIServing.check_fields``).
+# Request fields accepted and ignored: not checked (``limits.decode_json``'s Unicode scan).
 UNCHECKED_FIELDS = frozenset({"user"})
 # What a client is told when the engine is dead, streaming or not (503); the root cause
 # (pids, stages, exceptions) goes to the server's log only.
@@ -117,30 +118,6 @@ def bad_request_from_value_error(
     else:
         param = default_param
     return OpenAIError(message, param=param)
-
-
-def check_unicode(value: Any, param: str) -> None:
-    """Raises ``OpenAIError`` (400, ``param``) if any string in ``value`` — itself, list items,
-    dict keys and values, fields of a model — holds a lone surrogate."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise OpenAIError(
-                f"{param} is not valid Unicode text: {value[e.start]!r} (a lone surrogate) at position "
-                f"{e.start} of {value[:40]!r}.",
-                param=param,
-            ) from None
-    elif isinstance(value, BaseModel):
-        check_unicode(value.model_dump(), param)
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            check_unicode(key, param)
-            check_unicode(item, param)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            if type(item) is not int:  # a prompt of token ids: nothing to look at, and long
-                check_unicode(item, param)
 
 
 def random_uuid() -> str:
@@ -284,18 +261,6 @@ class OpenAIServing:
         if self.engine.dead_error is not None:
             raise self.engine.dead_error
 
-    def check_prompt(self, prompt_token_ids: list[int], param: str) -> None:
-        """Refuse an empty prompt, a prompt with no room left for output, and
-        out-of-vocabulary ids: ``validate_prompt``, the rule ``LLM`` follows too.
-
-        Raises:
-            OpenAIError: (400, ``param``) with ``validate_prompt``'s message.
-        """
-        try:
-            validate_prompt(prompt_token_ids, self.max_model_len, self.vocab_size, param)
-        except ValueError as e:
-            raise OpenAIError(str(e), param=param) from None
-
     def check_text_fits(self, text: str, param: str) -> None:
         """Refuse, before tokenizing it, a text too long to fit ``max_model_len`` whatever it
         says (more than ``max_model_len * max_chars_per_token`` characters); a no-op when
@@ -315,12 +280,11 @@ class OpenAIServing:
             param=param,
         )
 
-    def resolve_max_tokens(self, requested: int | None, prompt_len: int, param: str = "max_tokens") -> int:
-        """The output limit for one prompt of ``prompt_len`` tokens.
-
-        Returns ``requested`` clamped to the room left (``max_model_len - prompt_len``), or
-        all the room when ``requested`` is None; the model's ``max_new_tokens``
-        (``--generation-config``), when it sets one, caps both.
+    def resolve_max_tokens(self, requested: int | None, param: str = "max_tokens") -> int | None:
+        """The request's output limit before its prompt is known: ``requested``, capped by
+        the model's ``max_new_tokens`` (``--generation-config``) when it sets one; None when
+        neither is set. The input processor then fills in all the room left after the
+        prompt, or clamps the limit to it (vLLM's ``get_max_tokens``).
 
         A ``requested`` below 1 is left to ``SamplingParams`` to refuse (its ``max_tokens``
         rule, ``LLM``'s too).
@@ -328,46 +292,13 @@ class OpenAIServing:
         Raises:
             OpenAIError: ``requested`` > ``max_model_len``.
         """
-        room = self.max_model_len - prompt_len
-        if self.default_max_tokens is not None:
-            room = min(room, self.default_max_tokens)
-        if requested is None:
-            return room
-        if requested > self.max_model_len:
+        if requested is not None and requested > self.max_model_len:
             raise OpenAIError(
                 f"'{param}' is too large: {requested}. This model's maximum context length is "
                 f"{self.max_model_len} tokens.",
                 param=param,
             )
-        return min(requested, room)
-
-    def check_fields(self, request: BaseModel) -> None:
-        """Refuse, before any work (and before a stream answers 200), values no later stage
-        could take, naming the field: text that is not valid Unicode anywhere in the request
-        (a lone surrogate such as ``"\\ud800"`` is valid JSON but cannot be UTF-8 encoded).
-        What the params must meet is ``check_params``'s.
-
-        Every declared field is checked except ``user``, which is accepted and ignored.
-        """
-        for name in type(request).model_fields:
-            if name not in UNCHECKED_FIELDS:
-                check_unicode(getattr(request, name), name)
-
-    def check_params(
-        self, params: SamplingParams, blamed: str, renames: dict[str, str] | None = None
-    ) -> None:
-        """Refuse, before a stream answers 200, what the input processor would refuse in the
-        params (``InputProcessor.validate_params``: the vocabulary, ``--max-logprobs``): the
-        same rule ``LLM`` meets.
-
-        Raises:
-            OpenAIError: (400) naming the field (renamed to the request's own through
-                ``renames``).
-        """
-        try:
-            self.engine.input_processor.validate_params(params)
-        except ValueError as e:
-            raise bad_request_from_value_error(e, blamed, renames) from None
+        return min((v for v in (requested, self.default_max_tokens) if v is not None), default=None)
 
     @staticmethod
     def check_unsupported(request: Any) -> None:
@@ -403,11 +334,11 @@ class OpenAIServing:
         a worker thread.
 
         Raises:
-            OpenAIError: text that is not valid Unicode, a part that is not text, a
-                template that refuses the messages, or (``check_length``) a conversation
-                too long (``param`` is ``"messages"``).
+            OpenAIError: a part that is not text, a template that refuses the messages,
+                or (``check_length``) a conversation too long (``param`` is ``"messages"``).
+                Text that is not valid Unicode never gets here: the body's parser
+                (``limits.decode_json``) refuses it.
         """
-        check_unicode(messages, "messages")
         conversation: list[dict[str, Any]] = []
         for message in messages:
             content = message.content

@@ -40,7 +40,6 @@ class OpenAIServingTokenization(OpenAIServing):
                 template that fails (400).
         """
         self.check_model(request.model)
-        self.check_fields(request)
         if isinstance(request, TokenizeChatRequest):
             text, _ = self.render_chat(request.messages, request.add_generation_prompt)
         else:

@@ -36,11 +36,11 @@ def _scripted_engine(events: list):
                                    input_processor=InputProcessor(model_config, tokenizer))  # fmt: skip
     engine.get_default_sampling_params = lambda: AsyncLLM.get_default_sampling_params(engine)
 
-    async def generate(prompt, params, request_id, **kwargs):
+    async def generate(request, params, request_id, **kwargs):  # an EngineCoreRequest
         events.append("prefill")  # the engine ran the prompt: only now may a chunk go out
         for text, ids, finish in SCRIPT:
             out = CompletionOutput(0, text, ids, None, None, finish)
-            yield RequestOutput(request_id, None, prompt["prompt_token_ids"], None, [out], finish is not None)
+            yield RequestOutput(request_id, None, request.prompt_token_ids, None, [out], finish is not None)
 
     engine.generate = generate
     return engine
