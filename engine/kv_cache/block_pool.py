@@ -72,9 +72,8 @@ class BlockPool:
         ``block_size``). The caller (``KVCacheManager.cache_blocks``) only asks for blocks
         that have hashes, and only when there is at least one new full block.
         """
-        for i in range(num_cached_blocks, num_full_blocks):
-            block = blocks[i]
-            block_hash = request.block_hashes[i]
+        new_full = slice(num_cached_blocks, num_full_blocks)
+        for block, block_hash in zip(blocks[new_full], request.block_hashes[new_full], strict=True):
             block.block_hash = block_hash
             self.cached_block_hash_to_block.setdefault(block_hash, {})[block.block_id] = block
 

@@ -386,15 +386,14 @@ class Scheduler:
             if request is None:
                 continue  # aborted while the step ran
             req_index = model_runner_output.req_id_to_index[request_id]
-            generated = model_runner_output.sampled_token_ids[req_index]
+            new_token_ids = model_runner_output.sampled_token_ids[req_index]
 
-            new_token_ids: list[int] = []
             stopped = False
-            for token_id in generated:
+            for num_new, token_id in enumerate(new_token_ids, 1):
                 request.append_output_token_ids(token_id)
-                new_token_ids.append(token_id)
-                if check_stop(request, self.max_model_len):
-                    stopped = True
+                stopped = check_stop(request, self.max_model_len)
+                if stopped:
+                    new_token_ids = new_token_ids[:num_new]  # the tokens after a stop are dropped
                     break
 
             new_logprobs = model_runner_output.logprobs.get(request_id)
