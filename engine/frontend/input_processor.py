@@ -128,10 +128,9 @@ class InputProcessor:
                 Unicode (a lone surrogate); a ``stop_token_ids`` id is outside the vocabulary;
                 ``data_parallel_rank`` is not one of the engines.
         """
-        dp = self.data_parallel_size
-        if data_parallel_rank is not None and not 0 <= data_parallel_rank < dp:
+        if data_parallel_rank is not None and not 0 <= data_parallel_rank < self.data_parallel_size:
             raise ValueError(
-                f"data_parallel_rank {data_parallel_rank} is out of range: there are {dp} engine(s) (0..{dp - 1})"
+                f"data_parallel_rank {data_parallel_rank} is out of range [0, {self.data_parallel_size})."
             )
         prompt_token_ids = self._tokenize(prompt, tokenization_kwargs or {})
         validate_prompt(prompt_token_ids, self.model_config.max_model_len, self.model_config.vocab_size)
