@@ -67,6 +67,7 @@ GLASS_MODULES = (
     "engine/core/step_observer.py",
     "engine/core/request_tracing.py",
     "engine/frontend/request_tracing.py",
+    "engine/entrypoints/openai/http_telemetry.py",
     "engine/utils/process_harness.py",
     "engine/utils/supervisor.py",
     "engine/utils/processes.py",

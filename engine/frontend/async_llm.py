@@ -70,7 +70,9 @@ class AsyncLLM:
         if config.model_config.chat_template is not None:  # --chat-template replaces the tokenizer's
             self.tokenizer.chat_template = config.model_config.chat_template
         self.log_requests = config.observability_config.enable_log_requests
-        self.input_processor = InputProcessor(config.model_config, self.tokenizer)
+        self.input_processor = InputProcessor(
+            config.model_config, self.tokenizer, config.parallel_config.data_parallel_size
+        )
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=False)
         self.engine_core = AsyncMPClient(
             config, run_dir, client_index=client_index, num_clients=num_clients, engines=engines

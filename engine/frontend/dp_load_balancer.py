@@ -84,16 +84,11 @@ class DPLoadBalancer:
         score (ties to the lower rank). Counts the request as sent there, and remembers it
         for its abort (not with one engine, unless pinned).
 
-        Raises:
-            ValueError: ``data_parallel_rank`` is not one of the engines.
+        A pinned rank was checked against ``data_parallel_size`` where the request was built
+        (``InputProcessor.process_inputs``, as in vLLM); it is taken as it is.
         """
         dp = self.data_parallel_size
         if request.data_parallel_rank is not None:
-            if not 0 <= request.data_parallel_rank < dp:
-                raise ValueError(
-                    f"request {request.request_id!r} asks for data_parallel_rank "
-                    f"{request.data_parallel_rank}, but there are {dp} engine(s) (0..{dp - 1})"
-                )
             engine = request.data_parallel_rank
         elif dp == 1:
             return 0  # nothing to choose, nothing to remember: an abort goes to the one engine

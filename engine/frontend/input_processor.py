@@ -71,11 +71,14 @@ class InputProcessor:
         model_config: gives ``max_model_len``, ``vocab_size``, the EOS ids and
             ``generation_config``.
         tokenizer: the model's ``PreTrainedTokenizerFast``.
+        data_parallel_size: the engines a request may pin with ``data_parallel_rank``
+            (the parallel config's; vLLM's ``InputProcessor`` reads it there too).
     """
 
-    def __init__(self, model_config: ModelConfig, tokenizer: Any) -> None:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any, data_parallel_size: int = 1) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
+        self.data_parallel_size = data_parallel_size
         # The primary EOS is the tokenizer's, as in vLLM (for chat models it is the
         # end-of-turn token); config.json's is the fallback.
         self.eos_token_id: int | None = getattr(tokenizer, "eos_token_id", None)
@@ -98,6 +101,7 @@ class InputProcessor:
         priority: int = 0,
         trace_headers: dict[str, str] | None = None,
         tokenization_kwargs: dict[str, Any] | None = None,
+        data_parallel_rank: int | None = None,
     ) -> EngineCoreRequest:
         """Build the engine request for one prompt.
 
@@ -110,6 +114,8 @@ class InputProcessor:
             trace_headers: W3C trace context to carry to the engine.
             tokenization_kwargs: extra arguments for ``tokenizer.encode`` — e.g.
                 ``{"add_special_tokens": False}`` for text a chat template rendered.
+            data_parallel_rank: the engine to run on (``0 .. data_parallel_size - 1``);
+                None lets the client's load balancer choose.
 
         Returns:
             The ``EngineCoreRequest``. The prompt text for ``OutputProcessor.add_request``
@@ -119,8 +125,13 @@ class InputProcessor:
             ValueError: the prompt is not one of the three shapes, or breaks
                 ``validate_prompt`` (empty, no room for output, an id outside the vocabulary);
                 ``stop`` strings are asked for with ``detokenize=False`` or are not valid
-                Unicode (a lone surrogate); a ``stop_token_ids`` id is outside the vocabulary.
+                Unicode (a lone surrogate); a ``stop_token_ids`` id is outside the vocabulary;
+                ``data_parallel_rank`` is not one of the engines.
         """
+        if data_parallel_rank is not None and not 0 <= data_parallel_rank < self.data_parallel_size:
+            raise ValueError(
+                f"data_parallel_rank {data_parallel_rank} is out of range [0, {self.data_parallel_size})."
+            )
         prompt_token_ids = self._tokenize(prompt, tokenization_kwargs or {})
         validate_prompt(prompt_token_ids, self.model_config.max_model_len, self.model_config.vocab_size)
         self.validate_params(params)
@@ -140,6 +151,7 @@ class InputProcessor:
             arrival_time=arrival_time if arrival_time is not None else time.time(),
             priority=priority,
             trace_headers=trace_headers,
+            data_parallel_rank=data_parallel_rank,
         )
 
     def _tokenize(self, prompt: PromptType, tokenization_kwargs: dict[str, Any]) -> list[int]:

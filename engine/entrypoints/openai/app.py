@@ -22,9 +22,9 @@ worker thread; the OpenAPI document still lists each body's schema (``_request_b
 Tokenizing, the chat template, detokenizing and encoding full answers run in worker
 threads too, so one large request never stalls the streams of others.
 
-Middleware, outermost first: the in-flight counter, the API-key check (only with an
-``api_key``; ``/v1/*`` as vLLM, or every path but ``/health`` and ``/ping`` with
-``api_key_scope="all"``), CORS (only when ``allowed_origins`` is not empty — unlike vLLM,
+Middleware, outermost first: the in-flight counter (``http_telemetry``, glass), the API-key
+check (only with an ``api_key``; ``/v1/*`` as vLLM, or every path but ``/health`` and
+``/ping`` with ``api_key_scope="all"``), CORS (only when ``allowed_origins`` is not empty — unlike vLLM,
 whose default ``["*"]`` lets a page from any origin use the server), then the body limit
 (``limits.RequestBodyLimit``).
 
@@ -68,6 +68,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine import __version__
+from engine.entrypoints.openai.http_telemetry import InFlightCounter
 from engine.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, RequestBodyLimit, parse_json_body
 from engine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -504,28 +505,3 @@ class APIKeyMiddleware:
                     await response(scope, receive, send)
                     return
         await self.app(scope, receive, send)
-
-
-# ---------------------------------------------------------------------------- in flight
-
-
-class InFlightCounter:
-    """Counts HTTP requests from arrival until their response is sent (streams included):
-    the API server's ``api.http_in_flight`` gauge. Pure ASGI."""
-
-    class Count:
-        value = 0
-
-    def __init__(self, app: ASGIApp, count: Count) -> None:
-        self.app = app
-        self.count = count
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        self.count.value += 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.count.value -= 1

@@ -346,18 +346,20 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
 
 
 class CompletionStreamChoiceWire(msgspec.Struct):
-    """One ``CompletionResponseStreamChoice`` with no logprobs, as msgspec writes it.
+    """One ``CompletionResponseStreamChoice``, as msgspec writes it.
 
     A stream writes one choice per request per step; msgspec writes it in well under a
     microsecond where building and dumping the pydantic models takes several. The JSON is
     the pydantic model's, byte for byte — same fields, same order, ``logprobs: null`` —
     which ``tests/unit/entrypoints/test_stream_chunks.py`` checks. The envelope around it (id, created,
     model, ``usage: null``) is written once per stream (``serving_engine.StreamChunks``).
+    ``logprobs``, when asked for, is the pydantic model, written by pydantic
+    (``StreamChunks``' encoder hands pydantic models back to pydantic).
     """
 
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 

@@ -34,7 +34,6 @@ from engine.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionResponseChoice,
-    CompletionResponseStreamChoice,
     CompletionStreamChoiceWire,
     CompletionStreamResponse,
     UsageInfo,
@@ -51,7 +50,7 @@ from engine.entrypoints.openai.serving_engine import (
     stream_error_event,
 )
 from engine.frontend.detokenizer import IncrementalDetokenizer, backend_tokenizer
-from engine.frontend.outputs import LogprobsDict, RequestOutput
+from engine.frontend.outputs import CompletionOutput, LogprobsDict, RequestOutput
 from engine.frontend.request_tracing import RequestTrace, start_request_trace
 from engine.frontend.tokenizer import encode
 from engine.logger import init_logger
@@ -174,23 +173,45 @@ class OpenAIServingCompletion(OpenAIServing):
         best = next((r for r in replays if r.output_text == text), replays[0])
         return text, [min(offset, len(text)) for offset in best.token_offsets]
 
-    @staticmethod
-    def _with_echo(
-        echo: tuple[str, list[int]],
+    def _choice_output(
+        self,
+        request: CompletionRequest,
+        out: CompletionOutput,
+        shift: int,
+        echo: tuple[str, list[int]] | None,
         prompt_ids: list[int],
         prompt_logprobs: list[LogprobsDict | None] | None,
-        text: str,
-        token_ids: list[int],
-        top: list[LogprobsDict | None] | None,
-        offsets: list[int],
-    ) -> tuple[str, list[int], list[LogprobsDict | None], list[int]]:
-        """A choice's output with the echoed prompt (``_echo``: its text and token offsets) in
-        front: text, token ids, per-token logprobs (None for prompt tokens without any) and
-        text offsets (the output's shifted by the echo's length)."""
-        echo_text, echo_offsets = echo
-        top = (prompt_logprobs or [None] * len(prompt_ids)) + (top or [])
-        shifted = [len(echo_text) + offset for offset in offsets]
-        return echo_text + text, prompt_ids + token_ids, top, echo_offsets + shifted
+    ) -> tuple[str, list[int], CompletionLogProbs | None]:
+        """One output of a choice, as a response shows it: text, token ids and (``logprobs``
+        asked for) the logprobs object. Whole and streamed responses both build it here.
+
+        Args:
+            out: the engine's output (a stream's delta, or a full response's whole output).
+            shift: characters in front of the output's text (the echo a stream already sent
+                in the choice's first chunk); its text offsets move by that much.
+            echo: ``_echo``'s prompt text and token offsets, to put in front of the output
+                (the choice's first chunk, or a full response), or None.
+            prompt_ids, prompt_logprobs: the prompt's token ids and per-token logprobs (None
+                for tokens without any), used only with ``echo``.
+        """
+        text, token_ids, top = out.text, list(out.token_ids), out.logprobs
+        offsets = [shift + offset for offset in out.text_offsets or ()]
+        if echo is not None:
+            echo_text, echo_offsets = echo
+            text, token_ids = echo_text + text, prompt_ids + token_ids
+            top = (prompt_logprobs or [None] * len(prompt_ids)) + (top or [])
+            offsets = echo_offsets + [len(echo_text) + offset for offset in offsets]
+        if request.logprobs is None or top is None:
+            return text, token_ids, None
+        return text, token_ids, self.create_logprobs(token_ids, top, request.logprobs, offsets)
+
+    def _echoes(
+        self, request: CompletionRequest, prompts: list[tuple[str | None, list[int]]]
+    ) -> list[tuple[str, list[int]] | None]:
+        """Per prompt, its ``_echo`` (None for each when the request does not echo)."""
+        if not request.echo:
+            return [None] * len(prompts)
+        return [self._echo(text, ids, request.logprobs is not None) for text, ids in prompts]
 
     def _replay(self, token_ids: list[int], skip_special_tokens: bool) -> IncrementalDetokenizer:
         """A detokenizer fed the prompt's ``token_ids``, for its ``token_offsets`` (as the
@@ -210,23 +231,15 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> CompletionResponse:
         choices: list[CompletionResponseChoice] = []
         usage = UsageInfo()
-        want_logprobs = request.logprobs is not None
-        for i, ((prompt_text, prompt_ids), final) in enumerate(zip(prompts, finals)):
+        echoes = self._echoes(request, prompts)
+        for i, ((_, prompt_ids), final) in enumerate(zip(prompts, finals)):
             assert final is not None, "the engine ended a request without a final output"
             usage.prompt_tokens += len(prompt_ids)
-            if request.echo:
-                echo = self._echo(prompt_text, prompt_ids, want_logprobs)
             for out in final.outputs:
                 usage.completion_tokens += len(out.token_ids)
-                text, token_ids, top = out.text, list(out.token_ids), out.logprobs
-                offsets = list(out.text_offsets or [])
-                if request.echo:
-                    text, token_ids, top, offsets = self._with_echo(
-                        echo, prompt_ids, final.prompt_logprobs, text, token_ids, top, offsets
-                    )
-                logprobs = None
-                if want_logprobs and top is not None:
-                    logprobs = self.create_logprobs(token_ids, top, request.logprobs, offsets)
+                text, _, logprobs = self._choice_output(
+                    request, out, 0, echoes[i], prompt_ids, final.prompt_logprobs
+                )
                 choices.append(
                     CompletionResponseChoice(
                         index=i * request.n + out.index,
@@ -254,51 +267,31 @@ class OpenAIServingCompletion(OpenAIServing):
         created = int(time.time())
         chunks = StreamChunks(CompletionStreamResponse(id=request_id, created=created, model=self.served_model_name,
                                                        choices=[]))  # fmt: skip
-        num_choices = len(prompts) * n
-        want_logprobs = request.logprobs is not None
-        echo_len = [0] * num_choices  # characters of echoed prompt before each choice's output
-        needs_echo = [request.echo] * num_choices
-        echoes: dict[int, tuple[str, list[int]]] = {}  # per prompt: its echo and offsets
+        shift = [0] * (len(prompts) * n)  # characters of echoed prompt before each choice's output
+        needs_echo = [request.echo] * len(shift)
         prompt_logprobs: list[list[LogprobsDict | None] | None] = [None] * len(prompts)
         completion_tokens = 0
         try:
+            echoes = self._echoes(request, prompts)
             async with contextlib.aclosing(outputs):
                 async for p, output in outputs:
                     if output.prompt_logprobs:
                         prompt_logprobs[p] = (prompt_logprobs[p] or []) + output.prompt_logprobs
-                    prompt_text, prompt_ids = prompts[p]
                     for out in output.outputs:
                         i = p * n + out.index
                         completion_tokens += len(out.token_ids)
-                        text, token_ids, top = out.text, list(out.token_ids), out.logprobs
-                        offsets = [echo_len[i] + o for o in out.text_offsets or ()]
-                        if needs_echo[i]:  # the choice's first chunk starts with the prompt
+                        echo = echoes[p] if needs_echo[i] else None  # the first chunk starts with it
+                        text, token_ids, logprobs = self._choice_output(
+                            request, out, shift[i], echo, prompts[p][1], prompt_logprobs[p]
+                        )
+                        if echo is not None:
                             needs_echo[i] = False
-                            if p not in echoes:
-                                echoes[p] = self._echo(prompt_text, prompt_ids, want_logprobs)
-                            echo_len[i] = len(echoes[p][0])
-                            text, token_ids, top, offsets = self._with_echo(
-                                echoes[p], prompt_ids, prompt_logprobs[p], text, token_ids, top, offsets
-                            )
-                        logprobs = None
-                        if want_logprobs and top is not None:
-                            logprobs = self.create_logprobs(token_ids, top, request.logprobs, offsets)
+                            shift[i] = len(echo[0])
                         if not text and not token_ids and out.finish_reason is None:
                             continue  # nothing new for this choice (vLLM: "don't return empty chunks")
-                        if logprobs is None:  # the common chunk: msgspec writes the same JSON
-                            yield chunks.event(
-                                CompletionStreamChoiceWire(i, text, None, out.finish_reason, out.stop_reason)
-                            )
-                            continue
-                        choice = CompletionResponseStreamChoice(
-                            index=i,
-                            text=text,
-                            logprobs=logprobs,
-                            finish_reason=out.finish_reason,
-                            stop_reason=out.stop_reason,
+                        yield chunks.event(
+                            CompletionStreamChoiceWire(i, text, logprobs, out.finish_reason, out.stop_reason)
                         )
-                        yield sse_event(CompletionStreamResponse(id=request_id, created=created,
-                                                                 model=self.served_model_name, choices=[choice]))  # fmt: skip
             if request.stream_options is not None and request.stream_options.include_usage:
                 prompt_tokens = sum(len(ids) for _, ids in prompts)
                 usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,

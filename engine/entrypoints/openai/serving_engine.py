@@ -129,7 +129,12 @@ def sse_event(data: BaseModel) -> str:
     return f"data: {data.model_dump_json()}\n\n"
 
 
-_wire_encoder = msgspec.json.Encoder()
+def _pydantic_json(model: BaseModel) -> msgspec.Raw:
+    """A pydantic model inside a wire struct (a chunk's logprobs), written by pydantic."""
+    return msgspec.Raw(model.model_dump_json())
+
+
+_wire_encoder = msgspec.json.Encoder(enc_hook=_pydantic_json)
 
 
 class StreamChunks:

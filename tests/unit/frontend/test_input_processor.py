@@ -53,6 +53,18 @@ def test_tokens_prompt_used_as_is(processor):
     assert req.prompt_token_ids == [7, 8, 9]
 
 
+def test_data_parallel_rank_must_name_an_engine(model_dir):
+    proc = InputProcessor(
+        ModelConfig(model=str(model_dir)), get_tokenizer(str(model_dir)), data_parallel_size=2
+    )
+    prompt = {"prompt_token_ids": [7]}
+    req = proc.process_inputs("a", prompt, SamplingParams(), data_parallel_rank=1)
+    assert req.data_parallel_rank == 1
+    for rank in (2, -1):
+        with pytest.raises(ValueError, match=f"data_parallel_rank {rank} is out of range"):
+            proc.process_inputs("b", prompt, SamplingParams(), data_parallel_rank=rank)
+
+
 @pytest.mark.parametrize(
     "prompt", [{"prompt_token_ids": []}, ""], ids=["no-token-ids", "empty-text-without-special-tokens"]
 )
