@@ -3,20 +3,28 @@
 Not in vLLM (its ``gpu_worker.py`` has no per-step telemetry). ``Worker`` runs each step
 inside ``WorkerStepTelemetry.step()``, which keeps what the live telemetry (``engine-top``'s
 worker gauges), the benchmarks (``get_comm_stats``) and the status file (``glassbox ps``,
-``doctor``: graphs torch.compile made after warm-up) read; the reference code of a step stays
-the model's.
+``doctor``: graphs torch.compile made after warm-up) read; the worker process runs each RPC
+inside ``observed_rpc()`` (its caller's trace context, its span, the comm board). The
+reference code of a step stays the model's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from tracing import catalogue, faults, stage
+from tracing.propagation import attached_trace_context
 from tracing.stage import set_runs_as
 from tracing.telemetry import events
 from tracing.telemetry.publisher import telemetry
+
+if TYPE_CHECKING:
+    from engine.executor.messages import WorkerRPC
+    from tracing.run_dir import CommBoard
 
 
 def compile_text(mode: str, graphs: int, late: int = 0) -> str:
@@ -70,3 +78,31 @@ class WorkerStepTelemetry:
             events.GAUGE_WORKER_STEP: self.num_steps,
             events.GAUGE_WORKER_FORWARD_MS: self.last_forward_ms,
         }
+
+
+@contextmanager
+def observed_rpc(
+    rpc_msg: WorkerRPC, rank: int, worker_spans: bool, board: CommBoard | None
+) -> Iterator[None]:
+    """The glass around one RPC in a worker process: ``board`` (this worker's
+    ``CommPosition`` writer) told the RPC as it begins and, unless it raises, ends (so a worker
+    inside ``execute_model`` reads as busy, not idle, and its steps are counted); the call runs
+    under its caller's span (the RPC's W3C trace context), ``execute_model`` in a
+    ``worker.execute_model`` stage (its attribute: how long the RPC waited in the queue, ms)
+    when ``worker_spans`` asks for it or a fault is armed there."""
+    if board is not None:
+        board.rpc_enter(rpc_msg.method)
+    with attached_trace_context(rpc_msg.trace_headers), _execute_model_stage(rpc_msg, rank, worker_spans):
+        yield
+    if board is not None:
+        board.rpc_exit()
+
+
+def _execute_model_stage(rpc_msg: WorkerRPC, rank: int, worker_spans: bool):
+    """The ``worker.execute_model`` stage of an ``execute_model`` RPC, or nothing."""
+    if rpc_msg.method != "execute_model" or not (
+        worker_spans or catalogue.WORKER_EXECUTE_MODEL in faults.armed_stages()
+    ):
+        return contextlib.nullcontext()
+    waited_ms = max(time.time() - rpc_msg.sent_at, 0.0) * 1e3
+    return stage(catalogue.WORKER_EXECUTE_MODEL, rank=rank, **{catalogue.ATTR_QUEUE_WAIT_MS: waited_ms})
