@@ -66,6 +66,7 @@ GLASS_MODULES = (
     "engine/metrics/",
     "engine/core/step_observer.py",
     "engine/core/request_tracing.py",
+    "engine/worker/step_telemetry.py",
     "engine/frontend/request_tracing.py",
     "engine/entrypoints/openai/http_telemetry.py",
     "engine/utils/process_harness.py",

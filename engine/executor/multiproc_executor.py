@@ -22,7 +22,6 @@ The queues are files in the run directory, so removing the run directory removes
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import pickle
@@ -44,7 +43,8 @@ from engine.utils.process_harness import Observability, ProcessContext, ProcessS
 from engine.utils.processes import ChildProcess
 from engine.utils.supervisor import Supervisor
 from engine.utils.wire import ProtocolError
-from tracing import WaitCancelled, catalogue, current_stage, faults, stacks, stage
+from engine.worker.step_telemetry import observed_rpc
+from tracing import WaitCancelled, catalogue, current_stage, stacks, stage
 from tracing import run_dir as contract
 from tracing.propagation import attached_trace_context, inject_trace_headers
 from tracing.telemetry import events
@@ -326,38 +326,21 @@ def run_worker_rpc(
 
     The worker side of ``collective_rpc``, shared by every executor with workers in their
     own processes (``WorkerProc`` here, ``RayWorkerWrapper`` in ``ray_executor.py``): the
-    call runs under its caller's span (the RPC's W3C trace context, not the spawn-time one),
-    ``execute_model`` in a ``worker.execute_model`` stage when ``--collect-detailed-traces``
-    asks for worker spans (or a fault is armed there), and an exception is written to this
-    process's crash report (``<role>.crash.json``) before it becomes a failure reply.
-    ``board``: this worker's ``CommPosition`` writer, told the RPC as it begins and ends (so
-    a worker inside ``execute_model`` reads as busy, not idle, and its steps are counted).
-    Never raises for an error of the called method (``Exception``).
+    call runs inside ``observed_rpc`` (``engine/worker/step_telemetry.py``: under its
+    caller's span, not the spawn-time one; ``execute_model`` in a ``worker.execute_model``
+    stage when ``--collect-detailed-traces`` asks for worker spans, or a fault is armed
+    there; told to ``board``, this worker's ``CommPosition`` writer), and an exception is
+    written to this process's crash report (``<role>.crash.json``) before it becomes a
+    failure reply. Never raises for an error of the called method (``Exception``).
     """
-    if board is not None:
-        board.rpc_enter(rpc_msg.method)
     try:
         args, kwargs = rpc_msg.call_args()
-        with attached_trace_context(rpc_msg.trace_headers), _execute_model_stage(rpc_msg, rank, worker_spans):
+        with observed_rpc(rpc_msg, rank, worker_spans, board):
             value = wrapper.execute_method(rpc_msg.method, *args, **kwargs)
-        if board is not None:
-            board.rpc_exit()
         return WorkerReply.success(rank, rpc_msg.method, value)
     except Exception as e:
         processes.write_crash_report(run_dir, role, e, current_stage() or _rpc_stage(rpc_msg.method), rank)
         return WorkerReply.failure(rank, rpc_msg.method, e)
-
-
-def _execute_model_stage(rpc_msg: WorkerRPC, rank: int, worker_spans: bool):
-    """The ``worker.execute_model`` stage of an ``execute_model`` RPC (its attribute: how long
-    the RPC waited in the queue, ms) when worker spans are asked for or a fault is armed
-    there; else nothing."""
-    if rpc_msg.method != "execute_model" or not (
-        worker_spans or catalogue.WORKER_EXECUTE_MODEL in faults.armed_stages()
-    ):
-        return contextlib.nullcontext()
-    waited_ms = max(time.time() - rpc_msg.sent_at, 0.0) * 1e3
-    return stage(catalogue.WORKER_EXECUTE_MODEL, rank=rank, **{catalogue.ATTR_QUEUE_WAIT_MS: waited_ms})
 
 
 def _rpc_stage(method: str) -> str:

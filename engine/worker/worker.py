@@ -33,7 +33,6 @@ through ``_init_device_threads`` and by extending ``execute_model``, ``runs_as``
 from __future__ import annotations
 
 import gc
-import time
 from typing import Any
 
 import torch
@@ -47,10 +46,9 @@ from engine.model.utils import IntermediateTensors
 from engine.outputs import ModelRunnerOutput
 from engine.sched.output import SchedulerOutput
 from engine.worker.model_runner import ModelRunner
+from engine.worker.step_telemetry import WorkerStepTelemetry, compile_text
 from tracing import catalogue, stage
 from tracing.stage import set_runs_as
-from tracing.telemetry import events
-from tracing.telemetry.publisher import telemetry
 
 logger = init_logger(__name__)
 
@@ -85,10 +83,7 @@ class Worker:
         self.device: torch.device | None = None
         self.dtype: torch.dtype | None = None
         self.model_runner: ModelRunner | None = None
-        self._execute_model_s = 0.0  # total time in execute_model (get_comm_stats)
-        self._num_steps = 0  # execute_model calls (live telemetry)
-        self._graphs_after_warm_up = 0  # graphs torch.compile made after warm-up (status file)
-        self._last_forward_ms = 0.0
+        self.step_telemetry = WorkerStepTelemetry()  # step counts and times, late graphs (glass)
 
     def _attrs(self, **extra: Any) -> dict[str, Any]:
         return {catalogue.ATTR_RANK: self.rank, **extra}
@@ -151,9 +146,9 @@ class Worker:
         benchmarks."""
         from engine.distributed import parallel_state
 
-        out = {"execute_model_s": self._execute_model_s, **parallel_state.get_comm_stats(reset)}
+        out = {"execute_model_s": self.step_telemetry.execute_model_s, **parallel_state.get_comm_stats(reset)}
         if reset:
-            self._execute_model_s = 0.0
+            self.step_telemetry.execute_model_s = 0.0
         return out
 
     def load_model(self) -> None:
@@ -244,64 +239,35 @@ class Worker:
         backend (``CPUWorker`` adds its threads)."""
         assert self.model_runner is not None and self.device is not None and self.dtype is not None
         facts = {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
-                 "compile": self._compile_text(compiled["mode"], compiled["graphs"]),
+                 "compile": compile_text(compiled["mode"], compiled["graphs"]),
                  "attention": str(self.model_runner.attention_backend)}  # fmt: skip
         return facts
-
-    def _compile_text(self, mode: str, graphs: int) -> str:
-        """``eager``, ``compiled (inductor, 1 graph)``, or with graphs made after warm-up (a
-        failed guard: each cost a step seconds of compile) ``compiled (inductor, 2 graphs, 1
-        after warm-up)``."""
-        if mode == "eager":
-            return "eager"
-        late = self._graphs_after_warm_up
-        return f"compiled ({mode}, {graphs} graph{'s' * (graphs != 1)}" + (
-            f", {late} after warm-up)" if late else ")"
-        )
-
-    def _note_late_graphs(self) -> None:
-        """After a step: a graph compiled after warm-up goes into the status file at once."""
-        compiled = self.model_runner.compiled if self.model_runner is not None else None
-        if compiled is not None and compiled.graphs_after_warm_up != self._graphs_after_warm_up:
-            self._graphs_after_warm_up = compiled.graphs_after_warm_up
-            set_runs_as({"compile": self._compile_text("inductor", compiled.num_graphs),
-                         "graphs_after_warm_up": self._graphs_after_warm_up})  # fmt: skip
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         assert self.model_runner is not None
         from engine.distributed.parallel_state import get_pp_group
 
-        start = time.perf_counter()
         pp = get_pp_group()
         intermediate_tensors = None
         runs_forward = scheduler_output.total_num_scheduled_tokens > 0
-        if pp is not None and not pp.is_first_rank and runs_forward:
-            # The previous stage's hidden states for this step (blocks until they arrive).
-            # Received as inference tensors, like the warm-up's: a compiled forward guards on
-            # that, and a plain tensor would make it compile a second graph.
-            with torch.inference_mode():
-                intermediate_tensors = IntermediateTensors(pp.recv_tensor_dict(device=self.device))
-        output = self.model_runner.execute_model(scheduler_output, intermediate_tensors)
-        if isinstance(output, IntermediateTensors):
-            assert pp is not None
-            pp.send_tensor_dict(output.tensors)  # on to the next stage; nothing for the engine core
-            output = None
-        self._note_late_graphs()
-        elapsed = time.perf_counter() - start
-        self._execute_model_s += elapsed
-        self._num_steps += 1
-        self._last_forward_ms = elapsed * 1e3
-        telemetry().mark_step()
+        with self.step_telemetry.step(self.model_runner):
+            if pp is not None and not pp.is_first_rank and runs_forward:
+                # The previous stage's hidden states for this step (blocks until they arrive).
+                # Received as inference tensors, like the warm-up's: a compiled forward guards on
+                # that, and a plain tensor would make it compile a second graph.
+                with torch.inference_mode():
+                    intermediate_tensors = IntermediateTensors(pp.recv_tensor_dict(device=self.device))
+            output = self.model_runner.execute_model(scheduler_output, intermediate_tensors)
+            if isinstance(output, IntermediateTensors):
+                assert pp is not None
+                pp.send_tensor_dict(output.tensors)  # on to the next stage; nothing for the engine core
+                output = None
         return output if self.is_driver_worker else None
 
     def telemetry_gauges(self) -> dict[str, float]:
         """Live-telemetry gauges: execute_model calls so far and the last one's time (ms)
         (``CPUWorker`` adds its thread counts)."""
-        gauges: dict[str, float] = {
-            events.GAUGE_WORKER_STEP: self._num_steps,
-            events.GAUGE_WORKER_FORWARD_MS: self._last_forward_ms,
-        }
-        return gauges
+        return self.step_telemetry.gauges()
 
     def execute_dummy_batch(self) -> None:
         """A one-token dummy forward (and sampler run) into the null block: what an engine
@@ -309,7 +275,7 @@ class Worker:
         assert self.model_runner is not None
         with stage(catalogue.WORKER_EXECUTE_DUMMY_BATCH, **self._attrs()):
             self.model_runner.execute_dummy_batch()
-        self._note_late_graphs()
+        self.step_telemetry.note_late_graphs(self.model_runner)
 
     def check_health(self) -> None:
         return None
