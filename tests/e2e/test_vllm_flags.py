@@ -161,11 +161,13 @@ class _Captured(Exception):
 def _fake_engine(model_config):
     """Just enough of ``AsyncLLM`` for the serving classes; ``generate`` records the params."""
     from engine.frontend.async_llm import AsyncLLM
+    from engine.frontend.input_processor import InputProcessor
     from engine.frontend.tokenizer import get_tokenizer
 
     seen: list[SamplingParams] = []
-    engine = types.SimpleNamespace(model_config=model_config, tokenizer=get_tokenizer(model_config.tokenizer),
-                                   dead_error=None, seen=seen)  # fmt: skip
+    tokenizer = get_tokenizer(model_config.tokenizer)
+    engine = types.SimpleNamespace(model_config=model_config, tokenizer=tokenizer, dead_error=None, seen=seen,
+                                   input_processor=InputProcessor(model_config, tokenizer))  # fmt: skip
     engine.get_default_sampling_params = lambda: AsyncLLM.get_default_sampling_params(engine)
 
     async def generate(prompt, params, request_id, **kwargs):

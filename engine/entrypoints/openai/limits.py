@@ -86,12 +86,11 @@ class RequestBodyLimit:
             means no limit.
 
     A ``Content-Length`` above ``max_bytes`` (or not a number) is answered at once (413,
-    400), nothing read; one within it needs nothing more (the app reads the body as the
-    server delivers it, which is never more than the header said). A chunked body is
-    counted as it arrives and answered with 413 the moment it passes ``max_bytes``; once
-    accepted it is handed to the app in one message, then ``receive`` is the server's again
-    (disconnects still reach the app). After a large body's request ends, freed memory is
-    returned to the system (``release_memory``).
+    400), nothing read; a chunked body is counted as it arrives and answered with 413 the
+    moment it passes ``max_bytes``. An accepted body is read here whole (a client that
+    leaves mid-body ends the request quietly) and handed to the app in one message, then
+    ``receive`` is the server's again (disconnects still reach the app). After a large
+    body's request ends, freed memory is returned to the system (``release_memory``).
     """
 
     def __init__(self, app: ASGIApp, max_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> None:
@@ -104,26 +103,20 @@ class RequestBodyLimit:
             return
         headers = Headers(scope=scope)
         length = headers.get("content-length")
-        if length is None or "transfer-encoding" in headers:
-            await self._read_counted(scope, receive, send)
-            return
-        # A Content-Length body: the HTTP parser hands the app at most that many bytes (what
-        # follows is the next request), so checking the header is the whole guarantee.
-        if not length.strip().isdigit():
-            await send_error(send, 400, f"Invalid Content-Length header: {length!r}.", close=True)
-            return
-        if 0 < self.max_bytes < int(length):
-            await send_error(send, 413, too_large_message(int(length), self.max_bytes), close=True)
-            return
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            if int(length) >= TRIM_AFTER_BYTES:
-                await release_memory()
+        if length is not None and "transfer-encoding" not in headers:
+            if not length.strip().isdigit():
+                await send_error(send, 400, f"Invalid Content-Length header: {length!r}.", close=True)
+                return
+            if 0 < self.max_bytes < int(length):
+                await send_error(send, 413, too_large_message(int(length), self.max_bytes), close=True)
+                return
+        # Read here, not by the app: a client that leaves mid-body (or is cut off by
+        # --http-body-timeout's 408) ends the request quietly, with no traceback from the app.
+        await self._read_counted(scope, receive, send)
 
     async def _read_counted(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """A body of unknown length (chunked, or none): read whole, counting its bytes, 413 as
-        soon as they pass ``max_bytes``; then handed to the app in one message."""
+        """Read the body whole, counting its bytes (413 as soon as a chunked one passes
+        ``max_bytes``); then hand it to the app in one message."""
         limit = self.max_bytes if self.max_bytes > 0 else None
         chunks: list[bytes] = []
         size = 0
