@@ -129,6 +129,7 @@ class AsyncLLM:
         self._ensure_output_handler()
         if isinstance(prompt, EngineCoreRequest):
             request, text = prompt, None
+            trace_headers = request.trace_headers  # the abort below joins the request's trace
         else:
             request = self.input_processor.process_inputs(
                 request_id, prompt, sampling_params, None, priority, trace_headers
