@@ -1,0 +1,422 @@
+"""The process-tree pictures (``docs/pictures/process-tree-*.svg``), drawn from the topology plan.
+
+Each picture is what one ``glassbox serve`` command starts: the command line is parsed by
+the serve parser, turned into an ``EngineConfig`` and planned by ``topology.plan`` exactly as
+``engine/cli/serve.py`` does, so a picture cannot show a process the tree does not have::
+
+    .venv/bin/python -m engine.distributed.pictures            # writes docs/pictures/
+
+A test regenerates them and compares byte for byte (``tests/unit/distributed/test_pictures.py``).
+
+What is drawn (``docs/architecture.md`` says the same in words):
+
+- one box per process: its title (``glassbox::EngineCore_DP0``), its kind, what it holds;
+- grey arrows: who starts whom. ``APIServer_0`` (the ``glassbox serve`` process) starts the
+  DP coordinator and every engine core (``engine/frontend/engine_launcher.py``), then the other
+  API servers (``engine/entrypoints/openai/multi_api_server.py``); each engine core starts its
+  workers (``engine/executor/multiproc_executor.py``);
+- blue: the ZMQ sockets between the API servers and the engine cores (``ipc://`` in the run
+  directory): each API server binds an input ROUTER and an output PULL, each engine core
+  connects a DEALER and a PUSH to every API server;
+- green: the shared-memory queues (``MessageQueue``, files in the run directory): one
+  broadcast queue from the engine core to all its workers, one response queue per worker;
+- magenta: the DP coordinator's ZMQ sockets: engine cores PUSH their loads to its PULL, it
+  publishes waves to the engine cores and the load table to the API servers (PUB/SUB);
+- purple, dashed: the collectives between the tensor-parallel workers (``torch.distributed``).
+
+The SVG is written by hand (no dependency): fixed geometry, generic fonts, a white
+background so it reads on light and dark pages, and nothing that changes between runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from html import escape
+from pathlib import Path
+
+from engine.distributed import topology
+from engine.distributed.topology import ProcessRole, RoleKind, TopologyPlan
+
+# The pictures: file stem -> the flags of `glassbox serve` it shows.
+SHAPES: dict[str, tuple[str, ...]] = {
+    "process-tree-default": (),
+    "process-tree-tp2": ("-tp", "2"),
+    "process-tree-dp2": ("-dp", "2"),
+}
+DOCS_DIR = Path(__file__).resolve().parents[2] / "docs" / "pictures"
+COMMAND = "python -m engine.distributed.pictures"
+
+# ---------------------------------------------------------------------------- geometry
+
+BOX_W, BOX_H = 268, 66
+ROW_GAP = 150  # between the bottom of a row and the top of the next
+MARGIN = 24
+MONO = "monospace"
+SANS = "sans-serif"
+TEXT = "#1f2328"
+MUTED = "#57606a"
+
+# Per kind: fill, stroke, what the process holds.
+KIND_STYLE: dict[RoleKind, tuple[str, str, str]] = {
+    RoleKind.API_SERVER: ("#ddf4ff", "#0969da", "HTTP, tokenizer, detokenizer (AsyncLLM)"),
+    RoleKind.ENGINE_CORE: ("#fff8c5", "#9a6700", "scheduler, KV cache manager, busy loop"),
+    RoleKind.WORKER: ("#dafbe1", "#1a7f37", "the model, its KV cache"),
+    RoleKind.DP_COORDINATOR: ("#ffeff7", "#bf3989", "load table, request waves"),
+}
+
+# Per link: colour, dashed, what the legend says.
+LINKS: dict[str, tuple[str, bool, str]] = {
+    "spawn": ("#6e7781", False, "starts: parent \u2192 child, the tree glassbox ps shows"),
+    "zmq": (
+        "#0969da",
+        False,
+        "ZMQ, ipc:// in the run directory: requests ROUTER \u2192 DEALER, outputs PUSH \u2192 PULL",
+    ),  # fmt: skip
+    "shm": (
+        "#1a7f37",
+        False,
+        "shared memory (MessageQueue files in the run directory): "
+        "one broadcast queue, a response queue per worker",
+    ),  # fmt: skip
+    "coord": (
+        "#bf3989",
+        False,
+        "the coordinator's ZMQ: loads PUSH \u2192 PULL, waves and load tables PUB \u2192 SUB",
+    ),  # fmt: skip
+    "collective": (
+        "#8250df",
+        True,
+        "torch.distributed collectives between TP ranks (gloo on CPU, NCCL on CUDA)",
+    ),
+}
+
+
+def _num(v: float) -> str:
+    """A coordinate as a short, stable string."""
+    r = round(v, 1)
+    return str(int(r)) if r == int(r) else f"{r:.1f}"
+
+
+def _text_width(text: str, size: float, mono: bool) -> float:
+    """A generous estimate of the width of ``text`` (no font metrics: generic fonts)."""
+    return len(text) * size * (0.61 if mono else 0.58)
+
+
+class _Svg:
+    """The elements of one picture, in drawing order (lines first, boxes and labels on top)."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.boxes: list[str] = []
+        self.labels: list[str] = []
+        self.max_x = 0.0
+        self.max_y = 0.0
+
+    def _extend(self, x: float, y: float) -> None:
+        self.max_x, self.max_y = max(self.max_x, x), max(self.max_y, y)
+
+    def path(self, points: list[tuple[float, float]], link: str, *, start: bool = False,
+             end: bool = True) -> None:  # fmt: skip
+        colour, dashed, _ = LINKS[link]
+        d = " ".join(f"{'M' if i == 0 else 'L'}{_num(x)} {_num(y)}" for i, (x, y) in enumerate(points))
+        attrs = f'd="{d}" fill="none" stroke="{colour}" stroke-width="{1.6 if link == "spawn" else 2}"'
+        if dashed:
+            attrs += ' stroke-dasharray="6 4"'
+        if start:
+            attrs += f' marker-start="url(#start-{link})"'
+        if end:
+            attrs += f' marker-end="url(#end-{link})"'
+        self.lines.append(f"<path {attrs}/>")
+        for x, y in points:
+            self._extend(x, y)
+
+    def text(self, x: float, y: float, text: str, *, size: float = 12, mono: bool = False,
+             bold: bool = False, anchor: str = "start", colour: str = TEXT, chip: bool = False) -> None:  # fmt: skip
+        """One line of text with its baseline at ``y``; ``chip``: on a white rectangle, so a
+        line under it does not run through the letters."""
+        width = _text_width(text, size, mono)
+        left = x - {"start": 0, "middle": width / 2, "end": width}[anchor]
+        if chip:
+            self.labels.append(
+                f'<rect x="{_num(left - 3)}" y="{_num(y - size)}" width="{_num(width + 6)}" '
+                f'height="{_num(size + 5)}" fill="#ffffff"/>'
+            )
+        weight = ' font-weight="bold"' if bold else ""
+        self.labels.append(
+            f'<text x="{_num(x)}" y="{_num(y)}" font-family="{MONO if mono else SANS}" '
+            f'font-size="{_num(size)}"{weight} text-anchor="{anchor}" fill="{colour}">{escape(text)}</text>'
+        )
+        self._extend(left + width + 4, y + 4)
+
+    def box(self, x: float, y: float, role: ProcessRole, detail: str) -> None:
+        fill, stroke, _ = KIND_STYLE[role.kind]
+        self.boxes.append(
+            f'<rect x="{_num(x)}" y="{_num(y)}" width="{BOX_W}" height="{BOX_H}" rx="8" '
+            f'fill="{fill}" stroke="{stroke}" stroke-width="1.5"/>'
+        )
+        self._extend(x + BOX_W, y + BOX_H)
+        self.text(x + 12, y + 21, role.title, size=13, mono=True, bold=True)
+        self.text(x + 12, y + 39, role.kind.value, size=12, mono=True, colour=stroke)
+        self.text(x + 12, y + 56, detail, size=11.5, colour=MUTED)
+
+    def render(self, title: str, subtitle: str) -> str:
+        width, height = self.max_x + MARGIN, self.max_y + MARGIN
+        markers = []
+        for link, (colour, _, _) in LINKS.items():
+            for which, d in (("end", "M0 0 L10 5 L0 10 z"), ("start", "M10 0 L0 5 L10 10 z")):
+                markers.append(
+                    f'<marker id="{which}-{link}" viewBox="0 0 10 10" refX="{10 if which == "end" else 0}" '
+                    f'refY="5" markerWidth="7" markerHeight="7" orient="auto"><path d="{d}" fill="{colour}"/></marker>'
+                )
+        return "\n".join([
+            f'<svg xmlns="http://www.w3.org/2000/svg" width="{_num(width)}" height="{_num(height)}" '
+            f'viewBox="0 0 {_num(width)} {_num(height)}" role="img">',
+            f"<!-- Generated by `{COMMAND}` from engine/distributed/topology.py; do not edit by hand. -->",
+            f"<title>{escape(title)}</title>",
+            f"<desc>{escape(subtitle)}</desc>",
+            "<defs>", *markers, "</defs>",
+            f'<rect x="0" y="0" width="{_num(width)}" height="{_num(height)}" fill="#ffffff"/>',
+            *self.lines, *self.boxes, *self.labels,
+            "</svg>",
+        ]) + "\n"  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- the plan
+
+
+def plan_for(flags: tuple[str, ...]) -> TopologyPlan:
+    """The plan of ``glassbox serve FLAGS``: parsed, configured and planned as the CLI does."""
+    from engine.config_reference import serve_parser
+    from engine.engine_args import EngineArgs
+
+    args = serve_parser().parse_args(list(flags))
+    config = EngineArgs.from_cli_args(args).create_engine_config(usage_context="serve")
+    return topology.plan(config, frontend="serve", api_server_count=args.api_server_count)
+
+
+def _detail(plan: TopologyPlan, role: ProcessRole) -> str:
+    detail = KIND_STYLE[role.kind][2]
+    if role.kind is RoleKind.WORKER:
+        detail += f" (rank {plan.worker_rank(role)})"
+        if plan.tensor_parallel_size > 1:
+            detail = f"the model, TP rank {role.tp_rank} of {plan.tensor_parallel_size}, KV cache"
+    return detail
+
+
+# ---------------------------------------------------------------------------- drawing
+
+
+def _pair(svg: _Svg, top: tuple[float, float], bottom: tuple[float, float], link: str,
+          spread: float = 14) -> None:  # fmt: skip
+    """Two straight arrows between a box above and a box below: down (left), up (right)."""
+    (x1, y1), (x2, y2) = top, bottom
+    svg.path([(x1 - spread / 2, y1), (x2 - spread / 2, y2)], link)
+    svg.path([(x2 + spread / 2, y2), (x1 + spread / 2, y1)], link)
+
+
+def _workers(svg: _Svg, plan: TopologyPlan, engine: ProcessRole, ex: float, ey: float,
+             wy: float, wx: list[float]) -> None:  # fmt: skip
+    """An engine core's workers: start arrows, the broadcast and response queues, the TP collectives."""
+    workers = plan.workers_of(engine.dp_rank)
+    n = len(workers)
+    # Per worker three anchors on the engine core's bottom edge, in the workers' order, so that
+    # no two lines cross: start (grey), broadcast (down), response (up).
+    step = BOX_W / (3 * n + 1)
+    for i, x in enumerate(wx):
+        s, b = ex + step * (3 * i + 1), ex + step * (3 * i + 2)
+        r = ex + step * (3 * i + 3)
+        ds, db, dr = x + BOX_W * 0.22, x + BOX_W * 0.5 - 7, x + BOX_W * 0.5 + 7
+        if n == 1:  # straight down
+            s, b, r = ds - x + ex, db - x + ex, dr - x + ex
+        svg.path([(s, ey + BOX_H), (ds, wy)], "spawn")
+        svg.path([(b, ey + BOX_H), (db, wy)], "shm")
+        svg.path([(dr, wy), (r, ey + BOX_H)], "shm")
+    # The label of the queues: beside the lines of one worker; of several, above the first.
+    if n == 1:
+        lx, ly = wx[0] + BOX_W * 0.5 + 16, ey + BOX_H + (wy - ey - BOX_H) / 2 - 10
+    else:
+        lx, ly = wx[0] - 2, ey + BOX_H + 10
+    lines = ["shared memory (run dir)", "\u2193 SchedulerOutput, broadcast", "\u2191 WorkerReply, own queue"]
+    for j, line in enumerate(lines):
+        svg.text(lx, ly + 15 * j, line, size=11.5, bold=j == 0, colour=LINKS["shm"][0], chip=True)
+    # Tensor-parallel collectives: between neighbours in a stage.
+    for i in range(n - 1):
+        a, b = workers[i], workers[i + 1]
+        if a.pp_rank == b.pp_rank:
+            y = wy + BOX_H / 2
+            svg.path([(wx[i] + BOX_W, y), (wx[i + 1], y)], "collective", start=True)
+            gx = (wx[i] + BOX_W + wx[i + 1]) / 2
+            svg.text(gx, y - 8, "all-reduce, all-gather", size=11.5, anchor="middle",
+                     colour=LINKS["collective"][0], chip=True)  # fmt: skip
+            svg.text(gx, y + 18, "gloo (CPU) / NCCL", size=11.5, anchor="middle",
+                     colour=LINKS["collective"][0], chip=True)  # fmt: skip
+
+
+def draw(plan: TopologyPlan, flags: tuple[str, ...]) -> str:
+    """The SVG of ``plan`` (a ``serve`` plan on one node), for the command ``glassbox serve FLAGS``.
+
+    Raises:
+        ValueError: a plan this layout cannot draw without crossing lines (not ``serve``, or
+            more than two engine cores).
+    """
+    if plan.mode != "serve" or plan.data_parallel_size > 2 or plan.remote_engine_cores:
+        raise ValueError(f"no picture layout for this tree ({plan.describe()})")
+    svg = _Svg()
+    command = " ".join(["glassbox serve", *map(shlex.quote, flags)])
+    svg.text(MARGIN, MARGIN + 14, command, size=15, mono=True, bold=True)
+    svg.text(MARGIN, MARGIN + 34, plan.describe() + " processes", size=12.5, colour=MUTED)
+
+    engines = plan.local_engine_cores
+    coordinator = plan.coordinator
+    api = plan.api_servers
+    bus = len(api) > 1 or len(engines) > 1
+    gutter = 26  # between a gutter line and the boxes
+    top = MARGIN + 58
+    bus_y = top + 44 if bus else None
+    api_y = top + (96 if bus else 10)
+    eng_y = api_y + BOX_H + ROW_GAP
+    wrk_y = eng_y + BOX_H + ROW_GAP
+    left = MARGIN + (2 * gutter + 4 if bus else 0)
+
+    # Engine groups, left to right, the coordinator between the first and the second.
+    tp_gap = 190
+    groups: list[tuple[ProcessRole, float, list[float]]] = []
+    coord_x = None
+    x = left
+    for k, engine in enumerate(engines):
+        n = len(plan.workers_of(engine.dp_rank)) if plan.workers_in_processes else 0
+        width = max(BOX_W, n * BOX_W + (n - 1) * tp_gap)
+        ex = x + (width - BOX_W) / 2
+        wx = [x + i * (BOX_W + tp_gap) for i in range(n)]
+        groups.append((engine, ex, wx))
+        x += width + 230
+        if k == 0 and coordinator is not None:
+            coord_x = x
+            x += BOX_W + 230
+    right = x - 230
+
+    # API servers: APIServer_0 above the middle of the engine row, the others to its right.
+    centre = (left + right) / 2
+    a0x = centre - BOX_W / 2
+    api_x = [a0x + i * (BOX_W + 190) for i in range(len(api))]
+
+    # Boxes.
+    for role, ax in zip(api, api_x, strict=True):
+        svg.box(ax, api_y, role, _detail(plan, role))
+    for engine, ex, wx in groups:
+        svg.box(ex, eng_y, engine, _detail(plan, engine))
+        for role, x in zip(plan.workers_of(engine.dp_rank), wx, strict=True):
+            svg.box(x, wrk_y, role, _detail(plan, role))
+        if wx:
+            _workers(svg, plan, engine, ex, eng_y, wrk_y, wx)
+    if coordinator is not None:
+        svg.box(coord_x, eng_y, coordinator, _detail(plan, coordinator))
+
+    # APIServer_0 starts the other API servers (beside it) and the engine side (below it).
+    for i in range(1, len(api)):
+        y = api_y + BOX_H / 2
+        svg.path([(api_x[i - 1] + BOX_W, y), (api_x[i], y)], "spawn")
+        mx = (api_x[i - 1] + BOX_W + api_x[i]) / 2
+        svg.text(mx, y - 8, "starts, once the", size=11.5, anchor="middle", colour=MUTED)
+        svg.text(mx, y + 18, "engines are ready", size=11.5, anchor="middle", colour=MUTED)
+    children = [(ex, engine) for engine, ex, _ in groups]
+    if coordinator is not None:
+        children.insert(1, (coord_x, coordinator))
+    n = len(children)
+    for i, (cx, _) in enumerate(children):
+        if n == 1:  # beside the ZMQ arrows
+            sx, dx = a0x + BOX_W * 0.22, cx + BOX_W * 0.22
+        else:  # a fan from the bottom edge to each child's top middle
+            sx, dx = a0x + BOX_W * (i + 1) / (n + 1), cx + BOX_W / 2
+        svg.path([(sx, api_y + BOX_H), (dx, eng_y)], "spawn")
+
+    zmq_colour = LINKS["zmq"][0]
+    if not bus:
+        # One API server, one engine core: two straight arrows beside the start arrow.
+        (engine, ex, _), ax = groups[0], api_x[0]
+        _pair(svg, (ax + BOX_W * 0.5, api_y + BOX_H), (ex + BOX_W * 0.5, eng_y), "zmq")
+        lx, mid = ax + BOX_W * 0.5 + 20, api_y + BOX_H + ROW_GAP / 2
+        for j, line in enumerate(["ZMQ, ipc:// (run dir)", "\u2193 EngineCoreRequest, ROUTER \u2192 DEALER",
+                                  "\u2191 EngineCoreOutputs, PUSH \u2192 PULL"]):  # fmt: skip
+            svg.text(lx, mid - 10 + 15 * j, line, size=11.5, bold=j == 0, colour=zmq_colour, chip=True)
+    else:
+        # Every engine core talks to every API server: one line above the API servers that
+        # each of them taps, the engine cores through the gutters at the sides.
+        gl, gr = MARGIN + gutter, right + gutter
+        outer = MARGIN + 4
+        svg.path([(outer, bus_y), (gr, bus_y)], "zmq", end=False)
+        for ax in api_x:
+            svg.path([(ax + BOX_W / 2, bus_y), (ax + BOX_W / 2, api_y)], "zmq", start=True)
+        for k, (_, ex, _) in enumerate(groups):
+            y = eng_y + BOX_H / 2
+            if k == 0:
+                svg.path([(ex, y), (gl, y), (gl, bus_y)], "zmq", start=True, end=False)
+            else:
+                svg.path([(ex + BOX_W, y), (gr, y), (gr, bus_y)], "zmq", start=True, end=False)
+        # The label above the line, left of APIServer_0's tap.
+        for j, line in enumerate(["ZMQ, ipc:// (run dir): every engine core \u2194 every API server",
+                                  "requests ROUTER \u2192 DEALER, outputs PUSH \u2192 PULL, load tables PUB \u2192 SUB"]):  # fmt: skip
+            svg.text(gl + 24, bus_y - 24 + 15 * j, line, size=11.5, bold=j == 0, colour=zmq_colour)
+        if coordinator is not None:
+            # The coordinator publishes the load table to every API server: down, round the
+            # engines' workers, up the outer gutter.
+            cx = coord_x + BOX_W / 2
+            low = wrk_y + BOX_H + 26
+            svg.path([(cx, eng_y + BOX_H), (cx, low), (outer, low), (outer, bus_y)], "coord")
+            svg.text(
+                cx + 8, eng_y + BOX_H + 40, "PUB \u2192 SUB", size=11.5, colour=LINKS["coord"][0], chip=True
+            )
+            svg.text(cx + 8, eng_y + BOX_H + 55, "EngineLoads to every", size=11.5, colour=LINKS["coord"][0],
+                     chip=True)  # fmt: skip
+            svg.text(cx + 8, eng_y + BOX_H + 70, "API server", size=11.5, colour=LINKS["coord"][0], chip=True)
+            # ... and talks with each engine core beside it.
+            for _, ex, _ in groups:
+                on_left = ex < coord_x
+                near, far = (ex + BOX_W, coord_x) if on_left else (ex, coord_x + BOX_W)
+                y1, y2 = eng_y + 22, eng_y + BOX_H - 16
+                svg.path([(near, y1), (far, y1)], "coord")
+                svg.path([(far, y2), (near, y2)], "coord")
+                mx = (near + far) / 2
+                colour = LINKS["coord"][0]
+                svg.text(mx, y1 - 8, "EngineLoad, StartWave", size=11.5, anchor="middle", colour=colour)
+                svg.text(mx, y2 + 18, "DPWave", size=11.5, anchor="middle", colour=colour)
+
+    # The legend.
+    y = svg.max_y + 30
+    for link, (_, _, text) in LINKS.items():
+        if link == "coord" and coordinator is None or link == "collective" and plan.tensor_parallel_size == 1:
+            continue
+        svg.path([(MARGIN, y - 4), (MARGIN + 36, y - 4)], link)
+        svg.text(MARGIN + 46, y, text, size=12, colour=TEXT)
+        y += 20
+    return svg.render(f"The processes of {command}", plan.describe())
+
+
+def render_all() -> dict[str, str]:
+    """Every picture: file name -> SVG text."""
+    return {f"{stem}.svg": draw(plan_for(flags), flags) for stem, flags in SHAPES.items()}
+
+
+def write_pictures(out_dir: Path = DOCS_DIR) -> list[Path]:
+    """Write every picture into ``out_dir``; returns the paths written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, text in render_all().items():
+        path = out_dir / name
+        path.write_text(text, encoding="utf-8")
+        written.append(path)
+    return written
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--out", type=Path, default=DOCS_DIR, help="the folder to write (default: docs/pictures)"
+    )
+    for path in write_pictures(parser.parse_args(argv).out):
+        print(path)
+
+
+if __name__ == "__main__":
+    main()
