@@ -170,12 +170,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         eos = generation_config.get("eos_token_id")
         if eos is None or self.ignore_eos:
             return
-        eos_ids = [eos] if isinstance(eos, int) else list(eos)
-        extra = [t for t in eos_ids if t != model_eos_token_id]
         merged = list(self.all_stop_token_ids or self.stop_token_ids)
-        for t in extra:
-            if t not in merged:
-                merged.append(t)
+        # Each id once, in the file's order (dict keys keep it).
+        eos_ids = dict.fromkeys([eos] if isinstance(eos, int) else eos)
+        merged += [t for t in eos_ids if t != model_eos_token_id and t not in merged]
         self.all_stop_token_ids = merged
 
     @classmethod
