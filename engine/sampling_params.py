@@ -10,6 +10,7 @@ Left out: beam search, structured outputs, logits processors, ``best_of``, bad w
 
 from __future__ import annotations
 
+import copy
 import enum
 import math
 from typing import Any
@@ -189,10 +190,5 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         return cls(**{**defaults, **overrides})
 
     def clone(self) -> SamplingParams:
-        """A deep copy (used to fan out ``n`` child requests)."""
-        return msgspec.structs.replace(
-            self,
-            stop=list(self.stop),
-            stop_token_ids=list(self.stop_token_ids),
-            all_stop_token_ids=list(self.all_stop_token_ids),
-        )
+        """A deep copy (used to fan out ``n`` child requests), as vLLM's ``clone``."""
+        return copy.deepcopy(self)
