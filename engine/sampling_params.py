@@ -10,6 +10,7 @@ Left out: beam search, structured outputs, logits processors, ``best_of``, bad w
 
 from __future__ import annotations
 
+import copy
 import enum
 import math
 from typing import Any
@@ -43,6 +44,27 @@ _FIELD_TYPES: dict[str, tuple[type, bool]] = {
     "temperature": (float, False),
     "top_p": (float, False),
     "min_p": (float, False),
+}
+
+
+# The range of each numeric field, checked in this order once the types are right (None,
+# where allowed, is in range): (low, high, whether low itself is out, what the message says
+# the field must be). logprobs' real upper bound is the engine's --max-logprobs, checked by
+# the input processor.
+_FIELD_RANGES: dict[str, tuple[float, float, bool, str]] = {
+    "n": (1, MAX_N, False, f"between 1 and {MAX_N}"),
+    "presence_penalty": (-2.0, 2.0, False, "in [-2, 2]"),
+    "frequency_penalty": (-2.0, 2.0, False, "in [-2, 2]"),
+    "repetition_penalty": (0.0, 2.0, True, "in (0, 2]"),
+    "temperature": (0.0, math.inf, False, "non-negative"),
+    "top_p": (0.0, 1.0, True, "in (0, 1]"),
+    "top_k": (-1, MAX_INT32, False, f"-1 or 0 (disabled) or between 1 and {MAX_INT32}"),
+    "min_p": (0.0, 1.0, False, "in [0, 1]"),
+    "max_tokens": (1, MAX_INT32, False, "at least 1"),
+    "min_tokens": (0, MAX_INT32, False, "greater than or equal to 0"),
+    "logprobs": (0, MAX_INT32, False, "a non-negative integer"),
+    "prompt_logprobs": (0, MAX_INT32, False, "a non-negative integer"),
+    "seed": (-(2**63), 2**63 - 1, False, "a 64-bit integer"),
 }
 
 
@@ -121,40 +143,17 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             number = kind is float and isinstance(value, (int, float)) and math.isfinite(value)
             if isinstance(value, bool) or not (number or (kind is int and isinstance(value, int))):
                 raise bad(field, value, "an integer" if kind is int else "a finite number")
-        if not 1 <= self.n <= MAX_N:
-            raise bad("n", self.n, f"between 1 and {MAX_N}")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise bad("presence_penalty", self.presence_penalty, "in [-2, 2]")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise bad("frequency_penalty", self.frequency_penalty, "in [-2, 2]")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise bad("repetition_penalty", self.repetition_penalty, "in (0, 2]")
-        if self.temperature < 0.0:
-            raise bad("temperature", self.temperature, "non-negative")
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", self.top_p, "in (0, 1]")
-        if not -1 <= self.top_k <= MAX_INT32:
-            raise bad("top_k", self.top_k, f"-1 or 0 (disabled) or between 1 and {MAX_INT32}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", self.min_p, "in [0, 1]")
-        if self.max_tokens is not None and not 1 <= self.max_tokens <= MAX_INT32:
-            raise bad("max_tokens", self.max_tokens, "at least 1")
-        if not 0 <= self.min_tokens <= MAX_INT32:
-            raise bad("min_tokens", self.min_tokens, "greater than or equal to 0")
+        for field, (low, high, low_open, allowed) in _FIELD_RANGES.items():
+            value = getattr(self, field)
+            if value is not None and not (low < value <= high if low_open else low <= value <= high):
+                raise bad(field, value, allowed)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", self.min_tokens, f"less than or equal to max_tokens={self.max_tokens}")
-        # The upper bound is the engine's --max-logprobs, checked by the input processor.
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_INT32:
-            raise bad("logprobs", self.logprobs, "a non-negative integer")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_INT32:
-            raise bad("prompt_logprobs", self.prompt_logprobs, "a non-negative integer")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", self.stop, "a list of non-empty strings")
         # Which ids exist is the vocabulary's question: the input processor's check.
         if any(not isinstance(t, int) or isinstance(t, bool) for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "a list of token ids")
-        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
-            raise bad("seed", self.seed, "a 64-bit integer")
 
     @property
     def sampling_type_greedy(self) -> bool:
@@ -172,12 +171,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         eos = generation_config.get("eos_token_id")
         if eos is None or self.ignore_eos:
             return
-        eos_ids = [eos] if isinstance(eos, int) else list(eos)
-        extra = [t for t in eos_ids if t != model_eos_token_id]
         merged = list(self.all_stop_token_ids or self.stop_token_ids)
-        for t in extra:
-            if t not in merged:
-                merged.append(t)
+        # Each id once, in the file's order (dict keys keep it).
+        eos_ids = dict.fromkeys([eos] if isinstance(eos, int) else eos)
+        merged += [t for t in eos_ids if t != model_eos_token_id and t not in merged]
         self.all_stop_token_ids = merged
 
     @classmethod
@@ -193,10 +190,5 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         return cls(**{**defaults, **overrides})
 
     def clone(self) -> SamplingParams:
-        """A deep copy (used to fan out ``n`` child requests)."""
-        return msgspec.structs.replace(
-            self,
-            stop=list(self.stop),
-            stop_token_ids=list(self.stop_token_ids),
-            all_stop_token_ids=list(self.all_stop_token_ids),
-        )
+        """A deep copy (used to fan out ``n`` child requests), as vLLM's ``clone``."""
+        return copy.deepcopy(self)

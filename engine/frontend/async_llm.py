@@ -127,23 +127,12 @@ class AsyncLLM:
         if self.refuse_error is not None:
             raise copy.copy(self.refuse_error)
         self._ensure_output_handler()
-        if isinstance(prompt, EngineCoreRequest):
-            request, text = prompt, None
-            trace_headers = request.trace_headers  # the abort below joins the request's trace
-        else:
-            request = self.input_processor.process_inputs(
-                request_id, prompt, sampling_params, None, priority, trace_headers
-            )
-            text = prompt if isinstance(prompt, str) else prompt.get("prompt")
-        # n > 1: one engine request per sample, gathered back under request_id (ParentRequest).
-        params = request.sampling_params
-        parent = ParentRequest(request_id, params) if params.n > 1 else None
-        requests = [request]
-        if parent is not None:
-            children = map(parent.get_child_info, range(params.n))
-            requests = [
-                msgspec.structs.replace(request, request_id=i, sampling_params=p) for i, p in children
-            ]
+        request, text = prompt, None
+        if not isinstance(prompt, EngineCoreRequest):
+            request, text = self._process_inputs(request_id, prompt, sampling_params, priority, trace_headers)
+        parent, requests = None, [request]
+        if request.sampling_params.n > 1:
+            parent, requests = self._fan_out(request_id, request)
         if self.log_requests:
             self._log_request(request_id, text, request.prompt_token_ids, sampling_params)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -151,9 +140,9 @@ class AsyncLLM:
         finished = False
         try:
             with self.live_requests.track(request_id, len(requests[0].prompt_token_ids)) as live:
-                for index, request in enumerate(requests):
-                    self.output_processor.add_request(request, text, parent, index)
-                    await self.engine_core.add_request_async(request)
+                for index, child in enumerate(requests):
+                    self.output_processor.add_request(child, text, parent, index)
+                    await self.engine_core.add_request_async(child)
                 while not finished:
                     item = await queue.get()
                     if isinstance(item, BaseException):
@@ -166,8 +155,35 @@ class AsyncLLM:
             if not finished:
                 # Shielded: a cancelled HTTP handler must still get its abort through. In the
                 # request's trace: the ABORT message carries its context to the engine core.
-                with attached_trace_context(trace_headers):
+                with attached_trace_context(request.trace_headers):
                     await asyncio.shield(self.abort(request_id))
+
+    def _process_inputs(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        priority: int,
+        trace_headers: dict[str, str] | None,
+    ) -> tuple[EngineCoreRequest, str | None]:
+        """The engine request for a prompt ``generate()`` was given (the input processor's),
+        and the prompt's text for the outputs (None for token ids)."""
+        request = self.input_processor.process_inputs(
+            request_id, prompt, sampling_params, None, priority, trace_headers
+        )
+        return request, prompt if isinstance(prompt, str) else prompt.get("prompt")
+
+    @staticmethod
+    def _fan_out(
+        request_id: str, request: EngineCoreRequest
+    ) -> tuple[ParentRequest, list[EngineCoreRequest]]:
+        """``n`` > 1: one engine request per sample, gathered back under ``request_id`` by the
+        returned ``ParentRequest`` (vLLM's ``AsyncLLM.add_request``)."""
+        parent = ParentRequest(request_id, request.sampling_params)
+        children = map(parent.get_child_info, range(parent.n))
+        return parent, [
+            msgspec.structs.replace(request, request_id=i, sampling_params=p) for i, p in children
+        ]
 
     def _log_request(
         self, request_id: str, text: str | None, prompt_token_ids: list[int], params: SamplingParams

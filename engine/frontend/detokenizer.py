@@ -244,9 +244,11 @@ class IncrementalDetokenizer:
             # detokenize) sit at the text's end.
             missing = len(self.output_token_ids) - len(self.token_offsets)
             self.token_offsets += [len(self.output_text)] * missing
+        return self._check_stop_strings(search_from) if self.stop else None
 
-        if not self.stop:
-            return None
+    def _check_stop_strings(self, search_from: int) -> str | None:
+        """The stop string that ends in ``output_text[search_from:]``, with ``output_text``
+        cut at it (``check_stop_strings``), or None."""
         new_chars = len(self.output_text) - search_from
         match = check_stop_strings(self.output_text, new_chars, self.stop, self.include_stop_str_in_output)
         if match is None:

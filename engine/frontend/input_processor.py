@@ -91,6 +91,10 @@ class InputProcessor:
             eos = model_config.hf_config.get("eos_token_id")
             if eos is not None:
                 self.generation_config["eos_token_id"] = eos
+        # The most logprobs a request may ask for (--max-logprobs; -1: the vocabulary).
+        self.max_logprobs = model_config.max_logprobs
+        if self.max_logprobs == -1:
+            self.max_logprobs = model_config.vocab_size
 
     def process_inputs(
         self,
@@ -179,16 +183,8 @@ class InputProcessor:
             ValueError: the message starts with the field's name (the API server turns that
                 into the error's ``param``).
         """
-        if params.stop and not params.detokenize:
-            raise ValueError("stop strings need detokenized text: set detokenize=True or drop stop")
-        for stop_str in params.stop or ():
-            try:
-                stop_str.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise ValueError(
-                    f"stop strings must be valid Unicode text: {stop_str!r} holds a lone surrogate "
-                    f"at position {e.start}"
-                ) from None
+        if params.stop:
+            _validate_stop_strings(params)
         vocab_size = self.model_config.vocab_size
         for token_id in params.stop_token_ids or ():
             if not 0 <= token_id < vocab_size:
@@ -196,10 +192,22 @@ class InputProcessor:
                     f"stop_token_ids holds token id {token_id!r}, which is out of vocabulary "
                     f"(vocab_size={vocab_size})"
                 )
-        limit = self.model_config.max_logprobs
-        if limit == -1:
-            limit = vocab_size
+        limit = self.max_logprobs
         for field in ("logprobs", "prompt_logprobs"):
             value = getattr(params, field)
             if value is not None and value > limit:
                 raise ValueError(f"{field} must be between 0 and {limit} (--max-logprobs), got {value}.")
+
+
+def _validate_stop_strings(params: SamplingParams) -> None:
+    """Stop strings are matched on detokenized text, and cross to the engine core as UTF-8."""
+    if not params.detokenize:
+        raise ValueError("stop strings need detokenized text: set detokenize=True or drop stop")
+    for stop_str in params.stop:
+        try:
+            stop_str.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(
+                f"stop strings must be valid Unicode text: {stop_str!r} holds a lone surrogate "
+                f"at position {e.start}"
+            ) from None

@@ -380,8 +380,9 @@ class OutputProcessor:
             if stop_str is not None:
                 finish_reason, stop_reason = FinishReason.STOP, stop_str
 
-            # 3) Logprobs.
-            self._update_logprobs(state, output)
+            # 3) Logprobs: the engine sends rows only for a request that asked.
+            if output.new_logprobs is not None or output.new_prompt_logprobs is not None:
+                self._update_logprobs(state, output)
 
             # 4) The user's output (a child's goes to its parent).
             request_output = state.make_request_output(output.new_token_ids, finish_reason, stop_reason)
@@ -430,8 +431,7 @@ class OutputProcessor:
     # ------------------------------------------------------------------ logprobs
 
     def _update_logprobs(self, state: RequestState, output: EngineCoreOutput) -> None:
-        """Take the logprob rows an output carries (vLLM's ``LogprobsProcessor.update_from_output``);
-        the engine sends them only for a request that asked."""
+        """Take the logprob rows an output carries (vLLM's ``LogprobsProcessor.update_from_output``)."""
         if output.new_logprobs is not None:
             self._update_sample_logprobs(state, output.new_logprobs)
         if output.new_prompt_logprobs is not None:
