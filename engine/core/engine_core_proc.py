@@ -395,22 +395,24 @@ class EngineCoreProc(EngineCore):
             self.add_request(payload)
             if self.coordinator_socket is not None:  # data parallelism: a request starts a wave
                 self._maybe_start_wave(payload.trace_headers)
-        elif request_type == EngineCoreRequestType.START_DP_WAVE:
-            self._on_wave(payload)
         elif request_type == EngineCoreRequestType.ABORT:
             with self.input_tracer.aborting(payload, received_ns):
                 self.abort_requests(payload.request_ids)
-        elif request_type in (EngineCoreRequestType.EXECUTOR_FAILED, EngineCoreRequestType.PROTOCOL_ERROR,
-                              EngineCoreRequestType.HEAD_LOST):  # fmt: skip
-            raise payload
         elif request_type == EngineCoreRequestType.UTILITY:
-            call: UtilityRequest = payload
-            try:
-                with attached_trace_context(call.trace_headers):
-                    reply = UtilityReply.success(call.call_id, getattr(self, call.method)(*call.call_args()))
-            except Exception as e:  # a failed utility call is the caller's error, not ours
-                reply = UtilityReply.failure(call.call_id, e)
-            self.output_queue.put((call.client_index, reply, None, time.time_ns()))
+            self._handle_utility(payload)
+        elif request_type == EngineCoreRequestType.START_DP_WAVE:
+            self._on_wave(payload)
+        else:  # EXECUTOR_FAILED, PROTOCOL_ERROR, HEAD_LOST: the payload is the fatal error
+            raise payload
+
+    def _handle_utility(self, call: UtilityRequest) -> None:
+        """Run a utility call; its reply (result or error) goes back to the calling client."""
+        try:
+            with attached_trace_context(call.trace_headers):
+                reply = UtilityReply.success(call.call_id, getattr(self, call.method)(*call.call_args()))
+        except Exception as e:  # a failed utility call is the caller's error, not ours
+            reply = UtilityReply.failure(call.call_id, e)
+        self.output_queue.put((call.client_index, reply, None, time.time_ns()))
 
     # ------------------------------------------------------------------ threads
 
@@ -471,11 +473,7 @@ class EngineCoreProc(EngineCore):
         return poller, client_of, wave_socket
 
     def process_output_sockets(self) -> None:
-        while True:
-            item = self.output_queue.get()
-            if item is None:
-                return
-            client_index, message, step_context, queued_ns = item
+        for client_index, message, step_context, queued_ns in iter(self.output_queue.get, None):
             taken_ns = time.time_ns()
             tag = TAG_OUTPUTS if isinstance(message, EngineCoreOutputs) else TAG_UTILITY
             self.output_sockets[client_index].send_multipart([tag, _encode(message)], copy=False)
@@ -522,20 +520,29 @@ def _decode_input(frames: list[bytes], client_index: int = 0) -> tuple[EngineCor
         ProtocolError: not two frames, an unknown type, a body that does not decode, or a
             request / utility call stamped with another client's index than its socket's.
     """
-    if len(frames) != 2:
-        raise ProtocolError(f"malformed message on the client ↔ engine core boundary: {len(frames)} frames, "
-                            "expected [request type, body]")  # fmt: skip
-    if frames[0] not in _INPUT_TYPES:
-        raise ProtocolError(f"malformed message on the client ↔ engine core boundary: request type "
-                            f"{frames[0]!r} is not one of {[t.name for t, _ in _INPUT_TYPES.values()]}")  # fmt: skip
+    if len(frames) != 2 or frames[0] not in _INPUT_TYPES:
+        raise _malformed_input(frames)
     request_type, body_type = _INPUT_TYPES[frames[0]]
     message = decode_as(body_type, frames[1])
-    stamped = getattr(message, "client_index", client_index)
-    if stamped != client_index:
-        raise ProtocolError(f"malformed message on the client ↔ engine core boundary: a {request_type.name} "
-                            f"stamped client_index {stamped} came in on client {client_index}'s socket; its "
-                            "outputs would go to the wrong API server")  # fmt: skip
+    if getattr(message, "client_index", client_index) != client_index:
+        raise _misrouted_input(request_type, message.client_index, client_index)
     return request_type, message
+
+
+def _malformed_input(frames: list[bytes]) -> ProtocolError:
+    """``_decode_input``'s error for frames that are not ``[a known request type, body]``."""
+    if len(frames) != 2:
+        return ProtocolError(f"malformed message on the client ↔ engine core boundary: {len(frames)} frames, "
+                             "expected [request type, body]")  # fmt: skip
+    return ProtocolError(f"malformed message on the client ↔ engine core boundary: request type "
+                         f"{frames[0]!r} is not one of {[t.name for t, _ in _INPUT_TYPES.values()]}")  # fmt: skip
+
+
+def _misrouted_input(request_type: EngineCoreRequestType, stamped: int, client_index: int) -> ProtocolError:
+    """``_decode_input``'s error for a message stamped with another client's index than its socket's."""
+    return ProtocolError(f"malformed message on the client ↔ engine core boundary: a {request_type.name} "
+                         f"stamped client_index {stamped} came in on client {client_index}'s socket; its "
+                         "outputs would go to the wrong API server")  # fmt: skip
 
 
 class _EngineCoreLife:
