@@ -36,6 +36,7 @@ busy loop, or, during start-up, the process.
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import threading
@@ -93,6 +94,8 @@ IDLE_POLL_S = 1.0
 # A client without outputs of its own still gets the engine's stats this often while the
 # engine works (vLLM's coordinator publishes at this rate), and always after the last step.
 STATS_INTERVAL_S = 0.1
+# An input socket's frames → the ``(type, message)`` the input thread puts on the queue.
+InputDecoder = Callable[[list[bytes]], tuple[EngineCoreRequestType, Any]]
 
 
 class OutputRouter:
@@ -395,22 +398,24 @@ class EngineCoreProc(EngineCore):
             self.add_request(payload)
             if self.coordinator_socket is not None:  # data parallelism: a request starts a wave
                 self._maybe_start_wave(payload.trace_headers)
-        elif request_type == EngineCoreRequestType.START_DP_WAVE:
-            self._on_wave(payload)
         elif request_type == EngineCoreRequestType.ABORT:
             with self.input_tracer.aborting(payload, received_ns):
                 self.abort_requests(payload.request_ids)
-        elif request_type in (EngineCoreRequestType.EXECUTOR_FAILED, EngineCoreRequestType.PROTOCOL_ERROR,
-                              EngineCoreRequestType.HEAD_LOST):  # fmt: skip
-            raise payload
         elif request_type == EngineCoreRequestType.UTILITY:
-            call: UtilityRequest = payload
-            try:
-                with attached_trace_context(call.trace_headers):
-                    reply = UtilityReply.success(call.call_id, getattr(self, call.method)(*call.call_args()))
-            except Exception as e:  # a failed utility call is the caller's error, not ours
-                reply = UtilityReply.failure(call.call_id, e)
-            self.output_queue.put((call.client_index, reply, None, time.time_ns()))
+            self._handle_utility(payload)
+        elif request_type == EngineCoreRequestType.START_DP_WAVE:
+            self._on_wave(payload)
+        else:  # EXECUTOR_FAILED, PROTOCOL_ERROR, HEAD_LOST: the payload is the fatal error
+            raise payload
+
+    def _handle_utility(self, call: UtilityRequest) -> None:
+        """Run a utility call; its reply (result or error) goes back to the calling client."""
+        try:
+            with attached_trace_context(call.trace_headers):
+                reply = UtilityReply.success(call.call_id, getattr(self, call.method)(*call.call_args()))
+        except Exception as e:  # a failed utility call is the caller's error, not ours
+            reply = UtilityReply.failure(call.call_id, e)
+        self.output_queue.put((call.client_index, reply, None, time.time_ns()))
 
     # ------------------------------------------------------------------ threads
 
@@ -418,19 +423,14 @@ class EngineCoreProc(EngineCore):
         """The input thread: each message from a client's socket, decoded (``_decode_input``),
         and each wave news from the coordinator go on ``input_queue``; a message that breaks
         the protocol goes there as PROTOCOL_ERROR and ends the thread."""
-        poller, client_of, wave_socket = self._connect_input_sockets()
+        poller, decoders = self._connect_input_sockets()
         try:
             while not self._stop.is_set():
                 for socket, _ in poller.poll(timeout=int(IDLE_POLL_S * 1000)):
                     frames = socket.recv_multipart()
                     received_ns = time.time_ns()
                     try:
-                        if socket is wave_socket:
-                            wave = decode_coordinator(DPWave, frames[-1])
-                            item = (EngineCoreRequestType.START_DP_WAVE, wave)
-                        else:
-                            message = _decode_input(frames, client_of[socket])
-                            item = self.input_tracer.received(message, received_ns)
+                        item = self.input_tracer.received(decoders[socket](frames), received_ns)
                     except ProtocolError as e:
                         # A frontend that breaks the protocol is a bug: stop with a clear error.
                         self.input_queue.put((EngineCoreRequestType.PROTOCOL_ERROR, e))
@@ -442,13 +442,13 @@ class EngineCoreProc(EngineCore):
             for socket, _ in poller.sockets:
                 socket.close()
 
-    def _connect_input_sockets(self) -> tuple[zmq.Poller, dict[zmq.Socket, int], zmq.Socket | None]:
+    def _connect_input_sockets(self) -> tuple[zmq.Poller, dict[zmq.Socket, InputDecoder]]:
         """The input thread's sockets, at its start: one DEALER per client, connected to its
         ROUTER (our identity there is our DP rank) and told CONNECTED; with data parallelism,
-        a SUB socket on the coordinator's wave address. Returns the poller over them all, the
-        client index of each DEALER, and the wave socket (None without a coordinator)."""
+        a SUB socket on the coordinator's wave address. Returns the poller over them all and
+        each socket's decoder: ``_decode_input`` for its client's index, or ``_decode_wave``."""
         poller = zmq.Poller()
-        client_of: dict[zmq.Socket, int] = {}
+        decoders: dict[zmq.Socket, InputDecoder] = {}
         # Tell each client's ROUTER who we are, so it can route to us right away (a client
         # that binds later gets it when it does: ZMQ queues it meanwhile).
         connected = _encode(EngineHandshake(kind="CONNECTED", role=self.role, pid=os.getpid(),
@@ -459,23 +459,19 @@ class EngineCoreProc(EngineCore):
             socket.setsockopt(zmq.LINGER, 0)
             socket.connect(address)
             poller.register(socket, zmq.POLLIN)
-            client_of[socket] = index
+            decoders[socket] = functools.partial(_decode_input, client_index=index)
             socket.send_multipart([connected])
-        wave_socket = None
         if self.coordinator_wave_address is not None:
             wave_socket = self.ctx.socket(zmq.SUB)
             wave_socket.setsockopt(zmq.LINGER, 0)
             wave_socket.setsockopt(zmq.SUBSCRIBE, b"")
             wave_socket.connect(self.coordinator_wave_address)
             poller.register(wave_socket, zmq.POLLIN)
-        return poller, client_of, wave_socket
+            decoders[wave_socket] = _decode_wave
+        return poller, decoders
 
     def process_output_sockets(self) -> None:
-        while True:
-            item = self.output_queue.get()
-            if item is None:
-                return
-            client_index, message, step_context, queued_ns = item
+        for client_index, message, step_context, queued_ns in iter(self.output_queue.get, None):
             taken_ns = time.time_ns()
             tag = TAG_OUTPUTS if isinstance(message, EngineCoreOutputs) else TAG_UTILITY
             self.output_sockets[client_index].send_multipart([tag, _encode(message)], copy=False)
@@ -522,20 +518,38 @@ def _decode_input(frames: list[bytes], client_index: int = 0) -> tuple[EngineCor
         ProtocolError: not two frames, an unknown type, a body that does not decode, or a
             request / utility call stamped with another client's index than its socket's.
     """
-    if len(frames) != 2:
-        raise ProtocolError(f"malformed message on the client ↔ engine core boundary: {len(frames)} frames, "
-                            "expected [request type, body]")  # fmt: skip
-    if frames[0] not in _INPUT_TYPES:
-        raise ProtocolError(f"malformed message on the client ↔ engine core boundary: request type "
-                            f"{frames[0]!r} is not one of {[t.name for t, _ in _INPUT_TYPES.values()]}")  # fmt: skip
+    if len(frames) != 2 or frames[0] not in _INPUT_TYPES:
+        raise _malformed_input(frames)
     request_type, body_type = _INPUT_TYPES[frames[0]]
     message = decode_as(body_type, frames[1])
-    stamped = getattr(message, "client_index", client_index)
-    if stamped != client_index:
-        raise ProtocolError(f"malformed message on the client ↔ engine core boundary: a {request_type.name} "
-                            f"stamped client_index {stamped} came in on client {client_index}'s socket; its "
-                            "outputs would go to the wrong API server")  # fmt: skip
+    if getattr(message, "client_index", client_index) != client_index:
+        raise _misrouted_input(request_type, message.client_index, client_index)
     return request_type, message
+
+
+def _decode_wave(frames: list[bytes]) -> tuple[EngineCoreRequestType, DPWave]:
+    """The coordinator's wave news (data parallelism) → ``(START_DP_WAVE, wave)``.
+
+    Raises:
+        ProtocolError: the last frame does not decode as a ``DPWave``.
+    """
+    return EngineCoreRequestType.START_DP_WAVE, decode_coordinator(DPWave, frames[-1])
+
+
+def _malformed_input(frames: list[bytes]) -> ProtocolError:
+    """``_decode_input``'s error for frames that are not ``[a known request type, body]``."""
+    if len(frames) != 2:
+        return ProtocolError(f"malformed message on the client ↔ engine core boundary: {len(frames)} frames, "
+                             "expected [request type, body]")  # fmt: skip
+    return ProtocolError(f"malformed message on the client ↔ engine core boundary: request type "
+                         f"{frames[0]!r} is not one of {[t.name for t, _ in _INPUT_TYPES.values()]}")  # fmt: skip
+
+
+def _misrouted_input(request_type: EngineCoreRequestType, stamped: int, client_index: int) -> ProtocolError:
+    """``_decode_input``'s error for a message stamped with another client's index than its socket's."""
+    return ProtocolError(f"malformed message on the client ↔ engine core boundary: a {request_type.name} "
+                         f"stamped client_index {stamped} came in on client {client_index}'s socket; its "
+                         "outputs would go to the wrong API server")  # fmt: skip
 
 
 class _EngineCoreLife:

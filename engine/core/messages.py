@@ -45,6 +45,7 @@ needs nothing from the scheduler (``engine.sched``) to read a message.
 from __future__ import annotations
 
 import enum
+import functools
 import pickle
 import time
 from typing import Any, Literal
@@ -393,7 +394,8 @@ def head_engine_addresses(host: str, port: int, num_clients: int) -> JoinAccepte
 
 
 _encoder = msgspec.msgpack.Encoder()
-_decoders: dict[type, msgspec.msgpack.Decoder] = {}
+# One decoder per message type, made on first use.
+_decoder_for = functools.cache(msgspec.msgpack.Decoder)
 
 
 def encode(message: Any) -> bytes:
@@ -403,10 +405,7 @@ def encode(message: Any) -> bytes:
 
 def decode_as(message_type: Any, data: bytes | memoryview) -> Any:
     """Decode ``data`` as ``message_type``; ``ProtocolError`` when it does not fit."""
-    decoder = _decoders.get(message_type)
-    if decoder is None:
-        decoder = _decoders[message_type] = msgspec.msgpack.Decoder(message_type)
-    return decode(decoder, data, BOUNDARY)
+    return decode(_decoder_for(message_type), data, BOUNDARY)
 
 
 # Frame tags on the engine → frontend socket (the first frame of each multipart message).

@@ -386,11 +386,22 @@ async def _respond(raw_request: Request, work: Awaitable[BaseModel | AsyncIterat
             task.cancel()
             # The cancellation runs the engine aborts; wait for them.
             await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled() or task.exception() is not None:
+        return await _respond_failed(raw_request, task)
+    result = task.result()
+    if isinstance(result, BaseModel):
+        # A large answer (echo, logprobs, many choices) takes a while to encode: off the loop.
+        return Response(await asyncio.to_thread(result.model_dump_json), media_type="application/json")
+    return ClosingStreamingResponse(result, media_type="text/event-stream")
+
+
+async def _respond_failed(raw_request: Request, task: asyncio.Future) -> Response:
+    """``_respond``'s work that did not return: the client left (499), or it raised."""
     if task.cancelled():
         logger.info("client disconnected from %s; request aborted", raw_request.url.path)
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     try:
-        result = task.result()
+        task.result()  # raises the work's exception
     except (OpenAIError, EngineDeadError):
         raise  # answered by their handlers below
     except ValueError as e:  # our convention for bad input (a prompt that cannot be encoded, ...)
@@ -398,10 +409,6 @@ async def _respond(raw_request: Request, work: Awaitable[BaseModel | AsyncIterat
         raise bad_request_from_value_error(e, blamed) from None
     except Exception as e:
         return await _unexpected_error_handler(raw_request, e)
-    if isinstance(result, BaseModel):
-        # A large answer (echo, logprobs, many choices) takes a while to encode: off the loop.
-        return Response(await asyncio.to_thread(result.model_dump_json), media_type="application/json")
-    return ClosingStreamingResponse(result, media_type="text/event-stream")
 
 
 async def _wait_for_disconnect(raw_request: Request) -> None:

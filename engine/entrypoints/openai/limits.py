@@ -117,40 +117,30 @@ class RequestBodyLimit:
     async def _read_counted(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Read the body whole, counting its bytes (413 as soon as a chunked one passes
         ``max_bytes``); then hand it to the app in one message."""
-        limit = self.max_bytes if self.max_bytes > 0 else None
         chunks: list[bytes] = []
         size = 0
-        while True:
+        more_body = True
+        while more_body:
             message = await receive()
             if message["type"] != "http.request":  # the client left before sending it all
                 return
             chunk = message.get("body", b"")
             size += len(chunk)
-            if limit is not None and size > limit:
-                chunks.clear()
-                await send_error(send, 413, too_large_message(None, limit), close=True)
+            if 0 < self.max_bytes < size:
+                await send_error(send, 413, too_large_message(None, self.max_bytes), close=True)
                 return
-            if chunk:
-                chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            chunks.append(chunk)
+            more_body = message.get("more_body", False)
+        # The app's first receive() takes the body: from then on only the app holds it.
+        pending = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
         del chunks
-        replayed = False
 
         async def replay() -> Message:
-            nonlocal replayed, body
-            if not replayed:
-                replayed = True
-                message = {"type": "http.request", "body": body, "more_body": False}
-                body = b""
-                return message
-            return await receive()
+            return pending.pop() if pending else await receive()
 
         try:
             await self.app(scope, replay, send)
         finally:
-            body = b""
             if size >= TRIM_AFTER_BYTES:
                 await release_memory()
 
@@ -293,7 +283,7 @@ def is_json_content_type(content_type: str | None) -> bool:
     return maintype == "application" and (subtype == "json" or subtype.endswith("+json"))
 
 
-async def parse_json_body(raw_request: Request, then: Callable[[Any], T] | None = None) -> T | Any:
+async def parse_json_body(raw_request: Request, then: Callable[[Any], T]) -> T:
     """The request's body as a JSON value: the one body parser of every route.
 
     ``then``: applied to the parsed value (the route's validation) in the same step. Both
@@ -312,9 +302,8 @@ async def parse_json_body(raw_request: Request, then: Callable[[Any], T] | None 
         )
     raw = await raw_request.body()
 
-    def work() -> Any:
-        value = decode_json(raw)
-        return then(value) if then is not None else value
+    def work() -> T:
+        return then(decode_json(raw))
 
     if len(raw) >= THREAD_DECODE_BYTES:
         return await asyncio.to_thread(work)

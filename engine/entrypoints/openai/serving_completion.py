@@ -268,11 +268,11 @@ class OpenAIServingCompletion(OpenAIServing):
         chunks = StreamChunks(CompletionStreamResponse(id=request_id, created=created, model=self.served_model_name,
                                                        choices=[]))  # fmt: skip
         shift = [0] * (len(prompts) * n)  # characters of echoed prompt before each choice's output
-        needs_echo = [request.echo] * len(shift)
         prompt_logprobs: list[list[LogprobsDict | None] | None] = [None] * len(prompts)
         completion_tokens = 0
         try:
-            echoes = self._echoes(request, prompts)
+            # Each choice's echo, until its first chunk (which starts with it) takes it.
+            echoes = [echo for echo in self._echoes(request, prompts) for _ in range(n)]
             async with contextlib.aclosing(outputs):
                 async for p, output in outputs:
                     if output.prompt_logprobs:
@@ -280,12 +280,11 @@ class OpenAIServingCompletion(OpenAIServing):
                     for out in output.outputs:
                         i = p * n + out.index
                         completion_tokens += len(out.token_ids)
-                        echo = echoes[p] if needs_echo[i] else None  # the first chunk starts with it
+                        echo, echoes[i] = echoes[i], None
                         text, token_ids, logprobs = self._choice_output(
                             request, out, shift[i], echo, prompts[p][1], prompt_logprobs[p]
                         )
                         if echo is not None:
-                            needs_echo[i] = False
                             shift[i] = len(echo[0])
                         if not text and not token_ids and out.finish_reason is None:
                             continue  # nothing new for this choice (vLLM: "don't return empty chunks")
@@ -293,14 +292,24 @@ class OpenAIServingCompletion(OpenAIServing):
                             CompletionStreamChoiceWire(i, text, logprobs, out.finish_reason, out.stop_reason)
                         )
             if request.stream_options is not None and request.stream_options.include_usage:
-                prompt_tokens = sum(len(ids) for _, ids in prompts)
-                usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                                  total_tokens=prompt_tokens + completion_tokens)  # fmt: skip
-                yield sse_event(CompletionStreamResponse(id=request_id, created=created, model=self.served_model_name,
-                                                         choices=[], usage=usage))  # fmt: skip
+                yield self._usage_event(request_id, created, prompts, completion_tokens)
         except Exception as e:
             yield stream_error_event(e, request_id, "prompt")
         yield SSE_DONE
+
+    def _usage_event(
+        self,
+        request_id: str,
+        created: int,
+        prompts: list[tuple[str | None, list[int]]],
+        completion_tokens: int,
+    ) -> str:
+        """A stream's last chunk before ``[DONE]`` when ``stream_options.include_usage`` asks for it."""
+        prompt_tokens = sum(len(ids) for _, ids in prompts)
+        usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                          total_tokens=prompt_tokens + completion_tokens)  # fmt: skip
+        return sse_event(CompletionStreamResponse(id=request_id, created=created, model=self.served_model_name,
+                                                  choices=[], usage=usage))  # fmt: skip
 
     # ------------------------------------------------------------------ logprobs
 
