@@ -6,6 +6,10 @@ the serve parser, turned into an ``EngineConfig`` and planned by ``topology.plan
 
     .venv/bin/python -m engine.distributed.pictures            # writes docs/pictures/
 
+The same command draws the other pictures there too: one request's path
+(``engine/distributed/request_path_picture.py``) and the paged KV cache
+(``engine/kv_cache/pictures.py``).
+
 A test regenerates them and compares byte for byte (``tests/unit/distributed/test_pictures.py``).
 
 What is drawn (``docs/architecture.md`` says the same in words):
@@ -409,12 +413,25 @@ def write_pictures(out_dir: Path = DOCS_DIR) -> list[Path]:
     return written
 
 
+def write_every_picture(out_dir: Path = DOCS_DIR) -> list[Path]:
+    """The process trees, one request's path and the paged KV cache: every picture of
+    ``docs/pictures/``, each from its own module; returns the paths written."""
+    from engine.distributed import request_path_picture
+    from engine.kv_cache import pictures as kv_cache_pictures
+
+    return [
+        *write_pictures(out_dir),
+        *request_path_picture.write_pictures(out_dir),
+        *kv_cache_pictures.write_pictures(out_dir),
+    ]
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=COMMAND, description="Draw every picture of docs/pictures/.")
     parser.add_argument(
         "--out", type=Path, default=DOCS_DIR, help="the folder to write (default: docs/pictures)"
     )
-    for path in write_pictures(parser.parse_args(argv).out):
+    for path in write_every_picture(parser.parse_args(argv).out):
         print(path)
 
 
