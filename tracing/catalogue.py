@@ -169,6 +169,26 @@ ATTR_KV_NUM_BLOCKS = _attr(
 )
 ATTR_KV_USAGE = _attr("glassbox.kv.usage", "float", "Fraction of KV-cache blocks in use, 0.0 to 1.0.")
 ATTR_KV_BLOCK_SIZE = _attr("glassbox.kv.block_size", "int", "Tokens per KV-cache block.")
+# A block's bytes and the numbers they are made of:
+# bytes_per_block = 2 (K and V) · block_size · num_layers · num_kv_heads · head_size · dtype_size.
+ATTR_KV_BYTES_PER_BLOCK = _attr(
+    "glassbox.kv.bytes_per_block",
+    "int",
+    "Bytes one block id costs on a worker: 2 (K and V) · block_size · num_layers · num_kv_heads · "
+    "head_size · dtype_size.",
+)
+ATTR_KV_NUM_LAYERS = _attr(
+    "glassbox.kv.num_layers", "int", "Decoder layers whose KV a worker holds (its pipeline stage's)."
+)
+ATTR_KV_NUM_KV_HEADS = _attr(
+    "glassbox.kv.num_kv_heads",
+    "int",
+    "KV heads a worker holds: num_key_value_heads ÷ the tensor-parallel size (at least 1).",
+)
+ATTR_KV_HEAD_SIZE = _attr("glassbox.kv.head_size", "int", "Elements per KV head (the model's head_dim).")
+ATTR_KV_DTYPE_SIZE = _attr(
+    "glassbox.kv.dtype_size", "int", "Bytes per KV-cache element: 4 (float32), 2 (bfloat16, float16)."
+)
 ATTR_COMPILE_MODE = _attr(
     "glassbox.compile.mode", "str", 'How the model forward runs: "inductor" (torch.compile) or "eager".'
 )
@@ -372,7 +392,16 @@ ENGINE_CORE_INITIALIZE_KV_CACHE = _span(
     LIFECYCLE,
     (KIND_ENGINE_CORE,),
     "Size the KV cache: num_blocks = available bytes / bytes per block, then tell the workers.",
-    (ATTR_KV_AVAILABLE_BYTES, ATTR_KV_NUM_BLOCKS, ATTR_KV_BLOCK_SIZE),
+    (
+        ATTR_KV_AVAILABLE_BYTES,
+        ATTR_KV_NUM_BLOCKS,
+        ATTR_KV_BLOCK_SIZE,
+        ATTR_KV_BYTES_PER_BLOCK,
+        ATTR_KV_NUM_LAYERS,
+        ATTR_KV_NUM_KV_HEADS,
+        ATTR_KV_HEAD_SIZE,
+        ATTR_KV_DTYPE_SIZE,
+    ),
 )
 WORKER_INITIALIZE_KV_CACHE = _span(
     "worker.initialize_kv_cache",

@@ -121,15 +121,28 @@ class EngineCore:
             st.set(catalogue.ATTR_KV_NUM_BLOCKS, kv_cache_config.num_blocks)
             st.set(catalogue.ATTR_KV_BLOCK_SIZE, spec.block_size)
             st.set(catalogue.ATTR_KV_AVAILABLE_BYTES, min(available))
+            # What one block costs and the numbers it is made of (the spec's bytes_per_block).
+            st.set(catalogue.ATTR_KV_BYTES_PER_BLOCK, spec.bytes_per_block)
+            st.set(catalogue.ATTR_KV_NUM_LAYERS, spec.num_layers)
+            st.set(catalogue.ATTR_KV_NUM_KV_HEADS, spec.num_kv_heads)
+            st.set(catalogue.ATTR_KV_HEAD_SIZE, spec.head_size)
+            st.set(catalogue.ATTR_KV_DTYPE_SIZE, spec.dtype_size)
             logger.info(
                 "KV cache: %d blocks of %d tokens (%.1f MiB), capacity %d tokens; "
-                "maximum concurrency for %d tokens per request: %.2fx",
+                "maximum concurrency for %d tokens per request: %.2fx; one block is %d bytes = "
+                "2 (K and V) · %d tokens · %d layers · %d KV heads · %d head_dim · %d bytes per element",
                 kv_cache_config.num_blocks,
                 spec.block_size,
                 kv_cache_config.num_blocks * spec.bytes_per_block / (1 << 20),
                 capacity,
                 max_len,
                 capacity / max_len,
+                spec.bytes_per_block,
+                spec.block_size,
+                spec.num_layers,
+                spec.num_kv_heads,
+                spec.head_size,
+                spec.dtype_size,
             )
             self.model_executor.initialize_from_config(kv_cache_configs)
             return kv_cache_config

@@ -63,21 +63,19 @@ def check_enough_kv_cache_memory(config: EngineConfig, spec: FullAttentionSpec, 
         )
 
 
-def check_fixed_kv_budget(config: EngineConfig) -> None:
-    """Refuse, before anything is spawned, a fixed KV budget too small for one request.
+def fixed_kv_cache_plan(config: EngineConfig) -> tuple[FullAttentionSpec, int] | None:
+    """The page shape and the bytes for the KV cache, when both are known without a device.
 
-    A fixed budget is ``--kv-cache-memory-bytes``, or ``GLASSBOX_CPU_KVCACHE_SPACE`` with
-    ``--device cpu``; the page shape then follows from ``config.json`` and the dtype alone
-    (``kv_cache_spec``, as each worker reports it), for the stage holding the most layers. A
-    budget measured on the device (CUDA profiling) is checked by the engine core, which
-    raises the same ``ConfigError``.
-
-    Raises:
-        ConfigError (a ValueError): see ``check_enough_kv_cache_memory``.
+    That is with a fixed budget: ``--kv-cache-memory-bytes``, or ``GLASSBOX_CPU_KVCACHE_SPACE``
+    with ``--device cpu``. The page shape then follows from ``config.json`` and the dtype alone
+    (``kv_cache_spec``, as each worker reports it), for the stage holding the most layers, and
+    the engine core will size the cache at ``available // spec.bytes_per_block`` blocks. None
+    when the device measures the budget (CUDA profiling) or ``--num-gpu-blocks-override``
+    decides the count.
     """
     cache = config.cache_config
     if cache.num_gpu_blocks_override is not None:
-        return  # the override decides the block count; EngineConfig checked it
+        return None  # the override decides the block count; EngineConfig checked it
     if cache.kv_cache_memory_bytes:
         available = cache.kv_cache_memory_bytes
     elif config.device_config.device == "cpu":
@@ -85,7 +83,7 @@ def check_fixed_kv_budget(config: EngineConfig) -> None:
 
         available = int(envs.GLASSBOX_CPU_KVCACHE_SPACE * (1 << 30))
     else:
-        return
+        return None
     model = config.model_config
     dtype = model.checkpoint_dtype if model.dtype == "auto" else model.dtype
     spec = kv_cache_spec(
@@ -95,7 +93,21 @@ def check_fixed_kv_budget(config: EngineConfig) -> None:
         num_layers=config.max_layers_per_stage(),
         dtype_size=4 if dtype in ("float32", "float") else 2,  # float16 on a CPU runs as bfloat16: 2 too
     )
-    check_enough_kv_cache_memory(config, spec, available)
+    return spec, available
+
+
+def check_fixed_kv_budget(config: EngineConfig) -> None:
+    """Refuse, before anything is spawned, a fixed KV budget too small for one request.
+
+    The budget and page shape are ``fixed_kv_cache_plan``'s. A budget measured on the device
+    (CUDA profiling) is checked by the engine core, which raises the same ``ConfigError``.
+
+    Raises:
+        ConfigError (a ValueError): see ``check_enough_kv_cache_memory``.
+    """
+    plan = fixed_kv_cache_plan(config)
+    if plan is not None:
+        check_enough_kv_cache_memory(config, *plan)
 
 
 def get_kv_cache_config(

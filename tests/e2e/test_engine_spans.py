@@ -62,6 +62,13 @@ def test_start_up_stages_in_order_with_parents_and_step_phases(monkeypatch):
     assert warm_up[catalogue.ATTR_COMPILE_NUM_GRAPHS] == 1 and warm_up[catalogue.ATTR_COMPILE_SECONDS] > 0
     kv = one[catalogue.ENGINE_CORE_INITIALIZE_KV_CACHE].attributes
     assert kv[catalogue.ATTR_KV_NUM_BLOCKS] > 1 and kv[catalogue.ATTR_KV_BLOCK_SIZE] == 16
+    # One block's bytes and the numbers they are made of (the bundled model: 4 layers, 4 KV heads of 32, float32).
+    inputs = [catalogue.ATTR_KV_BLOCK_SIZE, catalogue.ATTR_KV_NUM_LAYERS, catalogue.ATTR_KV_NUM_KV_HEADS,
+              catalogue.ATTR_KV_HEAD_SIZE, catalogue.ATTR_KV_DTYPE_SIZE]  # fmt: skip
+    assert [kv[a] for a in inputs] == [16, 4, 4, 32, 4]
+    block_bytes = kv[catalogue.ATTR_KV_BYTES_PER_BLOCK]
+    assert block_bytes == 2 * 16 * 4 * 4 * 32 * 4
+    assert kv[catalogue.ATTR_KV_NUM_BLOCKS] == kv[catalogue.ATTR_KV_AVAILABLE_BYTES] // block_bytes
     # Steps: one engine_core.step per step run, each with exactly one span per phase.
     steps = by_name[catalogue.ENGINE_CORE_STEP]
     assert len(steps) == steps_run >= 3
