@@ -94,6 +94,25 @@ class CachedRequestState:
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
 
 
+def _resume_from_preemption(
+    state: CachedRequestState, new_block_ids: tuple[list[int], ...] | None, tokens: list[int] | None
+) -> None:
+    """A preempted request is scheduled again: preemption freed its old blocks, so the new
+    list replaces them; ``tokens`` (all of its tokens, when sent) rebuild its outputs."""
+    state.block_ids = list(new_block_ids[0]) if new_block_ids else []
+    if tokens is not None:
+        state.output_token_ids = list(tokens[state.num_prompt_tokens :])
+
+
+def _append_scheduled_tokens(state: CachedRequestState, tokens: list[int]) -> None:
+    """Pipeline parallelism, a stage before the last: it samples nothing, so it learns the
+    last stage's tokens from the scheduler (``tokens``: those scheduled now, the newest of
+    them sampled last step) and appends the ones it does not have yet."""
+    num_new = state.num_computed_tokens + len(tokens) - state.num_tokens
+    if num_new > 0:
+        state.output_token_ids.extend(tokens[-num_new:])
+
+
 @dataclass
 class _Batch:
     """One step's flattened inputs (device tensors) and what to read back after the forward."""
@@ -479,51 +498,37 @@ class ModelRunner:
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
         for new in so.scheduled_new_reqs:
-            params = new.sampling_params
-            generator = None
-            if params.seed is not None:
-                generator = torch.Generator(device=self.device)
-                generator.manual_seed(params.seed)
+            seed = new.sampling_params.seed
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id,
                 prompt_token_ids=list(new.prompt_token_ids),
-                sampling_params=params,
+                sampling_params=new.sampling_params,
                 eos_token_id=new.eos_token_id,
                 block_ids=list(new.block_ids[0]),
                 num_computed_tokens=new.num_computed_tokens,
-                generator=generator,
+                generator=None if seed is None else torch.Generator(self.device).manual_seed(seed),
             )
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests[req_id]
             state.num_computed_tokens = cached.num_computed_tokens[i]
-            new_block_ids = cached.new_block_ids[i]
             if cached.resumed_from_preemption[i]:
-                # Preemption freed the old blocks: the new list replaces them.
-                state.block_ids = list(new_block_ids[0]) if new_block_ids else []
-                tokens = cached.resumed_req_token_ids[i]
-                if tokens is not None:
-                    state.output_token_ids = list(tokens[state.num_prompt_tokens :])
-            elif new_block_ids is not None:
-                state.block_ids.extend(new_block_ids[0])
-            if not self.is_last_stage and not cached.resumed_from_preemption[i] and cached.new_token_ids:
-                # PP: this stage samples nothing; learn the last stage's tokens from the
-                # scheduler (the tokens scheduled now, the newest of them sampled last step).
-                tokens = cached.new_token_ids[i]
-                num_new = state.num_computed_tokens + len(tokens) - state.num_tokens
-                if num_new > 0:
-                    state.output_token_ids.extend(tokens[-num_new:])
+                _resume_from_preemption(state, cached.new_block_ids[i], cached.resumed_req_token_ids[i])
+                continue
+            if cached.new_block_ids[i] is not None:
+                state.block_ids.extend(cached.new_block_ids[i][0])
+            if cached.new_token_ids and not self.is_last_stage:
+                _append_scheduled_tokens(state, cached.new_token_ids[i])
 
     def _prepare_inputs(self, so: SchedulerOutput) -> _Batch:
         """Flatten the scheduled requests (decodes first) into token arrays and metadata."""
         scheduled = so.num_scheduled_tokens
-        decodes = [r for r, n in scheduled.items() if n == 1]
-        req_ids = decodes + [r for r, n in scheduled.items() if n > 1]
-        num_decodes = len(decodes)
+        req_ids = sorted(scheduled, key=lambda r: scheduled[r] > 1)  # decodes (one token) first, in order
         states = [self.requests[r] for r in req_ids]
         num_reqs = len(req_ids)
 
         num_scheduled = np.fromiter((scheduled[r] for r in req_ids), dtype=np.int64, count=num_reqs)
+        num_decodes = int(np.count_nonzero(num_scheduled == 1))
         num_computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=num_reqs)
         query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(num_scheduled, out=query_start_loc[1:])
