@@ -426,9 +426,8 @@ class MessageQueue:
         timeout_s = envs.GLASSBOX_MQ_TIMEOUT_S if timeout is None else timeout
         deadline = time.monotonic() + timeout_s
         words = self._words
-        # One chunk per turn (an empty message takes one too).
-        for start in range(0, msg_len or 1, self._layout.max_chunk_bytes):
-            seq = self._next_seq
+        # One chunk per turn (an empty message takes one too), numbered on from the last one.
+        for seq, start in enumerate(range(0, msg_len or 1, self._layout.max_chunk_bytes), self._next_seq):
             base, offset = self._slots[(seq - 1) % self._layout.max_chunks]
             if not self._slot_free(base):
                 self._wait_slot_free(base, seq, deadline, timeout_s, mid_message=start > 0)
@@ -531,9 +530,8 @@ class MessageQueue:
             if words[base + _M_WRITTEN] != seq:
                 self._wait_published(base, seq, deadline, timeout_s, cancel, what or self._awaited)
             _fence()  # the payload is read only after the chunk was seen published
-            n = words[base + _M_NBYTES]
             msg_len = words[base + _M_MSG_LEN]
-            self._parts.append(self._mm[offset : offset + n])  # a copy
+            self._parts.append(self._mm[offset : offset + words[base + _M_NBYTES]])  # a copy
             _fence()  # the copy is done before the slot is handed back
             words[base + _M_READ + self.rank] = seq
             self._next_seq = seq + 1
@@ -575,10 +573,14 @@ class MessageQueue:
         closed = self._words[_H_CLOSED]
         published = self._words[base + _M_WRITTEN] == seq
         if closed and not published:
-            raise MessageQueueClosed(
-                f"shared-memory queue {self.handle.name!r} was closed by {self.handle.writer_name}"
-            )
+            raise self._closed_by_writer()
         return published
+
+    def _closed_by_writer(self) -> MessageQueueClosed:
+        """The error of a reader that waits for a chunk the writer will never publish."""
+        return MessageQueueClosed(
+            f"shared-memory queue {self.handle.name!r} was closed by {self.handle.writer_name}"
+        )
 
     def _reader_timeout(self, timeout_s: float) -> MessageQueueTimeout:
         """The error of a reader's wait that passed its deadline: it names the writer and
@@ -639,8 +641,7 @@ class MessageQueue:
         if ready():
             return True
         sleep_s = min(deadline - time.monotonic(), slice_s)
-        if sleep_s > 0:
-            self._poller.poll(math.ceil(sleep_s * 1000))  # ms, rounded up
+        self._poller.poll(max(math.ceil(sleep_s * 1000), 0))  # ms, rounded up (0: past the deadline)
         return False
 
 
