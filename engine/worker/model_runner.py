@@ -86,12 +86,8 @@ class CachedRequestState:
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens at positions ``[start, end)`` of prompt followed by outputs."""
-        num_prompt = len(self.prompt_token_ids)
-        if start >= num_prompt:
-            return self.output_token_ids[start - num_prompt : end - num_prompt]
-        if end <= num_prompt:
-            return self.prompt_token_ids[start:end]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[start:end] + self.output_token_ids[max(start - n, 0) : max(end - n, 0)]
 
 
 def _resume_from_preemption(
@@ -440,13 +436,12 @@ class ModelRunner:
 
         with self._detail(catalogue.MODEL_RUNNER_SAMPLE), op_threads():
             sampled_lists, logprobs = self._sample(batch, hidden)
-        prompt_logprobs = self._prompt_logprobs(batch, hidden) if batch.prompt_logprob_rows else {}
         return ModelRunnerOutput(
             req_ids=batch.req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(batch.req_ids)},
             sampled_token_ids=sampled_lists,
             logprobs=logprobs,
-            prompt_logprobs_dict=prompt_logprobs,
+            prompt_logprobs_dict=self._prompt_logprobs(batch, hidden) if batch.prompt_logprob_rows else {},
         )
 
     def _run_model(self, input_ids, positions, meta: AttentionMetadata, intermediate_tensors):
@@ -534,19 +529,17 @@ class ModelRunner:
         np.cumsum(num_scheduled, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
         seq_lens = num_computed + num_scheduled  # (num_reqs,) tokens in the cache after this step
-        qsl = query_start_loc.tolist()
 
         # Per request: its tokens of this step, its row of the block table, and whether it
         # samples (all its known tokens are in the cache after this step).
         input_ids: list[int] = []
         block_table = np.zeros((num_reqs, max(len(s.block_ids) for s in states)), dtype=np.int32)  # 0: null
-        sample_rows, logits_indices, prompt_logprob_rows = [], [], []
+        sample_rows, prompt_logprob_rows = [], []
         for i, (state, start, end) in enumerate(zip(states, num_computed.tolist(), seq_lens.tolist())):
             input_ids.extend(state.token_ids(start, end))
             block_table[i, : len(state.block_ids)] = state.block_ids
             if end >= state.num_tokens:
                 sample_rows.append(i)
-                logits_indices.append(qsl[i + 1] - 1)
             if state.sampling_params.prompt_logprobs is not None:
                 prompt_logprob_rows.append(i)
 
@@ -556,30 +549,29 @@ class ModelRunner:
         bs = self.block_size
         slot_mapping = block_table[req_index, positions // bs].astype(np.int64) * bs + positions % bs
 
-        to_device = self._to_device
         meta = AttentionMetadata(
             num_reqs=num_reqs,
             num_decodes=num_decodes,
-            slot_mapping=to_device(slot_mapping, torch.int64),
-            query_start_loc=to_device(query_start_loc, torch.int32),
-            seq_lens=to_device(seq_lens, torch.int32),
-            block_table=to_device(block_table, torch.int32),
-            query_start_loc_cpu=qsl,
+            slot_mapping=self._to_device(slot_mapping, torch.int64),
+            query_start_loc=self._to_device(query_start_loc, torch.int32),
+            seq_lens=self._to_device(seq_lens, torch.int32),
+            block_table=self._to_device(block_table, torch.int32),
+            query_start_loc_cpu=query_start_loc.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
             num_computed_tokens_cpu=num_computed.tolist(),
             max_decode_seq_len=int(seq_lens[:num_decodes].max()) if num_decodes else 0,
             block_size=bs,
-            decode_slots=to_device(self._decode_slots(block_table, seq_lens, num_decodes), torch.int64)
+            decode_slots=self._to_device(self._decode_slots(block_table, seq_lens, num_decodes), torch.int64)
             if num_decodes and self.attention_backend == "PAGED_INDUCTOR"
             else None,
         )
         return _Batch(
             req_ids=req_ids,
-            input_ids=to_device(np.asarray(input_ids, dtype=np.int64), torch.int64),
-            positions=to_device(positions, torch.int64),
+            input_ids=self._to_device(np.asarray(input_ids, dtype=np.int64), torch.int64),
+            positions=self._to_device(positions, torch.int64),
             attn_metadata=meta,
             sample_rows=sample_rows,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=self.device),
+            logits_indices=self._to_device(query_start_loc[1:][sample_rows] - 1, torch.int64),
             prompt_logprob_rows=prompt_logprob_rows,
         )
 
