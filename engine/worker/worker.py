@@ -250,7 +250,7 @@ class Worker:
             if not self.model_runner.is_first_stage and scheduler_output.total_num_scheduled_tokens > 0:
                 intermediate_tensors = self._recv_intermediate_tensors()
             output = self.model_runner.execute_model(scheduler_output, intermediate_tensors)
-            if isinstance(output, IntermediateTensors):  # a pipeline stage before the last
+            if isinstance(output, IntermediateTensors):  # a pipeline rank before the last
                 get_pp_group().send_tensor_dict(output.tensors)  # on to the next stage, not the engine core
                 return None
         return output if self.is_driver_worker else None
