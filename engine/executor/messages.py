@@ -87,12 +87,10 @@ class WorkerRPC(msgspec.Struct, kw_only=True, array_like=True):
     ) -> WorkerRPC:
         """The RPC for ``method(*args, **kwargs)``: ``execute_model``'s one ``SchedulerOutput``
         travels typed (``scheduler_output``), any other call's arguments pickled."""
-        if len(args) == 1 and not kwargs and isinstance(args[0], SchedulerOutput):  # execute_model's
-            scheduler_output, args_pickle = args[0], b""
-        else:
-            scheduler_output, args_pickle = None, pickle.dumps((tuple(args), dict(kwargs or {})), protocol=5)
+        typed = len(args) == 1 and not kwargs and isinstance(args[0], SchedulerOutput)  # execute_model's
+        args_pickle = b"" if typed else pickle.dumps((tuple(args), dict(kwargs or {})), protocol=5)
         return cls(method=method, output_rank=output_rank, trace_headers=trace_headers,
-                   scheduler_output=scheduler_output, args_pickle=args_pickle, sent_at=time.time())  # fmt: skip
+                   scheduler_output=args[0] if typed else None, args_pickle=args_pickle, sent_at=time.time())  # fmt: skip
 
     def call_args(self) -> tuple[tuple, dict[str, Any]]:
         """The ``(args, kwargs)`` to call ``method`` with."""

@@ -75,6 +75,8 @@ class MultiprocExecutor(Executor):
         run_dir = Path(self.run_dir)
         pc = self.config.parallel_config
         self.world_size = pc.world_size
+        # The worker that returns each step's output: TP rank 0 of the last stage (rank 0 without PP).
+        self.output_rank = self.world_size - pc.tensor_parallel_size
         # This engine and its workers in rank order (pp * tp_size + tp), from the topology
         # plan. Under data parallelism each EngineCore_DP<k> has its own workers and its own
         # queues in the shared run directory (names prefixed dp<k>_), and its TP/PP group
@@ -150,28 +152,40 @@ class MultiprocExecutor(Executor):
     ) -> list[Any]:
         """Broadcast ``method(*args, **kwargs)`` to every worker; results in rank order
         (only ``unique_reply_rank``'s when given)."""
-        self._raise_if_failed()
+        self.supervisor.raise_if_failed()
         deadline = time.monotonic() + (timeout or envs.GLASSBOX_EXECUTE_MODEL_TIMEOUT_S)
         # The RPC carries the caller's span: the worker's span for it is that span's child.
         rpc = WorkerRPC.make(method, args, kwargs, unique_reply_rank, inject_trace_headers() or None)
+        message = messages.encode(rpc)
         try:
             with stage(catalogue.EXECUTOR_BROADCAST):
-                self.rpc_broadcast_mq.enqueue(
-                    messages.encode(rpc), timeout=max(deadline - time.monotonic(), 0.001)
-                )
+                self.rpc_broadcast_mq.enqueue(message, timeout=max(deadline - time.monotonic(), 0.001))
         except MessageQueueTimeout as e:
-            self._raise_if_failed()
-            raise TimeoutError(f"{method}: {e}") from None
+            self._broadcast_timed_out(method, e)
         ranks = range(self.world_size) if unique_reply_rank is None else [unique_reply_rank]
-        results = []
-        for rank in ranks:
-            reply = self._receive(rank, deadline, method)
-            if not isinstance(reply, WorkerReply) or (reply.rank, reply.method) != (rank, method):
-                raise self._unexpected_reply(rank, method, reply)
-            if not reply.ok:
-                self._fail_for_error_reply(rank, method, reply)
-            results.append(reply.result())
-        return results
+        return [self._result(rank, method, deadline) for rank in ranks]
+
+    def _broadcast_timed_out(self, method: str, error: MessageQueueTimeout) -> None:
+        """The broadcast of ``method`` found no free slot by its deadline: the workers' failure
+        if there was one (``EngineDeadError``: a dead worker reads nothing), else a
+        ``TimeoutError`` naming the readers that lag."""
+        self.supervisor.raise_if_failed()
+        raise TimeoutError(f"{method}: {error}") from None
+
+    def _result(self, rank: int, method: str, deadline: float) -> Any:
+        """Worker ``rank``'s result of ``method`` (its reply, received by ``deadline``).
+
+        Raises:
+            ProtocolError: the worker sent something else.
+            ConfigError, ValueError, EngineDeadError: it answered with an error
+                (``_fail_for_error_reply``).
+        """
+        reply = self._receive(rank, deadline, method)
+        if not isinstance(reply, WorkerReply) or (reply.rank, reply.method) != (rank, method):
+            raise self._unexpected_reply(rank, method, reply)
+        if not reply.ok:
+            self._fail_for_error_reply(rank, method, reply)
+        return reply.result()
 
     def _unexpected_reply(self, rank: int, method: str, reply: WorkerReady | WorkerReply) -> ProtocolError:
         """The error for a message from worker ``rank`` that is not its reply to ``method``."""
@@ -200,12 +214,6 @@ class MultiprocExecutor(Executor):
             "execute_model", args=(scheduler_output,), unique_reply_rank=self.output_rank
         )[0]
 
-    @property
-    def output_rank(self) -> int:
-        """The worker that returns each step's output: TP rank 0 of the last stage,
-        ``world_size - tensor_parallel_size`` (rank 0 without PP)."""
-        return self.world_size - self.config.parallel_config.tensor_parallel_size
-
     def _receive(self, rank: int, deadline: float, what: str) -> WorkerReady | WorkerReply:
         """One message from worker ``rank``: one bounded dequeue, named ``"<what> from
         <worker>"`` (engine-top's "waiting for"), cancelled by the supervisor's first failure.
@@ -220,14 +228,23 @@ class MultiprocExecutor(Executor):
                 cancel=self.supervisor.failed,
                 what=f"{what} from {self.roles[rank]}",
             )
-        except WaitCancelled:
-            raise self.failure from None
-        except MessageQueueTimeout:
-            raise self._hung_error(rank, what) from None
-        except MessageQueueClosed:
-            # The worker closed its side: it is exiting. Blame it, with its exit status.
-            self._fail_once_exited(rank, 2.0, code_if_running=0)
+        except (WaitCancelled, MessageQueueTimeout, MessageQueueClosed) as e:
+            self._receive_failed(rank, what, e)
         return messages.decode_response(data)
+
+    def _receive_failed(self, rank: int, what: str, error: Exception) -> None:
+        """``_receive``'s dequeue from worker ``rank`` ended with ``error``; raise what it means.
+
+        Raises:
+            EngineDeadError: cancelled by the supervisor's failure, or the worker closed its
+                queue (it is exiting: blamed with its exit status).
+            TimeoutError: the deadline passed (``_hung_error``).
+        """
+        if isinstance(error, WaitCancelled):
+            raise self.failure from None
+        if isinstance(error, MessageQueueTimeout):
+            raise self._hung_error(rank, what) from None
+        self._fail_once_exited(rank, 2.0, code_if_running=0)
 
     # ------------------------------------------------------------------ liveness
 
@@ -415,12 +432,11 @@ class WorkerProc:
         """
         while True:
             try:
-                message = self.rpc_broadcast_mq.dequeue()
+                rpc_msg = messages.decode_rpc(self.rpc_broadcast_mq.dequeue())
             except MessageQueueTimeout:
                 continue  # idle: wait again (the lifeline watcher handles a dead parent)
             except MessageQueueClosed:
                 return  # the engine core closed the queue: an orderly shutdown
-            rpc_msg = messages.decode_rpc(message)
             reply = run_worker_rpc(self.wrapper, rpc_msg, self.rank, run_dir=self.run_dir, role=self.role,
                                    worker_spans=self.worker_spans, board=self.board)  # fmt: skip
             if rpc_msg.output_rank is None or rpc_msg.output_rank == self.rank:

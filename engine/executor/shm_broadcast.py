@@ -25,6 +25,7 @@ handshake (a reader can open its end before or after the writer has published).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import mmap
 import os
@@ -67,15 +68,6 @@ class MessageQueueTimeout(WaitTimeout):
 
 class MessageQueueClosed(Exception):
     """The writer closed the queue and every message it published has been read."""
-
-
-def default_timeout_s() -> float:
-    """The deadline of a queue wait given ``timeout=None``: ``GLASSBOX_MQ_TIMEOUT_S`` (s).
-
-    Raises:
-        ValueError: the variable is set but is not a positive number.
-    """
-    return envs.GLASSBOX_MQ_TIMEOUT_S
 
 
 _fence_lock = threading.Lock()
@@ -431,12 +423,11 @@ class MessageQueue:
             raise MessageQueueClosed(f"shared-memory queue {self.handle.name!r} is closed")
         payload = memoryview(data).cast("B")  # (msg_len,) bytes
         msg_len = payload.nbytes
-        timeout_s = default_timeout_s() if timeout is None else timeout
+        timeout_s = envs.GLASSBOX_MQ_TIMEOUT_S if timeout is None else timeout
         deadline = time.monotonic() + timeout_s
         words = self._words
-        start = 0
-        while True:  # one chunk per turn (an empty message takes one too)
-            seq = self._next_seq
+        # One chunk per turn (an empty message takes one too), numbered on from the last one.
+        for seq, start in enumerate(range(0, msg_len or 1, self._layout.max_chunk_bytes), self._next_seq):
             base, offset = self._slots[(seq - 1) % self._layout.max_chunks]
             if not self._slot_free(base):
                 self._wait_slot_free(base, seq, deadline, timeout_s, mid_message=start > 0)
@@ -449,9 +440,6 @@ class MessageQueue:
             words[base + _M_WRITTEN] = seq  # publish
             self._next_seq = seq + 1
             self._poke_all()
-            start += n
-            if start >= msg_len:
-                return
 
     def positions(self) -> tuple[int, list[int]] | None:
         """``(chunks written, [chunks read by reader i])`` since the queue was created: the
@@ -533,7 +521,7 @@ class MessageQueue:
             raise RuntimeError("dequeue() called on the writer's end of the queue")
         if self._closed:
             raise MessageQueueClosed(f"this reader's end of queue {self.handle.name!r} was closed")
-        timeout_s = default_timeout_s() if timeout is None else timeout
+        timeout_s = envs.GLASSBOX_MQ_TIMEOUT_S if timeout is None else timeout
         deadline = time.monotonic() + timeout_s
         words = self._words
         while True:  # one chunk per turn, until the message is whole
@@ -542,9 +530,8 @@ class MessageQueue:
             if words[base + _M_WRITTEN] != seq:
                 self._wait_published(base, seq, deadline, timeout_s, cancel, what or self._awaited)
             _fence()  # the payload is read only after the chunk was seen published
-            n = words[base + _M_NBYTES]
             msg_len = words[base + _M_MSG_LEN]
-            self._parts.append(self._mm[offset : offset + n])  # a copy
+            self._parts.append(self._mm[offset : offset + words[base + _M_NBYTES]])  # a copy
             _fence()  # the copy is done before the slot is handed back
             words[base + _M_READ + self.rank] = seq
             self._next_seq = seq + 1
@@ -584,13 +571,16 @@ class MessageQueue:
         # Read `closed` first: the writer sets it after its last publish, so once it is
         # seen, a chunk still missing below will never come.
         closed = self._words[_H_CLOSED]
-        if self._words[base + _M_WRITTEN] == seq:
-            return True
-        if closed:
-            raise MessageQueueClosed(
-                f"shared-memory queue {self.handle.name!r} was closed by {self.handle.writer_name}"
-            )
-        return False
+        published = self._words[base + _M_WRITTEN] == seq
+        if closed and not published:
+            raise self._closed_by_writer()
+        return published
+
+    def _closed_by_writer(self) -> MessageQueueClosed:
+        """The error of a reader that waits for a chunk the writer will never publish."""
+        return MessageQueueClosed(
+            f"shared-memory queue {self.handle.name!r} was closed by {self.handle.writer_name}"
+        )
 
     def _reader_timeout(self, timeout_s: float) -> MessageQueueTimeout:
         """The error of a reader's wait that passed its deadline: it names the writer and
@@ -635,16 +625,7 @@ class MessageQueue:
         """
         if any(ready() for _ in range(_SPIN_CHECKS)):
             return True
-
-        def ready_else_sleep() -> bool:
-            _drain(self._wakeup_fd)  # before the check: a later poke stays in the FIFO
-            if ready():
-                return True
-            sleep_s = min(deadline - time.monotonic(), slice_s)
-            if sleep_s > 0:
-                self._poller.poll(math.ceil(sleep_s * 1000))  # ms, rounded up
-            return False
-
+        ready_else_sleep = functools.partial(self._ready_else_sleep, ready, deadline, slice_s)
         try:
             # tracing.waits: the deadline, the cancel event and the wait events; the sleeping
             # is this queue's own (on its FIFO, woken by the other end's poke).
@@ -652,6 +633,16 @@ class MessageQueue:
                             poll_interval_s=0, cancel=cancel)  # fmt: skip
         except WaitTimeout:
             return False
+
+    def _ready_else_sleep(self, ready: Callable[[], bool], deadline: float, slice_s: float) -> bool:
+        """One turn of ``_wait``: ``ready()``, else sleep on this end's FIFO (at most
+        ``slice_s`` s, and not past ``deadline``) until the other end pokes it."""
+        _drain(self._wakeup_fd)  # before the check: a later poke stays in the FIFO
+        if ready():
+            return True
+        sleep_s = min(deadline - time.monotonic(), slice_s)
+        self._poller.poll(max(math.ceil(sleep_s * 1000), 0))  # ms, rounded up (0: past the deadline)
+        return False
 
 
 def _poke(fd: int) -> None:

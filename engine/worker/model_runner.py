@@ -86,12 +86,27 @@ class CachedRequestState:
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens at positions ``[start, end)`` of prompt followed by outputs."""
-        num_prompt = len(self.prompt_token_ids)
-        if start >= num_prompt:
-            return self.output_token_ids[start - num_prompt : end - num_prompt]
-        if end <= num_prompt:
-            return self.prompt_token_ids[start:end]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[start:end] + self.output_token_ids[max(start - n, 0) : max(end - n, 0)]
+
+
+def _resume_from_preemption(
+    state: CachedRequestState, new_block_ids: tuple[list[int], ...] | None, tokens: list[int] | None
+) -> None:
+    """A preempted request is scheduled again: preemption freed its old blocks, so the new
+    list replaces them; ``tokens`` (all of its tokens, when sent) rebuild its outputs."""
+    state.block_ids = list(new_block_ids[0]) if new_block_ids else []
+    if tokens is not None:
+        state.output_token_ids = list(tokens[state.num_prompt_tokens :])
+
+
+def _append_scheduled_tokens(state: CachedRequestState, tokens: list[int]) -> None:
+    """Pipeline parallelism, a stage before the last: it samples nothing, so it learns the
+    last stage's tokens from the scheduler (``tokens``: those scheduled now, the newest of
+    them sampled last step) and appends the ones it does not have yet."""
+    num_new = state.num_computed_tokens + len(tokens) - state.num_tokens
+    if num_new > 0:
+        state.output_token_ids.extend(tokens[-num_new:])
 
 
 @dataclass
@@ -421,13 +436,12 @@ class ModelRunner:
 
         with self._detail(catalogue.MODEL_RUNNER_SAMPLE), op_threads():
             sampled_lists, logprobs = self._sample(batch, hidden)
-        prompt_logprobs = self._prompt_logprobs(batch, hidden) if batch.prompt_logprob_rows else {}
         return ModelRunnerOutput(
             req_ids=batch.req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(batch.req_ids)},
             sampled_token_ids=sampled_lists,
             logprobs=logprobs,
-            prompt_logprobs_dict=prompt_logprobs,
+            prompt_logprobs_dict=self._prompt_logprobs(batch, hidden) if batch.prompt_logprob_rows else {},
         )
 
     def _run_model(self, input_ids, positions, meta: AttentionMetadata, intermediate_tensors):
@@ -479,69 +493,53 @@ class ModelRunner:
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
         for new in so.scheduled_new_reqs:
-            params = new.sampling_params
-            generator = None
-            if params.seed is not None:
-                generator = torch.Generator(device=self.device)
-                generator.manual_seed(params.seed)
+            seed = new.sampling_params.seed
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id,
                 prompt_token_ids=list(new.prompt_token_ids),
-                sampling_params=params,
+                sampling_params=new.sampling_params,
                 eos_token_id=new.eos_token_id,
                 block_ids=list(new.block_ids[0]),
                 num_computed_tokens=new.num_computed_tokens,
-                generator=generator,
+                generator=None if seed is None else torch.Generator(self.device).manual_seed(seed),
             )
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests[req_id]
             state.num_computed_tokens = cached.num_computed_tokens[i]
-            new_block_ids = cached.new_block_ids[i]
             if cached.resumed_from_preemption[i]:
-                # Preemption freed the old blocks: the new list replaces them.
-                state.block_ids = list(new_block_ids[0]) if new_block_ids else []
-                tokens = cached.resumed_req_token_ids[i]
-                if tokens is not None:
-                    state.output_token_ids = list(tokens[state.num_prompt_tokens :])
-            elif new_block_ids is not None:
-                state.block_ids.extend(new_block_ids[0])
-            if not self.is_last_stage and not cached.resumed_from_preemption[i] and cached.new_token_ids:
-                # PP: this stage samples nothing; learn the last stage's tokens from the
-                # scheduler (the tokens scheduled now, the newest of them sampled last step).
-                tokens = cached.new_token_ids[i]
-                num_new = state.num_computed_tokens + len(tokens) - state.num_tokens
-                if num_new > 0:
-                    state.output_token_ids.extend(tokens[-num_new:])
+                _resume_from_preemption(state, cached.new_block_ids[i], cached.resumed_req_token_ids[i])
+                continue
+            if cached.new_block_ids[i] is not None:
+                state.block_ids.extend(cached.new_block_ids[i][0])
+            if cached.new_token_ids and not self.is_last_stage:
+                _append_scheduled_tokens(state, cached.new_token_ids[i])
 
     def _prepare_inputs(self, so: SchedulerOutput) -> _Batch:
         """Flatten the scheduled requests (decodes first) into token arrays and metadata."""
         scheduled = so.num_scheduled_tokens
-        decodes = [r for r, n in scheduled.items() if n == 1]
-        req_ids = decodes + [r for r, n in scheduled.items() if n > 1]
-        num_decodes = len(decodes)
+        req_ids = sorted(scheduled, key=lambda r: scheduled[r] > 1)  # decodes (one token) first, in order
         states = [self.requests[r] for r in req_ids]
         num_reqs = len(req_ids)
 
         num_scheduled = np.fromiter((scheduled[r] for r in req_ids), dtype=np.int64, count=num_reqs)
+        num_decodes = int(np.count_nonzero(num_scheduled == 1))
         num_computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=num_reqs)
         query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(num_scheduled, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
         seq_lens = num_computed + num_scheduled  # (num_reqs,) tokens in the cache after this step
-        qsl = query_start_loc.tolist()
 
         # Per request: its tokens of this step, its row of the block table, and whether it
         # samples (all its known tokens are in the cache after this step).
         input_ids: list[int] = []
         block_table = np.zeros((num_reqs, max(len(s.block_ids) for s in states)), dtype=np.int32)  # 0: null
-        sample_rows, logits_indices, prompt_logprob_rows = [], [], []
+        sample_rows, prompt_logprob_rows = [], []
         for i, (state, start, end) in enumerate(zip(states, num_computed.tolist(), seq_lens.tolist())):
             input_ids.extend(state.token_ids(start, end))
             block_table[i, : len(state.block_ids)] = state.block_ids
             if end >= state.num_tokens:
                 sample_rows.append(i)
-                logits_indices.append(qsl[i + 1] - 1)
             if state.sampling_params.prompt_logprobs is not None:
                 prompt_logprob_rows.append(i)
 
@@ -551,30 +549,29 @@ class ModelRunner:
         bs = self.block_size
         slot_mapping = block_table[req_index, positions // bs].astype(np.int64) * bs + positions % bs
 
-        to_device = self._to_device
         meta = AttentionMetadata(
             num_reqs=num_reqs,
             num_decodes=num_decodes,
-            slot_mapping=to_device(slot_mapping, torch.int64),
-            query_start_loc=to_device(query_start_loc, torch.int32),
-            seq_lens=to_device(seq_lens, torch.int32),
-            block_table=to_device(block_table, torch.int32),
-            query_start_loc_cpu=qsl,
+            slot_mapping=self._to_device(slot_mapping, torch.int64),
+            query_start_loc=self._to_device(query_start_loc, torch.int32),
+            seq_lens=self._to_device(seq_lens, torch.int32),
+            block_table=self._to_device(block_table, torch.int32),
+            query_start_loc_cpu=query_start_loc.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
             num_computed_tokens_cpu=num_computed.tolist(),
             max_decode_seq_len=int(seq_lens[:num_decodes].max()) if num_decodes else 0,
             block_size=bs,
-            decode_slots=to_device(self._decode_slots(block_table, seq_lens, num_decodes), torch.int64)
+            decode_slots=self._to_device(self._decode_slots(block_table, seq_lens, num_decodes), torch.int64)
             if num_decodes and self.attention_backend == "PAGED_INDUCTOR"
             else None,
         )
         return _Batch(
             req_ids=req_ids,
-            input_ids=to_device(np.asarray(input_ids, dtype=np.int64), torch.int64),
-            positions=to_device(positions, torch.int64),
+            input_ids=self._to_device(np.asarray(input_ids, dtype=np.int64), torch.int64),
+            positions=self._to_device(positions, torch.int64),
             attn_metadata=meta,
             sample_rows=sample_rows,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=self.device),
+            logits_indices=self._to_device(query_start_loc[1:][sample_rows] - 1, torch.int64),
             prompt_logprob_rows=prompt_logprob_rows,
         )
 

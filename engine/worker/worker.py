@@ -39,6 +39,7 @@ import torch
 
 from engine import envs
 from engine.config import ConfigError, EngineConfig
+from engine.distributed.parallel_state import get_pp_group
 from engine.kv_cache.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 from engine.logger import init_logger
 from engine.model.loader import resolve_device, resolve_dtype
@@ -244,25 +245,23 @@ class Worker:
         return facts
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        assert self.model_runner is not None
-        from engine.distributed.parallel_state import get_pp_group
-
-        pp = get_pp_group()
         intermediate_tensors = None
-        runs_forward = scheduler_output.total_num_scheduled_tokens > 0
         with self.step_telemetry.step(self.model_runner):
-            if pp is not None and not pp.is_first_rank and runs_forward:
-                # The previous stage's hidden states for this step (blocks until they arrive).
-                # Received as inference tensors, like the warm-up's: a compiled forward guards on
-                # that, and a plain tensor would make it compile a second graph.
-                with torch.inference_mode():
-                    intermediate_tensors = IntermediateTensors(pp.recv_tensor_dict(device=self.device))
+            if not self.model_runner.is_first_stage and scheduler_output.total_num_scheduled_tokens > 0:
+                intermediate_tensors = self._recv_intermediate_tensors()
             output = self.model_runner.execute_model(scheduler_output, intermediate_tensors)
-            if isinstance(output, IntermediateTensors):
-                assert pp is not None
-                pp.send_tensor_dict(output.tensors)  # on to the next stage; nothing for the engine core
-                output = None
+            if isinstance(output, IntermediateTensors):  # a pipeline rank before the last
+                get_pp_group().send_tensor_dict(output.tensors)  # on to the next stage, not the engine core
+                return None
         return output if self.is_driver_worker else None
+
+    def _recv_intermediate_tensors(self) -> IntermediateTensors:
+        """The previous pipeline stage's hidden states for this step (blocks until they arrive).
+
+        Received as inference tensors, like the warm-up's: a compiled forward guards on that,
+        and a plain tensor would make it compile a second graph."""
+        with torch.inference_mode():
+            return IntermediateTensors(get_pp_group().recv_tensor_dict(device=self.device))
 
     def telemetry_gauges(self) -> dict[str, float]:
         """Live-telemetry gauges: execute_model calls so far and the last one's time (ms)
