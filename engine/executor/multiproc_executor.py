@@ -53,6 +53,9 @@ logger = init_logger(__name__)
 
 WORKER_EXIT_GRACE_S = 2.0  # s a worker that reported a failure gets to exit before it is named
 HUNG_STACK_TIMEOUT_S = 2.0  # s to wait for a stack dump of a worker that missed its deadline
+# An idle worker waits for the next RPC this long (s) at a time: a short poll, which engine-top
+# and doctor know not to show as a wait (shorter than tracing's IDLE_POLL_WAIT_S).
+IDLE_POLL_S = 1.0
 
 
 def worker_role(dp_rank: int, pp_rank: int, tp_rank: int) -> str:
@@ -432,7 +435,7 @@ class WorkerProc:
         """
         while True:
             try:
-                rpc_msg = messages.decode_rpc(self.rpc_broadcast_mq.dequeue())
+                rpc_msg = messages.decode_rpc(self.rpc_broadcast_mq.dequeue(timeout=IDLE_POLL_S))
             except MessageQueueTimeout:
                 continue  # idle: wait again (the lifeline watcher handles a dead parent)
             except MessageQueueClosed:

@@ -55,9 +55,11 @@ def check_enough_kv_cache_memory(config: EngineConfig, spec: FullAttentionSpec, 
             flag = "--max-model-len"
         raise ConfigError.from_message(
             f"{flag}: to serve at least one request with --max-model-len {max_model_len}, "
-            f"{needed / (1 << 20):.2f} MiB of KV cache is needed, which is larger than the "
-            f"available KV cache memory ({available_bytes / (1 << 20):.2f} MiB). The estimated "
-            f"maximum model length is {fits_blocks * spec.block_size}. Try a smaller "
+            f"{needed / (1 << 20):.2f} MiB ({needed} bytes) of KV cache is needed, which is larger "
+            f"than the available KV cache memory ({available_bytes / (1 << 20):.2f} MiB, "
+            f"{available_bytes} bytes). The estimated maximum model length is "
+            f"{fits_blocks * spec.block_size} ({fits_blocks} blocks of {spec.block_size} tokens "
+            "beside the null block). Try a smaller "
             "--max-model-len or a larger GLASSBOX_CPU_KVCACHE_SPACE / --kv-cache-memory-bytes.",
             flag=flag,
         )

@@ -271,6 +271,8 @@ def test_doctor_against_a_real_server_healthy_then_with_its_worker_stopped():
         for role, loop in main_loops.items():
             p = by_role[role]
             assert p["state"] == "running" and p["heartbeat_age_s"] is not None, p
+            # An idle process polls (the worker for its next RPC, a second at a time): no wait shown.
+            assert p["waits"] == [], (role, p["waits"])
             main_thread = next(t for t in p["threads"] if t["main"])
             assert any(f" in {loop}" in f for f in main_thread["frames"]), (role, main_thread["frames"])
         engine_threads = {t["name"] for t in by_role["EngineCore_DP0"]["threads"]}
