@@ -121,9 +121,13 @@ class _Svg:
         self.max_x, self.max_y = max(self.max_x, x), max(self.max_y, y)
 
     def path(self, points: list[tuple[float, float]], link: str, *, start: bool = False,
-             end: bool = True) -> None:  # fmt: skip
+             end: bool = True, halo: bool = False) -> None:  # fmt: skip
+        """A line through ``points``; ``halo``: on a wide white band, so a line it crosses is
+        seen to pass under it, not to join it."""
         colour, dashed, _ = LINKS[link]
         d = " ".join(f"{'M' if i == 0 else 'L'}{_num(x)} {_num(y)}" for i, (x, y) in enumerate(points))
+        if halo:
+            self.lines.append(f'<path d="{d}" fill="none" stroke="#ffffff" stroke-width="8"/>')
         attrs = f'd="{d}" fill="none" stroke="{colour}" stroke-width="{1.6 if link == "spawn" else 2}"'
         if dashed:
             attrs += ' stroke-dasharray="6 4"'
@@ -281,7 +285,7 @@ def draw(plan: TopologyPlan, flags: tuple[str, ...]) -> str:
     api_y = top + (96 if bus else 10)
     eng_y = api_y + BOX_H + ROW_GAP
     wrk_y = eng_y + BOX_H + ROW_GAP
-    left = MARGIN + (2 * gutter + 4 if bus else 0)
+    left = MARGIN + (gutter + 4 if bus else 0)
 
     # Engine groups, left to right, the coordinator between the first and the second.
     tp_gap = 190
@@ -347,9 +351,8 @@ def draw(plan: TopologyPlan, flags: tuple[str, ...]) -> str:
     else:
         # Every engine core talks to every API server: one line above the API servers that
         # each of them taps, the engine cores through the gutters at the sides.
-        gl, gr = MARGIN + gutter, right + gutter
-        outer = MARGIN + 4
-        svg.path([(outer, bus_y), (gr, bus_y)], "zmq", end=False)
+        gl, gr = MARGIN + 4, right + gutter
+        svg.path([(gl, bus_y), (gr, bus_y)], "zmq", end=False)
         for ax in api_x:
             svg.path([(ax + BOX_W / 2, bus_y), (ax + BOX_W / 2, api_y)], "zmq", start=True)
         for k, (_, ex, _) in enumerate(groups):
@@ -360,20 +363,24 @@ def draw(plan: TopologyPlan, flags: tuple[str, ...]) -> str:
                 svg.path([(ex + BOX_W, y), (gr, y), (gr, bus_y)], "zmq", start=True, end=False)
         # The label above the line, left of APIServer_0's tap.
         for j, line in enumerate(["ZMQ, ipc:// (run dir): every engine core \u2194 every API server",
-                                  "requests ROUTER \u2192 DEALER, outputs PUSH \u2192 PULL, load tables PUB \u2192 SUB"]):  # fmt: skip
+                                  "requests ROUTER \u2192 DEALER, outputs PUSH \u2192 PULL"]):  # fmt: skip
             svg.text(gl + 24, bus_y - 24 + 15 * j, line, size=11.5, bold=j == 0, colour=zmq_colour)
         if coordinator is not None:
-            # The coordinator publishes the load table to every API server: down, round the
-            # engines' workers, up the outer gutter.
-            cx = coord_x + BOX_W / 2
-            low = wrk_y + BOX_H + 26
-            svg.path([(cx, eng_y + BOX_H), (cx, low), (outer, low), (outer, bus_y)], "coord")
-            svg.text(
-                cx + 8, eng_y + BOX_H + 40, "PUB \u2192 SUB", size=11.5, colour=LINKS["coord"][0], chip=True
-            )
-            svg.text(cx + 8, eng_y + BOX_H + 55, "EngineLoads to every", size=11.5, colour=LINKS["coord"][0],
-                     chip=True)  # fmt: skip
-            svg.text(cx + 8, eng_y + BOX_H + 70, "API server", size=11.5, colour=LINKS["coord"][0], chip=True)
+            # The coordinator publishes the load table to every API server: up beside the start
+            # arrow into APIServer_0, and along a line under the API servers into each of the
+            # others. That line has to cross APIServer_0's start arrow to EngineCore_DP1 (the
+            # graph is not planar: APIServer_0, the coordinator and the ZMQ bus each reach
+            # APIServer_1 and both engine cores), so it is drawn on a white band.
+            colour = LINKS["coord"][0]
+            taps = [ax + BOX_W / 2 + 40 for ax in api_x]
+            under = api_y + BOX_H + 50
+            svg.path([(taps[-1], under), (taps[0], under)], "coord", end=False, halo=True)
+            svg.path([(taps[0], eng_y), (taps[0], api_y + BOX_H)], "coord")
+            for tx in taps[1:]:
+                svg.path([(tx, under), (tx, api_y + BOX_H)], "coord")
+            label = ["PUB \u2192 SUB", "EngineLoads, the load table,", "to every API server"]
+            for j, line in enumerate(label):
+                svg.text(taps[0] + 8, under + 22 + 15 * j, line, size=11.5, colour=colour, chip=True)
             # ... and talks with each engine core beside it.
             for _, ex, _ in groups:
                 on_left = ex < coord_x
