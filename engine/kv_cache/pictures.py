@@ -191,6 +191,7 @@ STYLES: dict[str, tuple[str, str, bool, str]] = {
 }
 NO_HASH = "\u2013"  # a block that is not cached
 WRITTEN = "#cf222e"  # the outline of the slots the last step wrote
+STALE = "#afb8c1"  # the fill of a slot a finished request wrote, in a free block with no hash
 
 BLOCK_W, BLOCK_H, BLOCK_GAP = 150, 104, 14
 CELL_W, CELL_H = 15, 22
@@ -263,7 +264,7 @@ def draw(snap: KVSnapshot) -> str:
             slot = block.block_id * bs + k
             cell_fill = stroke if slot in snap.written and not block.is_null else "#ffffff"
             if cell_fill != "#ffffff" and state in ("free", "cached"):
-                cell_fill = "#afb8c1" if state == "free" else stroke  # stale, never read again
+                cell_fill = STALE if state == "free" else stroke  # stale, never read again
             now = snap.written.get(slot) == step_no
             svg.rect(cx0 + k * CELL_W, by + 27, CELL_W, CELL_H, fill=cell_fill,
                      stroke=WRITTEN if now else "#8c959f", width=2.2 if now else 0.8)  # fmt: skip
@@ -347,6 +348,9 @@ def draw(snap: KVSnapshot) -> str:
         _swatch(svg, MARGIN, y - 11, state)
         svg.text(MARGIN + 28, y, text, size=12)
         y += 20
+    svg.rect(MARGIN + 2, y - 12, CELL_W - 2, 15, fill=STALE, stroke="#8c959f", width=0.8)
+    svg.text(MARGIN + 28, y, "a slot written earlier by a finished request: stale, never read", size=12)
+    y += 20
     svg.rect(MARGIN + 2, y - 12, CELL_W - 2, 15, fill="#ffffff", stroke=WRITTEN, width=2.2)
     svg.text(MARGIN + 28, y, f"a slot written in step {step_no}: the slot_mapping", size=12)
     return svg.render("The paged KV cache: blocks, block tables, slot mapping", "; ".join(
