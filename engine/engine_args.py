@@ -68,7 +68,12 @@ IGNORED_VLLM_FLAGS: tuple[VllmFlag, ...] = (
         False,
         "the periodic stats line is tuned by GLASSBOX_LOG_STATS_INTERVAL; GET /metrics is always on",
     ),
-    VllmFlag(("--disable-custom-all-reduce",), False, "one worker: there is no all-reduce"),
+    VllmFlag(
+        ("--disable-custom-all-reduce",),
+        False,
+        "there is no custom all-reduce kernel: tensor parallelism's all-reduce is always "
+        "torch.distributed's (gloo on a CPU, NCCL on CUDA)",
+    ),
 )
 
 # vLLM flags Glassbox refuses: one line naming the flag, exit status 2.
