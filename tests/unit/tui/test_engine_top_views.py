@@ -149,7 +149,7 @@ def make_state() -> LiveState:
     requests = {
         "cmpl-a1": RequestLive("cmpl-a1", "scheduled", 0, 200, 180, 12, 13, NOW - 5.0, NOW - 0.1),
         "cmpl-b2": RequestLive(
-            "cmpl-b2", "preempted", 1, 900, 0, 40, 0, NOW - 42.0, NOW - 41.0, "no free KV blocks"
+            "cmpl-b2", "preempted", 1, 900, 0, 40, 0, NOW - 42.0, NOW - 41.0, "KV cache full"
         ),
         "cmpl-c3": RequestLive("cmpl-c3", "arrived", 0, 64, -1, -1, -1, NOW - 0.3, NOW - 0.3),
     }
@@ -487,7 +487,7 @@ def test_requests_panel_filters_by_engine_and_sorts():
     assert text.index("cmpl-b2") < text.index("cmpl-a1") < text.index("cmpl-c3")  # oldest first
     row = line_of(text, "cmpl-a1")
     assert "180/212" in row and "13" in row and "5.0s" in row  # computed/total, blocks, age
-    assert "no free KV blocks" in line_of(text, "cmpl-b2")
+    assert "KV cache full" in line_of(text, "cmpl-b2")
     only0 = render(views.render_requests(state, engine=0, sort="id"))
     assert "cmpl-b2" not in only0
     assert only0.index("cmpl-a1") < only0.index("cmpl-c3")
