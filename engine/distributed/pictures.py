@@ -41,6 +41,8 @@ from pathlib import Path
 
 from engine.distributed import topology
 from engine.distributed.topology import ProcessRole, RoleKind, TopologyPlan
+from engine.utils.svg import num as _num
+from engine.utils.svg import write_svgs
 
 # The pictures: file stem -> the flags of `glassbox serve` it shows.
 SHAPES: dict[str, tuple[str, ...]] = {
@@ -94,12 +96,6 @@ LINKS: dict[str, tuple[str, bool, str]] = {
         "torch.distributed collectives between TP ranks (gloo on CPU, NCCL on CUDA)",
     ),
 }
-
-
-def _num(v: float) -> str:
-    """A coordinate as a short, stable string."""
-    r = round(v, 1)
-    return str(int(r)) if r == int(r) else f"{r:.1f}"
 
 
 def _text_width(text: str, size: float, mono: bool) -> float:
@@ -411,13 +407,7 @@ def render_all() -> dict[str, str]:
 
 def write_pictures(out_dir: Path = DOCS_DIR) -> list[Path]:
     """Write every picture into ``out_dir``; returns the paths written."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    for name, text in render_all().items():
-        path = out_dir / name
-        path.write_text(text, encoding="utf-8")
-        written.append(path)
-    return written
+    return write_svgs(render_all(), out_dir)
 
 
 def write_every_picture(out_dir: Path = DOCS_DIR) -> list[Path]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import inspect
 from pathlib import Path
 
-from engine.utils.svg import MARGIN, MUTED, TEXT, Canvas
+from engine.utils.svg import MARGIN, MUTED, TEXT, Canvas, write_svgs
 
 FILE_NAME = "request-path.svg"
 COMMAND = "python -m engine.distributed.pictures"
@@ -365,10 +365,4 @@ def render() -> dict[str, str]:
 
 
 def write_pictures(out_dir: Path) -> list[Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    for name, text in render().items():
-        path = out_dir / name
-        path.write_text(text, encoding="utf-8")
-        written.append(path)
-    return written
+    return write_svgs(render(), out_dir)

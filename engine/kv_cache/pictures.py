@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.utils.svg import MARGIN, MUTED, TEXT, Canvas
+from engine.utils.svg import MARGIN, MUTED, TEXT, Canvas, write_svgs
 
 BLOCK_SIZE = 8  # the smallest --block-size but 1: eight slots a block fit on a page
 NUM_BLOCKS = 12  # null block included
@@ -363,10 +363,4 @@ def render() -> dict[str, str]:
 
 
 def write_pictures(out_dir: Path) -> list[Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    for name, text in render().items():
-        path = out_dir / name
-        path.write_text(text, encoding="utf-8")
-        written.append(path)
-    return written
+    return write_svgs(render(), out_dir)

@@ -10,6 +10,7 @@ process trees (``engine/distributed/pictures.py``) keep their own, older drawing
 from __future__ import annotations
 
 from html import escape
+from pathlib import Path
 
 MONO = "monospace"
 SANS = "sans-serif"
@@ -124,3 +125,14 @@ class Canvas:
             *self.boxes, *self.lines, *self.labels,
             "</svg>",
         ]) + "\n"  # fmt: skip
+
+
+def write_svgs(pictures: dict[str, str], out_dir: Path) -> list[Path]:
+    """Write each picture (file name -> SVG text) into ``out_dir``; returns the paths written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, text in pictures.items():
+        path = out_dir / name
+        path.write_text(text, encoding="utf-8")
+        written.append(path)
+    return written
