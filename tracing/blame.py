@@ -192,7 +192,8 @@ def find_culprit(seen: list[Seen], now: float) -> Blame | None:
         own = _own_verdict(culprit)
         if own is not None:
             waited.verdict = own[0]
-            waited.reason += f"; it {own[1]}" if own[0] != "held" else f"; {own[1]}"
+            it = {"held": "", "stopped": "it is ", "frozen": "it is "}.get(own[0], "it ")
+            waited.reason += f"; {it}{own[1]}"
             if culprit.crash is not None and culprit.crash.caused_by is None:
                 waited.exception = culprit.crash.exception
         return waited

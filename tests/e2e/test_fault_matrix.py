@@ -583,6 +583,8 @@ def test_a_rank_hung_in_a_step_is_named_by_root_cause_doctor_and_engine_top_not_
         while True:  # the peer counts as waiting once it has been inside its collective for a second
             code, doc = _doctor(tree, "--no-stacks")
             named = doc.get("culprit") == role and waits in doc.get("diagnosis", "")
+            # A freeze announces itself 0.2 s before its SIGSTOP lands: wait for the OS to say so.
+            named = named and (kind != "freeze" or "is stopped" in doc["diagnosis"])
             if named or time.monotonic() > deadline:
                 break
             time.sleep(0.2)

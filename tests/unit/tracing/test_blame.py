@@ -96,3 +96,26 @@ def test_the_rank_a_collective_waits_for_is_named_not_the_one_waiting(run_dir, m
     boards[1].leave(0)
     boards[1].enter(0, contract.COMM_KINDS.index("all_reduce"))  # TP1 reached #2 too: nobody is late
     assert blame.blame_run_dir(run_dir, now=time.time() + 5) is None
+
+
+@pytest.mark.parametrize(
+    ("trouble", "words"),
+    [
+        ({"frozen": "frozen: no heartbeat"}, "; it is frozen: no heartbeat"),
+        ({"stopped": "stopped by a signal (os state stopped)"}, "; it is stopped by a signal (os state stopped)"),
+    ],
+    ids=["frozen", "stopped"],
+)  # fmt: skip
+def test_a_waited_on_rank_with_trouble_of_its_own_reads_as_a_sentence(run_dir, trouble, words):
+    """TP0 waits in all_reduce #1 for TP1, which is itself frozen or stopped: the verdict is
+    TP1's own trouble and the reason says "it is …" (never "it frozen: …")."""
+    for role in WORKERS:
+        _status(run_dir, role, os.getpid())
+    boards = [contract.CommBoard(run_dir, role) for role in WORKERS]
+    for board in boards:
+        board.rpc_enter("execute_model")
+    boards[0].enter(0, contract.COMM_KINDS.index("all_reduce"))
+    known = {WORKERS[1]: blame.Seen(WORKERS[1], **trouble)}
+    culprit = blame.blame_run_dir(run_dir, now=time.time() + 5, known=known)
+    assert (culprit.role, culprit.verdict) == (WORKERS[1], next(iter(trouble)))
+    assert culprit.reason.startswith("TP0 waits in all_reduce #1 for TP1") and culprit.reason.endswith(words)
