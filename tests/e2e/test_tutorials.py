@@ -23,6 +23,12 @@ terminal. What the runner does with each kind of block:
   runner replaces by its own server.
 - Any other block (```` ```text ````, ```` ```json ````, …) is prose: not run.
 
+The lesson's server is ``make run`` (``glassbox serve`` on the shipped defaults) unless the
+lesson says otherwise in one comment, ``<!-- lesson-server: glassbox serve FLAGS -->``
+(``VAR=value`` words may come first), whose command must also appear in the lesson's text
+for the student to type; or ``<!-- lesson-server: none "why" -->`` for a lesson whose
+blocks start what they need themselves.
+
 A block runs as the student types it, with four things rewritten: ``127.0.0.1:8000`` becomes
 the lesson server's address; ``glassbox``, ``engine-top`` and ``python`` are this
 interpreter's (shims first on ``PATH``); ``GLASSBOX_RUN_DIR_BASE`` is the lesson server's
@@ -48,6 +54,7 @@ import doctest
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -122,6 +129,51 @@ def console_commands(source: str) -> list[tuple[str, str]]:
 
 
 # ------------------------------------------------------------------------ a lesson's world
+
+_LESSON_SERVER = re.compile(r"<!--\s*lesson-server:\s*(?P<command>.*?)\s*-->", re.S)
+
+
+def lesson_server(path: Path) -> tuple[dict[str, str], list[str]] | None:
+    """The lesson's server as ``(env, glassbox serve flags)``; None for ``none "why"``.
+
+    Raises:
+        ValueError: more than one ``lesson-server`` comment, a command that is not
+            ``[VAR=value ...] glassbox serve ...``, or one the lesson's text never shows.
+    """
+    text = path.read_text()
+    found = _LESSON_SERVER.findall(text)
+    if not found:
+        return {}, []
+    if len(found) > 1:
+        raise ValueError(f"{path.name}: more than one lesson-server comment")
+    command = found[0]
+    if re.fullmatch(r'none "[^"]{10,}"', command):
+        return None
+    words = shlex.split(command)
+    env = {}
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
+        key, _, value = words.pop(0).partition("=")
+        env[key] = value
+    if words[:2] != ["glassbox", "serve"]:
+        raise ValueError(f"{path.name}: lesson-server must be 'glassbox serve ...': {command!r}")
+    shown = _LESSON_SERVER.sub("", text)
+    if command not in shown:
+        raise ValueError(f"{path.name}: the lesson never shows its server command {command!r}")
+    return env, words[2:]
+
+
+class _NoServer:
+    """A lesson with ``lesson-server: none``: its blocks start what they need."""
+
+    def __init__(self, base: Path) -> None:
+        self.run_dir, self.port = base / "srv" / "none", 8000
+        self.run_dir.parent.mkdir(parents=True)
+
+    def log(self) -> str:
+        raise AssertionError("this lesson has no server of its own (lesson-server: none)")
+
+    def kill_group(self) -> None:
+        pass
 
 
 class Lesson:
@@ -292,6 +344,20 @@ def test_every_skip_says_why():
             assert re.fullmatch(r'<!--\s*skip: (next|start) "[^"]{10,}"\s*-->', line), f"{path.name}: {line}"
 
 
+def test_a_lesson_server_is_the_command_the_lesson_shows(tmp_path):
+    lesson = tmp_path / "lesson.md"
+    lesson.write_text("<!-- lesson-server: GLASSBOX_X=1 glassbox serve --step-delay-ms 50 -->\n"
+                      "    GLASSBOX_X=1 glassbox serve --step-delay-ms 50\n")  # fmt: skip
+    assert lesson_server(lesson) == ({"GLASSBOX_X": "1"}, ["--step-delay-ms", "50"])
+    lesson.write_text("<!-- lesson-server: glassbox serve --step-delay-ms 50 -->\n    glassbox serve\n")
+    with pytest.raises(ValueError, match="never shows"):
+        lesson_server(lesson)
+    lesson.write_text('<!-- lesson-server: none "it starts its own trees" -->\n')
+    assert lesson_server(lesson) is None
+    for path in LESSONS:
+        lesson_server(path)  # each lesson's own comment is well-formed
+
+
 def test_masking_keeps_what_the_text_claims():
     row = "  EngineCore_DP0        5164  5139  sleeping  idle, after engine_core.init  24.4s  1m07s  39  12"
     other = "  EngineCore_DP0   77  1  running  idle, after engine_core.init  0.1s  3.0s  1453  9"
@@ -311,7 +377,8 @@ def test_lesson_runs_as_written(path):
     document = SYBIL.parse(path)
     base = Path(tempfile.mkdtemp(prefix="gbt", dir="/tmp"))  # short: ipc paths ≤ 107 chars
     try:
-        server = start_server(base / "srv")
+        wanted = lesson_server(path)
+        server = _NoServer(base) if wanted is None else start_server(base / "srv", *wanted[1], env=wanted[0])
         try:
             document.namespace["lesson"] = Lesson(server, base)
             ran = []
