@@ -43,6 +43,11 @@ timestamps, log-line dates and source line numbers, durations (``24.4s``, ``1m11
 ``pid=N`` / ``pid N``, and in a ``glassbox ps`` row the PID, PPID, STATE, RSS and THREADS
 columns. Anything else that differs from machine to machine is ``...`` in the text.
 
+The docs (``docs/*.md``) are held to their console blocks the same way: a block that shows
+what each command prints is run (no server; these show the first process's refusals) and
+compared; bare ``$ command`` lines with no output are illustrations. README's blocks are
+run by ``tests/e2e/test_readme_examples.py``.
+
 Cheap by design: one server start per lesson (about 10-20 s warm on 2 cores) and each
 command a client call; every command has a timeout and runs in its own process group,
 killed when it ends.
@@ -65,7 +70,7 @@ from unittest import SkipTest
 
 import pytest
 from server_utils import start_server
-from sybil import Sybil
+from sybil import Document, Sybil
 from sybil.example import NotEvaluated
 from sybil.parsers.markdown import SkipParser
 from sybil.parsers.markdown.lexers import DirectiveInHTMLCommentLexer, FencedCodeBlockLexer
@@ -393,5 +398,40 @@ def test_lesson_runs_as_written(path):
             assert evaluate_console in ran and evaluate_check in ran, f"{path.name}: ran only {ran}"
         finally:
             server.kill_group()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+DOCS_WITH_OUTPUT = sorted((ROOT / "docs").glob("*.md"))
+
+
+def _docs_console_blocks() -> list[tuple[str, int, list[tuple[str, str]]]]:
+    """The docs' console blocks that show what each command prints: ``(doc, line, pairs)``.
+    A block of bare ``$ command`` lines (a server to start, no output shown) is an
+    illustration and is not collected."""
+    blocks = []
+    for path in DOCS_WITH_OUTPUT:
+        text = path.read_text()
+        for region in FencedCodeBlockLexer("console")(Document(text, str(path))):
+            pairs = console_commands(str(region.lexemes["source"]))
+            if pairs and all(out.strip() for _, out in pairs):
+                blocks.append((path.name, text.count("\n", 0, region.start) + 1, pairs))
+    return blocks
+
+
+@pytest.mark.parametrize(
+    "doc, line, pairs", _docs_console_blocks(), ids=lambda v: v if isinstance(v, str) else ""
+)
+def test_a_docs_console_block_prints_what_it_shows(tmp_path, doc, line, pairs):
+    """A doc's console block that shows output prints it (masked as a lesson's). Its exit
+    status is not a claim: such blocks show refusals (a bad flag, exit 2) as often as not."""
+    base = Path(tempfile.mkdtemp(prefix="gbd", dir="/tmp"))
+    try:
+        lesson = Lesson(_NoServer(base), base)
+        for command, expected in pairs:
+            done = lesson.shell(command)
+            assert output_matches(expected, done.stdout), _failure(
+                f"{doc}:{line}: $ {command}", expected, done.stdout
+            )
     finally:
         shutil.rmtree(base, ignore_errors=True)
