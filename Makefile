@@ -56,7 +56,7 @@ run: install
 ## test: lint, format check, and the CPU test suite
 test: install-test lint
 	@$(BIN)/python engine/cli/torch_info.py
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=30 $(PYTEST_ARGS)
 
 lint: install-test
 	$(BIN)/ruff check .
