@@ -195,6 +195,12 @@ ATTR_COMPILE_MODE = _attr(
 ATTR_COMPILE_NUM_GRAPHS = _attr(
     "glassbox.compile.num_graphs", "int", "Graphs torch.compile made during warm-up (1 serves every batch)."
 )
+ATTR_COMPILE_CACHE = _attr(
+    "glassbox.compile.cache",
+    "str",
+    'Where the graphs came from: "hit" (loaded from the compile cache: a warm start), "miss" '
+    '(compiled and written to it: a cold start), "mixed", or "off" (eager).',
+)
 ATTR_COMPILE_SECONDS = _attr(
     "glassbox.compile.seconds",
     "float",
@@ -416,7 +422,7 @@ WORKER_COMPILE_OR_WARM_UP_MODEL = _span(
     (KIND_WORKER,),
     "Compile the model forward (torch.compile; from the cache when warm) and run warm-up steps, "
     "so the first request pays no one-time cost.",
-    (ATTR_RANK, ATTR_COMPILE_MODE, ATTR_COMPILE_NUM_GRAPHS, ATTR_COMPILE_SECONDS),
+    (ATTR_RANK, ATTR_COMPILE_MODE, ATTR_COMPILE_NUM_GRAPHS, ATTR_COMPILE_CACHE, ATTR_COMPILE_SECONDS),
 )
 ENGINE_CORE_SHUTDOWN = _span(
     "engine_core.shutdown",

@@ -310,7 +310,8 @@ class ModelRunner:
         Unless ``enforce_eager`` (or ``GLASSBOX_TORCH_COMPILE=0``), the forward is compiled
         first (``engine/model/cpu/compile.py``): the first dummy step traces and compiles the one
         graph (or loads it from the compile cache). Returns what the worker's stage reports:
-        ``{"mode": "inductor" | "eager", "graphs": n, "seconds": compile seconds}``.
+        ``{"mode": "inductor" | "eager", "graphs": n, "cache": "hit" | "miss" | "mixed" | "off",
+        "seconds": compile seconds}``.
         Dummy tokens write only to block 0, the null block, which no request reads.
         """
         backend = self.attention_backend = self._choose_attention_backend()
@@ -362,10 +363,16 @@ class ModelRunner:
             self.compiled = None
             self._warm_up_steps()
         if self.compiled is None:
-            return {"mode": "eager", "graphs": 0, "seconds": 0.0}
-        self.compiled.seal()
-        logger.info("torch.compile: %d graph(s) in %.1f s", self.compiled.num_graphs, self.compiled.compile_s)
-        return {"mode": "inductor", "graphs": self.compiled.num_graphs, "seconds": self.compiled.compile_s}
+            return {"mode": "eager", "graphs": 0, "cache": "off", "seconds": 0.0}
+        compiled = self.compiled
+        compiled.seal()
+        came_from = {"hit": "loaded from the compile cache", "miss": "compiled and cached for the next start",
+                     "mixed": "some loaded from the compile cache, some compiled"}[compiled.cache]  # fmt: skip
+        logger.info(
+            "torch.compile: %d graph(s) in %.1f s, %s", compiled.num_graphs, compiled.compile_s, came_from
+        )
+        return {"mode": "inductor", "graphs": compiled.num_graphs, "cache": compiled.cache,
+                "seconds": compiled.compile_s}  # fmt: skip
 
     def _warm_up_steps(self) -> None:
         """A prefill and two batches of decodes on dummy tokens (block 0, the null block)."""

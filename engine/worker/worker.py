@@ -230,6 +230,7 @@ class Worker:
             compiled = self.model_runner.warm_up()
             st.set(catalogue.ATTR_COMPILE_MODE, compiled["mode"])
             st.set(catalogue.ATTR_COMPILE_NUM_GRAPHS, compiled["graphs"])
+            st.set(catalogue.ATTR_COMPILE_CACHE, compiled["cache"])
             st.set(catalogue.ATTR_COMPILE_SECONDS, round(compiled["seconds"], 3))
             torch.manual_seed(self.config.model_config.seed)
         set_runs_as(self.runs_as(compiled))

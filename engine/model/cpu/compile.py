@@ -119,7 +119,9 @@ class CompiledModel:
     or its cache load, and that one forward). After ``seal()`` (end of warm-up), a new graph
     is logged as a warning and counted in ``graphs_after_warm_up``: it means a guard failed
     and a request paid seconds of compile (the worker reports the count in its status file,
-    ``glassbox ps``, so a test or a user can see it; 0 on a healthy server).
+    ``glassbox ps``, so a test or a user can see it; 0 on a healthy server). ``cache``: where
+    the graphs came from, read from torch's own counters (AOTAutograd's and Inductor's cache
+    hits and misses): ``"hit"`` (a warm start), ``"miss"`` (a cold one), ``"mixed"``.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -151,6 +153,7 @@ class CompiledModel:
         self.compile_s = 0.0
         self.graphs_after_warm_up = 0
         self._sealed = False
+        self._cache_hits = self._cache_misses = 0
         self._forward = torch.compile(model, backend=self._backend, fullgraph=True)
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
@@ -161,7 +164,25 @@ class CompiledModel:
             self.graphs_after_warm_up += 1
             logger.warning("torch.compile is making graph #%d after warm-up (a guard failed): this "
                            "step pays the compile", self.num_graphs)  # fmt: skip
-        return compile_fx(gm, example_inputs)
+        from torch._dynamo.utils import counters
+
+        def looked_up() -> tuple[int, int]:
+            aot, ind = counters["aot_autograd"], counters["inductor"]
+            return (aot["autograd_cache_hit"] + ind["fxgraph_cache_hit"],
+                    aot["autograd_cache_miss"] + ind["fxgraph_cache_miss"])  # fmt: skip
+
+        (hits, misses), compiled = looked_up(), compile_fx(gm, example_inputs)
+        hits_after, misses_after = looked_up()
+        self._cache_hits += hits_after - hits
+        self._cache_misses += misses_after - misses
+        return compiled
+
+    @property
+    def cache(self) -> str:
+        """``"hit"``, ``"miss"`` or ``"mixed"``: where this model's graphs came from (class doc)."""
+        if self._cache_misses == 0:
+            return "hit" if self._cache_hits else "miss"
+        return "mixed" if self._cache_hits else "miss"
 
     def seal(self) -> None:
         """Warm-up is over: any later graph is unexpected (logged)."""

@@ -43,3 +43,22 @@ def test_a_process_builds_more_engines_than_dynamos_default_recompile_limit():
         compiled = CompiledModel(Doubler())
         assert compiled(ids, ids).tolist() == [0, 3, 6, 9], n
         assert compiled.num_graphs == 1
+
+
+def test_a_cold_start_compiles_and_a_warm_one_loads_from_the_cache(tmp_path, monkeypatch):
+    """The first compile in an empty cache directory is a miss (compiled, then written); the
+    next model of the same code, as the next server start, loads its graph: a hit. The
+    worker's log line and its warm-up span say which (``glassbox.compile.cache``)."""
+    import torch._dynamo
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()  # as a new process: no graph held in memory
+    ids = torch.arange(6)
+    cold = CompiledModel(Doubler())
+    assert str(cold.cache_dir).startswith(str(tmp_path))
+    assert cold(ids, ids).tolist() == [0, 3, 6, 9, 12, 15]
+    assert cold.cache == "miss"
+    torch._dynamo.reset()
+    warm = CompiledModel(Doubler())
+    assert warm(ids, ids).tolist() == [0, 3, 6, 9, 12, 15]
+    assert warm.cache == "hit"
