@@ -175,7 +175,9 @@ class DumpResult:
 
 _PROJECT = Path(__file__).resolve().parents[1]  # the checkout: engine/, tracing/, tui/
 _LIBRARY = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
-_HELPERS = ("tracing/faults.py", "tracing/waits.py", "tracing/stage.py")
+# Glassbox's own plumbing a stack passes through (a fault, a bounded wait, a stage, the
+# worker's RPC observer): a frame there is named with the first caller outside them.
+_HELPERS = ("tracing/faults.py", "tracing/waits.py", "tracing/stage.py", "engine/worker/step_telemetry.py")
 
 
 _PACKAGES = tuple(str(_PROJECT / name) + os.sep for name in ("engine", "tracing", "tui"))

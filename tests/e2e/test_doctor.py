@@ -213,6 +213,13 @@ def test_where_a_thread_waits_is_said_in_the_projects_own_code():
     )
     assert where_waits(frames[3:]) == "engine/worker/worker.py:170 in determine_available_memory"
     assert where_waits(frames[:1]) is None  # only a library's frames
+    # A step RPC's hang passes through the worker's RPC observer: named with its caller.
+    rpc = [*frames[:3], (str(root / "engine/worker/step_telemetry.py"), 101, "observed_rpc"),
+           (f"{lib}/contextlib.py", 137, "__enter__"),
+           (str(root / "engine/executor/multiproc_executor.py"), 358, "worker_busy_loop")]  # fmt: skip
+    assert where_waits(rpc) == (
+        "tracing/faults.py:265 in _hang, inside engine/executor/multiproc_executor.py:358 in worker_busy_loop"
+    )
 
 
 def test_doctor_reads_a_half_written_run_dir_without_crashing(tmp_path, capsys):
