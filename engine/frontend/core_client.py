@@ -600,8 +600,8 @@ class AsyncMPClient(MPClient):
         self.async_output = zmq.asyncio.Socket.shadow(self.output_socket.underlying)
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
-        """Send ``request`` to its engine (``DPLoadBalancer.get_core_engine_for_request``). Raises ``EngineDeadError``;
-        ``ValueError`` for a ``data_parallel_rank`` no engine has."""
+        """Send ``request`` to its engine (``DPLoadBalancer.get_core_engine_for_request``; a pinned
+        ``data_parallel_rank`` was checked by ``InputProcessor.process_inputs``). Raises ``EngineDeadError``."""
         request.client_index = self.client_index
         engine = self.load_balancer.get_core_engine_for_request(request)
         await self._send(EngineCoreRequestType.ADD, self.encoder.encode(request), engine)
