@@ -223,6 +223,10 @@ def process_rows(state: LiveState) -> list[tuple[int, ProcessLive]]:
     return rows
 
 
+# A process that stepped this recently is serving, not idle, though no stage is open now.
+BUSY_WITHIN_S = 1.0
+
+
 def _stage_text(state: LiveState, p: ProcessLive) -> Text:
     if p.state == "dead":
         t = Text(f"✗ {p.exit_description or 'exited'}", style="bold red")
@@ -230,7 +234,17 @@ def _stage_text(state: LiveState, p: ProcessLive) -> Text:
             t.append(f" (in {p.stage})", style="red")
         return t
     if not p.stage:
-        return Text("idle" if p.state == "running" else "—", style="dim")
+        if p.state != "running":
+            return Text("—", style="dim")
+        # No stage open at the moment of the last event, but busy: a worker or engine core
+        # between steps (each step's stages last milliseconds), an API server with requests.
+        stepping = p.last_step_at is not None and state.now - p.last_step_at < BUSY_WITHIN_S
+        in_flight = int(p.gauges.get(GAUGE_API_IN_FLIGHT, 0))
+        if stepping:
+            return Text("serving (between steps)")
+        if in_flight:
+            return Text(f"serving {in_flight} request{'s' if in_flight != 1 else ''}")
+        return Text("idle", style="dim")
     t = Text()
     if p.stage:
         t.append(p.stage)

@@ -357,6 +357,22 @@ def test_serving_processes_show_step_stages_waits_and_idle():
     assert "98" in row and "3.0G" in row and "14" in row
 
 
+def test_a_busy_process_between_two_stages_is_serving_not_idle():
+    """Found by a student: under load engine-top called a worker at 73 % CPU, stepping every
+    10 ms, "idle" (its stages last milliseconds, so a sample mostly falls between two), and
+    an API server streaming 12 requests idle too."""
+    state = make_state()
+    worker, api = state.processes["Worker_DP1_PP0_TP0"], state.processes["APIServer_0"]
+    worker.stages, worker.last_step_at = [], NOW - 0.2
+    api.stages, api.gauges = [], {**api.gauges, GAUGE_API_IN_FLIGHT: 12}
+    text = render(views.render_processes(state))
+    assert "serving (between steps)" in line_of(text, "Worker_DP1_PP0_TP0")
+    assert "serving 12 requests" in line_of(text, "APIServer_0")
+    worker.last_step_at, api.gauges = NOW - 5.0, {**api.gauges, GAUGE_API_IN_FLIGHT: 0}
+    text = render(views.render_processes(state))
+    assert "idle" in line_of(text, "Worker_DP1_PP0_TP0") and "idle" in line_of(text, "APIServer_0")
+
+
 def test_tree_puts_workers_under_their_engine_core():
     text = render(views.render_processes(make_state()))
     order = [
