@@ -165,3 +165,47 @@ def test_the_ray_install_hint_is_one_that_works_from_the_checkout():
             ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="ray")
     texts = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "engine").rglob("*.py")]
     assert not [p for p in texts if "pip install glassbox-engine" in p.read_text()]
+
+
+# A reference to one of this project's own issues ("issue 13", "the speed issue (13)", "issue
+# #13", "issues 8 and 10", "the issue's first option", "this issue") means nothing to a reader
+# of the checkout. A vLLM issue ("vLLM issue reports", a github.com/vllm-project link) is fine.
+_ISSUE_REFERENCE = re.compile(r"\bissues? \(?#?\d+|\b(?:the|this) issue's\b|\bthis issue\b", re.IGNORECASE)
+_VLLM_ISSUE = re.compile(r"vLLM issue|github\.com/vllm-project/", re.IGNORECASE)
+
+
+def _project_issue_references(text: str) -> list[str]:
+    found = []
+    for line in text.splitlines():
+        if _VLLM_ISSUE.search(line):
+            continue
+        found += [m.group(0) for m in _ISSUE_REFERENCE.finditer(line)]
+    return found
+
+
+def test_the_issue_reference_check_finds_what_it_is_for():
+    for text in (
+        "left to the speed issue (13).",
+        "see issue 13",
+        "issue #13",
+        "Issues 8 and 10",
+        "the issue's first option",
+        "as this issue measured",
+    ):
+        assert _project_issue_references(text), text
+    for text in (
+        "vLLM issue reports of orphans",
+        "https://github.com/vllm-project/vllm/issues/123",
+        "strike the N-th time (#N, default #1)",
+        "last step: #412",
+        "the issue is the batch",
+    ):
+        assert not _project_issue_references(text), text
+
+
+def test_no_readme_doc_or_tutorial_names_one_of_this_projects_issues():
+    texts = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "tutorials").rglob("*.md")]
+    found = {
+        str(p.relative_to(ROOT)): refs for p in texts if (refs := _project_issue_references(p.read_text()))
+    }
+    assert not found, found
