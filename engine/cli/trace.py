@@ -221,7 +221,11 @@ def _parse_span(data: Any) -> Span | None:
     resource = data.get("resource") if isinstance(data.get("resource"), dict) else {}
     # The thread: a top-level "thread" field, the resource's, or the OTel semconv attribute.
     thread = data.get("thread") or resource.get("thread") or attributes.get("thread.name")
-    role = resource.get("role") or attributes.get(catalogue.ATTR_ROLE)
+    # The resource's OpenTelemetry keys (glassbox.role, ...); files written before they were
+    # used there have the bare role / pid / rank.
+    role = resource.get(catalogue.ATTR_ROLE) or resource.get("role") or attributes.get(catalogue.ATTR_ROLE)
+    pid = resource.get(catalogue.ATTR_PID, resource.get("pid"))
+    rank = resource.get(catalogue.ATTR_RANK, resource.get("rank"))
     return Span(
         name=name,
         trace_id=trace_id.lower(),
@@ -234,8 +238,8 @@ def _parse_span(data: Any) -> Span | None:
         status_description=data.get("status_description"),
         kind=str(data.get("kind") or "INTERNAL"),
         role=str(role) if role is not None else None,
-        pid=_int_or_none(resource.get("pid")),
-        rank=_int_or_none(resource.get("rank")),
+        pid=_int_or_none(pid),
+        rank=_int_or_none(rank),
         thread=str(thread) if thread else None,
     )
 

@@ -48,7 +48,8 @@ def span(name, trace_id, span_id, parent, start_ms, end_ms, proc, *, thread="Mai
         "status": status,
         "status_description": None,
         "events": [],
-        "resource": {"role": role, "pid": pid, "rank": rank},
+        "resource": {"service.name": "glassbox", "glassbox.role": role, "glassbox.pid": pid}
+        | ({"glassbox.rank": rank} if rank is not None else {}),
         "thread": thread,
     }
 
@@ -166,6 +167,21 @@ def test_reader_counts_what_it_cannot_read_and_links_across_processes(span_file)
     assert startup.slowest() is load_model  # 900 ms of its own; executor.init has 588 ms
     request = next(t for t in f.traces if t.kind == "request")
     assert request.request_id == "cmpl-abc123" and request.remote_parent == CALLER_SPAN
+
+
+def test_reader_takes_the_resource_keys_an_otlp_backend_shows_and_the_older_bare_ones(tmp_path):
+    new = span("worker.load_model", STARTUP, "aa", None, 0, 10, WORKER)
+    assert new["resource"] == {"service.name": "glassbox", "glassbox.role": "Worker_DP0_PP0_TP0",
+                               "glassbox.pid": 300, "glassbox.rank": 0}  # fmt: skip
+    old = {**span("worker.init_device", STARTUP, "bb", None, 10, 20, WORKER),
+           "resource": {"role": "Worker_DP0_PP0_TP1", "pid": 301, "rank": 1}}  # fmt: skip
+    path = tmp_path / "spans.jsonl"
+    path.write_text(json.dumps(new) + "\n" + json.dumps(old) + "\n")
+    spans = {s.name: s for s in trace_cli.load(path).traces[0].spans}
+    assert (spans["worker.load_model"].role, spans["worker.load_model"].pid, spans["worker.load_model"].rank) == (
+        "Worker_DP0_PP0_TP0", 300, 0)  # fmt: skip
+    assert (spans["worker.init_device"].role, spans["worker.init_device"].pid, spans["worker.init_device"].rank) == (
+        "Worker_DP0_PP0_TP1", 301, 1)  # fmt: skip
 
 
 # ------------------------------------------------------------------------ --list
