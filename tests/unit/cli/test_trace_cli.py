@@ -305,6 +305,35 @@ def test_request_waterfall_crosses_processes_and_threads(span_file):
     assert trace(str(span_file), "--trace-id", REQUEST[:10]).stdout.splitlines()[0] == lines[0]
 
 
+def test_a_request_names_the_step_traces_its_spans_link_to(tmp_path):
+    """request.prefill / request.decode link the engine_core.step spans that computed them: the
+    waterfall lists each linked trace with its duration, --json gives them as data."""
+    steps = step_spans(2)
+    first, second = "01" * 16, "02" * 16
+    prefill = span("request.prefill", REQUEST, "e3", "d0", 4, 20, CORE)
+    prefill["links"] = [{"trace_id": first, "span_id": "50".ljust(16, "0")}]
+    decode = span("request.decode", REQUEST, "e4", "d0", 20, 100, CORE)
+    decode["links"] = [
+        {"trace_id": second, "span_id": "50".ljust(16, "0")},
+        {"trace_id": "ab" * 16, "span_id": "1" * 16},
+    ]
+    path = tmp_path / "spans.jsonl"
+    path.write_text("\n".join(json.dumps(s) for s in [*steps, *request_spans(), prefill, decode]) + "\n")
+    out = " ".join(trace(str(path), "--request", "cmpl-abc123", columns=100).stdout.split())
+    assert "request.prefill → 1 step trace: 01010101 (4.00 ms)" in out, out
+    assert "request.decode → 2 step traces: 02020202 (4.00 ms), abababab (not in this file)" in out, out
+    assert "draw one: --trace-id PREFIX" in out
+    data = json.loads(trace(str(path), "--request", "cmpl-abc123", "--json").stdout)
+    assert data["linked_traces"][0] == {"from": "request.prefill", "trace_id": first, "kind": "step",
+                                        "root": cat.ENGINE_CORE_STEP, "duration_ms": 4.0}  # fmt: skip
+    assert [(d["from"], d["root"]) for d in data["linked_traces"][1:]] == [
+        ("request.decode", cat.ENGINE_CORE_STEP), ("request.decode", None)]  # fmt: skip
+    (core_prefill,) = [c for r in data["spans"] for c in r["children"] if c["name"] == "request.prefill"]
+    assert core_prefill["links"] == [{"trace_id": first, "span_id": "50".ljust(16, "0")}]
+    # A trace without links says nothing about them.
+    assert "linked traces" not in trace(str(path), "--trace-id", first[:8]).stdout
+
+
 # ------------------------------------------------------------------------ errors and help
 
 
