@@ -40,7 +40,7 @@ the lesson server's address; ``glassbox``, ``engine-top`` and ``python`` are thi
 interpreter's (shims first on ``PATH``); ``GLASSBOX_RUN_DIR_BASE`` is the lesson server's
 run-directory base, so ``glassbox ps``, ``engine-top`` and ``glassbox doctor`` find that
 server and no other; and a path under ``/tmp/`` lands in the test's own temporary
-directory. Blocks run from the repository root, as a student's second terminal does.
+directory (and is ``/tmp/`` again in what the command prints). Blocks run from the repository root, as a student's second terminal does.
 
 Masking, applied to the text and to the real output alike, then compared with doctest's
 ``ELLIPSIS`` and ``NORMALIZE_WHITESPACE`` (so ``...`` in the text stands for anything, and
@@ -246,6 +246,7 @@ class Lesson:
                 os.killpg(proc.pid, signal.SIGKILL)  # anything it left in the background
             except ProcessLookupError:
                 pass
+        out = out.replace(f"{self.tmp}/", "/tmp/")  # what it prints names /tmp/, as the student's does
         self.last_output = out
         return subprocess.CompletedProcess(command, proc.returncode, out)
 
