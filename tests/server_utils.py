@@ -42,15 +42,21 @@ class Server(LoggedProcess):
     log_path: Path
 
 
-def start_server(base: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 120.0) -> Server:
+def start_server(
+    base: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 120.0, ready: str = "health"
+) -> Server:
     """Start ``glassbox serve --port 0 ARGS`` and wait until /health answers 200.
 
     The bound port is read from the run directory's manifest (written right after bind).
-    Output goes to ``base/server.log``.
+    Output goes to ``base/server.log``. ``ready="run-dir"``: return once that manifest is
+    there, without waiting for /health (a server whose start-up hangs on purpose, an
+    ``--inject-fault``, never gets healthy).
 
     Raises:
         RuntimeError: the server exited or did not become healthy within ``timeout``.
     """
+    if ready not in ("health", "run-dir"):
+        raise ValueError(f"ready must be 'health' or 'run-dir', not {ready!r}")
     base.mkdir(parents=True, exist_ok=True)
     log_path = base / "server.log"
     full_env = {**os.environ, "GLASSBOX_RUN_DIR_BASE": str(base), **(env or {})}
@@ -75,6 +81,8 @@ def start_server(base: Path, *args: str, env: dict[str, str] | None = None, time
     server = Server(
         proc, manifest["port"], Path(manifest["run_dir"]), f"http://127.0.0.1:{manifest['port']}", log_path
     )
+    if ready == "run-dir":
+        return server
     while True:
         if proc.poll() is not None or time.monotonic() > deadline:
             server.kill_group()

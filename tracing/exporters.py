@@ -28,6 +28,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
     InMemorySpanExporter as _SdkInMemorySpanExporter,
 )
 
+from tracing import catalogue
+
 logger = logging.getLogger("tracing.otlp")
 
 
@@ -36,6 +38,10 @@ class InMemorySpanExporter(_SdkInMemorySpanExporter):
 
     The SDK's exporter, under Glassbox's name so tests import it from one place.
     """
+
+
+# The resource attributes a span line carries (every span's resource: ``tracing.setup``).
+RESOURCE_KEYS = ("service.name", catalogue.ATTR_ROLE, catalogue.ATTR_PID, catalogue.ATTR_RANK)
 
 
 def _hex_id(value: int, width: int) -> str:
@@ -49,7 +55,9 @@ def span_to_dict(span: ReadableSpan) -> dict[str, Any]:
     None), ``kind``, ``start_ns`` / ``end_ns`` (Unix epoch, ns), ``duration_ms``,
     ``attributes``, ``status`` ("UNSET" | "OK" | "ERROR"), ``status_description``,
     ``events`` (name, time_ns, attributes; an exception is one), ``links`` (trace_id, span_id
-    of each related span), ``resource`` (role, pid, rank).
+    of each related span), ``resource`` (the process's OpenTelemetry resource, the keys an
+    OTLP backend shows: ``service.name``, ``glassbox.role``, ``glassbox.pid`` and, where set,
+    ``glassbox.rank``).
     """
     ctx = span.context
     parent = span.parent
@@ -75,11 +83,7 @@ def span_to_dict(span: ReadableSpan) -> dict[str, Any]:
             {"trace_id": _hex_id(link.context.trace_id, 32), "span_id": _hex_id(link.context.span_id, 16)}
             for link in span.links
         ],
-        "resource": {
-            "role": res.get("glassbox.role"),
-            "pid": res.get("glassbox.pid"),
-            "rank": res.get("glassbox.rank"),
-        },
+        "resource": {key: res[key] for key in RESOURCE_KEYS if key in res},
     }
 
 

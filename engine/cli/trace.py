@@ -79,6 +79,9 @@ class Span:
     pid: int | None
     rank: int | None
     thread: str | None
+    # The spans this one points at in other traces (trace_id, span_id): a request's
+    # request.prefill / request.decode link the engine_core.step spans that computed them.
+    links: list[tuple[str, str]] = field(default_factory=list)
     children: list[Span] = field(default_factory=list)
     parent: Span | None = None
 
@@ -221,7 +224,11 @@ def _parse_span(data: Any) -> Span | None:
     resource = data.get("resource") if isinstance(data.get("resource"), dict) else {}
     # The thread: a top-level "thread" field, the resource's, or the OTel semconv attribute.
     thread = data.get("thread") or resource.get("thread") or attributes.get("thread.name")
-    role = resource.get("role") or attributes.get(catalogue.ATTR_ROLE)
+    # The resource's OpenTelemetry keys (glassbox.role, ...); files written before they were
+    # used there have the bare role / pid / rank.
+    role = resource.get(catalogue.ATTR_ROLE) or resource.get("role") or attributes.get(catalogue.ATTR_ROLE)
+    pid = resource.get(catalogue.ATTR_PID, resource.get("pid"))
+    rank = resource.get(catalogue.ATTR_RANK, resource.get("rank"))
     return Span(
         name=name,
         trace_id=trace_id.lower(),
@@ -234,10 +241,23 @@ def _parse_span(data: Any) -> Span | None:
         status_description=data.get("status_description"),
         kind=str(data.get("kind") or "INTERNAL"),
         role=str(role) if role is not None else None,
-        pid=_int_or_none(resource.get("pid")),
-        rank=_int_or_none(resource.get("rank")),
+        pid=_int_or_none(pid),
+        rank=_int_or_none(rank),
         thread=str(thread) if thread else None,
+        links=_parse_links(data.get("links")),
     )
+
+
+def _parse_links(value: Any) -> list[tuple[str, str]]:
+    links = []
+    for link in value if isinstance(value, list) else []:
+        if (
+            isinstance(link, dict)
+            and isinstance(link.get("trace_id"), str)
+            and isinstance(link.get("span_id"), str)
+        ):
+            links.append((link["trace_id"].lower(), link["span_id"].lower()))
+    return links
 
 
 def load(path: str | Path) -> SpanFile:
@@ -367,6 +387,7 @@ def _span_json(span: Span, t0: int) -> dict[str, Any]:
         "own_ms": round(span.own_ns() / 1e6, 3),
         "status": span.status,
         "attributes": span.attributes,
+        "links": [{"trace_id": t, "span_id": i} for t, i in span.links],
         "children": [_span_json(c, t0) for c in span.children],
     }
 
@@ -385,8 +406,16 @@ def trace_summary(trace: Trace) -> dict[str, Any]:
     }
 
 
-def trace_to_json(trace: Trace) -> dict[str, Any]:
-    """The trace's span tree (``--json`` with ``--startup``, ``--request`` or ``--trace-id``)."""
+def linked_traces(trace: Trace, span_file: SpanFile | None) -> list[tuple[Span, str, Trace | None]]:
+    """``(span, linked trace id, that trace or None when not in the file)`` for each link of
+    each of ``trace``'s spans, in span start order: a request's step traces."""
+    by_id = {t.trace_id: t for t in span_file.traces} if span_file is not None else {}
+    return [(s, t, by_id.get(t)) for s in trace.spans for t, _ in s.links]
+
+
+def trace_to_json(trace: Trace, span_file: SpanFile | None = None) -> dict[str, Any]:
+    """The trace's span tree (``--json`` with ``--startup``, ``--request`` or ``--trace-id``),
+    and the traces its spans link to (``linked_traces``; root and duration when in the file)."""
     slowest = trace.slowest()
     return {
         **trace_summary(trace),
@@ -397,6 +426,16 @@ def trace_to_json(trace: Trace) -> dict[str, Any]:
             "role": slowest.role,
             "own_ms": round(slowest.own_ns() / 1e6, 3),
         },
+        "linked_traces": [
+            {
+                "from": span.name,
+                "trace_id": trace_id,
+                "kind": linked.kind if linked is not None else None,
+                "root": linked.root.name if linked is not None else None,
+                "duration_ms": round(linked.duration_ns / 1e6, 3) if linked is not None else None,
+            }
+            for span, trace_id, linked in linked_traces(trace, span_file)
+        ],
         "spans": [_span_json(r, trace.start_ns) for r in trace.roots],
     }
 
@@ -675,6 +714,25 @@ def render_waterfall(
         "Each span sits in the lane of the process (and thread) that ran it, indented under "
         "its parent there.[/dim]"
     )
+    links = linked_traces(trace, span_file)
+    if links:
+        console.print(
+            "[bold]linked traces[/bold] (span links, e.g. to the engine steps that computed a request):"
+        )
+        for span in dict.fromkeys(s for s, _, _ in links):
+            mine = [(t, linked) for s, t, linked in links if s is span]
+            each = ", ".join(
+                f"{t[:8]} ({fmt_duration(linked.duration_ns)})"
+                if linked is not None
+                else f"{t[:8]} (not in this file)"
+                for t, linked in mine
+            )
+            kinds = {linked.kind for _, linked in mine if linked is not None}
+            what = f"{kinds.pop()} trace" if len(kinds) == 1 else "trace"
+            console.print(
+                f"  {escape(span.name)} → {len(mine)} {what}{'s' if len(mine) != 1 else ''}: {each}"
+            )
+        console.print("[dim]draw one: --trace-id PREFIX[/dim]")
     errors = [s for s in trace.spans if s.status == "ERROR"]
     if errors:
         console.print(f"[magenta]✗ {len(errors)} span(s) ended with an error:[/magenta]")
@@ -760,7 +818,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except TraceNotFound as e:
         parser.error(str(e))
     if args.json:
-        print(json.dumps(trace_to_json(trace), indent=2, default=str))
+        print(json.dumps(trace_to_json(trace, span_file), indent=2, default=str))
     else:
         render_waterfall(trace, console, bar_width=args.width, span_file=span_file)
     return 0

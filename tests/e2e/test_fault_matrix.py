@@ -27,6 +27,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 import psutil
@@ -40,6 +41,30 @@ CLI = [sys.executable, "-m", "engine.cli.main"]
 SEEN_WITHIN_S = 10.0  # engine-top and doctor name the struck process this soon after the strike
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+class Answer(NamedTuple):
+    """What a person sees when a fault of one kind strikes a start-up stage of ``glassbox serve``."""
+
+    state: str  # the struck process's state in glassbox doctor --json, while the tree stands
+    verdict: str  # glassbox doctor's verdict (exit 1); once the tree is gone, doctor --last's
+    ends: str  # how the server ends on its own
+    exit_code: int  # ... and its exit status; Ctrl-C before that: 130
+    root_cause: str  # words of its root-cause block
+
+
+# One row per kind the course's lesson 10 (tutorials/10-diagnosing-a-hung-start-up.md) asks a
+# student to predict; the tests below assert each row, and the lesson checks its answers here.
+START_UP_ANSWERS = {
+    "hang": Answer("starting", "stuck", "GLASSBOX_ENGINE_READY_TIMEOUT_S expires", 1,
+                   "GLASSBOX_ENGINE_READY_TIMEOUT_S"),
+    "freeze": Answer("stopped", "stopped", "GLASSBOX_STOPPED_TIMEOUT_S expires", 1, "stopped by a signal"),
+    # held in a native call: the OS shows it sleeping in its stage, doctor sees the fault
+    # holding it; its parent sees no heartbeat and names it frozen
+    "gil": Answer("starting", "stuck", "GLASSBOX_HEARTBEAT_TIMEOUT_S expires", 1, "frozen: running but no heartbeat"),
+    "crash": Answer("dead", "dead", "at once", 1, "InjectedFault"),
+}  # fmt: skip
+SIGNAL_EXIT = {signal.SIGTERM: 0, signal.SIGINT: 130, signal.SIGKILL: -9}
 
 
 @pytest.fixture
@@ -166,12 +191,44 @@ def test_a_hung_start_up_is_named_by_engine_top_and_doctor_then_ctrl_c_leaves_no
         fault = tree.wait_struck(role)
         assert (fault.stage, fault.kind) == (stage, "hang")
         doc = _seen_by_both(tree, role, stage, "hang", fault.struck_at)
+        (proc,) = [p for p in doc["processes"] if p["role"] == role]
+        assert (proc["state"], doc["verdict"]) == START_UP_ANSWERS["hang"][:2], doc["diagnosis"]
         waits_at = _main_waits_at(doc, role)
         # where it waits, in the project's own words: the injected hang inside the worker's stage
         assert waits_at.startswith("tracing/faults.py:") and "engine/worker/worker.py" in waits_at, waits_at
         assert "determine_available_memory" in waits_at, waits_at
         code = tree.stop(signal.SIGINT, within=20)
-        assert code == 130, tree.log()[-3000:]
+        assert code == SIGNAL_EXIT[signal.SIGINT], tree.log()[-3000:]
+        tree.assert_nothing_left()
+    finally:
+        tree.kill()
+
+
+@pytest.mark.parametrize(
+    ("kind", "timeout"),
+    [("hang", "GLASSBOX_ENGINE_READY_TIMEOUT_S"), ("freeze", "GLASSBOX_STOPPED_TIMEOUT_S"),
+     ("gil", "GLASSBOX_HEARTBEAT_TIMEOUT_S")],
+)  # fmt: skip
+def test_a_start_up_held_by_a_fault_is_named_then_ends_on_its_own(base, kind, timeout):
+    """The rows of START_UP_ANSWERS: doctor's state and verdict while the tree stands, then the
+    server ends by itself when the kind's deadline expires, its exit status and root cause."""
+    role, stage = "Worker_DP0_PP0_TP0", "worker.load_model"
+    answer = START_UP_ANSWERS[kind]
+    assert timeout in answer.ends
+    tree = Tree(base, ["--inject-fault", f"{stage}:{kind}@{role}"], env={timeout: "12"})
+    try:
+        tree.wait_struck(role)
+        code, doc = _doctor(tree, "--no-stacks")
+        (proc,) = [p for p in doc["processes"] if p["role"] == role]
+        assert (code, proc["state"], doc["verdict"], doc["culprit"]) == (
+            1,
+            answer.state,
+            answer.verdict,
+            role,
+        ), doc
+        assert tree.proc.wait(timeout=90) == answer.exit_code, tree.log()[-3000:]
+        root = _root_cause(tree.log())
+        assert f"process:   {role}" in root and answer.root_cause in root, root
         tree.assert_nothing_left()
     finally:
         tree.kill()
@@ -195,14 +252,14 @@ def test_serve_tp2_fault_is_named_and_a_signal_to_the_top_leaves_nothing(base, s
         fault = tree.wait_struck(role)
         doc = _seen_by_both(tree, role, stage, kind, fault.struck_at)
         (proc,) = [p for p in doc["processes"] if p["role"] == role]
+        assert (proc["state"], doc["verdict"]) == START_UP_ANSWERS[kind][:2], doc["diagnosis"]
         if kind == "freeze":
-            assert proc["state"] == "stopped" and doc["verdict"] == "stopped", doc["diagnosis"]
             assert "kill -CONT" in proc["stack_error"]
         else:
-            assert proc["stage"] == stage and doc["verdict"] in ("starting", "stuck"), doc["diagnosis"]
+            assert proc["stage"] == stage
             assert _main_waits_at(doc, role).startswith("tracing/faults.py:")
         code = tree.stop(stop, within=20)
-        assert code == {signal.SIGTERM: 0, signal.SIGINT: 130, signal.SIGKILL: -9}[stop], tree.log()[-3000:]
+        assert code == SIGNAL_EXIT[stop], tree.log()[-3000:]
         tree.assert_nothing_left()
     finally:
         tree.kill()
@@ -225,16 +282,20 @@ def _root_cause(log: str) -> str:
 def test_serve_tp2_start_up_fault_ends_in_one_root_cause_naming_process_and_stage(
     base, stage, kind, role, words
 ):
-    tree = Tree(base, ["-tp", "2", "--inject-fault", f"{stage}:{kind}@{role}"])
+    # its own cache root: doctor --last reads this tree's post-mortem, no other test's
+    tree = Tree(base, ["-tp", "2", "--inject-fault", f"{stage}:{kind}@{role}"],
+                env={"GLASSBOX_CACHE_ROOT": str(base / "cache")})  # fmt: skip
     try:
         code = tree.proc.wait(timeout=120)
-        assert code == 1, tree.log()[-3000:]
+        assert code == START_UP_ANSWERS["crash"].exit_code, tree.log()[-3000:]  # exit:N too: the tree exits 1
         root = _root_cause(tree.log())
         assert f"process:   {role}" in root and f"stage:     {stage}" in root, root
         assert f"fault:     injected {stage}:{kind}@{role} struck in {stage}" in root, root
         for word in words:
             assert word in root, root
         assert not list(base.glob("glassbox-*")), "run directory left"
+        code, doc = _doctor(tree, "--last")  # the tree is gone: its post-mortem
+        assert (code, doc["verdict"], doc["culprit"]) == (1, START_UP_ANSWERS["crash"].verdict, role), doc
     finally:
         tree.kill()
 

@@ -70,12 +70,12 @@ def test_a_request_is_one_trace_from_the_http_caller_through_the_engine_core(def
         assert wanted <= set(names), sorted(names)
 
         root = names["api_server.request"]
-        assert root["parent_span_id"] == CALLER_SPAN and root["resource"]["role"] == "APIServer_0"
+        assert root["parent_span_id"] == CALLER_SPAN and root["resource"]["glassbox.role"] == "APIServer_0"
         for name in wanted - {"api_server.request"}:
             assert names[name]["parent_span_id"] == root["span_id"], name
         engine_side = {"engine_core.input", "engine_core.input_queue", "scheduler.waiting", "request.prefill",
                        "request.decode"}  # fmt: skip
-        assert {names[n]["resource"]["role"] for n in engine_side} == {"EngineCore_DP0"}
+        assert {names[n]["resource"]["glassbox.role"] for n in engine_side} == {"EngineCore_DP0"}
         # The prompt (>16 tokens) was prefilled in chunks; the prefill links those steps.
         prefill = names["request.prefill"]
         assert prefill["attributes"]["glassbox.request.num_chunks"] >= 2
@@ -104,8 +104,11 @@ def test_a_request_is_one_trace_from_the_http_caller_through_the_engine_core(def
         worker = [s for s in step_trace if s["name"] == "worker.execute_model"]
         assert worker, sorted({s["name"] for s in step_trace})
         parent = by_id[worker[0]["parent_span_id"]]
-        assert parent["name"] == "executor.execute_model" and parent["resource"]["role"] == "EngineCore_DP0"
-        assert worker[0]["resource"]["role"] == "Worker_DP0_PP0_TP0"
+        assert (
+            parent["name"] == "executor.execute_model"
+            and parent["resource"]["glassbox.role"] == "EngineCore_DP0"
+        )
+        assert worker[0]["resource"]["glassbox.role"] == "Worker_DP0_PP0_TP0"
         assert worker[0]["attributes"]["glassbox.queue.wait_ms"] >= 0
         children = {s["name"] for s in step_trace if s["parent_span_id"] == worker[0]["span_id"]}
         assert {"model_runner.forward", "model_runner.sample"} <= children
@@ -224,7 +227,7 @@ def test_a_stream_closed_by_its_client_is_aborted_in_the_trace_and_the_log(defau
         assert decode["attributes"]["gen_ai.response.finish_reasons"] == ["abort"]
         assert 1 <= decode["attributes"]["glassbox.request.num_steps"] < 200
         abort = names["engine_core.abort"]
-        assert abort["resource"]["role"] == "EngineCore_DP0"
+        assert abort["resource"]["glassbox.role"] == "EngineCore_DP0"
         assert abort["attributes"]["glassbox.request.ids"] == [engine_id]
         # The API server ends llm_request, then sends ABORT; the engine core ends the decode
         # while it handles it (after the API server's span may have ended: nobody waits).

@@ -27,14 +27,20 @@ The lesson's server is ``make run`` (``glassbox serve`` on the shipped defaults)
 lesson says otherwise in one comment, ``<!-- lesson-server: glassbox serve FLAGS -->``
 (``VAR=value`` words may come first), whose command must also appear in the lesson's text
 for the student to type; or ``<!-- lesson-server: none "why" -->`` for a lesson whose
-blocks start what they need themselves.
+blocks start what they need themselves. The runner waits until the server answers /health
+with 200, unless the comment starts with ``ready=run-dir`` (``<!-- lesson-server:
+ready=run-dir glassbox serve --inject-fault ... -->``, the command after it shown in the
+text as usual): then it waits only until the server's run directory and manifest exist, for
+a server whose start-up hangs on purpose and never gets healthy (the lesson's own hidden
+check then waits for what it needs, the fault's strike say). A ``/tmp/`` path among the
+server's flags lands in the test's temporary directory, as in a block.
 
 A block runs as the student types it, with four things rewritten: ``127.0.0.1:8000`` becomes
 the lesson server's address; ``glassbox``, ``engine-top`` and ``python`` are this
 interpreter's (shims first on ``PATH``); ``GLASSBOX_RUN_DIR_BASE`` is the lesson server's
 run-directory base, so ``glassbox ps``, ``engine-top`` and ``glassbox doctor`` find that
 server and no other; and a path under ``/tmp/`` lands in the test's own temporary
-directory. Blocks run from the repository root, as a student's second terminal does.
+directory (and is ``/tmp/`` again in what the command prints). Blocks run from the repository root, as a student's second terminal does.
 
 Masking, applied to the text and to the real output alike, then compared with doctest's
 ``ELLIPSIS`` and ``NORMALIZE_WHITESPACE`` (so ``...`` in the text stands for anything, and
@@ -66,6 +72,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 from unittest import SkipTest
 
 import pytest
@@ -138,22 +145,37 @@ def console_commands(source: str) -> list[tuple[str, str]]:
 _LESSON_SERVER = re.compile(r"<!--\s*lesson-server:\s*(?P<command>.*?)\s*-->", re.S)
 
 
-def lesson_server(path: Path) -> tuple[dict[str, str], list[str]] | None:
-    """The lesson's server as ``(env, glassbox serve flags)``; None for ``none "why"``.
+class LessonServer(NamedTuple):
+    """What a lesson's ``lesson-server`` comment asks for."""
+
+    env: dict[str, str]
+    flags: list[str]  # after ``glassbox serve``
+    ready: str = "health"  # or "run-dir": wait only for the run directory (start_server's ``ready``)
+
+
+def lesson_server(path: Path) -> LessonServer | None:
+    """The lesson's server; None for ``none "why"``.
 
     Raises:
         ValueError: more than one ``lesson-server`` comment, a command that is not
-            ``[VAR=value ...] glassbox serve ...``, or one the lesson's text never shows.
+            ``[ready=run-dir] [VAR=value ...] glassbox serve ...``, or one the lesson's text
+            never shows.
     """
     text = path.read_text()
     found = _LESSON_SERVER.findall(text)
     if not found:
-        return {}, []
+        return LessonServer({}, [])
     if len(found) > 1:
         raise ValueError(f"{path.name}: more than one lesson-server comment")
     command = found[0]
     if re.fullmatch(r'none "[^"]{10,}"', command):
         return None
+    ready = "health"
+    if command.startswith("ready="):
+        option, _, command = command.partition(" ")
+        ready = option.removeprefix("ready=")
+        if ready not in ("health", "run-dir"):
+            raise ValueError(f"{path.name}: lesson-server ready= must be health or run-dir: {option!r}")
     words = shlex.split(command)
     env = {}
     while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
@@ -164,7 +186,7 @@ def lesson_server(path: Path) -> tuple[dict[str, str], list[str]] | None:
     shown = _LESSON_SERVER.sub("", text)
     if command not in shown:
         raise ValueError(f"{path.name}: the lesson never shows its server command {command!r}")
-    return env, words[2:]
+    return LessonServer(env, words[2:], ready)
 
 
 class _NoServer:
@@ -229,6 +251,7 @@ class Lesson:
                 os.killpg(proc.pid, signal.SIGKILL)  # anything it left in the background
             except ProcessLookupError:
                 pass
+        out = out.replace(f"{self.tmp}/", "/tmp/")  # what it prints names /tmp/, as the student's does
         self.last_output = out
         return subprocess.CompletedProcess(command, proc.returncode, out)
 
@@ -353,7 +376,13 @@ def test_a_lesson_server_is_the_command_the_lesson_shows(tmp_path):
     lesson = tmp_path / "lesson.md"
     lesson.write_text("<!-- lesson-server: GLASSBOX_X=1 glassbox serve --step-delay-ms 50 -->\n"
                       "    GLASSBOX_X=1 glassbox serve --step-delay-ms 50\n")  # fmt: skip
-    assert lesson_server(lesson) == ({"GLASSBOX_X": "1"}, ["--step-delay-ms", "50"])
+    assert lesson_server(lesson) == ({"GLASSBOX_X": "1"}, ["--step-delay-ms", "50"], "health")
+    lesson.write_text("<!-- lesson-server: ready=run-dir glassbox serve --inject-fault x:hang -->\n"
+                      "    glassbox serve --inject-fault x:hang\n")  # fmt: skip
+    assert lesson_server(lesson) == ({}, ["--inject-fault", "x:hang"], "run-dir")
+    lesson.write_text("<!-- lesson-server: ready=soon glassbox serve -->\n    glassbox serve\n")
+    with pytest.raises(ValueError, match="ready= must be"):
+        lesson_server(lesson)
     lesson.write_text("<!-- lesson-server: glassbox serve --step-delay-ms 50 -->\n    glassbox serve\n")
     with pytest.raises(ValueError, match="never shows"):
         lesson_server(lesson)
@@ -383,7 +412,11 @@ def test_lesson_runs_as_written(path):
     base = Path(tempfile.mkdtemp(prefix="gbt", dir="/tmp"))  # short: ipc paths ≤ 107 chars
     try:
         wanted = lesson_server(path)
-        server = _NoServer(base) if wanted is None else start_server(base / "srv", *wanted[1], env=wanted[0])
+        if wanted is None:
+            server = _NoServer(base)
+        else:  # a /tmp/ path among its flags lands in the test's own directory, as in a block
+            flags = [re.sub(r"(?<![\w.])/tmp/", f"{base}/", flag) for flag in wanted.flags]
+            server = start_server(base / "srv", *flags, env=wanted.env, ready=wanted.ready)
         try:
             document.namespace["lesson"] = Lesson(server, base)
             ran = []

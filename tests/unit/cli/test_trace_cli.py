@@ -48,7 +48,8 @@ def span(name, trace_id, span_id, parent, start_ms, end_ms, proc, *, thread="Mai
         "status": status,
         "status_description": None,
         "events": [],
-        "resource": {"role": role, "pid": pid, "rank": rank},
+        "resource": {"service.name": "glassbox", "glassbox.role": role, "glassbox.pid": pid}
+        | ({"glassbox.rank": rank} if rank is not None else {}),
         "thread": thread,
     }
 
@@ -166,6 +167,21 @@ def test_reader_counts_what_it_cannot_read_and_links_across_processes(span_file)
     assert startup.slowest() is load_model  # 900 ms of its own; executor.init has 588 ms
     request = next(t for t in f.traces if t.kind == "request")
     assert request.request_id == "cmpl-abc123" and request.remote_parent == CALLER_SPAN
+
+
+def test_reader_takes_the_resource_keys_an_otlp_backend_shows_and_the_older_bare_ones(tmp_path):
+    new = span("worker.load_model", STARTUP, "aa", None, 0, 10, WORKER)
+    assert new["resource"] == {"service.name": "glassbox", "glassbox.role": "Worker_DP0_PP0_TP0",
+                               "glassbox.pid": 300, "glassbox.rank": 0}  # fmt: skip
+    old = {**span("worker.init_device", STARTUP, "bb", None, 10, 20, WORKER),
+           "resource": {"role": "Worker_DP0_PP0_TP1", "pid": 301, "rank": 1}}  # fmt: skip
+    path = tmp_path / "spans.jsonl"
+    path.write_text(json.dumps(new) + "\n" + json.dumps(old) + "\n")
+    spans = {s.name: s for s in trace_cli.load(path).traces[0].spans}
+    assert (spans["worker.load_model"].role, spans["worker.load_model"].pid, spans["worker.load_model"].rank) == (
+        "Worker_DP0_PP0_TP0", 300, 0)  # fmt: skip
+    assert (spans["worker.init_device"].role, spans["worker.init_device"].pid, spans["worker.init_device"].rank) == (
+        "Worker_DP0_PP0_TP1", 301, 1)  # fmt: skip
 
 
 # ------------------------------------------------------------------------ --list
@@ -287,6 +303,35 @@ def test_request_waterfall_crosses_processes_and_threads(span_file):
     # A trace id prefix works too.
     assert trace(str(span_file), "--request", REQUEST[:10]).stdout.splitlines()[0] == lines[0]
     assert trace(str(span_file), "--trace-id", REQUEST[:10]).stdout.splitlines()[0] == lines[0]
+
+
+def test_a_request_names_the_step_traces_its_spans_link_to(tmp_path):
+    """request.prefill / request.decode link the engine_core.step spans that computed them: the
+    waterfall lists each linked trace with its duration, --json gives them as data."""
+    steps = step_spans(2)
+    first, second = "01" * 16, "02" * 16
+    prefill = span("request.prefill", REQUEST, "e3", "d0", 4, 20, CORE)
+    prefill["links"] = [{"trace_id": first, "span_id": "50".ljust(16, "0")}]
+    decode = span("request.decode", REQUEST, "e4", "d0", 20, 100, CORE)
+    decode["links"] = [
+        {"trace_id": second, "span_id": "50".ljust(16, "0")},
+        {"trace_id": "ab" * 16, "span_id": "1" * 16},
+    ]
+    path = tmp_path / "spans.jsonl"
+    path.write_text("\n".join(json.dumps(s) for s in [*steps, *request_spans(), prefill, decode]) + "\n")
+    out = " ".join(trace(str(path), "--request", "cmpl-abc123", columns=100).stdout.split())
+    assert "request.prefill → 1 step trace: 01010101 (4.00 ms)" in out, out
+    assert "request.decode → 2 step traces: 02020202 (4.00 ms), abababab (not in this file)" in out, out
+    assert "draw one: --trace-id PREFIX" in out
+    data = json.loads(trace(str(path), "--request", "cmpl-abc123", "--json").stdout)
+    assert data["linked_traces"][0] == {"from": "request.prefill", "trace_id": first, "kind": "step",
+                                        "root": cat.ENGINE_CORE_STEP, "duration_ms": 4.0}  # fmt: skip
+    assert [(d["from"], d["root"]) for d in data["linked_traces"][1:]] == [
+        ("request.decode", cat.ENGINE_CORE_STEP), ("request.decode", None)]  # fmt: skip
+    (core_prefill,) = [c for r in data["spans"] for c in r["children"] if c["name"] == "request.prefill"]
+    assert core_prefill["links"] == [{"trace_id": first, "span_id": "50".ljust(16, "0")}]
+    # A trace without links says nothing about them.
+    assert "linked traces" not in trace(str(path), "--trace-id", first[:8]).stdout
 
 
 # ------------------------------------------------------------------------ errors and help

@@ -324,8 +324,8 @@ def test_worker_spans_are_children_of_the_engine_cores_rpc_span_and_bad_input_ki
         (kv,) = by_name[catalogue.ENGINE_CORE_INITIALIZE_KV_CACHE]
         for name in (catalogue.WORKER_DETERMINE_AVAILABLE_MEMORY, catalogue.WORKER_COMPILE_OR_WARM_UP_MODEL):
             (worker_span,) = by_name[name]
-            assert worker_span["resource"]["role"] == "Worker_DP0_PP0_TP0"
-            assert kv["resource"]["role"] == "EngineCore_DP0"
+            assert worker_span["resource"]["glassbox.role"] == "Worker_DP0_PP0_TP0"
+            assert kv["resource"]["glassbox.role"] == "EngineCore_DP0"
             assert (
                 worker_span["parent_span_id"] == kv["span_id"] and worker_span["trace_id"] == kv["trace_id"]
             )

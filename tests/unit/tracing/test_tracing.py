@@ -234,7 +234,11 @@ def test_jsonl_exporter_writes_one_line_per_span(tmp_path):
     assert len(outer["trace_id"]) == 32 and len(outer["span_id"]) == 16
     assert records[0]["attributes"] == {"glassbox.rank": 0, "thread.name": "MainThread"}
     assert records[1]["status"] == "ERROR" and records[0]["status"] == "UNSET"
-    assert records[0]["resource"] == {"role": "Writer", "pid": os.getpid(), "rank": None}
+    assert records[0]["resource"] == {
+        "service.name": "glassbox",
+        "glassbox.role": "Writer",
+        "glassbox.pid": os.getpid(),
+    }
     assert outer["duration_ms"] == pytest.approx((outer["end_ns"] - outer["start_ns"]) / 1e6, abs=1e-3)
 
 
