@@ -205,14 +205,13 @@ def _known_troubles(state: LiveState) -> dict[str, blame.Seen]:
     """What live telemetry knows that the run directory does not: stopped and frozen processes."""
     known = {}
     for role, proc in state.processes.items():
-        if proc.state == "stale" and proc.heartbeat_at is not None and proc.alive:
+        if not proc.alive:
+            continue
+        if proc.os_state in FROZEN_OS_STATES:  # the OS says so at once, as doctor reads it
+            known[role] = blame.Seen(role, stopped=f"stopped by a signal (os state {proc.os_state})")
+        elif proc.state == "stale" and proc.heartbeat_at is not None:
             age = state.now - proc.heartbeat_at
-            if proc.os_state == "stopped":
-                known[role] = blame.Seen(
-                    role, stopped=f"stopped by a signal (SIGSTOP?): no heartbeat for {_age(age)}"
-                )
-            else:
-                known[role] = blame.Seen(role, frozen=f"frozen: running but no heartbeat for {_age(age)}")
+            known[role] = blame.Seen(role, frozen=f"frozen: running but no heartbeat for {_age(age)}")
     return known
 
 

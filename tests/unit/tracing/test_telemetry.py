@@ -549,3 +549,21 @@ def test_ends_of_rate_limited_stages_and_waits_follow_a_heartbeat_that_listed_th
     ]  # the listed one
     assert [e.what for e in events if isinstance(e, WaitStarted)] == []
     assert [e.what for e in events if isinstance(e, WaitEnded)] == [what]
+
+
+def test_a_process_the_os_shows_stopped_is_stopped_to_engine_tops_blame_at_once():
+    """As doctor reads it: the OS state, not a heartbeat gone stale seconds later. Found in a
+    lesson: engine-top's root cause said a SIGSTOPped worker "is held by an injected fault"
+    (the fault struck just before its SIGSTOP) while doctor said it "is stopped"."""
+    from tracing.telemetry.collector import _known_troubles
+    from tracing.telemetry.state import LiveState
+
+    state = LiveState()
+    state.now = time.time()
+    proc = state._process("Worker_DP0_PP0_TP1")
+    proc.state, proc.heartbeat_at, proc.pid = "running", state.now - 0.5, os.getpid()
+    state.apply_liveness({"Worker_DP0_PP0_TP1": "stopped"}, 1)
+    known = _known_troubles(state)
+    assert known["Worker_DP0_PP0_TP1"].stopped == "stopped by a signal (os state stopped)"
+    state.apply_liveness({"Worker_DP0_PP0_TP1": "running"}, 1)
+    assert _known_troubles(state) == {}  # running, beating: nothing to say
