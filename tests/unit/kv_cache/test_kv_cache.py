@@ -50,6 +50,7 @@ def allocate_prompt(manager: KVCacheManager, request: Request) -> list[int]:
     """Schedule the whole prompt after its prefix hit, as the scheduler would; return its block ids."""
     hit_blocks, num_hit = manager.get_computed_blocks(request)
     assert manager.allocate_slots(request, request.num_tokens - num_hit, num_hit, hit_blocks) is not None
+    manager.record_prefix_cache_stats(request, num_hit)  # counted at admission, as the scheduler does
     request.num_computed_tokens = request.num_tokens
     return manager.get_block_ids(request.request_id)[0]
 
@@ -180,6 +181,7 @@ def test_prefix_hit_of_shared_prefix_reuses_blocks_and_counts_stats():
     assert num_hit == 8
     assert hit_blocks.get_block_ids() == ([1, 2],)
     new_blocks = manager.allocate_slots(b, b.num_tokens - num_hit, num_hit, hit_blocks)
+    manager.record_prefix_cache_stats(b, num_hit)
     assert new_blocks.get_block_ids() == ([4, 5],)  # only the new ones are returned
     assert manager.get_block_ids("b") == ([1, 2, 4, 5],)
     assert [manager.block_pool.blocks[i].ref_cnt for i in (1, 2, 3)] == [2, 2, 1]
