@@ -305,3 +305,29 @@ def test_free_returns_every_block_and_usage_drops_to_zero():
     assert manager.usage == 0.0
     assert manager.reset_prefix_cache() is True
     assert manager.make_prefix_cache_stats().reset is True
+
+
+def test_the_count_of_free_cached_blocks_is_what_the_free_queue_holds():
+    # engine-top's "cached" blocks (kv.blocks_cached): free blocks that still carry a hash,
+    # counted as blocks move, never by walking the queue; checked against a walk after every
+    # admission and free of a workload with shared prefixes, hits on free blocks and evictions.
+    import random
+
+    rng = random.Random(7)
+    manager = make_manager(num_blocks=12)
+    pool = manager.block_pool
+    live: list[Request] = []
+    for i in range(300):
+        if live and (rng.random() < 0.5 or pool.get_num_free_blocks() < 4):
+            manager.free(live.pop(rng.randrange(len(live))))
+        else:
+            prefix = rng.choice([[1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9], []])
+            request = make_request(f"r{i}", prefix + [100 + rng.randrange(50) for _ in range(rng.randrange(1, 9))])
+            hit_blocks, num_hit = manager.get_computed_blocks(request)
+            if manager.allocate_slots(request, request.num_tokens - num_hit, num_hit, hit_blocks) is not None:
+                live.append(request)
+        walked = sum(1 for b in pool.free_block_queue.get_all_free_blocks() if b.block_hash is not None)
+        assert pool.num_free_cached_blocks == walked, i
+    for request in live:
+        manager.free(request)
+    assert manager.reset_prefix_cache() and pool.num_free_cached_blocks == 0
