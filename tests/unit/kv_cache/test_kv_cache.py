@@ -322,7 +322,9 @@ def test_the_count_of_free_cached_blocks_is_what_the_free_queue_holds():
             manager.free(live.pop(rng.randrange(len(live))))
         else:
             prefix = rng.choice([[1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9], []])
-            request = make_request(f"r{i}", prefix + [100 + rng.randrange(50) for _ in range(rng.randrange(1, 9))])
+            request = make_request(
+                f"r{i}", prefix + [100 + rng.randrange(50) for _ in range(rng.randrange(1, 9))]
+            )
             hit_blocks, num_hit = manager.get_computed_blocks(request)
             if manager.allocate_slots(request, request.num_tokens - num_hit, num_hit, hit_blocks) is not None:
                 live.append(request)
