@@ -232,6 +232,12 @@ ATTR_NUM_CHUNKS_SENT = _attr(
     "int",
     "SSE chunks sent before the client went away (0: not streamed).",
 )
+ATTR_REQUEST_NUM_CACHED_TOKENS = _attr(
+    "glassbox.request.num_cached_tokens",
+    "int",
+    "Prompt tokens served from the prefix cache (vLLM: RequestOutput.num_cached_tokens; "
+    "usage.prompt_tokens_details.cached_tokens with --enable-prompt-tokens-details).",
+)
 ATTR_NUM_STEPS = _attr("glassbox.request.num_steps", "int", "Engine steps a request's decode phase took.")
 ATTR_MODEL_DTYPE = _attr("glassbox.model.dtype", "str", "Resolved dtype of weights and activations.")
 ATTR_DEVICE = _attr("glassbox.device", "str", "Resolved torch device, e.g. cpu or cuda:0.")
@@ -533,6 +539,7 @@ LLM_REQUEST = _span(
         ATTR_GEN_AI_USAGE_COMPLETION_TOKENS,
         ATTR_GEN_AI_USAGE_INPUT_TOKENS,
         ATTR_GEN_AI_USAGE_OUTPUT_TOKENS,
+        ATTR_REQUEST_NUM_CACHED_TOKENS,
         ATTR_GEN_AI_RESPONSE_FINISH_REASONS,
         ATTR_GEN_AI_LATENCY_TIME_IN_QUEUE,
         ATTR_GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN,

@@ -11,6 +11,8 @@ Panels (``docs/engine-top.md`` explains how to read each one):
 - queues     each queue's depth now, with a sparkline of its recent samples
 - steps      the scheduler's recent steps: the token budget as a decode/prefill bar
 - requests   requests in flight (state, engine, tokens, KV blocks, age), then those just finished
+- kv         each engine's KV cache: blocks used, cached (free, still a prefix hit), empty;
+             the prefix-cache hit rate; which request holds which blocks
 - alerts     what a person should look at, with a hint of what it usually means
 """
 
@@ -39,10 +41,15 @@ from tracing.telemetry.events import (
     GAUGE_DP_WAVE,
     GAUGE_DUMMY_STEPS,
     GAUGE_INPUT_QUEUE,
+    GAUGE_KV_CACHED,
+    GAUGE_KV_FREE,
+    GAUGE_KV_TOTAL,
     GAUGE_KV_USED,
     GAUGE_MQ_READER_PREFIX,
     GAUGE_MQ_WRITTEN,
     GAUGE_OUTPUT_QUEUE,
+    GAUGE_PREEMPTED,
+    GAUGE_PREFIX_HIT_RATE,
     GAUGE_RUNNING,
     GAUGE_WAITING,
     GAUGE_WORKER_THREADS,
@@ -62,7 +69,7 @@ from tracing.telemetry.state import (
 
 # ------------------------------------------------------------------------------ options
 
-PANELS = ("processes", "queues", "steps", "requests", "alerts")
+PANELS = ("processes", "queues", "steps", "requests", "kv", "alerts")
 REQUEST_SORTS = ("age", "state", "engine", "progress", "blocks", "id")
 
 # Characters of the budget bar: distinct shapes, so it reads without colour too.
@@ -473,6 +480,14 @@ def queue_rows(state: LiveState) -> list[tuple[str, str, float | None, list[floa
             # blocks held by requests (the pool's size is the steps panel's KV %)
             series = list(state.queues.get(_series_key(p.role, GAUGE_KV_USED), ()))
             rows.append((p.role, "KV blocks", p.gauges[GAUGE_KV_USED], series))
+        if p.kind == "engine_core" and GAUGE_KV_CACHED in p.gauges:
+            # free blocks that still hold a prefix: hits for a later request, evicted first
+            series = list(state.queues.get(_series_key(p.role, GAUGE_KV_CACHED), ()))
+            rows.append((p.role, "KV cached", p.gauges[GAUGE_KV_CACHED], series))
+        if p.kind == "engine_core" and GAUGE_PREFIX_HIT_RATE in p.gauges:
+            # prefix-cache hits / queries since start, in tokens (vLLM's counters), as a percentage
+            series = [100 * v for v in state.queues.get(_series_key(p.role, GAUGE_PREFIX_HIT_RATE), ())]
+            rows.append((p.role, "prefix hit %", 100 * p.gauges[GAUGE_PREFIX_HIT_RATE], series))
         if p.kind == "worker" and GAUGE_WORKER_THREADS in p.gauges:
             # A CPU worker's threads: fewer than its share while other processes take its CPUs.
             most = p.gauges.get(GAUGE_WORKER_THREADS_MAX)
@@ -834,6 +849,88 @@ def render_requests(
 # ------------------------------------------------------------------------------ alerts
 
 
+def block_runs(block_ids: Sequence[int]) -> str:
+    """Block ids as runs of consecutive ids, in table order: ``[1, 2, 3, 7, 9, 10]`` →
+    ``"1-3 7 9-10"``."""
+    runs: list[list[int]] = []
+    for block_id in block_ids:
+        if runs and block_id == runs[-1][1] + 1:
+            runs[-1][1] = block_id
+        else:
+            runs.append([block_id, block_id])
+    return " ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def kv_summary(p: ProcessLive) -> dict[str, float] | None:
+    """An engine core's KV pool from its gauges: ``total`` usable blocks (the null block is
+    not one), ``used`` (held by requests), ``cached`` (free, still holding a prefix: a hit for
+    a later request, and the first evicted), ``empty`` (free, no prefix), ``hit_rate``
+    (prefix-cache hits / queries since start, tokens), ``preemptions``. None before its
+    first KV gauges."""
+    g = p.gauges
+    if GAUGE_KV_TOTAL not in g:
+        return None
+    free = g.get(GAUGE_KV_FREE, 0.0)
+    cached = g.get(GAUGE_KV_CACHED, 0.0)
+    return {
+        "total": g[GAUGE_KV_TOTAL],
+        "used": g.get(GAUGE_KV_USED, g[GAUGE_KV_TOTAL] - free),
+        "cached": cached,
+        "empty": max(0.0, free - cached),
+        "hit_rate": g.get(GAUGE_PREFIX_HIT_RATE, 0.0),
+        "preemptions": g.get(GAUGE_PREEMPTED, 0.0),
+    }
+
+
+def kv_holders(state: LiveState, engine: int | None) -> list[RequestLive]:
+    """The requests in flight of ``engine`` (all when None) that hold KV blocks, by their
+    first block (the order a person reads a block map in)."""
+    live, _ = visible_requests(state, engine, "age")
+    holders = [r for r in live if r.block_ids]
+    holders.sort(key=lambda r: (r.engine_index, r.block_ids[0]))
+    return holders
+
+
+def render_kv(state: LiveState, engine: int | None, max_rows: int | None = None) -> RenderableType:
+    """Per engine core, one line of its pool (used · cached · empty of total, the prefix
+    hit rate, preemptions), then which request holds which blocks (ids as runs, ``1-3 7``),
+    from the engine's latest snapshot (once a second)."""
+    lines: list[RenderableType] = []
+    for _, p in process_rows(state):
+        if p.kind != "engine_core" or (engine is not None and dp_rank_of(p) != engine):
+            continue
+        kv = kv_summary(p)
+        if kv is None:
+            continue
+        lines.append(Text.assemble(
+            (f"{p.role}  ", "dim"),
+            (f"{kv['used']:.0f} used", "bold"), " · ",
+            (f"{kv['cached']:.0f} cached", "cyan"), " · ",
+            f"{kv['empty']:.0f} empty of {kv['total']:.0f} blocks · ",
+            f"prefix hits {100 * kv['hit_rate']:.1f}% · preemptions {kv['preemptions']:.0f}",
+        ))  # fmt: skip
+    if not lines:
+        return Text("no KV gauges yet", style="dim")
+    holders = kv_holders(state, engine)
+    if not holders:
+        return Group(*lines, Text("no request holds a block", style="dim"))
+    shown = holders if max_rows is None or len(holders) <= max_rows else holders[: max(1, max_rows - 1)]
+    table = Table(box=box.SIMPLE_HEAD, expand=True, pad_edge=False, show_edge=False)
+    table.add_column("request", no_wrap=True, overflow="ellipsis", max_width=40)
+    if state.data_parallel_size > 1:
+        table.add_column("DP", justify="right", no_wrap=True)
+    table.add_column("state", no_wrap=True)
+    table.add_column("blocks", justify="right", no_wrap=True)
+    table.add_column("block ids", overflow="fold", ratio=1)
+    for r in shown:
+        cells = [r.request_id] + ([str(r.engine_index)] if state.data_parallel_size > 1 else [])
+        table.add_row(*cells, request_state(r), str(len(r.block_ids)), block_runs(r.block_ids))
+    parts: list[RenderableType] = [*lines, table]
+    if len(shown) < len(holders):
+        parts.append(Text(f"… {len(holders) - len(shown)} more (e: expand)", style="dim"))
+    return Group(*parts)
+
+
 def render_alerts(state: LiveState, max_rows: int | None = None) -> RenderableType:
     if not state.alerts:
         return Text("✓ no alerts", style="green")
@@ -1095,6 +1192,9 @@ def panel(
         if opts.engine is not None:
             title += f" · DP{opts.engine}"
         return _panel(body, title, f"sort: {opts.request_sort}")
+    if name == "kv":
+        return _panel(render_kv(state, opts.engine, rows), f"KV cache · {_engine_label(opts)}",
+                      "cached: free, still a prefix hit")  # fmt: skip
     if name == "alerts":
         n = len(state.alerts)
         return _panel(render_alerts(state, rows), f"alerts ({n})" if n else "alerts")

@@ -163,6 +163,12 @@ def add_subparser(sub: argparse._SubParsersAction) -> None:
         help="CORS: let pages of the allowed origins send cookies and credentials.",
     )
     g.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="Completions' and chats' usage say how many prompt tokens came from the prefix "
+        "cache: prompt_tokens_details.cached_tokens, present when it is not 0 (as vLLM).",
+    )
+    g.add_argument(
         "--api-key-scope",
         choices=("v1", "all"),
         default="v1",
@@ -282,6 +288,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         allow_credentials=args.allow_credentials,
         api_key_scope=args.api_key_scope,
         max_request_body_bytes=args.max_request_body_bytes,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
     )
     return run_server(config, server_args, sock)
 

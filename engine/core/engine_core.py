@@ -221,8 +221,9 @@ class EngineCore:
                 num_prompt_tokens=r.num_prompt_tokens,
                 num_computed_tokens=r.num_computed_tokens,
                 num_output_tokens=r.num_output_tokens,
-                num_blocks=len(block_ids.get(r.request_id, ())),
+                num_blocks=len(blocks := list(block_ids.get(r.request_id, ()))),
                 arrived_at=r.arrival_time,
+                block_ids=[block.block_id for block in blocks],
             )  # fmt: skip
             for state, queue in (("running", list(scheduler.running)), ("waiting", list(scheduler.waiting)))
             for r in queue
@@ -243,7 +244,7 @@ class EngineCore:
             events.GAUGE_KV_TOTAL: total,
             events.GAUGE_KV_FREE: free,
             events.GAUGE_KV_USED: total - free,
-            events.GAUGE_KV_CACHED: len(pool.cached_block_hash_to_block),
+            events.GAUGE_KV_CACHED: pool.num_free_cached_blocks,
             events.GAUGE_PREFIX_HIT_RATE: scheduler.prefix_cache_hits / queries if queries else 0.0,
         }
 

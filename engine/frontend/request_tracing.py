@@ -150,6 +150,7 @@ def do_tracing(state: RequestState, done: FinishedRequestStats, model_name: str 
         catalogue.ATTR_GEN_AI_USAGE_COMPLETION_TOKENS: req.num_generation_tokens,
         catalogue.ATTR_GEN_AI_USAGE_INPUT_TOKENS: num_prompt,
         catalogue.ATTR_GEN_AI_USAGE_OUTPUT_TOKENS: req.num_generation_tokens,
+        catalogue.ATTR_REQUEST_NUM_CACHED_TOKENS: state.num_cached_tokens,
         catalogue.ATTR_GEN_AI_RESPONSE_FINISH_REASONS: [done.finish_reason],
         catalogue.ATTR_GEN_AI_LATENCY_E2E: done.e2e_latency,
         catalogue.ATTR_GEN_AI_REQUEST_MAX_TOKENS: params.max_tokens,

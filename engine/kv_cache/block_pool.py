@@ -48,6 +48,11 @@ class BlockPool:
         self.cached_block_hash_to_block: dict[BlockHash, dict[int, KVCacheBlock]] = {}
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
+        # Free blocks that still carry a hash: prefix-cache hits no request holds, the first
+        # to be evicted when a request needs a fresh block (engine-top's "cached" blocks).
+        # Not in vLLM; kept as blocks move, so the telemetry thread reads it without walking
+        # the free queue.
+        self.num_free_cached_blocks = 0
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         """A block holding the tokens named by ``block_hash``, or None on a miss."""
@@ -87,6 +92,8 @@ class BlockPool:
         """
         blocks = self.free_block_queue.popleft_n(num_blocks)  # raises before taking any
         for block in blocks:
+            if block.block_hash is not None:
+                self.num_free_cached_blocks -= 1
             if self.enable_caching:
                 self._maybe_evict_cached_block(block)
             assert block.ref_cnt == 0, f"{block} was in the free queue while in use"
@@ -110,6 +117,8 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0 and not block.is_null:
                 self.free_block_queue.remove(block)
+                if block.block_hash is not None:
+                    self.num_free_cached_blocks -= 1
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
@@ -126,6 +135,8 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 now_free.append(block)
+                if block.block_hash is not None:
+                    self.num_free_cached_blocks += 1
         self.free_block_queue.append_n(now_free)
 
     def reset_prefix_cache(self) -> bool:
@@ -141,6 +152,7 @@ class BlockPool:
         self.cached_block_hash_to_block.clear()
         for block in self.blocks:
             block.reset_hash()
+        self.num_free_cached_blocks = 0
         return True
 
     def get_num_free_blocks(self) -> int:

@@ -107,6 +107,9 @@ class KVCacheManager:
         the last token must be computed to get logits to sample from. A request that asks
         for prompt logprobs gets no hit (those need every prompt position computed).
 
+        A lookup only: it counts nothing in the prefix-cache stats (the scheduler calls
+        ``record_prefix_cache_stats`` once the request is admitted).
+
         Returns:
             (the hit blocks, the number of hit tokens — a multiple of ``block_size``).
         """
@@ -123,10 +126,22 @@ class KVCacheManager:
                 break
             hit_blocks.append(block)
 
-        num_hit_tokens = len(hit_blocks) * self.block_size
-        if self.prefix_cache_stats is not None:
-            self.prefix_cache_stats.record(request.num_tokens, num_hit_tokens)
-        return KVCacheBlocks((hit_blocks,)), num_hit_tokens
+        return KVCacheBlocks((hit_blocks,)), len(hit_blocks) * self.block_size
+
+    def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
+        """Count one admitted request's lookup: ``request.num_tokens`` queries, ``num_hits`` hits.
+
+        The scheduler calls it once a waiting request got its slots, not in
+        ``get_computed_blocks``: a request that does not fit is looked up again next step,
+        and counting each attempt would count its tokens again (vLLM records at admission
+        too, so that unscheduled lookups are not counted). A request that skipped the
+        lookup (caching off, prompt logprobs) is not counted.
+        """
+        if self.prefix_cache_stats is None:
+            return
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return
+        self.prefix_cache_stats.record(request.num_tokens, num_hits, preempted=request.num_preemptions > 0)
 
     def allocate_slots(
         self,

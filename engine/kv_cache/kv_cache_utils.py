@@ -195,18 +195,31 @@ class FreeKVCacheBlockQueue:
 
 @dataclass
 class PrefixCacheStats:
-    """Prefix-cache lookups since the last time the stats were taken.
+    """Prefix-cache lookups of the requests admitted since the last time the stats were taken.
 
     ``queries`` and ``hits`` are in tokens: a request of 100 tokens whose first 64 are
-    cached adds 100 queries and 64 hits. ``reset`` is True when the cache was cleared.
+    cached adds 100 queries and 64 hits. A lookup counts once, when its request is
+    admitted (``KVCacheManager.record_prefix_cache_stats``): a waiting request that finds
+    no free blocks and is looked up again next step is not counted twice. A request that
+    was preempted and is admitted again counts in the ``preempted_*`` fields instead: its
+    hit is its own recomputed prefix, not a shared one. ``reset`` is True when the cache
+    was cleared. vLLM: ``PrefixCacheStats`` in ``vllm/v1/metrics/stats.py``.
     """
 
     reset: bool = False
     requests: int = 0
     queries: int = 0
     hits: int = 0
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
 
-    def record(self, num_tokens: int, num_hits: int) -> None:
-        self.requests += 1
-        self.queries += num_tokens
-        self.hits += num_hits
+    def record(self, num_tokens: int, num_hits: int, preempted: bool = False) -> None:
+        if preempted:
+            self.preempted_requests += 1
+            self.preempted_queries += num_tokens
+            self.preempted_hits += num_hits
+        else:
+            self.requests += 1
+            self.queries += num_tokens
+            self.hits += num_hits

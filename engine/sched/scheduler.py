@@ -111,6 +111,8 @@ class Scheduler:
         self.step_counter = 0
         self.num_preemptions = 0
         self.num_scheduled_tokens_last_step = 0
+        # vLLM's vllm:prefix_cache_queries / _hits: tokens of requests admitted for the first
+        # time (a preempted request's re-admission is PrefixCacheStats.preempted_*).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -266,6 +268,9 @@ class Scheduler:
                         self._raise_does_not_fit(request, num_computed_tokens + num_new_tokens)
                     break
 
+                # Counted now that it is admitted: a request that did not fit above is
+                # looked up again next step, and must not count its tokens twice.
+                self.kv_cache_manager.record_prefix_cache_stats(request, num_computed_tokens)
                 self.waiting.pop_request()
                 self.running.append(request)
                 if request.status == RequestStatus.WAITING:

@@ -281,8 +281,8 @@ class Dropped(_Event, tag="dropped"):
 
 class RequestProgress(msgspec.Struct, kw_only=True, array_like=True):
     """One request an engine holds right now (``state``: waiting or running), with its
-    progress: computed tokens of ``num_prompt_tokens + num_output_tokens``, KV blocks held,
-    ``arrived_at`` (Unix s)."""
+    progress: computed tokens of ``num_prompt_tokens + num_output_tokens``, KV blocks held
+    (``num_blocks``; ``block_ids``: which, in block-table order), ``arrived_at`` (Unix s)."""
 
     request_id: str
     state: str
@@ -292,6 +292,7 @@ class RequestProgress(msgspec.Struct, kw_only=True, array_like=True):
     num_output_tokens: int
     num_blocks: int
     arrived_at: float
+    block_ids: list[int] = []
 
 
 class Snapshot(_Event, tag="snapshot"):

@@ -171,6 +171,8 @@ class RequestLive:
     arrived_at: float | None = None
     updated_at: float | None = None
     reason: str | None = None
+    # The KV blocks it holds, in block-table order, as of the engine's latest snapshot.
+    block_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -385,6 +387,8 @@ class LiveState:
             if ev.event == "first_token" and name != "engine_index":
                 value = max(value, old)
             setattr(req, name, value)
+        if ev.num_blocks == 0 and not stale:  # preempted or finished: it holds no block now
+            req.block_ids = []
         if ev.reason is not None and not stale:
             req.reason = ev.reason
         if not stale:
@@ -423,6 +427,7 @@ class LiveState:
             req.num_computed_tokens = progress.num_computed_tokens
             req.num_output_tokens = progress.num_output_tokens
             req.num_blocks = progress.num_blocks
+            req.block_ids = list(progress.block_ids)
             req.updated_at = ev.t
 
     def _apply_run_info(self, ev: RunInfo) -> None:

@@ -310,7 +310,8 @@ async def run_server_worker(
                     allowed_origins=args.allowed_origins, several_servers=several_servers,
                     api_key_scope=args.api_key_scope, allowed_methods=args.allowed_methods,
                     allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
-                    max_request_body_bytes=args.max_request_body_bytes)  # fmt: skip
+                    max_request_body_bytes=args.max_request_body_bytes,
+                    enable_prompt_tokens_details=args.enable_prompt_tokens_details)  # fmt: skip
     # uvicorn's own lines (start-up, access log) get the role prefix like ours: with
     # several API servers, each line says which one served.
     adopt_logger("uvicorn", args.uvicorn_log_level)

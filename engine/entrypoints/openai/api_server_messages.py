@@ -55,6 +55,8 @@ class ServerArgs:
     http_header_timeout: float = 10.0
     http_body_timeout: float = 30.0
     shutdown_timeout: int = 0
+    # --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens (vLLM's flag).
+    enable_prompt_tokens_details: bool = False
 
 
 class APIServerSpawnPayload(msgspec.Struct, kw_only=True):

@@ -126,6 +126,7 @@ def build_app(
     allowed_headers: list[str] | None = None,
     allow_credentials: bool = False,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    enable_prompt_tokens_details: bool = False,
 ) -> FastAPI:
     """The FastAPI app that serves ``engine`` under ``served_model_name``.
 
@@ -146,6 +147,8 @@ def build_app(
             None means ``["*"]``; used only when some origin is allowed.
         max_request_body_bytes: bodies larger than this get a 413 before they are read
             whole (``--max-request-body-bytes``); 0 means no limit.
+        enable_prompt_tokens_details: completions' and chats' usage carries
+            ``prompt_tokens_details.cached_tokens`` (``--enable-prompt-tokens-details``).
 
     Raises:
         ValueError: an ``api_key_scope`` that is not one of ``API_KEY_SCOPES``.
@@ -158,8 +161,10 @@ def build_app(
     state = app.state
     state.engine = engine
     state.serving_models = OpenAIServingModels(engine, served_model_name)
-    state.serving_completion = OpenAIServingCompletion(engine, served_model_name)
-    state.serving_chat = OpenAIServingChat(engine, served_model_name)
+    state.serving_completion = OpenAIServingCompletion(
+        engine, served_model_name, enable_prompt_tokens_details
+    )
+    state.serving_chat = OpenAIServingChat(engine, served_model_name, enable_prompt_tokens_details)
     state.serving_tokenization = OpenAIServingTokenization(engine, served_model_name)
     state.stat_loggers = StatLoggerManager(
         served_model_name,

@@ -57,12 +57,26 @@ class ErrorResponse(OpenAIBaseModel):
 # ---------------------------------------------------------------------------- shared
 
 
+class PromptTokenUsageInfo(OpenAIBaseModel):
+    """``usage.prompt_tokens_details``: ``cached_tokens``, the prompt tokens served from the
+    prefix cache (vLLM: ``PromptTokenUsageInfo``)."""
+
+    cached_tokens: int | None = None
+
+
 class UsageInfo(OpenAIBaseModel):
-    """Token counts of a request: prompt tokens once per prompt, all choices' output tokens."""
+    """Token counts of a request: prompt tokens once per prompt, all choices' output tokens.
+
+    ``prompt_tokens_details`` is set only with ``--enable-prompt-tokens-details`` and a
+    non-zero count of cached prompt tokens, as in vLLM. Deliberate deviation: where it is
+    not set, vLLM's non-streamed body writes ``"prompt_tokens_details": null``; ours leaves
+    the key out (as vLLM's streamed usage chunk does).
+    """
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokenUsageInfo | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class StreamOptions(OpenAIBaseModel):

@@ -143,10 +143,8 @@ class OpenAIServingChat(OpenAIServing):
                     stop_reason=out.stop_reason,
                 )
             )
-        prompt_tokens = len(final.prompt_token_ids)
         completion_tokens = sum(len(out.token_ids) for out in final.outputs)
-        usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                          total_tokens=prompt_tokens + completion_tokens)  # fmt: skip
+        usage = self.make_usage(len(final.prompt_token_ids), completion_tokens, final.num_cached_tokens)
         return ChatCompletionResponse(
             id=request_id, model=self.served_model_name, choices=choices, usage=usage
         )
@@ -168,11 +166,12 @@ class OpenAIServingChat(OpenAIServing):
             return sse_event(ChatCompletionStreamResponse(id=request_id, created=created, model=self.served_model_name,
                                                           choices=choices, usage=usage))  # fmt: skip
 
-        completion_tokens = 0
+        completion_tokens = num_cached_tokens = 0
         try:
             async with contextlib.aclosing(outputs):
                 role_sent = False
                 async for _, output in outputs:
+                    num_cached_tokens = output.num_cached_tokens
                     if not role_sent:
                         # The role comes first, once per choice, before any content (as OpenAI
                         # does) — with the first engine output, as in vLLM, so a client's first
@@ -208,9 +207,7 @@ class OpenAIServingChat(OpenAIServing):
                         )
                         yield chunk([choice])
             if request.stream_options is not None and request.stream_options.include_usage:
-                usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                                  total_tokens=prompt_tokens + completion_tokens)  # fmt: skip
-                yield chunk([], usage)
+                yield chunk([], self.make_usage(prompt_tokens, completion_tokens, num_cached_tokens))
         except Exception as e:
             yield stream_error_event(e, request_id, "messages")
         yield SSE_DONE

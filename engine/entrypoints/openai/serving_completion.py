@@ -36,7 +36,6 @@ from engine.entrypoints.openai.protocol import (
     CompletionResponseChoice,
     CompletionStreamChoiceWire,
     CompletionStreamResponse,
-    UsageInfo,
 )
 from engine.entrypoints.openai.serving_engine import (
     MIN_LOGPROB,
@@ -230,13 +229,14 @@ class OpenAIServingCompletion(OpenAIServing):
         finals: list[RequestOutput | None],
     ) -> CompletionResponse:
         choices: list[CompletionResponseChoice] = []
-        usage = UsageInfo()
+        prompt_tokens = completion_tokens = num_cached_tokens = 0
         echoes = self._echoes(request, prompts)
         for i, ((_, prompt_ids), final) in enumerate(zip(prompts, finals)):
             assert final is not None, "the engine ended a request without a final output"
-            usage.prompt_tokens += len(prompt_ids)
+            prompt_tokens += len(prompt_ids)
+            num_cached_tokens += final.num_cached_tokens
             for out in final.outputs:
-                usage.completion_tokens += len(out.token_ids)
+                completion_tokens += len(out.token_ids)
                 text, _, logprobs = self._choice_output(
                     request, out, 0, echoes[i], prompt_ids, final.prompt_logprobs
                 )
@@ -249,7 +249,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         stop_reason=out.stop_reason,
                     )
                 )
-        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        usage = self.make_usage(prompt_tokens, completion_tokens, num_cached_tokens)
         choices.sort(key=lambda c: c.index)
         return CompletionResponse(id=request_id, model=self.served_model_name, choices=choices, usage=usage)
 
@@ -270,11 +270,13 @@ class OpenAIServingCompletion(OpenAIServing):
         shift = [0] * (len(prompts) * n)  # characters of echoed prompt before each choice's output
         prompt_logprobs: list[list[LogprobsDict | None] | None] = [None] * len(prompts)
         completion_tokens = 0
+        num_cached_tokens = [0] * len(prompts)  # per prompt, the latest its outputs said
         try:
             # Each choice's echo, until its first chunk (which starts with it) takes it.
             echoes = [echo for echo in self._echoes(request, prompts) for _ in range(n)]
             async with contextlib.aclosing(outputs):
                 async for p, output in outputs:
+                    num_cached_tokens[p] = output.num_cached_tokens
                     if output.prompt_logprobs:
                         prompt_logprobs[p] = (prompt_logprobs[p] or []) + output.prompt_logprobs
                     for out in output.outputs:
@@ -292,7 +294,9 @@ class OpenAIServingCompletion(OpenAIServing):
                             CompletionStreamChoiceWire(i, text, logprobs, out.finish_reason, out.stop_reason)
                         )
             if request.stream_options is not None and request.stream_options.include_usage:
-                yield self._usage_event(request_id, created, prompts, completion_tokens)
+                yield self._usage_event(
+                    request_id, created, prompts, completion_tokens, sum(num_cached_tokens)
+                )
         except Exception as e:
             yield stream_error_event(e, request_id, "prompt")
         yield SSE_DONE
@@ -303,11 +307,10 @@ class OpenAIServingCompletion(OpenAIServing):
         created: int,
         prompts: list[tuple[str | None, list[int]]],
         completion_tokens: int,
+        num_cached_tokens: int,
     ) -> str:
         """A stream's last chunk before ``[DONE]`` when ``stream_options.include_usage`` asks for it."""
-        prompt_tokens = sum(len(ids) for _, ids in prompts)
-        usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                          total_tokens=prompt_tokens + completion_tokens)  # fmt: skip
+        usage = self.make_usage(sum(len(ids) for _, ids in prompts), completion_tokens, num_cached_tokens)
         return sse_event(CompletionStreamResponse(id=request_id, created=created, model=self.served_model_name,
                                                   choices=[], usage=usage))  # fmt: skip
 

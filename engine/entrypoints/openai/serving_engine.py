@@ -32,7 +32,13 @@ from typing import Any, TypeVar
 import msgspec
 from pydantic import BaseModel
 
-from engine.entrypoints.openai.protocol import ChatMessageParam, ErrorInfo, ErrorResponse
+from engine.entrypoints.openai.protocol import (
+    ChatMessageParam,
+    ErrorInfo,
+    ErrorResponse,
+    PromptTokenUsageInfo,
+    UsageInfo,
+)
 from engine.frontend.async_llm import AsyncLLM
 from engine.frontend.tokenizer import apply_chat_template, encode
 from engine.logger import init_logger
@@ -239,11 +245,16 @@ class OpenAIServing:
     Args:
         engine: the engine client; its tokenizer and ``model_config`` are used directly.
         served_model_name: the only name ``model`` may carry in a request.
+        enable_prompt_tokens_details: ``--enable-prompt-tokens-details``: a response's usage
+            says how many prompt tokens came from the prefix cache (``make_usage``).
     """
 
-    def __init__(self, engine: AsyncLLM, served_model_name: str) -> None:
+    def __init__(
+        self, engine: AsyncLLM, served_model_name: str, enable_prompt_tokens_details: bool = False
+    ) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details
         self.tokenizer = engine.tokenizer
         self.max_model_len: int = engine.model_config.max_model_len
         self.vocab_size: int = engine.model_config.vocab_size
@@ -252,6 +263,15 @@ class OpenAIServing:
         # get_max_tokens.
         self.default_max_tokens: int | None = engine.model_config.get_diff_sampling_param().get("max_tokens")
         self.max_chars_per_token = max_chars_per_token(self.tokenizer)
+
+    def make_usage(self, prompt_tokens: int, completion_tokens: int, num_cached_tokens: int) -> UsageInfo:
+        """A response's ``usage``; with ``--enable-prompt-tokens-details`` and a prefix-cache
+        hit, ``prompt_tokens_details.cached_tokens`` (vLLM sets it only when non-zero)."""
+        usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                          total_tokens=prompt_tokens + completion_tokens)  # fmt: skip
+        if self.enable_prompt_tokens_details and num_cached_tokens:
+            usage.prompt_tokens_details = PromptTokenUsageInfo(cached_tokens=num_cached_tokens)
+        return usage
 
     # ------------------------------------------------------------------ checks
 

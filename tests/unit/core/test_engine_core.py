@@ -426,3 +426,33 @@ def test_proc_shutdown_stops_the_worker_and_the_engines_threads(proc):
     assert isinstance(p.loop_error, SystemExit) and p.executor.shut_down
     p.engine.input_thread.join(DEADLINE_S)
     assert not p.engine.input_thread.is_alive() and not p.engine.output_thread.is_alive()
+
+
+def test_telemetry_reports_which_blocks_each_request_holds_and_the_free_cached_ones(make_engine):
+    # engine-top's KV panel reads these: block ids per request, and free blocks that still
+    # hold a prefix (hits for later requests) apart from empty ones.
+    from tracing.telemetry import events
+
+    engine = make_engine()
+    prompt = list(range(500, 520))  # 20 tokens: 2 full blocks of 8, and 4 more
+    engine.add_request(EngineCoreRequest(request_id="a", prompt_token_ids=prompt, eos_token_id=EOS,
+                                         sampling_params=SamplingParams(max_tokens=4), arrival_time=time.time()))  # fmt: skip
+    engine.step()
+    (progress,) = engine.telemetry_requests()
+    assert progress.block_ids == engine.scheduler.kv_cache_manager.get_block_ids("a")[0]
+    assert progress.num_blocks == len(progress.block_ids) == 3
+    run_to_completion(engine)
+    gauges = engine.telemetry_gauges()
+    # a's 2 full prompt blocks stay cached once freed; its last, partly filled block is empty
+    assert gauges[events.GAUGE_KV_CACHED] == 2
+    assert gauges[events.GAUGE_KV_FREE] == gauges[events.GAUGE_KV_TOTAL] == NUM_BLOCKS - 1
+
+    engine.add_request(EngineCoreRequest(request_id="b", prompt_token_ids=prompt[:16] + [7, 8, 9], eos_token_id=EOS,
+                                         sampling_params=SamplingParams(max_tokens=3), arrival_time=time.time()))  # fmt: skip
+    engine.step()
+    # b took the 2 cached blocks back (its prefix hit): they are in use, no longer free-cached
+    assert engine.telemetry_gauges()[events.GAUGE_KV_CACHED] == 0
+    run_to_completion(engine)
+    gauges = engine.telemetry_gauges()
+    assert gauges[events.GAUGE_KV_CACHED] == 2
+    assert gauges[events.GAUGE_PREFIX_HIT_RATE] == 16 / (20 + 19)

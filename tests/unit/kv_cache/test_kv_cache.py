@@ -50,6 +50,7 @@ def allocate_prompt(manager: KVCacheManager, request: Request) -> list[int]:
     """Schedule the whole prompt after its prefix hit, as the scheduler would; return its block ids."""
     hit_blocks, num_hit = manager.get_computed_blocks(request)
     assert manager.allocate_slots(request, request.num_tokens - num_hit, num_hit, hit_blocks) is not None
+    manager.record_prefix_cache_stats(request, num_hit)  # counted at admission, as the scheduler does
     request.num_computed_tokens = request.num_tokens
     return manager.get_block_ids(request.request_id)[0]
 
@@ -180,6 +181,7 @@ def test_prefix_hit_of_shared_prefix_reuses_blocks_and_counts_stats():
     assert num_hit == 8
     assert hit_blocks.get_block_ids() == ([1, 2],)
     new_blocks = manager.allocate_slots(b, b.num_tokens - num_hit, num_hit, hit_blocks)
+    manager.record_prefix_cache_stats(b, num_hit)
     assert new_blocks.get_block_ids() == ([4, 5],)  # only the new ones are returned
     assert manager.get_block_ids("b") == ([1, 2, 4, 5],)
     assert [manager.block_pool.blocks[i].ref_cnt for i in (1, 2, 3)] == [2, 2, 1]
@@ -303,3 +305,31 @@ def test_free_returns_every_block_and_usage_drops_to_zero():
     assert manager.usage == 0.0
     assert manager.reset_prefix_cache() is True
     assert manager.make_prefix_cache_stats().reset is True
+
+
+def test_the_count_of_free_cached_blocks_is_what_the_free_queue_holds():
+    # engine-top's "cached" blocks (kv.blocks_cached): free blocks that still carry a hash,
+    # counted as blocks move, never by walking the queue; checked against a walk after every
+    # admission and free of a workload with shared prefixes, hits on free blocks and evictions.
+    import random
+
+    rng = random.Random(7)
+    manager = make_manager(num_blocks=12)
+    pool = manager.block_pool
+    live: list[Request] = []
+    for i in range(300):
+        if live and (rng.random() < 0.5 or pool.get_num_free_blocks() < 4):
+            manager.free(live.pop(rng.randrange(len(live))))
+        else:
+            prefix = rng.choice([[1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9], []])
+            request = make_request(
+                f"r{i}", prefix + [100 + rng.randrange(50) for _ in range(rng.randrange(1, 9))]
+            )
+            hit_blocks, num_hit = manager.get_computed_blocks(request)
+            if manager.allocate_slots(request, request.num_tokens - num_hit, num_hit, hit_blocks) is not None:
+                live.append(request)
+        walked = sum(1 for b in pool.free_block_queue.get_all_free_blocks() if b.block_hash is not None)
+        assert pool.num_free_cached_blocks == walked, i
+    for request in live:
+        manager.free(request)
+    assert manager.reset_prefix_cache() and pool.num_free_cached_blocks == 0

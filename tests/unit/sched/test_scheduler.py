@@ -260,6 +260,46 @@ def test_shared_prefix_hits_and_is_counted():
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (20 + 19, 16)
 
 
+def test_a_waiting_request_retried_for_lack_of_blocks_is_counted_once():
+    # 4 usable blocks of 8 tokens: "a" (24 tokens, then decodes into a 4th block) leaves
+    # "b" (16 tokens, 2 blocks) waiting for several steps; b's prefix-cache lookup runs on
+    # each of them, but vLLM counts a lookup at admission only: 24 + 16 queries, not more.
+    scheduler = create_scheduler(num_blocks=5)
+    scheduler.add_request(create_request("a", 24, max_tokens=4))
+    scheduler.add_request(create_request("b", 16, max_tokens=1))
+    admitted_at = None
+    for step_index in range(1, 10):
+        out, _, eco = step(scheduler)
+        if out.scheduled_new_reqs and out.scheduled_new_reqs[0].req_id == "b":
+            admitted_at = step_index
+            break
+    assert admitted_at is not None and admitted_at > 2  # b was looked up and refused first
+    stats = eco[0].scheduler_stats
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (24 + 16, 0)
+
+
+def test_a_preempted_request_readmitted_is_not_counted_as_a_new_query():
+    # vLLM's vllm:prefix_cache_queries counts requests admitted for the first time; the
+    # re-admission of a preempted request (whose hit is its own recomputed prefix) goes to
+    # PrefixCacheStats.preempted_* instead.
+    scheduler = create_scheduler(num_blocks=5)
+    scheduler.add_request(create_request("a", 15, max_tokens=10))
+    scheduler.add_request(create_request("b", 15, max_tokens=10))
+    manager = scheduler.kv_cache_manager
+    queries = preempted_requests = 0
+    for _ in range(40):
+        if not scheduler.has_unfinished_requests():
+            break
+        scheduler_output = scheduler.schedule()
+        stats = manager.prefix_cache_stats
+        queries += stats.queries
+        preempted_requests += stats.preempted_requests
+        scheduler.update_from_output(scheduler_output, model_runner_output(scheduler, scheduler_output))
+    assert scheduler.num_preemptions > 0
+    assert preempted_requests == scheduler.num_preemptions
+    assert queries == scheduler.prefix_cache_queries == 15 + 15
+
+
 def test_block_aligned_prompt_sent_twice_recomputes_its_last_block():
     scheduler = create_scheduler()
     prompt = list(range(10, 26))  # exactly 2 blocks

@@ -29,15 +29,22 @@ from tracing.telemetry.events import (
     GAUGE_DP_WAVE,
     GAUGE_DUMMY_STEPS,
     GAUGE_INPUT_QUEUE,
+    GAUGE_KV_CACHED,
+    GAUGE_KV_FREE,
     GAUGE_KV_TOTAL,
     GAUGE_KV_USED,
     GAUGE_MQ_WRITTEN,
     GAUGE_OUTPUT_QUEUE,
+    GAUGE_PREEMPTED,
+    GAUGE_PREFIX_HIT_RATE,
     GAUGE_RUNNING,
     GAUGE_WAITING,
     GAUGE_WORKER_THREADS,
     GAUGE_WORKER_THREADS_MAX,
     OpenStageInfo,
+    RequestEvent,
+    RequestProgress,
+    Snapshot,
     StepRecord,
 )
 from tracing.telemetry.state import Alert, LiveState, ProcessLive, RequestLive, WaitInfo
@@ -786,6 +793,60 @@ def test_finished_and_first_token_rows_show_their_true_computed_counts():
         render(views.panel("requests", state, views.ViewOptions(), width=120, wrap=True), 120), "cmpl-c"
     )
     assert "first_token" in row and "64/65" in row
+
+
+def kv_state() -> LiveState:
+    """One engine core as its snapshot reports it: "cmpl-b" reused the 2 blocks of the
+    prefix it shares with "cmpl-a" (ids 1 and 2), "cmpl-c" waits, preempted; 3 freed blocks
+    still hold a prefix (cached), the rest are empty."""
+    progress = [
+        RequestProgress(request_id="cmpl-a", state="running", engine_index=0, num_prompt_tokens=40,
+                        num_computed_tokens=44, num_output_tokens=5, num_blocks=3, arrived_at=NOW - 3.0,
+                        block_ids=[1, 2, 3]),
+        RequestProgress(request_id="cmpl-b", state="running", engine_index=0, num_prompt_tokens=38,
+                        num_computed_tokens=38, num_output_tokens=1, num_blocks=3, arrived_at=NOW - 2.0,
+                        block_ids=[1, 2, 7]),
+        RequestProgress(request_id="cmpl-c", state="waiting", engine_index=0, num_prompt_tokens=30,
+                        num_computed_tokens=0, num_output_tokens=0, num_blocks=0, arrived_at=NOW - 1.0),
+    ]  # fmt: skip
+    gauges = {GAUGE_KV_TOTAL: 15, GAUGE_KV_FREE: 11, GAUGE_KV_USED: 4, GAUGE_KV_CACHED: 3,
+              GAUGE_PREFIX_HIT_RATE: 32 / 78, GAUGE_PREEMPTED: 1}  # fmt: skip
+    state = LiveState(run_dir=RUN_DIR, now=NOW, mode="serve", data_parallel_size=1)
+    state.processes["EngineCore_DP0"] = _proc("EngineCore_DP0", "engine_core", 2000)  # its heartbeat said so
+    state.apply(Snapshot(role="EngineCore_DP0", pid=2000, seq=1, t=NOW - 0.5, stages=[], gauges=gauges,
+                         requests=progress))  # fmt: skip
+    return state
+
+
+def test_kv_panel_shows_the_pool_and_which_request_holds_which_blocks():
+    text = render(views.panel("kv", kv_state(), views.ViewOptions(), width=120), width=120)
+    assert "4 used · 3 cached · 8 empty of 15 blocks" in text
+    assert "prefix hits 41.0% · preemptions 1" in text
+    assert re.search(r"cmpl-a\s+running\s+3\s+1-3\b", line_of(text, "cmpl-a"))
+    assert re.search(r"cmpl-b\s+running\s+3\s+1-2 7\b", line_of(text, "cmpl-b"))
+    assert "cmpl-c" not in text  # holds no block
+    # the first block is shared: a holder list is sorted by it, a in front of b
+    assert text.index("cmpl-a") < text.index("cmpl-b")
+
+
+def test_a_finished_request_leaves_the_kv_panel_at_once():
+    state = kv_state()
+    state.apply(RequestEvent(role="EngineCore_DP0", pid=2000, seq=2, t=NOW - 0.2, request_id="cmpl-b",
+                             event="finished", engine_index=0, reason="length", num_blocks=0))  # fmt: skip
+    text = render(views.panel("kv", state, views.ViewOptions(), width=120), width=120)
+    assert "cmpl-b" not in text and "cmpl-a" in text
+
+
+def test_block_runs():
+    assert views.block_runs([1, 2, 3, 7, 9, 10]) == "1-3 7 9-10"
+    assert views.block_runs([5, 4]) == "5 4"  # table order, not sorted
+    assert views.block_runs([]) == ""
+
+
+def test_queues_panel_has_the_prefix_cache_rows():
+    text = render(views.panel("queues", kv_state(), views.ViewOptions(), width=120), width=120)
+    assert re.search(r"KV cached\s+3\b", text)
+    assert re.search(r"prefix hit %\s+41\b", text)
 
 
 def test_stuck_stage_alert_with_its_hint():
