@@ -34,7 +34,8 @@ the lesson server's address; ``glassbox``, ``engine-top`` and ``python`` are thi
 interpreter's (shims first on ``PATH``); ``GLASSBOX_RUN_DIR_BASE`` is the lesson server's
 run-directory base, so ``glassbox ps``, ``engine-top`` and ``glassbox doctor`` find that
 server and no other; and a path under ``/tmp/`` lands in the test's own temporary
-directory. Blocks run from the repository root, as a student's second terminal does.
+directory (the lesson server's own command too: its ``--trace-file /tmp/…`` is the file the
+blocks read). Blocks run from the repository root, as a student's second terminal does.
 
 Masking, applied to the text and to the real output alike, then compared with doctest's
 ``ELLIPSIS`` and ``NORMALIZE_WHITESPACE`` (so ``...`` in the text stands for anything, and
@@ -378,7 +379,10 @@ def test_lesson_runs_as_written(path):
     base = Path(tempfile.mkdtemp(prefix="gbt", dir="/tmp"))  # short: ipc paths ≤ 107 chars
     try:
         wanted = lesson_server(path)
-        server = _NoServer(base) if wanted is None else start_server(base / "srv", *wanted[1], env=wanted[0])
+        # the lesson server's own /tmp/ paths (its --trace-file, --telemetry-record) land where
+        # the blocks' do: in this test's temporary directory
+        flags = [] if wanted is None else [re.sub(r"(?<![\w.])/tmp/", f"{base}/", word) for word in wanted[1]]
+        server = _NoServer(base) if wanted is None else start_server(base / "srv", *flags, env=wanted[0])
         try:
             document.namespace["lesson"] = Lesson(server, base)
             ran = []
