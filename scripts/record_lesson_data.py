@@ -18,6 +18,12 @@
 Prompts are token ids (the completions API takes them), so their lengths are exact. Each
 server runs in a temporary run-directory base and is stopped with SIGTERM, as Ctrl-C would,
 so the recording is flushed and closed. Takes about a minute (two server starts).
+
+The lessons quote these files' numbers (a step trace's times, the recording's request ids)
+and their checks pin them: after recording again, run the lessons' test
+(``pytest tests/e2e/test_tutorials.py -k "05 or 06"``), update the quoted numbers, and redraw
+the pictures (``python -m engine.distributed.pictures``). The scheduler recording's steps are
+the scheduler's arithmetic and come out the same.
 """
 
 from __future__ import annotations
