@@ -142,6 +142,12 @@ ATTR_THREAD_NAME = _attr(
 )
 
 ATTR_STEP_ID = _attr("glassbox.step.id", "int", "Engine step counter, from 0 at engine start.")
+ATTR_STEP_DELAY_MS = _attr(
+    "glassbox.step.delay_ms",
+    "float",
+    "Milliseconds of --step-delay-ms: the pause the busy loop makes after a step (on engine_core.step_delay), "
+    "or the part of a request's wait in input_queue that was that pause (on engine_core.input_queue).",
+)
 ATTR_STEP_NUM_SCHEDULED_TOKENS = _attr(
     "glassbox.step.num_scheduled_tokens", "int", "Tokens scheduled in this step, over all requests."
 )
@@ -492,7 +498,16 @@ ENGINE_CORE_OUTPUT_SEND = _span(
     (KIND_ENGINE_CORE,),
     "The output thread: one step's outputs for one client taken off output_queue (wait as an "
     "attribute), encoded and pushed to that client's socket. Child of the step that made them.",
-    (ATTR_QUEUE_WAIT_MS,),
+    (ATTR_QUEUE_WAIT_MS, ATTR_THREAD_NAME),
+)
+ENGINE_CORE_STEP_DELAY = _span(
+    "engine_core.step_delay",
+    STEP,
+    (KIND_ENGINE_CORE,),
+    "--step-delay-ms: the busy loop sleeps after a step (slow motion for a class), after the step's span "
+    "and outside its time (engine-top shows it apart: its delay column). A request that arrives meanwhile "
+    "waits in input_queue: its engine_core.input_queue span says how much of its wait this pause was.",
+    (ATTR_STEP_ID, ATTR_STEP_DELAY_MS),
 )
 EXECUTOR_BROADCAST = _span(
     "executor.broadcast",
@@ -582,14 +597,15 @@ ENGINE_CORE_INPUT = _span(
     REQUEST,
     (KIND_ENGINE_CORE,),
     "The engine core's input thread receives and decodes one request from its client's socket.",
-    (ATTR_GEN_AI_REQUEST_ID, ATTR_MESSAGE_TYPE),
+    (ATTR_GEN_AI_REQUEST_ID, ATTR_MESSAGE_TYPE, ATTR_THREAD_NAME),
 )
 ENGINE_CORE_INPUT_QUEUE = _span(
     "engine_core.input_queue",
     REQUEST,
     (KIND_ENGINE_CORE,),
-    "The request waited in input_queue until the busy loop took it.",
-    (ATTR_GEN_AI_REQUEST_ID, ATTR_QUEUE_WAIT_MS),
+    "The request waited in input_queue until the busy loop took it (with --step-delay-ms, mostly the "
+    "pause after a step: glassbox.step.delay_ms says how much).",
+    (ATTR_GEN_AI_REQUEST_ID, ATTR_QUEUE_WAIT_MS, ATTR_STEP_DELAY_MS),
 )
 SCHEDULER_WAITING = _span(
     "scheduler.waiting",

@@ -186,10 +186,13 @@ class App:
         base: Path | None = None,
         open_live: Callable[[Path | None, Path | None], Any] = source.open_live,
         open_replay: Callable[[Path, float], Any] = source.open_replay,
+        replay_at: Callable[[Path, int], LiveState] = source.replay_at,
     ) -> None:
         self.pinned, self.replay, self.speed, self.base = pinned, replay, speed, base
         self.opts = views.ViewOptions(refresh_s=refresh_s)
-        self._open_live, self._open_replay = open_live, open_replay
+        self._open_live, self._open_replay, self._replay_at = open_live, open_replay, replay_at
+        # A replay stepped by hand (n / p, --at): the state as of this step; None: playing.
+        self.at_step: int | None = None
         self.collector: Any = None
         self.state: LiveState | None = None
         self.error: str | None = None  # why there is no collector (retried every RESCAN_S)
@@ -218,8 +221,37 @@ class App:
         self.collector, self.state, self.pinned, self._next_open = None, None, run_dir, 0.0
         self._open()
 
+    def seek(self, step: int) -> None:
+        """Show the replay as of engine step ``step`` (``collector.replay_at``) and stop playing
+        there. Raises ``ValueError`` when the recording has no such step."""
+        assert self.replay is not None, "seek needs a replay"
+        self.state = self._replay_at(self.replay, step)
+        self.at_step = self.state.replay_step
+        self.opts.notice = None
+
+    def step_by(self, delta: int) -> None:
+        """The next (+1) or previous (-1) step of the replay; from playing, the step on screen."""
+        if self.at_step is None:
+            shown = [s.step_id for recs in (self.state.steps.values() if self.state else ()) for s in recs]
+            current = max(shown) if shown else 0
+            steps = source.recording_steps(self.replay) if self.replay else []
+        else:
+            current, steps = self.at_step, self.state.replay_steps if self.state else []
+        later = [s for s in steps if s > current] if delta > 0 else [s for s in steps if s < current]
+        if not later:
+            if self.at_step is None and steps:
+                self.seek(current if current in steps else steps[-1])
+            self.opts.notice = (
+                "the last step of the recording" if delta > 0 else "the first step of the recording"
+            )
+            return
+        self.seek(later[0] if delta > 0 else later[-1])
+
     def poll(self) -> None:
-        """Take a fresh snapshot (unless paused); (re)open the collector when there is none."""
+        """Take a fresh snapshot (unless paused, or a replay stepped by hand); (re)open the
+        collector when there is none."""
+        if self.at_step is not None:
+            return
         if self.collector is None:
             self._open()
         if self.collector is None or (self.opts.paused and self.state is not None):
@@ -250,6 +282,13 @@ class App:
             opts.show_help = not opts.show_help
         elif key == "esc":
             opts.show_help, opts.expanded = False, None
+        elif self.replay is not None and key in ("n", "right", "p", "left"):
+            try:
+                self.step_by(+1 if key in ("n", "right") else -1)
+            except (ValueError, OSError) as e:
+                opts.notice = f"cannot step the replay: {e}"
+        elif self.replay is not None and key == "r" and self.at_step is not None:
+            self.at_step = None  # play on: the collector's state again
         elif key == " ":
             opts.paused = not opts.paused
         elif key == "tab":

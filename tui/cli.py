@@ -5,6 +5,8 @@
     engine-top --once                print one snapshot and exit (1: no instance found)
     engine-top --json                print one snapshot as JSON (LiveState.to_json()) and exit
     engine-top --replay FILE [--speed X]   play a recording (--telemetry-record)
+    engine-top --replay FILE --at STEP     the recording as of engine step STEP (with --once /
+                                           --json: that state; live: paused there, n/p step)
 
 Errors are one line on stderr, prefixed ``engine-top:``.
 """
@@ -23,7 +25,8 @@ from tui import source, views
 
 EPILOG = """\
 keys: q quit · ? help · space pause · Tab/0-9/a pick DP engine · s sort requests ·
-e expand next panel (Esc: back) · +/- refresh faster/slower.
+e expand next panel (Esc: back) · +/- refresh faster/slower · in a replay, n/→ next step,
+p/← previous step (the replay stops there; r plays on).
 exit status: 0 normal quit; 1 --once/--json found no instance (or could not read it);
 2 bad flags. See docs/engine-top.md.
 """
@@ -50,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speed", type=float, metavar="X",
                    help="replay speed factor (with --replay): 1 real time (the default), 10 ten times "
                         "faster, 0 as fast as possible; with --once the default is 0 (print the end)")  # fmt: skip
+    p.add_argument("--at", type=int, metavar="STEP",
+                   help="with --replay: the recording as of engine step STEP (its step record and the "
+                        "request events it published); with --once / --json print that state, live "
+                        "start paused there (n / p: next / previous step)")  # fmt: skip
     p.add_argument("--refresh", type=float, default=0.5, metavar="SECONDS",
                    help="seconds between screen refreshes (default 0.5, i.e. 2 Hz; +/- change it live)")  # fmt: skip
     return p
@@ -61,6 +68,14 @@ def _error(message: str) -> int:
 
 
 def _once(args: argparse.Namespace) -> int:
+    if args.at is not None:
+        if not args.replay.is_file():
+            return _error(f"no recording at {args.replay}")
+        try:
+            state = source.replay_at(args.replay, args.at)
+        except (ValueError, OSError, source.SourceError) as e:
+            return _error(str(e))
+        return _print(state, args)
     if args.replay is not None:
         # one snapshot of a recording: its end, played as fast as possible unless --speed says
         speed = 0.0 if args.speed is None else args.speed
@@ -91,6 +106,10 @@ def _once(args: argparse.Namespace) -> int:
         return _error(f"cannot read the instance: {e}")
     finally:
         source.close(collector)
+    return _print(state, args)
+
+
+def _print(state, args: argparse.Namespace) -> int:
     if args.json:
         try:
             data = state.to_json()
@@ -114,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--refresh must be > 0 seconds, got {args.refresh:g}")
     if args.replay is not None and args.run_dir is not None:
         parser.error("--replay and --run-dir exclude each other")
+    if args.at is not None and args.replay is None:
+        parser.error("--at needs --replay FILE")
     if args.once or args.json or not sys.stdout.isatty():  # no terminal to draw on: one snapshot
         return _once(args)
 
@@ -127,6 +148,11 @@ def main(argv: list[str] | None = None) -> int:
         speed=1.0 if args.speed is None else args.speed,
         refresh_s=args.refresh,
     )
+    if args.at is not None:
+        try:
+            app.seek(args.at)
+        except (ValueError, OSError, source.SourceError) as e:
+            return _error(str(e))
     return run(app)
 
 

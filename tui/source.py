@@ -103,6 +103,23 @@ def open_replay(path: Path, speed: float) -> Any:
         raise SourceError(f"cannot replay {path}: {e}") from e
 
 
+def replay_at(path: Path, step: int) -> LiveState:
+    """A recording's state as of engine step ``step`` (``collector.replay_at``). Raises
+    ``ValueError`` (no such step: the message says which it has) or ``OSError``."""
+    try:
+        from tracing.telemetry.collector import replay_at as seek
+    except ImportError as e:
+        raise SourceError(f"the telemetry collector is not available: {e}") from e
+    return seek(path, step)
+
+
+def recording_steps(path: Path) -> list[int]:
+    """The engine step ids a recording holds, in order (``collector.recording_steps``)."""
+    from tracing.telemetry.collector import recording_steps as steps
+
+    return steps(path)
+
+
 def close(collector: Any) -> None:
     """Stop a collector's thread; never raises."""
     if collector is None:

@@ -69,7 +69,7 @@ from tracing.telemetry.state import (
 
 # ------------------------------------------------------------------------------ options
 
-PANELS = ("processes", "queues", "steps", "requests", "kv", "alerts")
+PANELS = ("processes", "queues", "steps", "scheduled", "requests", "kv", "alerts")
 REQUEST_SORTS = ("age", "state", "engine", "progress", "blocks", "id")
 
 # Characters of the budget bar: distinct shapes, so it reads without colour too.
@@ -603,6 +603,9 @@ def render_steps(
     table.add_column("KV", justify="right", no_wrap=True)
     table.add_column("preempt", justify="right", no_wrap=True)
     table.add_column("ms", justify="right", no_wrap=True)
+    delayed = any(s.step_delay_ms for s in steps)
+    if delayed:  # --step-delay-ms: the pause after the step, apart from its own time
+        table.add_column("+delay", justify="right", no_wrap=True)
     if not compact:
         table.add_column("sched/exec/upd", justify="right", no_wrap=True)
         table.add_column("run/wait", justify="right", no_wrap=True)
@@ -617,6 +620,8 @@ def render_steps(
         cells += [str(s.step_id), budget_bar(s, bar_width), "dummy" if s.dummy else tokens]
         cells += [] if compact else [reqs]
         cells += [kv, pre, fmt_ms(s.duration_ms)]
+        if delayed:
+            cells.append(Text(fmt_ms(s.step_delay_ms), style="dim"))
         if not compact:
             cells += [
                 f"{fmt_ms(s.schedule_ms)}/{fmt_ms(s.execute_ms)}/{fmt_ms(s.update_ms)}",
@@ -624,6 +629,56 @@ def render_steps(
             ]
         table.add_row(*cells, style="dim" if s.dummy else "")
     return table
+
+
+def latest_step(state: LiveState, engine: int | None) -> StepRecord | None:
+    """The newest real step of ``engine`` (any engine when None); None before the first."""
+    steps = [s for s in recent_steps(state, engine, STEP_SEARCH) if not s.dummy]
+    return steps[0] if steps else None
+
+
+STEP_SEARCH = 16  # how far back latest_step looks past dummy batches
+
+
+def render_scheduled(state: LiveState, engine: int | None, max_rows: int | None = None) -> RenderableType:
+    """The latest step's ``SchedulerOutput``, request by request: who got how many tokens,
+    from which computed count, and how many new KV blocks; then the finished ids it hands
+    to the workers. A step that scheduled nothing says what it is for."""
+    s = latest_step(state, engine)
+    if s is None:
+        which = "any engine" if engine is None else f"engine DP{engine}"
+        return Text(f"no scheduler step from {which} yet", style="dim")
+    rows = [("new", r) for r in s.scheduled_new_reqs]
+    rows += [("resumed" if r.resumed else "cached", r) for r in s.scheduled_cached_reqs]
+    parts: list[RenderableType] = []
+    if rows:
+        table = Table(box=box.SIMPLE_HEAD, expand=True, pad_edge=False, show_edge=False)
+        for name, justify in (("request", "left"), ("as", "left"), ("tokens", "right"), ("kind", "left"),
+                              ("computed", "right"), ("new blocks", "right")):  # fmt: skip
+            table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+        shown = rows if max_rows is None else rows[: max(1, max_rows)]
+        for as_, r in shown:
+            after = r.num_computed_tokens + r.num_scheduled_tokens
+            table.add_row(r.req_id, as_, str(r.num_scheduled_tokens), "prefill" if r.prefill else "decode",
+                          f"{r.num_computed_tokens} → {after}", str(r.num_new_blocks) if r.num_new_blocks else "·",
+                          style="blue" if r.prefill else "green")  # fmt: skip
+        parts.append(table)
+        more = s.num_decode_reqs + s.num_prefill_reqs - len(shown)
+        if more > 0:
+            parts.append(Text(f"… {more} more scheduled", style="dim"))
+    elif s.tokens_scheduled == 0:
+        parts.append(Text(EMPTY_STEP_NOTE, style="dim"))
+    if s.finished_req_ids:
+        ids = ", ".join(s.finished_req_ids[:8]) + (" …" if len(s.finished_req_ids) > 8 else "")
+        parts.append(Text(f"finished_req_ids (the workers forget them): {ids}", style="dim"))
+    return Group(*parts)
+
+
+# What a 0+0 step is, wherever one is explained (help, docs/engine-top.md, lesson 6).
+EMPTY_STEP_NOTE = (
+    "nothing scheduled (0+0): requests finished in the step before, and this step only hands their "
+    "finished_req_ids to the workers, which drop their copies (vLLM does the same)"
+)
 
 
 # ------------------------------------------------------------------------------ requests
@@ -1026,6 +1081,10 @@ def _header_rows(state: LiveState, opts: ViewOptions) -> list[tuple[Text, Text, 
         right.append(" ")
     src_style = "bold cyan" if state.source == "replay" else "bold green"
     right.append(state.source.upper(), style=src_style)
+    if state.replay_step is not None:
+        right.append(f" at step {state.replay_step}", style=src_style)
+        if state.replay_steps:
+            right.append(f" of {state.replay_steps[0]}..{state.replay_steps[-1]}", style="dim")
     right.append(f"  refresh {opts.refresh_s:g}s", style="dim")
     rows = [(title, right, "right")]
 
@@ -1116,6 +1175,8 @@ KEYS: Sequence[tuple[str, str]] = (
     ("e", "expand the next panel to the whole screen: " + " → ".join(PANELS) + " → all panels"),
     ("Esc", "back to all panels (and close this help)"),
     ("+ / -", "refresh faster / slower (0.1 s to 10 s)"),
+    ("n / →, p / ←", "a replay: the next / previous engine step (the replay stops there)"),
+    ("r", "a replay stopped at a step: play on"),
 )
 
 
@@ -1128,7 +1189,9 @@ def render_help() -> RenderableType:
     legend = Text.assemble("token budget bar: ", budget_legend())
     note = Text(
         "A stale heartbeat (⚠, greyed) means the process stopped answering; a fresh heartbeat with a "
-        "growing 'last step' means it is alive but its busy loop stopped (see docs/engine-top.md).",
+        "growing 'last step' means it is alive but its busy loop stopped (see docs/engine-top.md). "
+        "A 0+0 step after requests finish: " + EMPTY_STEP_NOTE.split(": ", 1)[1] + ". '+delay': the "
+        "--step-delay-ms pause after a step, not part of its ms.",
         style="dim",
     )
     return Panel(Group(table, legend, note), title="engine-top keys", border_style="cyan")
@@ -1158,6 +1221,7 @@ def _engine_label(opts: ViewOptions) -> str:
 # Width of the steps table without its bar (cells, with padding and the panel's border):
 # all columns, and the compact set (no requests, no time split, no run/wait).
 _STEPS_FIXED, _STEPS_FIXED_COMPACT = 97, 58
+_DELAY_COLUMN = 9  # "+delay" and its padding
 
 
 def panel(
@@ -1175,13 +1239,23 @@ def panel(
     if name == "queues":
         return _panel(render_queues(state, rows), "queues", "depth now · recent samples")
     if name == "steps":
-        compact = width - _STEPS_FIXED < 12
-        bar_width = max(10, min(40, width - (_STEPS_FIXED_COMPACT if compact else _STEPS_FIXED)))
+        # the +delay column (--step-delay-ms), when a step shown has one, takes its cells from the bar
+        extra = (
+            _DELAY_COLUMN if any(s.step_delay_ms for s in recent_steps(state, opts.engine, rows or 12)) else 0
+        )
+        compact = width - _STEPS_FIXED - extra < 12
+        bar_width = max(10, min(40, width - extra - (_STEPS_FIXED_COMPACT if compact else _STEPS_FIXED)))
         return _panel(
             render_steps(state, opts.engine, rows or 12, bar_width, compact),
             f"scheduler steps · {_engine_label(opts)}",
             budget_legend().markup,
         )
+    if name == "scheduled":
+        s = latest_step(state, opts.engine)
+        title = "scheduled" if s is None else f"step {s.step_id}: SchedulerOutput"
+        if s is not None and opts.engine is None and len(state.steps) > 1:
+            title += f" · DP{s.engine_index}"
+        return _panel(render_scheduled(state, opts.engine, rows), title, "num_scheduled_tokens per request")
     if name == "requests":
         live, done = visible_requests(state, opts.engine, opts.request_sort)
         body = render_requests(state, opts.engine, opts.request_sort, rows, compact=width < REQUESTS_COMPACT_BELOW,

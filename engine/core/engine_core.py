@@ -104,8 +104,12 @@ class EngineCore:
                 config.parallel_config.data_parallel_rank,
                 config.scheduler_config.max_num_batched_tokens,
                 self.step_observers,
+                config.observability_config.step_delay_ms,
             )
             self.step_delay_s = config.observability_config.step_delay_ms / 1e3
+            # The latest --step-delay-ms pause, (start, end) in Unix ns: a request that waited
+            # in input_queue through it is told so (its engine_core.input_queue span).
+            self.last_step_delay_ns: tuple[int, int] = (0, 0)
 
     def _initialize_kv_caches(self) -> KVCacheConfig:
         with stage(catalogue.ENGINE_CORE_INITIALIZE_KV_CACHE) as st:
@@ -190,8 +194,12 @@ class EngineCore:
                 outputs = self.scheduler.update_from_output(scheduler_output, model_output)
                 tracer.updated()
         tracer.stepped(outputs)
-        if self.step_delay_s:
-            time.sleep(self.step_delay_s)  # --step-delay-ms: slow motion for a class
+        if self.step_delay_s:  # --step-delay-ms: slow motion for a class, apart from the step's time
+            with stage(catalogue.ENGINE_CORE_STEP_DELAY, step_id=self.step_counter,
+                       step_delay_ms=self.step_delay_s * 1e3):  # fmt: skip
+                start_ns = time.time_ns()
+                time.sleep(self.step_delay_s)
+                self.last_step_delay_ns = (start_ns, time.time_ns())
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
 
     def dummy_step_record(self, started_at: float, duration_ms: float) -> StepRecord:

@@ -394,7 +394,7 @@ class EngineCoreProc(EngineCore):
         """One item of ``input_queue``. ``received_ns``: when the input thread received it, for
         the messages whose span starts there (a traced ABORT)."""
         if request_type == EngineCoreRequestType.ADD:
-            self.input_tracer.dequeued(payload)
+            self.input_tracer.dequeued(payload, self.last_step_delay_ns)
             self.add_request(payload)
             if self.coordinator_socket is not None:  # data parallelism: a request starts a wave
                 self._maybe_start_wave(payload.trace_headers)

@@ -27,6 +27,7 @@ Glassbox's.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -74,22 +75,27 @@ class EngineCoreInputTracer:
             record_span(catalogue.ENGINE_CORE_INPUT, start_ns=received_ns, end_ns=now,
                         parent=extract_trace_context(message.trace_headers),
                         attributes={catalogue.ATTR_GEN_AI_REQUEST_ID: message.request_id,
-                                    catalogue.ATTR_MESSAGE_TYPE: EngineCoreRequestType.ADD.name})  # fmt: skip
+                                    catalogue.ATTR_MESSAGE_TYPE: EngineCoreRequestType.ADD.name,
+                                    catalogue.ATTR_THREAD_NAME: threading.current_thread().name})  # fmt: skip
             self._queued_ns[message.request_id] = now
         elif request_type == EngineCoreRequestType.ABORT and message.trace_headers and is_recording():
             return (*item, received_ns)
         return item
 
-    def dequeued(self, request: EngineCoreRequest) -> None:
+    def dequeued(self, request: EngineCoreRequest, step_delay_ns: tuple[int, int] = (0, 0)) -> None:
         """The busy loop took ``request`` off ``input_queue``: its ``engine_core.input_queue``
-        span, when ``received`` noted it."""
+        span, when ``received`` noted it. ``step_delay_ns``: the latest ``--step-delay-ms``
+        pause (start, end in Unix ns); the part of the wait it covers is on the span
+        (``glassbox.step.delay_ms``) when there is one."""
         queued_ns = self._queued_ns.pop(request.request_id, None)
         if queued_ns is not None:
             now = time.time_ns()
+            paused_ns = max(0, min(now, step_delay_ns[1]) - max(queued_ns, step_delay_ns[0]))
             record_span(catalogue.ENGINE_CORE_INPUT_QUEUE, start_ns=queued_ns, end_ns=now,
                         parent=extract_trace_context(request.trace_headers),
                         attributes={catalogue.ATTR_GEN_AI_REQUEST_ID: request.request_id,
-                                    catalogue.ATTR_QUEUE_WAIT_MS: (now - queued_ns) / 1e6})  # fmt: skip
+                                    catalogue.ATTR_QUEUE_WAIT_MS: (now - queued_ns) / 1e6,
+                                    catalogue.ATTR_STEP_DELAY_MS: paused_ns / 1e6 if paused_ns else None})  # fmt: skip
 
     @contextlib.contextmanager
     def aborting(self, abort: AbortRequests, received_ns: int | None) -> Iterator[None]:

@@ -34,11 +34,13 @@ them (``SchedulerStats``); spans, a flight recorder and live telemetry are Glass
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 from opentelemetry import trace
 
 from engine.core.messages import EngineCoreOutputs
@@ -47,7 +49,7 @@ from engine.sched.request import Request
 from engine.sched.scheduler import Scheduler
 from tracing import catalogue, record_span, stage
 from tracing.stage import Stage
-from tracing.telemetry.events import StepRecord
+from tracing.telemetry.events import MAX_STEP_REQUESTS, ScheduledRequest, StepRecord
 from tracing.telemetry.publisher import telemetry
 
 # Step records the flight recorder keeps (a ring buffer).
@@ -96,15 +98,22 @@ class StepTracer:
         engine_index: the DP rank, on every record.
         token_budget: ``max_num_batched_tokens``, on every record.
         observers: ``EngineCore.step_observers`` (the same list: a test may append to it).
+        step_delay_ms: ``--step-delay-ms``, the pause after each step, on every record.
     """
 
     def __init__(
-        self, scheduler: Scheduler, engine_index: int, token_budget: int, observers: list[StepObserver]
+        self,
+        scheduler: Scheduler,
+        engine_index: int,
+        token_budget: int,
+        observers: list[StepObserver],
+        step_delay_ms: float = 0.0,
     ) -> None:
         self.scheduler = scheduler
         self.engine_index = engine_index
         self.token_budget = token_budget
         self.observers = observers
+        self.step_delay_ms = step_delay_ms
         # The latest engine_core.step span's context (None unless spans are recorded): the
         # parent of its outputs' engine_core.output_send spans.
         self.last_step_context: Any = None
@@ -114,7 +123,7 @@ class StepTracer:
         self._step_span: Stage | None = None
         self._phase_span: Stage | None = None
         self._scheduler_output: SchedulerOutput | None = None
-        self._batch: dict[str, int] = {}
+        self._batch: dict[str, Any] = {}
         self._record: StepRecord | None = None
 
     @contextlib.contextmanager
@@ -139,6 +148,7 @@ class StepTracer:
         """Right after ``schedule()``, in its span: ``on_schedule`` for every observer."""
         self._scheduler_output = scheduler_output
         self._batch, prefill_ids = self._classify_batch(scheduler_output)
+        self._batch.update(self._scheduled_requests(scheduler_output, prefill_ids))
         for observer in self.observers:
             observer.on_schedule(scheduler_output, prefill_ids, self._step_span, self._phase_span)
 
@@ -163,7 +173,8 @@ class StepTracer:
         thread."""
         record_span(catalogue.ENGINE_CORE_OUTPUT_SEND, start_ns=taken_ns,
                     parent=trace.set_span_in_context(trace.NonRecordingSpan(step_context)),
-                    attributes={catalogue.ATTR_QUEUE_WAIT_MS: (taken_ns - queued_ns) / 1e6})  # fmt: skip
+                    attributes={catalogue.ATTR_QUEUE_WAIT_MS: (taken_ns - queued_ns) / 1e6,
+                                catalogue.ATTR_THREAD_NAME: threading.current_thread().name})  # fmt: skip
 
     def _step_record(self) -> StepRecord:
         """This step's figures, as ``update_from_output`` ends."""
@@ -185,7 +196,43 @@ class StepTracer:
             num_waiting=num_waiting,
             num_preempted=len(scheduler_output.preempted_req_ids),
             kv_usage=self.scheduler.kv_cache_manager.usage,
+            step_delay_ms=self.step_delay_ms,
         )
+
+    @staticmethod
+    def _scheduled_requests(so: SchedulerOutput, prefill_ids: set[str]) -> dict[str, Any]:
+        """The step's ``SchedulerOutput`` request by request (``ScheduledRequest``): its new
+        requests, its cached ones (running on or resumed), at most ``MAX_STEP_REQUESTS`` in
+        all, and the finished ids it hands to the workers."""
+        new = [
+            ScheduledRequest(
+                req_id=r.req_id,
+                num_scheduled_tokens=so.num_scheduled_tokens.get(r.req_id, 0),
+                num_computed_tokens=r.num_computed_tokens,
+                num_new_blocks=len(r.block_ids[0]) if r.block_ids else 0,
+                prefill=r.req_id in prefill_ids,
+            )  # fmt: skip
+            for r in so.scheduled_new_reqs[:MAX_STEP_REQUESTS]
+        ]
+        cached_data = so.scheduled_cached_reqs
+        cached = []
+        for i, req_id in enumerate(cached_data.req_ids[: MAX_STEP_REQUESTS - len(new)]):
+            blocks = cached_data.new_block_ids[i]
+            cached.append(
+                ScheduledRequest(
+                    req_id=req_id,
+                    num_scheduled_tokens=so.num_scheduled_tokens.get(req_id, 0),
+                    num_computed_tokens=cached_data.num_computed_tokens[i],
+                    num_new_blocks=len(blocks[0]) if blocks else 0,
+                    prefill=req_id in prefill_ids,
+                    resumed=cached_data.resumed_from_preemption[i],
+                )  # fmt: skip
+            )
+        return {
+            "scheduled_new_reqs": new,
+            "scheduled_cached_reqs": cached,
+            "finished_req_ids": sorted(so.finished_req_ids)[:MAX_STEP_REQUESTS],
+        }
 
     def _classify_batch(self, so: SchedulerOutput) -> tuple[dict[str, int], set[str]]:
         """Split a step's requests into decodes (one token, past the prompt) and prefills
@@ -266,7 +313,7 @@ class FlightRecorder(StepObserver):
     def on_step(
         self, record: StepRecord, scheduler_output: SchedulerOutput, outputs: dict[int, EngineCoreOutputs]
     ) -> None:
-        self.steps.append(record.figures())
+        self.steps.append(msgspec.to_builtins(record.figures()))
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return iter(self.steps)

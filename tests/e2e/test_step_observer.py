@@ -8,6 +8,7 @@ next three decode one token per request (2 tokens a step); the fourth step ends 
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from engine import LLM, SamplingParams
@@ -58,5 +59,7 @@ def test_an_observer_gets_one_record_per_step_with_the_batch_figures(tiny_dir, e
     assert [(r.num_running, r.num_waiting) for r in records] == [(2, 0)] * 3 + [(0, 0)]
     assert all(0.0 <= r.kv_usage <= 1.0 for r in records) and records[-1].kv_usage == 0.0
     assert all(abs(r.schedule_ms + r.execute_ms + r.update_ms - r.duration_ms) < 1e-6 for r in records)
-    # The flight recorder, an observer too, kept the same records.
-    assert flight == [r.figures() for r in records]
+    # The flight recorder, an observer too, kept the same records (as JSON data: the
+    # scheduled requests' structs as dicts).
+    assert flight == [msgspec.to_builtins(r.figures()) for r in records]
+    assert [len(f["scheduled_new_reqs"]) for f in flight] == [2, 0, 0, 0]

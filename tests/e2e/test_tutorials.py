@@ -40,7 +40,9 @@ the lesson server's address; ``glassbox``, ``engine-top`` and ``python`` are thi
 interpreter's (shims first on ``PATH``); ``GLASSBOX_RUN_DIR_BASE`` is the lesson server's
 run-directory base, so ``glassbox ps``, ``engine-top`` and ``glassbox doctor`` find that
 server and no other; and a path under ``/tmp/`` lands in the test's own temporary
-directory (and is ``/tmp/`` again in what the command prints). Blocks run from the repository root, as a student's second terminal does.
+directory (the lesson server's own command too: its ``--trace-file /tmp/…`` is the file the
+blocks read), and is ``/tmp/`` again in what a command prints. Blocks run from the
+repository root, as a student's second terminal does.
 
 Masking, applied to the text and to the real output alike, then compared with doctest's
 ``ELLIPSIS`` and ``NORMALIZE_WHITESPACE`` (so ``...`` in the text stands for anything, and

@@ -52,7 +52,9 @@ from tracing.hints import StageHint
 from tracing.telemetry.events import (
     GAUGE_RUNNING,
     Event,
+    RequestEvent,
     RunInfo,
+    StepRecord,
     decode_event,
     encode_event,
     encode_recorded,
@@ -608,6 +610,66 @@ class Collector:
             state.alerts = compute_alerts(state, hints=self.hints, recent_refusals=self._refusals)
 
 
+# ---------------------------------------------------------------------- seeking a recording
+
+
+def recording_steps(path: str | os.PathLike[str]) -> list[int]:
+    """The step ids of a recording's real steps (``StepRecord``, dummy batches left out), in
+    order, each once (with several DP engines, a number any engine reached). Raises
+    ``OSError`` / ``msgspec.DecodeError`` as ``read_recording`` does."""
+    seen: set[int] = set()
+    with open(path, "rb") as f:
+        for ev in read_recording(f):
+            if type(ev) is StepRecord and not ev.dummy:
+                seen.add(ev.step_id)
+    return sorted(seen)
+
+
+def replay_at(
+    path: str | os.PathLike[str], step: int, *, hints: Callable[[str], StageHint] = stage_hint
+) -> LiveState:
+    """The state of a recording as of engine step ``step``: every event up to the first
+    (real) ``StepRecord`` numbered ``step`` or more, and the request events that step
+    published right after it (its engine's next ``seq`` numbers: scheduled, preempted,
+    finished). ``now`` is that last event's time; alerts are derived as of then;
+    ``replay_step`` is the step reached (``replay_steps`` all of them).
+
+    Raises:
+        ValueError: the recording has no step numbered ``step`` or more (the message says
+            which steps it has).
+    """
+    steps = recording_steps(path)
+    if not steps or step > steps[-1]:
+        have = f"steps {steps[0]} to {steps[-1]}" if steps else "no engine step"
+        raise ValueError(f"{path} has {have}; no step {step}")
+    state = LiveState(source="replay", status="replaying")
+    reached: StepRecord | None = None
+    last_seq, last_t = -1, 0.0  # the reached step's last event
+    with open(path, "rb") as f:
+        for ev in read_recording(f):
+            if reached is not None:
+                # the step's own request events follow its record, seq after seq
+                if not (type(ev) is RequestEvent and ev.role == reached.role and ev.seq == last_seq + 1):
+                    if ev.role == reached.role:
+                        break
+                    if ev.t > last_t:
+                        break
+                    state.apply(ev)
+                    continue
+                last_seq, last_t = ev.seq, ev.t
+                state.apply(ev)
+                continue
+            state.apply(ev)
+            if type(ev) is StepRecord and not ev.dummy and ev.step_id >= step:
+                reached, last_seq, last_t = ev, ev.seq, ev.t
+    assert reached is not None
+    state.replay_step, state.replay_steps = reached.step_id, steps
+    state.message = f"{path} at step {reached.step_id} (of {steps[0]}..{steps[-1]})"
+    state.derive(last_t)
+    state.alerts = compute_alerts(state, hints=hints)
+    return state
+
+
 # ---------------------------------------------------------------------- the recorder
 
 
@@ -741,5 +803,7 @@ __all__ = [
     "StageHint",
     "compute_alerts",
     "list_instances",
+    "recording_steps",
+    "replay_at",
     "stage_hint",
 ]

@@ -195,6 +195,27 @@ class Gauges(_Event, tag="gauges"):
     values: dict[str, float]
 
 
+class ScheduledRequest(msgspec.Struct, kw_only=True, array_like=True):
+    """One request of a step's ``SchedulerOutput`` (``engine/sched/output.py``): it computes
+    ``num_scheduled_tokens`` tokens this step (vLLM's ``num_scheduled_tokens[req_id]``),
+    after the ``num_computed_tokens`` already in the KV cache, and got ``num_new_blocks`` KV
+    blocks for them (a new or resumed request: its whole block table, prefix-cache hits
+    included). ``prefill``: prompt tokens (or a recomputation after preemption), not one
+    decode token. ``resumed``: back after a preemption (one of ``scheduled_cached_reqs``
+    whose block table is replaced)."""
+
+    req_id: str
+    num_scheduled_tokens: int
+    num_computed_tokens: int
+    num_new_blocks: int
+    prefill: bool = False
+    resumed: bool = False
+
+
+# A step record lists at most this many requests of its SchedulerOutput (its counts are whole).
+MAX_STEP_REQUESTS = 64
+
+
 class StepRecord(_Event, tag="step", kw_only=True):
     """One scheduler step of engine ``engine_index``.
 
@@ -204,7 +225,16 @@ class StepRecord(_Event, tag="step", kw_only=True):
     (``max_num_batched_tokens``). ``num_running``/``num_waiting``: requests after the step.
     ``kv_usage``: 0..1 after the step. Durations in ms: ``schedule_ms + execute_ms +
     update_ms`` ≈ ``duration_ms``. ``dummy``: a DP dummy batch (no request; every count 0,
-    the defaults).
+    the defaults). ``step_delay_ms``: the pause ``--step-delay-ms`` makes after this step, not
+    part of ``duration_ms`` (0 without the flag).
+
+    What was scheduled, request by request, in vLLM's ``SchedulerOutput`` terms:
+    ``scheduled_new_reqs`` (first scheduled: the worker gets them whole) and
+    ``scheduled_cached_reqs`` (known to the worker: running on, or resumed after a
+    preemption), each a ``ScheduledRequest`` (at most ``MAX_STEP_REQUESTS`` in all), and
+    ``finished_req_ids``: the requests finished since the previous step, which this step tells
+    the workers to forget. A step that schedules nothing (``0+0``) runs only for those: right
+    after requests finish, one more step hands their ids to the workers.
 
     The engine core builds one per step (``EngineCore.step``) and hands it to its step
     observers (``engine/core/step_observer.py``) before it is an event: its header is then
@@ -235,10 +265,15 @@ class StepRecord(_Event, tag="step", kw_only=True):
     num_preempted: int = 0
     kv_usage: float
     dummy: bool = False
+    step_delay_ms: float = 0.0
+    scheduled_new_reqs: list[ScheduledRequest] = []
+    scheduled_cached_reqs: list[ScheduledRequest] = []
+    finished_req_ids: list[str] = []
 
     def figures(self) -> dict[str, Any]:
         """The step's own fields (all but the event header), by name: what ``publish_step``
-        takes and what the flight recorder keeps (JSON-ready: numbers and a bool)."""
+        takes (the scheduled requests as ``ScheduledRequest`` structs; ``msgspec.to_builtins``
+        makes them JSON data, as the flight recorder keeps them)."""
         return {name: getattr(self, name) for name in _STEP_FIGURES}
 
 

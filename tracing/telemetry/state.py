@@ -240,6 +240,10 @@ class LiveState:
     # root_cause: the blame rule's culprit (``tracing.blame``, as the root-cause block and
     # glassbox doctor name it), as the first alert; None when the rule names no one.
     root_cause: Alert | None = None
+    # A recording seen as of one step (``collector.replay_at``, ``engine-top --replay F --at
+    # STEP``): the step reached, and every step id the recording has; None / empty otherwise.
+    replay_step: int | None = None
+    replay_steps: list[int] = field(default_factory=list)
 
     # ------------------------------------------------------------------ folding events
 
@@ -563,6 +567,7 @@ class LiveState:
         new.requests = {k: dataclasses.replace(v) for k, v in self.requests.items()}
         new.alerts = list(self.alerts)
         new.candidates = list(self.candidates)
+        new.replay_steps = list(self.replay_steps)
         new.stage_stats = {k: dataclasses.replace(v) for k, v in self.stage_stats.items()}
         return new
 

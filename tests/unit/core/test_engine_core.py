@@ -244,6 +244,31 @@ def test_the_step_record_counts_each_steps_prefill_and_decode_tokens(make_engine
     assert records.records[1].kv_usage > 0 and records.records[2].kv_usage == 0.0  # freed as they finish
 
 
+def test_the_step_record_lists_each_steps_scheduler_output_request_by_request(make_engine):
+    engine = make_engine(max_num_batched_tokens=16, step_delay_ms=1)
+    records = RecordSteps()
+    engine.step_observers.append(records)
+    engine.add_request(make_request("a", prompt_len=20, max_tokens=2))
+    engine.add_request(make_request("b", prompt_len=5, max_tokens=2))
+    run_to_completion(engine)
+
+    def plan(r):
+        return ([(q.req_id, q.num_scheduled_tokens, q.num_computed_tokens, q.num_new_blocks, q.prefill)
+                 for q in r.scheduled_new_reqs],
+                [(q.req_id, q.num_scheduled_tokens, q.num_computed_tokens, q.num_new_blocks, q.prefill, q.resumed)
+                 for q in r.scheduled_cached_reqs], r.finished_req_ids)  # fmt: skip
+
+    assert [plan(r) for r in records.records] == [
+        ([("a", 16, 0, 2, True)], [], []),  # 16 tokens need two 8-token blocks
+        ([("b", 5, 0, 1, True)], [("a", 4, 16, 1, True, False)], []),  # a's last 4 spill into a third block
+        ([], [("a", 1, 20, 0, False, False), ("b", 1, 5, 0, False, False)], []),
+        ([], [], ["a", "b"]),  # the empty step: it only hands the finished ids to the worker
+    ]
+    # --step-delay-ms is on every record, apart from the step's own time
+    assert all(r.step_delay_ms == 1 for r in records.records)
+    assert engine.last_step_delay_ns[1] - engine.last_step_delay_ns[0] >= 1_000_000
+
+
 # ---------------------------------------------------------------------------- EngineCoreProc
 
 

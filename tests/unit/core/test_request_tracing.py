@@ -55,3 +55,30 @@ def test_a_traced_request_and_abort_get_their_input_spans_in_the_callers_trace(h
     assert queued.attributes["gen_ai.request.id"] == "r" and queued.attributes["glassbox.queue.wait_ms"] >= 0
     assert spans[catalogue.ENGINE_CORE_ABORT].start_time == 2_000
     assert tuple(spans[catalogue.ENGINE_CORE_ABORT].attributes["glassbox.request.ids"]) == ("r",)
+
+
+def test_the_input_thread_span_names_its_thread_and_a_wait_says_how_much_was_the_step_delay(handle):
+    import threading
+    import time
+
+    tracer = EngineCoreInputTracer()
+    with tracing.stage(catalogue.API_SERVER_REQUEST):
+        headers = inject_trace_headers()
+    got = []
+    reader = threading.Thread(target=lambda: got.append(tracer.received((ADD, _request("r", headers)), 1_000)),
+                              name="EngineCoreInputThread")  # fmt: skip
+    reader.start()
+    reader.join()
+    queued_ns = time.time_ns()
+    time.sleep(0.01)
+    # the busy loop paused (--step-delay-ms) from before the request was queued until 5 ms ago
+    tracer.dequeued(got[0][1], step_delay_ns=(queued_ns - 50_000_000, time.time_ns() - 5_000_000))
+    spans = {s.name: s for s in handle.get_finished_spans()}
+    assert spans[catalogue.ENGINE_CORE_INPUT].attributes["thread.name"] == "EngineCoreInputThread"
+    wait = spans[catalogue.ENGINE_CORE_INPUT_QUEUE].attributes
+    assert 0 < wait["glassbox.step.delay_ms"] < wait["glassbox.queue.wait_ms"]
+    tracer2 = EngineCoreInputTracer()
+    add = tracer2.received((ADD, _request("s", headers)), 2_000)
+    tracer2.dequeued(add[1])  # no pause: no attribute
+    last = [s for s in handle.get_finished_spans() if s.name == catalogue.ENGINE_CORE_INPUT_QUEUE][-1]
+    assert "glassbox.step.delay_ms" not in last.attributes

@@ -44,6 +44,7 @@ from tracing.telemetry.events import (
     OpenStageInfo,
     RequestEvent,
     RequestProgress,
+    ScheduledRequest,
     Snapshot,
     StepRecord,
 )
@@ -147,7 +148,36 @@ def make_state() -> LiveState:
         0: deque(
             [
                 step(0, 4410, decode=6, prefill=0),
-                step(0, 4411, decode=128, prefill=384),
+                step(
+                    0,
+                    4411,
+                    decode=128,
+                    prefill=384,
+                    scheduled_new_reqs=[
+                        ScheduledRequest(
+                            req_id="cmpl-c3",
+                            num_scheduled_tokens=64,
+                            num_computed_tokens=0,
+                            num_new_blocks=4,
+                            prefill=True,
+                        )
+                    ],
+                    scheduled_cached_reqs=[
+                        ScheduledRequest(
+                            req_id="cmpl-a1",
+                            num_scheduled_tokens=1,
+                            num_computed_tokens=191,
+                            num_new_blocks=1,
+                        ),
+                        ScheduledRequest(
+                            req_id="cmpl-e5",
+                            num_scheduled_tokens=320,
+                            num_computed_tokens=320,
+                            num_new_blocks=20,
+                            prefill=True,
+                        ),
+                    ],
+                ),
                 step(0, 4412, decode=0, prefill=0, dummy=True),
             ]
         ),  # fmt: skip
@@ -466,6 +496,41 @@ def test_steps_table_shows_budget_kv_preemptions_and_time_split():
     row = line_of(one, "917")
     assert "93%" in row and " 2 " in row  # KV usage, 2 preemptions
     assert "4411" not in one  # only engine DP1
+
+
+def test_the_scheduled_panel_shows_each_requests_tokens_and_new_blocks():
+    text = render(views.panel("scheduled", make_state(), views.ViewOptions(engine=0)))
+    assert "step 4411: SchedulerOutput" in text  # the newest real step: 4412 is a dummy batch
+    new = line_of(text, "cmpl-c3")
+    assert (
+        " new " in new
+        and " 64 " in new
+        and "prefill" in new
+        and "0 → 64" in new
+        and new.rstrip(" │").endswith("4")
+    )
+    decode = line_of(text, "cmpl-a1")
+    assert " cached " in decode and "decode" in decode and "191 → 192" in decode
+    assert "… 126 more scheduled" in text  # 129 requests, 3 listed
+
+
+def test_an_empty_step_says_it_only_hands_finished_ids_to_the_workers():
+    state = make_state()
+    state.steps[0].append(step(0, 4413, decode=0, prefill=0, num_running=0, finished_req_ids=["cmpl-a1"]))
+    text = render(views.panel("scheduled", state, views.ViewOptions(engine=0)), width=200)
+    assert "nothing scheduled (0+0)" in text and "hands their finished_req_ids to the workers" in text
+    assert "finished_req_ids (the workers forget them): cmpl-a1" in text
+    assert "A 0+0 step after requests finish" in render(views.render_help(), width=500)
+
+
+def test_the_step_delay_stands_apart_from_the_steps_own_time():
+    state = make_state()
+    state.steps[0].append(step(0, 4413, decode=3, prefill=0, step_delay_ms=200.0))
+    text = render(views.render_steps(state, engine=0, bar_width=24))
+    assert "+delay" in text.splitlines()[0]
+    row = line_of(text, "4413")
+    assert " 14.2 " in row and " 200 " in row  # its own 14.2 ms, then the 200 ms pause
+    assert "+delay" not in render(views.render_steps(make_state(), engine=0))  # no flag: no column
 
 
 def test_steps_of_all_engines_carry_the_engine_column():
@@ -921,7 +986,8 @@ def test_header_tells_sampled_out_events_from_lost_ones():
 
 def test_once_screen_has_every_panel():
     text = render(views.render_once(make_state()), width=140)
-    for title in ("processes", "queues", "scheduler steps", "requests · 3 in flight", "alerts (2)"):
+    for title in ("processes", "queues", "scheduler steps", "SchedulerOutput", "requests · 3 in flight",
+                  "alerts (2)"):  # fmt: skip
         assert title in text
     assert "█ decode" in text and "▒ prefill" in text
 
