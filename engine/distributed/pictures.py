@@ -7,8 +7,9 @@ the serve parser, turned into an ``EngineConfig`` and planned by ``topology.plan
     .venv/bin/python -m engine.distributed.pictures            # writes docs/pictures/
 
 The same command draws the other pictures there too: one request's path
-(``engine/distributed/request_path_picture.py``) and the paged KV cache
-(``engine/kv_cache/pictures.py``).
+(``engine/distributed/request_path_picture.py``), the paged KV cache
+(``engine/kv_cache/pictures.py``) and one data-parallel request wave
+(``engine/core/wave_picture.py``).
 
 A test regenerates them and compares byte for byte (``tests/unit/distributed/test_pictures.py``).
 
@@ -337,8 +338,9 @@ def write_pictures(out_dir: Path = DOCS_DIR) -> list[Path]:
 
 
 def write_every_picture(out_dir: Path = DOCS_DIR) -> list[Path]:
-    """The process trees, one request's path and the paged KV cache: every picture of
-    ``docs/pictures/``, each from its own module; returns the paths written."""
+    """The process trees, one request's path, the paged KV cache and one DP wave: every
+    picture of ``docs/pictures/``, each from its own module; returns the paths written."""
+    from engine.core import wave_picture
     from engine.distributed import request_path_picture
     from engine.kv_cache import pictures as kv_cache_pictures
 
@@ -346,6 +348,7 @@ def write_every_picture(out_dir: Path = DOCS_DIR) -> list[Path]:
         *write_pictures(out_dir),
         *request_path_picture.write_pictures(out_dir),
         *kv_cache_pictures.write_pictures(out_dir),
+        *wave_picture.write_pictures(out_dir),
     ]
 
 
