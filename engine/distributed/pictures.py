@@ -8,8 +8,9 @@ the serve parser, turned into an ``EngineConfig`` and planned by ``topology.plan
 
 The same command draws the other pictures there too: one request's path
 (``engine/distributed/request_path_picture.py``), the paged KV cache
-(``engine/kv_cache/pictures.py``) and one engine step on the engine core's threads
-(``engine/core/step_picture.py``, from a recorded trace).
+(``engine/kv_cache/pictures.py``), one engine step on the engine core's threads
+(``engine/core/step_picture.py``, from a recorded trace) and one data-parallel request wave
+(``engine/core/wave_picture.py``).
 
 A test regenerates them and compares byte for byte (``tests/unit/distributed/test_pictures.py``).
 
@@ -29,21 +30,20 @@ What is drawn (``docs/architecture.md`` says the same in words):
   publishes waves to the engine cores and the load table to the API servers (PUB/SUB);
 - purple, dashed: the collectives between the tensor-parallel workers (``torch.distributed``).
 
-The SVG is written by hand (no dependency): fixed geometry, generic fonts, a white
-background so it reads on light and dark pages, and nothing that changes between runs.
+The SVG is drawn on the shared canvas (``engine/utils/svg.py``): no dependency, fixed geometry,
+generic fonts, a white background so it reads on light and dark pages, and nothing that
+changes between runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import shlex
-from html import escape
 from pathlib import Path
 
 from engine.distributed import topology
 from engine.distributed.topology import ProcessRole, RoleKind, TopologyPlan
-from engine.utils.svg import num as _num
-from engine.utils.svg import write_svgs
+from engine.utils.svg import MARGIN, MUTED, TEXT, Canvas, write_svgs
 
 # The pictures: file stem -> the flags of `glassbox serve` it shows.
 SHAPES: dict[str, tuple[str, ...]] = {
@@ -58,11 +58,6 @@ COMMAND = "python -m engine.distributed.pictures"
 
 BOX_W, BOX_H = 268, 66
 ROW_GAP = 150  # between the bottom of a row and the top of the next
-MARGIN = 24
-MONO = "monospace"
-SANS = "sans-serif"
-TEXT = "#1f2328"
-MUTED = "#57606a"
 
 # Per kind: fill, stroke, what the process holds.
 KIND_STYLE: dict[RoleKind, tuple[str, str, str]] = {
@@ -99,92 +94,22 @@ LINKS: dict[str, tuple[str, bool, str]] = {
 }
 
 
-def _text_width(text: str, size: float, mono: bool) -> float:
-    """A generous estimate of the width of ``text`` (no font metrics: generic fonts)."""
-    return len(text) * size * (0.61 if mono else 0.58)
+def _link(svg: Canvas, points: list[tuple[float, float]], link: str, *, start: bool = False,
+          end: bool = True, halo: bool = False) -> None:  # fmt: skip
+    """A line of kind ``link`` (``LINKS``) through ``points``; ``halo``: on a wide white band, so
+    a line it crosses is seen to pass under it, not to join it."""
+    colour, dashed, _ = LINKS[link]
+    svg.path(points, colour, width=1.6 if link == "spawn" else 2, dashed=dashed, start=start, end=end,
+             halo=halo)  # fmt: skip
 
 
-class _Svg:
-    """The elements of one picture, in drawing order (lines first, boxes and labels on top)."""
-
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-        self.boxes: list[str] = []
-        self.labels: list[str] = []
-        self.max_x = 0.0
-        self.max_y = 0.0
-
-    def _extend(self, x: float, y: float) -> None:
-        self.max_x, self.max_y = max(self.max_x, x), max(self.max_y, y)
-
-    def path(self, points: list[tuple[float, float]], link: str, *, start: bool = False,
-             end: bool = True, halo: bool = False) -> None:  # fmt: skip
-        """A line through ``points``; ``halo``: on a wide white band, so a line it crosses is
-        seen to pass under it, not to join it."""
-        colour, dashed, _ = LINKS[link]
-        d = " ".join(f"{'M' if i == 0 else 'L'}{_num(x)} {_num(y)}" for i, (x, y) in enumerate(points))
-        if halo:
-            self.lines.append(f'<path d="{d}" fill="none" stroke="#ffffff" stroke-width="8"/>')
-        attrs = f'd="{d}" fill="none" stroke="{colour}" stroke-width="{1.6 if link == "spawn" else 2}"'
-        if dashed:
-            attrs += ' stroke-dasharray="6 4"'
-        if start:
-            attrs += f' marker-start="url(#start-{link})"'
-        if end:
-            attrs += f' marker-end="url(#end-{link})"'
-        self.lines.append(f"<path {attrs}/>")
-        for x, y in points:
-            self._extend(x, y)
-
-    def text(self, x: float, y: float, text: str, *, size: float = 12, mono: bool = False,
-             bold: bool = False, anchor: str = "start", colour: str = TEXT, chip: bool = False) -> None:  # fmt: skip
-        """One line of text with its baseline at ``y``; ``chip``: on a white rectangle, so a
-        line under it does not run through the letters."""
-        width = _text_width(text, size, mono)
-        left = x - {"start": 0, "middle": width / 2, "end": width}[anchor]
-        if chip:
-            self.labels.append(
-                f'<rect x="{_num(left - 3)}" y="{_num(y - size)}" width="{_num(width + 6)}" '
-                f'height="{_num(size + 5)}" fill="#ffffff"/>'
-            )
-        weight = ' font-weight="bold"' if bold else ""
-        self.labels.append(
-            f'<text x="{_num(x)}" y="{_num(y)}" font-family="{MONO if mono else SANS}" '
-            f'font-size="{_num(size)}"{weight} text-anchor="{anchor}" fill="{colour}">{escape(text)}</text>'
-        )
-        self._extend(left + width + 4, y + 4)
-
-    def box(self, x: float, y: float, role: ProcessRole, detail: str) -> None:
-        fill, stroke, _ = KIND_STYLE[role.kind]
-        self.boxes.append(
-            f'<rect x="{_num(x)}" y="{_num(y)}" width="{BOX_W}" height="{BOX_H}" rx="8" '
-            f'fill="{fill}" stroke="{stroke}" stroke-width="1.5"/>'
-        )
-        self._extend(x + BOX_W, y + BOX_H)
-        self.text(x + 12, y + 21, role.title, size=13, mono=True, bold=True)
-        self.text(x + 12, y + 39, role.kind.value, size=12, mono=True, colour=stroke)
-        self.text(x + 12, y + 56, detail, size=11.5, colour=MUTED)
-
-    def render(self, title: str, subtitle: str) -> str:
-        width, height = self.max_x + MARGIN, self.max_y + MARGIN
-        markers = []
-        for link, (colour, _, _) in LINKS.items():
-            for which, d in (("end", "M0 0 L10 5 L0 10 z"), ("start", "M10 0 L0 5 L10 10 z")):
-                markers.append(
-                    f'<marker id="{which}-{link}" viewBox="0 0 10 10" refX="{10 if which == "end" else 0}" '
-                    f'refY="5" markerWidth="7" markerHeight="7" orient="auto"><path d="{d}" fill="{colour}"/></marker>'
-                )
-        return "\n".join([
-            f'<svg xmlns="http://www.w3.org/2000/svg" width="{_num(width)}" height="{_num(height)}" '
-            f'viewBox="0 0 {_num(width)} {_num(height)}" role="img">',
-            f"<!-- Generated by `{COMMAND}` from engine/distributed/topology.py; do not edit by hand. -->",
-            f"<title>{escape(title)}</title>",
-            f"<desc>{escape(subtitle)}</desc>",
-            "<defs>", *markers, "</defs>",
-            f'<rect x="0" y="0" width="{_num(width)}" height="{_num(height)}" fill="#ffffff"/>',
-            *self.lines, *self.boxes, *self.labels,
-            "</svg>",
-        ]) + "\n"  # fmt: skip
+def _box(svg: Canvas, x: float, y: float, role: ProcessRole, detail: str) -> None:
+    """One process: its title, its kind and what it holds, on its kind's colours."""
+    fill, stroke, _ = KIND_STYLE[role.kind]
+    svg.rect(x, y, BOX_W, BOX_H, fill=fill, stroke=stroke, rx=8, width=1.5)
+    svg.text(x + 12, y + 21, role.title, size=13, mono=True, bold=True)
+    svg.text(x + 12, y + 39, role.kind.value, size=12, mono=True, colour=stroke)
+    svg.text(x + 12, y + 56, detail, size=11.5, colour=MUTED)
 
 
 # ---------------------------------------------------------------------------- the plan
@@ -212,15 +137,15 @@ def _detail(plan: TopologyPlan, role: ProcessRole) -> str:
 # ---------------------------------------------------------------------------- drawing
 
 
-def _pair(svg: _Svg, top: tuple[float, float], bottom: tuple[float, float], link: str,
+def _pair(svg: Canvas, top: tuple[float, float], bottom: tuple[float, float], link: str,
           spread: float = 14) -> None:  # fmt: skip
     """Two straight arrows between a box above and a box below: down (left), up (right)."""
     (x1, y1), (x2, y2) = top, bottom
-    svg.path([(x1 - spread / 2, y1), (x2 - spread / 2, y2)], link)
-    svg.path([(x2 + spread / 2, y2), (x1 + spread / 2, y1)], link)
+    _link(svg, [(x1 - spread / 2, y1), (x2 - spread / 2, y2)], link)
+    _link(svg, [(x2 + spread / 2, y2), (x1 + spread / 2, y1)], link)
 
 
-def _workers(svg: _Svg, plan: TopologyPlan, engine: ProcessRole, ex: float, ey: float,
+def _workers(svg: Canvas, plan: TopologyPlan, engine: ProcessRole, ex: float, ey: float,
              wy: float, wx: list[float]) -> None:  # fmt: skip
     """An engine core's workers: start arrows, the broadcast and response queues, the TP collectives."""
     workers = plan.workers_of(engine.dp_rank)
@@ -234,9 +159,9 @@ def _workers(svg: _Svg, plan: TopologyPlan, engine: ProcessRole, ex: float, ey: 
         ds, db, dr = x + BOX_W * 0.22, x + BOX_W * 0.5 - 7, x + BOX_W * 0.5 + 7
         if n == 1:  # straight down
             s, b, r = ds - x + ex, db - x + ex, dr - x + ex
-        svg.path([(s, ey + BOX_H), (ds, wy)], "spawn")
-        svg.path([(b, ey + BOX_H), (db, wy)], "shm")
-        svg.path([(dr, wy), (r, ey + BOX_H)], "shm")
+        _link(svg, [(s, ey + BOX_H), (ds, wy)], "spawn")
+        _link(svg, [(b, ey + BOX_H), (db, wy)], "shm")
+        _link(svg, [(dr, wy), (r, ey + BOX_H)], "shm")
     # The label of the queues: beside the lines of one worker; of several, above the first.
     if n == 1:
         lx, ly = wx[0] + BOX_W * 0.5 + 16, ey + BOX_H + (wy - ey - BOX_H) / 2 - 10
@@ -250,7 +175,7 @@ def _workers(svg: _Svg, plan: TopologyPlan, engine: ProcessRole, ex: float, ey: 
         a, b = workers[i], workers[i + 1]
         if a.pp_rank == b.pp_rank:
             y = wy + BOX_H / 2
-            svg.path([(wx[i] + BOX_W, y), (wx[i + 1], y)], "collective", start=True)
+            _link(svg, [(wx[i] + BOX_W, y), (wx[i + 1], y)], "collective", start=True)
             gx = (wx[i] + BOX_W + wx[i + 1]) / 2
             svg.text(gx, y - 8, "all-reduce, all-gather", size=11.5, anchor="middle",
                      colour=LINKS["collective"][0], chip=True)  # fmt: skip
@@ -267,7 +192,7 @@ def draw(plan: TopologyPlan, flags: tuple[str, ...]) -> str:
     """
     if plan.mode != "serve" or plan.data_parallel_size > 2 or plan.remote_engine_cores:
         raise ValueError(f"no picture layout for this tree ({plan.describe()})")
-    svg = _Svg()
+    svg = Canvas()
     command = " ".join(["glassbox serve", *map(shlex.quote, flags)])
     svg.text(MARGIN, MARGIN + 14, command, size=15, mono=True, bold=True)
     svg.text(MARGIN, MARGIN + 34, plan.describe() + " processes", size=12.5, colour=MUTED)
@@ -308,20 +233,20 @@ def draw(plan: TopologyPlan, flags: tuple[str, ...]) -> str:
 
     # Boxes.
     for role, ax in zip(api, api_x, strict=True):
-        svg.box(ax, api_y, role, _detail(plan, role))
+        _box(svg, ax, api_y, role, _detail(plan, role))
     for engine, ex, wx in groups:
-        svg.box(ex, eng_y, engine, _detail(plan, engine))
+        _box(svg, ex, eng_y, engine, _detail(plan, engine))
         for role, x in zip(plan.workers_of(engine.dp_rank), wx, strict=True):
-            svg.box(x, wrk_y, role, _detail(plan, role))
+            _box(svg, x, wrk_y, role, _detail(plan, role))
         if wx:
             _workers(svg, plan, engine, ex, eng_y, wrk_y, wx)
     if coordinator is not None:
-        svg.box(coord_x, eng_y, coordinator, _detail(plan, coordinator))
+        _box(svg, coord_x, eng_y, coordinator, _detail(plan, coordinator))
 
     # APIServer_0 starts the other API servers (beside it) and the engine side (below it).
     for i in range(1, len(api)):
         y = api_y + BOX_H / 2
-        svg.path([(api_x[i - 1] + BOX_W, y), (api_x[i], y)], "spawn")
+        _link(svg, [(api_x[i - 1] + BOX_W, y), (api_x[i], y)], "spawn")
         mx = (api_x[i - 1] + BOX_W + api_x[i]) / 2
         svg.text(mx, y - 8, "starts, once the", size=11.5, anchor="middle", colour=MUTED)
         svg.text(mx, y + 18, "engines are ready", size=11.5, anchor="middle", colour=MUTED)
@@ -334,7 +259,7 @@ def draw(plan: TopologyPlan, flags: tuple[str, ...]) -> str:
             sx, dx = a0x + BOX_W * 0.22, cx + BOX_W * 0.22
         else:  # a fan from the bottom edge to each child's top middle
             sx, dx = a0x + BOX_W * (i + 1) / (n + 1), cx + BOX_W / 2
-        svg.path([(sx, api_y + BOX_H), (dx, eng_y)], "spawn")
+        _link(svg, [(sx, api_y + BOX_H), (dx, eng_y)], "spawn")
 
     zmq_colour = LINKS["zmq"][0]
     if not bus:
@@ -349,15 +274,15 @@ def draw(plan: TopologyPlan, flags: tuple[str, ...]) -> str:
         # Every engine core talks to every API server: one line above the API servers that
         # each of them taps, the engine cores through the gutters at the sides.
         gl, gr = MARGIN + 4, right + gutter
-        svg.path([(gl, bus_y), (gr, bus_y)], "zmq", end=False)
+        _link(svg, [(gl, bus_y), (gr, bus_y)], "zmq", end=False)
         for ax in api_x:
-            svg.path([(ax + BOX_W / 2, bus_y), (ax + BOX_W / 2, api_y)], "zmq", start=True)
+            _link(svg, [(ax + BOX_W / 2, bus_y), (ax + BOX_W / 2, api_y)], "zmq", start=True)
         for k, (_, ex, _) in enumerate(groups):
             y = eng_y + BOX_H / 2
             if k == 0:
-                svg.path([(ex, y), (gl, y), (gl, bus_y)], "zmq", start=True, end=False)
+                _link(svg, [(ex, y), (gl, y), (gl, bus_y)], "zmq", start=True, end=False)
             else:
-                svg.path([(ex + BOX_W, y), (gr, y), (gr, bus_y)], "zmq", start=True, end=False)
+                _link(svg, [(ex + BOX_W, y), (gr, y), (gr, bus_y)], "zmq", start=True, end=False)
         # The label above the line, left of APIServer_0's tap.
         for j, line in enumerate(["ZMQ, ipc:// (run dir): every engine core \u2194 every API server",
                                   "requests ROUTER \u2192 DEALER, outputs PUSH \u2192 PULL"]):  # fmt: skip
@@ -371,10 +296,10 @@ def draw(plan: TopologyPlan, flags: tuple[str, ...]) -> str:
             colour = LINKS["coord"][0]
             taps = [ax + BOX_W / 2 + 40 for ax in api_x]
             under = api_y + BOX_H + 50
-            svg.path([(taps[-1], under), (taps[0], under)], "coord", end=False, halo=True)
-            svg.path([(taps[0], eng_y), (taps[0], api_y + BOX_H)], "coord")
+            _link(svg, [(taps[-1], under), (taps[0], under)], "coord", end=False, halo=True)
+            _link(svg, [(taps[0], eng_y), (taps[0], api_y + BOX_H)], "coord")
             for tx in taps[1:]:
-                svg.path([(tx, under), (tx, api_y + BOX_H)], "coord")
+                _link(svg, [(tx, under), (tx, api_y + BOX_H)], "coord")
             label = ["PUB \u2192 SUB", "EngineLoads, the load table,", "to every API server"]
             for j, line in enumerate(label):
                 svg.text(taps[0] + 8, under + 22 + 15 * j, line, size=11.5, colour=colour, chip=True)
@@ -383,8 +308,8 @@ def draw(plan: TopologyPlan, flags: tuple[str, ...]) -> str:
                 on_left = ex < coord_x
                 near, far = (ex + BOX_W, coord_x) if on_left else (ex, coord_x + BOX_W)
                 y1, y2 = eng_y + 22, eng_y + BOX_H - 16
-                svg.path([(near, y1), (far, y1)], "coord")
-                svg.path([(far, y2), (near, y2)], "coord")
+                _link(svg, [(near, y1), (far, y1)], "coord")
+                _link(svg, [(far, y2), (near, y2)], "coord")
                 mx = (near + far) / 2
                 colour = LINKS["coord"][0]
                 svg.text(mx, y1 - 8, "EngineLoad, StartWave", size=11.5, anchor="middle", colour=colour)
@@ -395,10 +320,12 @@ def draw(plan: TopologyPlan, flags: tuple[str, ...]) -> str:
     for link, (_, _, text) in LINKS.items():
         if link == "coord" and coordinator is None or link == "collective" and plan.tensor_parallel_size == 1:
             continue
-        svg.path([(MARGIN, y - 4), (MARGIN + 36, y - 4)], link)
+        _link(svg, [(MARGIN, y - 4), (MARGIN + 36, y - 4)], link)
         svg.text(MARGIN + 46, y, text, size=12, colour=TEXT)
         y += 20
-    return svg.render(f"The processes of {command}", plan.describe())
+    return svg.render(
+        f"The processes of {command}", plan.describe(), f"`{COMMAND}` from engine/distributed/topology.py"
+    )
 
 
 def render_all() -> dict[str, str]:
@@ -412,9 +339,9 @@ def write_pictures(out_dir: Path = DOCS_DIR) -> list[Path]:
 
 
 def write_every_picture(out_dir: Path = DOCS_DIR) -> list[Path]:
-    """The process trees, one request's path and the paged KV cache: every picture of
-    ``docs/pictures/``, each from its own module; returns the paths written."""
-    from engine.core import step_picture
+    """The process trees, one request's path, the paged KV cache, one engine step and one DP
+    wave: every picture of ``docs/pictures/``, each from its own module; returns the paths written."""
+    from engine.core import step_picture, wave_picture
     from engine.distributed import request_path_picture
     from engine.kv_cache import pictures as kv_cache_pictures
 
@@ -423,6 +350,7 @@ def write_every_picture(out_dir: Path = DOCS_DIR) -> list[Path]:
         *request_path_picture.write_pictures(out_dir),
         *kv_cache_pictures.write_pictures(out_dir),
         *step_picture.write_pictures(out_dir),
+        *wave_picture.write_pictures(out_dir),
     ]
 
 

@@ -3,8 +3,8 @@
 No dependency and no font metrics: fixed geometry, generic fonts (``monospace``,
 ``sans-serif``), a white background so a picture reads on light and dark pages, and nothing
 that changes between runs (the pictures are checked byte for byte). Used by
-``engine/kv_cache/pictures.py`` and ``engine/distributed/request_path_picture.py``; the
-process trees (``engine/distributed/pictures.py``) keep their own, older drawing code.
+``engine/distributed/pictures.py`` (the process trees), ``engine/kv_cache/pictures.py``,
+``engine/distributed/request_path_picture.py`` and ``engine/core/wave_picture.py``.
 """
 
 from __future__ import annotations
@@ -58,7 +58,9 @@ class Canvas:
         self._extend(x + w, y + h)
 
     def path(self, points: list[tuple[float, float]], colour: str, *, width: float = 2, dashed: bool = False,
-             end: bool = True, start: bool = False) -> None:  # fmt: skip
+             end: bool = True, start: bool = False, halo: bool = False) -> None:  # fmt: skip
+        """A line through ``points``; ``halo``: on a wide white band, so a line it crosses is
+        seen to pass under it, not to join it."""
         d = " ".join(f"{'M' if i == 0 else 'L'}{num(x)} {num(y)}" for i, (x, y) in enumerate(points))
         marker = self.markers.setdefault(colour, f"arrow{len(self.markers)}")
         attrs = f'd="{d}" fill="none" stroke="{colour}" stroke-width="{num(width)}"'
@@ -68,6 +70,8 @@ class Canvas:
             attrs += f' marker-start="url(#{marker}-start)"'
         if end:
             attrs += f' marker-end="url(#{marker}-end)"'
+        if halo:
+            self.lines.append(f'<path d="{d}" fill="none" stroke="#ffffff" stroke-width="8"/>')
         self.lines.append(f"<path {attrs}/>")
         for x, y in points:
             self._extend(x, y)
