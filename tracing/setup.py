@@ -537,6 +537,9 @@ def setup_tracing(
         from tracing.faults import install_faults
 
         install_faults(role)
+        from tracing.slow_motion import install_stage_delay
+
+        install_stage_delay(role)  # GLASSBOX_STARTUP_STAGE_DELAY_S: start-up in slow motion
         return handle
 
 

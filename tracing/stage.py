@@ -97,6 +97,7 @@ _stacks_lock = threading.Lock()
 _last_finished: dict[str, Any] | None = None
 _faults: list[dict[str, Any]] = []  # injected faults that struck here (record_fault)
 _placement: dict[str, str] = {}  # where a cluster scheduler put this process (set_placement)
+_pause: dict[str, Any] | None = None  # a deliberate pause now (set_pause; tracing.slow_motion)
 
 
 def _thread_stack() -> list[OpenStage]:
@@ -145,8 +146,20 @@ def _write_status(handle: setup.TracingHandle) -> None:
             "faults": list(_faults),
             "placement": dict(_placement),
             "runs_as": dict(handle.runs_as),
+            "pause": _pause,
         }
     )
+
+
+def set_pause(pause: dict[str, Any] | None) -> None:
+    """Say that this process pauses on purpose now (``stage``, ``seconds``, ``since``, ``env``)
+    or no longer (None): kept in its status file, for ``glassbox ps`` (``tracing.slow_motion``).
+    Never raises."""
+    global _pause
+    _pause = pause
+    handle = setup._handle
+    if handle is not None:
+        _write_status(handle)
 
 
 def set_placement(placement: dict[str, str]) -> None:
