@@ -29,6 +29,10 @@ lesson says otherwise in one comment, ``<!-- lesson-server: glassbox serve FLAGS
 for the student to type; or ``<!-- lesson-server: none "why" -->`` for a lesson whose
 blocks start what they need themselves.
 
+The lesson server's command is rewritten as the blocks are: a path under ``/tmp/`` in its
+flags or ``VAR=value`` words (``--trace-file /tmp/startup.jsonl``) lands in the test's own
+temporary directory, where the lesson's blocks find it.
+
 A block runs as the student types it, with four things rewritten: ``127.0.0.1:8000`` becomes
 the lesson server's address; ``glassbox``, ``engine-top`` and ``python`` are this
 interpreter's (shims first on ``PATH``); ``GLASSBOX_RUN_DIR_BASE`` is the lesson server's
@@ -162,6 +166,11 @@ def lesson_server(path: Path) -> tuple[dict[str, str], list[str]] | None:
     return env, words[2:]
 
 
+def localize_tmp(text: str, tmp: Path) -> str:
+    """``text`` with each path under ``/tmp/`` moved under ``tmp`` (the lesson's own /tmp)."""
+    return re.sub(r"(?<![\w.])/tmp/", f"{tmp}/", text)
+
+
 class _NoServer:
     """A lesson with ``lesson-server: none``: its blocks start what they need."""
 
@@ -202,7 +211,7 @@ class Lesson:
 
     def localize(self, text: str) -> str:
         text = re.sub(r"\b(127\.0\.0\.1|localhost):8000\b", rf"\1:{self.server.port}", text)
-        return re.sub(r"(?<![\w.])/tmp/", f"{self.tmp}/", text)
+        return localize_tmp(text, self.tmp)
 
     def shell(self, command: str, localize: bool = True) -> subprocess.CompletedProcess:
         """Run ``command`` as a student would (rewritten: the module docstring, unless it is
@@ -356,6 +365,11 @@ def test_a_lesson_server_is_the_command_the_lesson_shows(tmp_path):
     assert lesson_server(lesson) is None
     for path in LESSONS:
         lesson_server(path)  # each lesson's own comment is well-formed
+    assert (
+        localize_tmp("--trace-file /tmp/startup.jsonl", Path("/x/gbt1"))
+        == "--trace-file /x/gbt1/startup.jsonl"
+    )
+    assert localize_tmp("/var/tmp/a", Path("/x")) == "/var/tmp/a"
 
 
 def test_masking_keeps_what_the_text_claims():
@@ -378,7 +392,11 @@ def test_lesson_runs_as_written(path):
     base = Path(tempfile.mkdtemp(prefix="gbt", dir="/tmp"))  # short: ipc paths ≤ 107 chars
     try:
         wanted = lesson_server(path)
-        server = _NoServer(base) if wanted is None else start_server(base / "srv", *wanted[1], env=wanted[0])
+        if wanted is None:
+            server = _NoServer(base)
+        else:  # its /tmp paths are the lesson's, as its blocks' are
+            env = {key: localize_tmp(value, base) for key, value in wanted[0].items()}
+            server = start_server(base / "srv", *(localize_tmp(flag, base) for flag in wanted[1]), env=env)
         try:
             document.namespace["lesson"] = Lesson(server, base)
             ran = []
