@@ -14,7 +14,8 @@ GIL, so every step waits for its turn; in two processes they do not.
 
 Each mode runs in a fresh interpreter (the variable is read as the engine starts). Prints
 one line per mode, or with ``--json`` one object: for each mode, the median and 90th-percentile
-step gap (ms) alone and loaded, and how many prompts the thread tokenized meanwhile.
+step gap (ms) alone and loaded, how many prompts the thread tokenized meanwhile, and the
+processes whose spans the trace file holds.
 """
 
 from __future__ import annotations
@@ -88,6 +89,14 @@ def child(tokens: int) -> dict:
             result["loaded" if load else "alone"] = {**_summary(_gaps_ms(trace_file, t0, t1)),
                                                      "prompts_tokenized": tokenized[0]}  # fmt: skip
         llm.shutdown()
+        # The processes whose spans are in the file: the engine core's own, or the LLM's.
+        roles: dict[str, None] = {}
+        for line in trace_file.read_text().splitlines():
+            try:
+                roles.setdefault(json.loads(line)["resource"]["role"], None)
+            except (ValueError, KeyError, TypeError):
+                continue
+        result["processes_with_spans"] = list(roles)
     return result
 
 
