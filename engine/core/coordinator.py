@@ -201,7 +201,10 @@ class DPCoordinator:
         payload = decode_as(CoordinatorSpawnPayload, payload_bytes)
 
         def body(ctx) -> None:
-            coordinator = DPCoordinator(payload)
+            from tracing.propagation import attached_trace_context
+
+            with attached_trace_context(payload.trace_headers):  # the spawner's start-up trace
+                coordinator = DPCoordinator(payload)
             ctx.at_exit(coordinator.close)
             if ctx.telemetry is not None:
                 ctx.telemetry.add_gauge_provider(coordinator.telemetry_gauges)

@@ -50,3 +50,24 @@ def test_the_plan_accepts_a_fault_at_the_coordinators_stages_and_only_its_own():
     one = topology.plan(EngineArgs().create_engine_config(), frontend="serve")
     with pytest.raises(ValueError, match="no process DPCoordinator"):
         one.check_fault_targets("dp_coordinator.init:hang@DPCoordinator")
+
+
+def test_the_coordinators_start_up_joins_the_spawners_start_up_trace(tmp_path):
+    import tracing
+    from engine.frontend.engine_launcher import coordinator_payload
+    from tracing.propagation import attached_trace_context
+
+    handle = tracing.setup_tracing("APIServer_0", in_memory=True)
+    try:
+        config = EngineArgs(data_parallel_size=2).create_engine_config()
+        with tracing.stage(catalogue.ENGINE_CORE_HANDSHAKE):  # where the client spawns it
+            payload = coordinator_payload(config, tmp_path, None)
+        assert payload.trace_headers and "traceparent" in payload.trace_headers
+        with attached_trace_context(payload.trace_headers):  # what run_coordinator's body does
+            DPCoordinator(payload).close()
+        spans = {s.name: s for s in handle.get_finished_spans()}
+        init, handshake = spans[catalogue.DP_COORDINATOR_INIT], spans[catalogue.ENGINE_CORE_HANDSHAKE]
+        assert init.context.trace_id == handshake.context.trace_id
+        assert init.parent.span_id == handshake.context.span_id
+    finally:
+        tracing.shutdown_tracing()
