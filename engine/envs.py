@@ -109,6 +109,14 @@ def _faults(value: str) -> tuple[Any, ...]:
     return tuple(parse_faults(value))
 
 
+def _stage_delay(value: str) -> float:
+    """``GLASSBOX_STARTUP_STAGE_DELAY_S`` (``tracing.slow_motion``): parsed here so a bad value
+    fails in the first process."""
+    from tracing.slow_motion import parse_delay
+
+    return parse_delay(value)
+
+
 @dataclass(frozen=True)
 class EnvVar:
     name: str
@@ -325,6 +333,17 @@ ENV_VARS: dict[str, EnvVar] = {
             _positive_float,
             waits.DEFAULT_TIMEOUT_S,
             "Deadline, in seconds, of a bounded wait that was given no deadline of its own.",
+        ),
+        EnvVar(
+            "GLASSBOX_STARTUP_STAGE_DELAY_S",
+            _stage_delay,
+            0.0,
+            "Start-up in slow motion, for teaching (tracing/slow_motion.py): every process pauses "
+            "this many seconds as it enters each of its start-up (lifecycle) stages, so that "
+            "glassbox ps and engine-top can be watched as the stages go by; each stage still does "
+            "its work after the pause. The pause is shown as one: glassbox ps adds '(paused on "
+            "purpose: GLASSBOX_STARTUP_STAGE_DELAY_S=N)' to the stage, engine-top a wait for 'a "
+            "deliberate pause before STAGE'. 0: no pause.",
         ),
         EnvVar(
             "GLASSBOX_FAULT",

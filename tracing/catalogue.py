@@ -436,6 +436,19 @@ WORKER_COMPILE_OR_WARM_UP_MODEL = _span(
     "so the first request pays no one-time cost.",
     (ATTR_RANK, ATTR_COMPILE_MODE, ATTR_COMPILE_NUM_GRAPHS, ATTR_COMPILE_CACHE, ATTR_COMPILE_SECONDS),
 )
+DP_COORDINATOR_INIT = _span(
+    "dp_coordinator.init",
+    LIFECYCLE,
+    (KIND_DP_COORDINATOR,),
+    "DPCoordinator start-up (-dp N > 1): bind its sockets (engines' loads in, the load table out to "
+    "the API servers, request waves out to the engines) before its loop starts.",
+)
+DP_COORDINATOR_SHUTDOWN = _span(
+    "dp_coordinator.shutdown",
+    LIFECYCLE,
+    (KIND_DP_COORDINATOR,),
+    "DPCoordinator shut-down: close its sockets.",
+)
 ENGINE_CORE_SHUTDOWN = _span(
     "engine_core.shutdown",
     LIFECYCLE,

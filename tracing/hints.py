@@ -115,6 +115,17 @@ HINTS: dict[str, StageHint] = {
         "in a native call?)",
         "under 1 s",
     ),
+    catalogue.DP_COORDINATOR_INIT: StageHint(
+        5,
+        "binding three ipc sockets in the run directory: a hang here points at the run directory "
+        "(a full or read-only disk); check the coordinator's log",
+        "milliseconds",
+    ),
+    catalogue.DP_COORDINATOR_SHUTDOWN: StageHint(
+        5,
+        "closing its sockets (linger 0): nothing waits here",
+        "milliseconds",
+    ),
     # --- lifecycle: each worker ---------------------------------------------------------
     catalogue.WORKER_WRAPPER_INIT: StageHint(
         5,

@@ -75,6 +75,8 @@ class ProcessInfo:
         placement: where a cluster scheduler put it (a Ray actor: ``node_id``, ``node_ip``,
             ``actor_id``; status file), else empty.
         runs_as: how a worker runs its model once warm (status file; ``runs_as_text``).
+        pause: the deliberate pause it is in (``GLASSBOX_STARTUP_STAGE_DELAY_S``, status file):
+            ``{"stage", "seconds", "env"}``, else None.
         uptime_s, rss_mib, threads: from psutil (seconds, MiB, count); None when not alive.
         depth: nesting under the frontend among the rows shown (for indenting).
     """
@@ -96,6 +98,7 @@ class ProcessInfo:
     faults: list[str] = field(default_factory=list)
     placement: dict[str, str] = field(default_factory=dict)
     runs_as: dict[str, str] = field(default_factory=dict)
+    pause: dict[str, Any] | None = None
     uptime_s: float | None = None
     rss_mib: float | None = None
     threads: int | None = None
@@ -359,6 +362,8 @@ def _fill_status(row: ProcessInfo, status: run_dirs.ProcessStatus | None, now: f
     row.faults = [f"{f.spec} in {f.stage}" for f in status.faults]
     row.placement = dict(status.placement)
     row.runs_as = dict(status.runs_as)
+    if status.pause is not None:
+        row.pause = {"stage": status.pause.stage, "seconds": status.pause.seconds, "env": status.pause.env}
     since = status.entered_at if row.stage else (last.finished_at if last is not None else None)
     row.time_in_stage_s = max(0.0, now - since) if since else None
 

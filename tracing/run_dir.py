@@ -186,6 +186,22 @@ class StruckFault(msgspec.Struct):
     thread: str = ""
 
 
+class Pause(msgspec.Struct):
+    """A deliberate pause the process is in (``ProcessStatus.pause``, ``tracing.slow_motion``).
+
+    Attributes:
+        stage: the stage it pauses at the start of.
+        seconds: how long the pause is.
+        since: Unix time (s) it began.
+        env: the variable that asked for it (``GLASSBOX_STARTUP_STAGE_DELAY_S``).
+    """
+
+    stage: str
+    seconds: float
+    since: float | None = None
+    env: str | None = None
+
+
 class ProcessStatus(msgspec.Struct):
     """``<role>.status.json``: a process's current lifecycle stage, rewritten at each change.
 
@@ -208,6 +224,7 @@ class ProcessStatus(msgspec.Struct):
         runs_as: how a worker runs its model once warm (``device``, ``dtype``, ``compile``,
             ``attention``, ``cpu_threads``; ``graphs_after_warm_up`` once torch.compile made a
             graph after warm-up), as short texts; empty for other processes.
+        pause: the deliberate pause it is in now (``GLASSBOX_STARTUP_STAGE_DELAY_S``), else None.
     """
 
     role: str | None = None
@@ -221,6 +238,7 @@ class ProcessStatus(msgspec.Struct):
     faults: list[StruckFault] = msgspec.field(default_factory=list)
     placement: dict[str, str] = msgspec.field(default_factory=dict)
     runs_as: dict[str, str] = msgspec.field(default_factory=dict)
+    pause: Pause | None = None
 
 
 class CrashReport(msgspec.Struct):

@@ -55,6 +55,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 
 from tracing import catalogue
 from tracing import run_dir as run_dirs
@@ -171,6 +172,21 @@ class TracingHandle:
 
 
 _handle: TracingHandle | None = None
+
+
+class _StartupIds(RandomIdGenerator):
+    """Random ids, except the trace id of a root span started while an owner's start-up
+    runs (``tracing.stage.startup_trace`` sets ``trace_id``): every root stage of the
+    start-up (``cli.validate_config``, ``engine_core.handshake``, ...) is then a root of
+    the one start-up trace, each with no parent."""
+
+    trace_id: int | None = None
+
+    def generate_trace_id(self) -> int:
+        return self.trace_id if self.trace_id is not None else super().generate_trace_id()
+
+
+startup_ids = _StartupIds()
 _setup_lock = threading.Lock()
 _atexit_registered = False
 
@@ -491,7 +507,9 @@ def setup_tracing(
         if rank is not None:
             attributes[catalogue.ATTR_RANK] = rank
         # shutdown_on_exit=False: one atexit hook of ours, not one per replaced provider.
-        provider = TracerProvider(resource=Resource.create(attributes), shutdown_on_exit=False)
+        provider = TracerProvider(
+            resource=Resource.create(attributes), shutdown_on_exit=False, id_generator=startup_ids
+        )
         handle = TracingHandle(
             role=role,
             rank=rank,
@@ -519,6 +537,9 @@ def setup_tracing(
         from tracing.faults import install_faults
 
         install_faults(role)
+        from tracing.slow_motion import install_stage_delay
+
+        install_stage_delay(role)  # GLASSBOX_STARTUP_STAGE_DELAY_S: start-up in slow motion
         return handle
 
 

@@ -97,6 +97,7 @@ _stacks_lock = threading.Lock()
 _last_finished: dict[str, Any] | None = None
 _faults: list[dict[str, Any]] = []  # injected faults that struck here (record_fault)
 _placement: dict[str, str] = {}  # where a cluster scheduler put this process (set_placement)
+_pause: dict[str, Any] | None = None  # a deliberate pause now (set_pause; tracing.slow_motion)
 
 
 def _thread_stack() -> list[OpenStage]:
@@ -145,8 +146,20 @@ def _write_status(handle: setup.TracingHandle) -> None:
             "faults": list(_faults),
             "placement": dict(_placement),
             "runs_as": dict(handle.runs_as),
+            "pause": _pause,
         }
     )
+
+
+def set_pause(pause: dict[str, Any] | None) -> None:
+    """Say that this process pauses on purpose now (``stage``, ``seconds``, ``since``, ``env``)
+    or no longer (None): kept in its status file, for ``glassbox ps`` (``tracing.slow_motion``).
+    Never raises."""
+    global _pause
+    _pause = pause
+    handle = setup._handle
+    if handle is not None:
+        _write_status(handle)
 
 
 def set_placement(placement: dict[str, str]) -> None:
@@ -208,7 +221,7 @@ class Stage:
     the OpenTelemetry span (None when tracing is not set up).
     """
 
-    __slots__ = ("name", "level", "attributes", "span", "_token", "_t0", "_record", "_stack")
+    __slots__ = ("name", "level", "attributes", "span", "_token", "_t0", "_t0_ns", "_record", "_stack")
 
     def __init__(self, name: str, attributes: Mapping[str, Any]) -> None:
         self.name = name
@@ -244,6 +257,7 @@ class Stage:
         self._stack = _thread_stack()
         self._stack.append(self._record)
         self._t0 = time.perf_counter()
+        self._t0_ns = time.time_ns()
         if self.level == catalogue.LIFECYCLE and handle is not None:
             _write_status(handle)
         if logger.isEnabledFor(logging.DEBUG):
@@ -285,6 +299,8 @@ class Stage:
                 span.set_status(Status(StatusCode.ERROR, error))
             span.end()
             otel_context.detach(self._token)
+        if span is None and setup._handle is None:
+            _hold_early(self, error)
         if self.level == catalogue.LIFECYCLE:
             _last_finished = {
                 "name": self.name,
@@ -299,6 +315,58 @@ class Stage:
             logger.debug("left %s (%.3f ms)%s", self.name, duration_ms, f" with {error}" if error else "")
         if _hooks:
             emit("exit", self.name, {**self.attributes, "duration_ms": duration_ms, "error": error})
+
+
+# The stage that runs before this process can set up its tracing (``cli.validate_config``:
+# tracing is set up from the config it builds): its last run is kept here and recorded by
+# ``startup_trace`` once tracing is up.
+_EARLY_STAGES = frozenset({catalogue.CLI_VALIDATE_CONFIG})
+_early: list[tuple[str, dict[str, Any], int, int, str | None]] = []
+
+
+def _hold_early(st: Stage, error: str | None) -> None:
+    if st.name in _EARLY_STAGES:
+        attributes = {**st.attributes, catalogue.ATTR_THREAD_NAME: threading.current_thread().name}
+        _early[:] = [(st.name, attributes, st._t0_ns, time.time_ns(), error)]
+
+
+def forget_early_stages() -> None:
+    """Drop the stages held from before tracing was set up (tests)."""
+    _early.clear()
+
+
+class startup_trace:  # noqa: N801 - used as a context manager, like ``stage``
+    """``with startup_trace():`` around an owner's start-up: its stages make one trace.
+
+    An owner (``APIServer_0``, an offline ``LLM``) enters several top-level start-up stages
+    one after the other: ``cli.validate_config`` (before tracing is set up: held until
+    now), ``engine_core.handshake`` or ``llm.init``, ``api_server.start_api_servers``. Each
+    is a root span; inside this block the roots share one trace id, the process's start-up
+    trace (``glassbox trace --startup`` draws them all). The held stage is recorded first,
+    with the times it ran. When a span is current already (an ``LLM`` built inside the
+    caller's own span), the start-up's stages are its children as usual. On exit, root spans
+    get trace ids of their own again: each request served afterwards is its own trace.
+    """
+
+    def __enter__(self) -> startup_trace:
+        import random
+
+        self._previous = setup.startup_ids.trace_id
+        if not trace.get_current_span().get_span_context().is_valid:
+            setup.startup_ids.trace_id = random.SystemRandom().getrandbits(128) or 1
+        held, _early[:] = list(_early), []
+        for name, attributes, start_ns, end_ns, error in held:
+            handle, attrs = _recording_handle(name, attributes)
+            if handle is None:
+                continue
+            span = handle.tracer.start_span(name, attributes=attrs, start_time=start_ns)
+            if error is not None:
+                span.set_status(Status(StatusCode.ERROR, error))
+            span.end(end_time=end_ns)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        setup.startup_ids.trace_id = self._previous
 
 
 def stage(name: str, /, **attributes: Any) -> Stage:

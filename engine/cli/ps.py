@@ -119,6 +119,8 @@ def render_table(instances: list[InstanceInfo], console) -> None:
             state = p.state if p.alive else f"[red]{p.state}[/red]"
             if p.stage:
                 stage = escape(p.stage)
+                if p.pause:  # GLASSBOX_STARTUP_STAGE_DELAY_S: start-up in slow motion
+                    stage += escape(f" (paused on purpose: {p.pause['env']}={p.pause['seconds']:g})")
             elif p.last_finished and p.alive:
                 stage = f"[dim]idle, after {escape(p.last_finished)}[/dim]"
             else:

@@ -38,6 +38,8 @@ from engine.core.coordinator_messages import (
 )
 from engine.logger import init_logger
 from engine.utils.wire import ProtocolError
+from tracing import catalogue
+from tracing.stage import stage
 
 logger = init_logger(__name__)
 
@@ -66,16 +68,23 @@ class DPCoordinator:
         self.published_at = float("-inf")
         self.ctx = zmq.Context()
         self.input_socket = self.ctx.socket(zmq.PULL)
-        self.input_socket.setsockopt(zmq.LINGER, 0)
-        self.input_socket.bind(payload.input_address)
         self.publish_socket = self.ctx.socket(zmq.PUB)
-        self.publish_socket.setsockopt(zmq.LINGER, 0)
-        self.publish_socket.bind(payload.publish_address)
         self.wave_socket: zmq.Socket | None = None
-        if payload.wave_address is not None:
-            self.wave_socket = self.ctx.socket(zmq.PUB)
-            self.wave_socket.setsockopt(zmq.LINGER, 0)
-            self.wave_socket.bind(payload.wave_address)
+        for sock in (self.input_socket, self.publish_socket):
+            sock.setsockopt(zmq.LINGER, 0)
+        try:
+            # The coordinator's start-up stage: what glassbox ps names while it binds, and
+            # where a fault aimed at the DPCoordinator strikes.
+            with stage(catalogue.DP_COORDINATOR_INIT):
+                self.input_socket.bind(payload.input_address)
+                self.publish_socket.bind(payload.publish_address)
+                if payload.wave_address is not None:
+                    self.wave_socket = self.ctx.socket(zmq.PUB)
+                    self.wave_socket.setsockopt(zmq.LINGER, 0)
+                    self.wave_socket.bind(payload.wave_address)
+        except BaseException:
+            self._close_sockets()
+            raise
 
     def handle(self, message: EngineToCoordinator) -> None:
         """One message from an engine core."""
@@ -171,12 +180,17 @@ class DPCoordinator:
                     self.handle(decode_as(EngineToCoordinator, frame))
             self.maybe_publish()
 
-    def close(self) -> None:
+    def _close_sockets(self) -> None:
         self.input_socket.close(linger=0)
         self.publish_socket.close(linger=0)
         if self.wave_socket is not None:
             self.wave_socket.close(linger=0)
         self.ctx.term()
+
+    def close(self) -> None:
+        """Close the sockets (the ``dp_coordinator.shutdown`` stage)."""
+        with stage(catalogue.DP_COORDINATOR_SHUTDOWN):
+            self._close_sockets()
 
     @staticmethod
     def run_coordinator(payload_bytes: bytes, *, run_dir: Path, role: str) -> int:
@@ -187,7 +201,10 @@ class DPCoordinator:
         payload = decode_as(CoordinatorSpawnPayload, payload_bytes)
 
         def body(ctx) -> None:
-            coordinator = DPCoordinator(payload)
+            from tracing.propagation import attached_trace_context
+
+            with attached_trace_context(payload.trace_headers):  # the spawner's start-up trace
+                coordinator = DPCoordinator(payload)
             ctx.at_exit(coordinator.close)
             if ctx.telemetry is not None:
                 ctx.telemetry.add_gauge_provider(coordinator.telemetry_gauges)

@@ -93,6 +93,8 @@ class CoordinatorSpawnPayload(msgspec.Struct, kw_only=True):
     # Where its spans go, as every other process's (--trace-file, --otlp-traces-endpoint).
     trace_file: str | None = None
     otlp_traces_endpoint: str | None = None
+    # The spawner's trace context (W3C headers): dp_coordinator.init joins its start-up trace.
+    trace_headers: dict[str, str] | None = None
 
 
 def coordinator_addresses(run_dir: Path | str) -> tuple[str, str]:

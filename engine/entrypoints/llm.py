@@ -37,6 +37,7 @@ from engine.sampling_params import SamplingParams
 from engine.utils import run_dir as run_dirs
 from engine.utils.process_harness import Observability, ProcessSpec, start_observability
 from tracing import catalogue, get_handle, stage
+from tracing.stage import startup_trace
 from tracing.telemetry.collector import Recorder
 from tracing.telemetry.publisher import stop_telemetry
 
@@ -92,8 +93,12 @@ class LLM:
         self.tracing, self.telemetry = start_observability(owner)
         self.recorder: Recorder | None = None
         try:
-            with stage(
-                catalogue.LLM_INIT, **{catalogue.ATTR_MODEL_NAME: self.config.model_config.served_model_name}
+            with (
+                startup_trace(),
+                stage(
+                    catalogue.LLM_INIT,
+                    **{catalogue.ATTR_MODEL_NAME: self.config.model_config.served_model_name},
+                ),
             ):
                 multiprocess = envs.GLASSBOX_ENABLE_MULTIPROCESSING
                 run_dirs.write_manifest(self.run_dir, model=self.config.model_config.served_model_name,

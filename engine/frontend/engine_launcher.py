@@ -165,6 +165,7 @@ def coordinator_payload(
         wave_address=waves,
         trace_file=config.observability_config.trace_file,
         otlp_traces_endpoint=config.observability_config.otlp_traces_endpoint,
+        trace_headers=inject_trace_headers() or None,  # the handshake's: one start-up trace
     )
 
 

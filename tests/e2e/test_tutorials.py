@@ -35,6 +35,10 @@ a server whose start-up hangs on purpose and never gets healthy (the lesson's ow
 check then waits for what it needs, the fault's strike say). A ``/tmp/`` path among the
 server's flags lands in the test's temporary directory, as in a block.
 
+The lesson server's command is rewritten as the blocks are: a path under ``/tmp/`` in its
+flags or ``VAR=value`` words (``--trace-file /tmp/startup.jsonl``) lands in the test's own
+temporary directory, where the lesson's blocks find it.
+
 A block runs as the student types it, with four things rewritten: ``127.0.0.1:8000`` becomes
 the lesson server's address; ``glassbox``, ``engine-top`` and ``python`` are this
 interpreter's (shims first on ``PATH``); ``GLASSBOX_RUN_DIR_BASE`` is the lesson server's
@@ -191,6 +195,11 @@ def lesson_server(path: Path) -> LessonServer | None:
     return LessonServer(env, words[2:], ready)
 
 
+def localize_tmp(text: str, tmp: Path) -> str:
+    """``text`` with each path under ``/tmp/`` moved under ``tmp`` (the lesson's own /tmp)."""
+    return re.sub(r"(?<![\w.])/tmp/", f"{tmp}/", text)
+
+
 class _NoServer:
     """A lesson with ``lesson-server: none``: its blocks start what they need."""
 
@@ -231,7 +240,7 @@ class Lesson:
 
     def localize(self, text: str) -> str:
         text = re.sub(r"\b(127\.0\.0\.1|localhost):8000\b", rf"\1:{self.server.port}", text)
-        return re.sub(r"(?<![\w.])/tmp/", f"{self.tmp}/", text)
+        return localize_tmp(text, self.tmp)
 
     def shell(self, command: str, localize: bool = True) -> subprocess.CompletedProcess:
         """Run ``command`` as a student would (rewritten: the module docstring, unless it is
@@ -392,6 +401,11 @@ def test_a_lesson_server_is_the_command_the_lesson_shows(tmp_path):
     assert lesson_server(lesson) is None
     for path in LESSONS:
         lesson_server(path)  # each lesson's own comment is well-formed
+    assert (
+        localize_tmp("--trace-file /tmp/startup.jsonl", Path("/x/gbt1"))
+        == "--trace-file /x/gbt1/startup.jsonl"
+    )
+    assert localize_tmp("/var/tmp/a", Path("/x")) == "/var/tmp/a"
 
 
 def test_masking_keeps_what_the_text_claims():
@@ -416,9 +430,10 @@ def test_lesson_runs_as_written(path):
         wanted = lesson_server(path)
         if wanted is None:
             server = _NoServer(base)
-        else:  # a /tmp/ path among its flags lands in the test's own directory, as in a block
-            flags = [re.sub(r"(?<![\w.])/tmp/", f"{base}/", flag) for flag in wanted.flags]
-            server = start_server(base / "srv", *flags, env=wanted.env, ready=wanted.ready)
+        else:  # its /tmp paths (flags and VAR=value words) are the lesson's, as its blocks' are
+            env = {key: localize_tmp(value, base) for key, value in wanted.env.items()}
+            flags = [localize_tmp(flag, base) for flag in wanted.flags]
+            server = start_server(base / "srv", *flags, env=env, ready=wanted.ready)
         try:
             document.namespace["lesson"] = Lesson(server, base)
             ran = []

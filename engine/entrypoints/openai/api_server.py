@@ -72,6 +72,7 @@ from engine.utils import processes
 from engine.utils import run_dir as run_dirs
 from engine.utils.process_harness import Observability, ProcessSpec, install_stop_signals, start_observability
 from engine.utils.processes import EngineDeadError
+from tracing.stage import startup_trace
 
 logger = init_logger(__name__)
 
@@ -208,11 +209,14 @@ def run_server(config: EngineConfig, args: ServerArgs, sock: socket.socket | Non
 
         from engine.frontend.async_llm import AsyncLLM
 
-        engine = AsyncLLM(config, run_dir, client_index=0, num_clients=len(plan.api_servers))
-        if len(plan.api_servers) > 1:
-            from engine.entrypoints.openai.multi_api_server import start_api_servers
+        # One start-up trace: cli.validate_config (held from before tracing was up), the
+        # engines' handshake, the other API servers' start (glassbox trace --startup).
+        with startup_trace():
+            engine = AsyncLLM(config, run_dir, client_index=0, num_clients=len(plan.api_servers))
+            if len(plan.api_servers) > 1:
+                from engine.entrypoints.openai.multi_api_server import start_api_servers
 
-            start_api_servers(engine, plan, config, args, sock, run_dir)
+                start_api_servers(engine, plan, config, args, sock, run_dir)
         serving = run_server_worker(engine, config, args, sock, port, several_servers=several_servers,
                          startup_signal=startup_signal)  # fmt: skip
         return loop.run_until_complete(serving)

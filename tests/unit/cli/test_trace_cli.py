@@ -388,7 +388,8 @@ def test_a_real_generate_run_draws_every_process(tmp_path):
     listed = trace(str(spans), "--list")
     assert listed.returncode == 0, listed.stderr
     startup_row = next(line for line in listed.stdout.splitlines() if " start-up " in line)
-    assert cat.LLM_INIT in startup_row and "LLM" in startup_row, listed.stdout
+    # The start-up trace begins with the config check, run before tracing was set up.
+    assert cat.CLI_VALIDATE_CONFIG in startup_row and "LLM" in startup_row, listed.stdout
     assert " request " in listed.stdout and "step traces" in listed.stdout
 
     proc = trace(str(spans), "--startup")
@@ -396,12 +397,16 @@ def test_a_real_generate_run_draws_every_process(tmp_path):
     out = proc.stdout
     lines = out.splitlines()
     assert max(len(line) for line in lines) <= 80, out
-    assert lines[0].startswith(f"start-up trace · {cat.LLM_INIT} · ") and "in 3 processes" in lines[0]
+    assert (
+        lines[0].startswith(f"start-up trace · {cat.CLI_VALIDATE_CONFIG} · ") and "in 3 processes" in lines[0]
+    )
     headers = [line.split("  ")[0] for line in lines if " pid " in line and not line.startswith(" ")]
     roles = [h.split(" / ")[0] for h in headers]
     assert roles == ["LLM", "EngineCore_DP0", "Worker_DP0_PP0_TP0"], out
-    for name in (cat.ENGINE_CORE_HANDSHAKE, cat.ENGINE_CORE_INIT, cat.WORKER_LOAD_MODEL):
+    for name in (cat.CLI_VALIDATE_CONFIG, cat.LLM_INIT, cat.ENGINE_CORE_HANDSHAKE, cat.ENGINE_CORE_INIT,
+                 cat.WORKER_LOAD_MODEL):  # fmt: skip
         assert lane_of(out, name) is not None
+    assert lane_of(out, cat.CLI_VALIDATE_CONFIG) == lane_of(out, cat.LLM_INIT)  # one lane: LLM / MainThread
     assert lane_of(out, cat.WORKER_LOAD_MODEL).startswith("Worker_DP0_PP0_TP0")
     marked = [line for line in lines if line.startswith("  ") and line.rstrip().endswith("◀")]
     assert len(marked) == 1, out

@@ -24,6 +24,7 @@ BAD = {
     "_faults": "no.such.stage:hang",
     "_omp_threads_bind": "0-x",
     "_cache_root": "/dev/null/cache",  # under a file: neither a directory nor creatable
+    "_stage_delay": "-1",
 }
 CHECKED = [
     (name, BAD[var.parse.__name__]) for name, var in envs.ENV_VARS.items() if var.parse.__name__ in BAD
