@@ -93,7 +93,7 @@ def child(tokens: int) -> dict:
         roles: dict[str, None] = {}
         for line in trace_file.read_text().splitlines():
             try:
-                roles.setdefault(json.loads(line)["resource"]["role"], None)
+                roles.setdefault(json.loads(line)["resource"]["glassbox.role"], None)
             except (ValueError, KeyError, TypeError):
                 continue
         result["processes_with_spans"] = list(roles)

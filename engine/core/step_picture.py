@@ -88,7 +88,7 @@ def load(path: Path = TRACE) -> list[dict]:
 
 
 def _lane(span: dict) -> int | None:
-    role = span["resource"]["role"] or ""
+    role = span["resource"].get("glassbox.role") or ""
     thread = span["attributes"].get("thread.name") or THREAD_OF.get(span["name"])
     for i, (prefix, lane_thread, _, _) in enumerate(LANES):
         if role.startswith(prefix) and thread == lane_thread:
