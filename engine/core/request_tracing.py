@@ -86,7 +86,7 @@ class EngineCoreInputTracer:
         """The busy loop took ``request`` off ``input_queue``: its ``engine_core.input_queue``
         span, when ``received`` noted it. ``step_delay_ns``: the latest ``--step-delay-ms``
         pause (start, end in Unix ns); the part of the wait it covers is on the span
-        (``glassbox.step.delay_ms``) when there is one."""
+        (``glassbox.step.delay_ms``, 0 without a pause)."""
         queued_ns = self._queued_ns.pop(request.request_id, None)
         if queued_ns is not None:
             now = time.time_ns()
@@ -95,7 +95,7 @@ class EngineCoreInputTracer:
                         parent=extract_trace_context(request.trace_headers),
                         attributes={catalogue.ATTR_GEN_AI_REQUEST_ID: request.request_id,
                                     catalogue.ATTR_QUEUE_WAIT_MS: (now - queued_ns) / 1e6,
-                                    catalogue.ATTR_STEP_DELAY_MS: paused_ns / 1e6 if paused_ns else None})  # fmt: skip
+                                    catalogue.ATTR_STEP_DELAY_MS: paused_ns / 1e6})  # fmt: skip
 
     @contextlib.contextmanager
     def aborting(self, abort: AbortRequests, received_ns: int | None) -> Iterator[None]:
