@@ -220,7 +220,9 @@ def stage_hint(name: str) -> StageHint:
         return hint
     spec = catalogue.SPANS.get(name)
     level = spec.level if spec is not None else catalogue.STEP
-    return StageHint(DEFAULT_SLOW_AFTER_S.get(level, 60.0), spec.doc if spec is not None else "")
+    # A catalogue doc is a sentence; a hint is a clause its readers end themselves ("…: HINT.").
+    doc = spec.doc.rstrip().removesuffix(".") if spec is not None else ""
+    return StageHint(DEFAULT_SLOW_AFTER_S.get(level, 60.0), doc)
 
 
 def render_markdown() -> str:

@@ -119,3 +119,11 @@ def test_a_waited_on_rank_with_trouble_of_its_own_reads_as_a_sentence(run_dir, t
     culprit = blame.blame_run_dir(run_dir, now=time.time() + 5, known=known)
     assert (culprit.role, culprit.verdict) == (WORKERS[1], next(iter(trouble)))
     assert culprit.reason.startswith("TP0 waits in all_reduce #1 for TP1") and culprit.reason.endswith(words)
+
+
+def test_every_stage_hint_is_a_clause_its_readers_end():
+    """doctor and engine-top write "STAGE: HINT." — a hint that kept its catalogue doc's full
+    stop read "..": found in lesson 11's engine_core.dummy_step diagnosis."""
+    from tracing import catalogue, hints
+
+    assert [name for name in catalogue.SPANS if hints.stage_hint(name).hint.endswith(".")] == []
