@@ -15,6 +15,7 @@ from typing import Any
 
 from engine.config import (
     BLOCK_SIZES,
+    CPU_BF16_LINEAR_MODES,
     DEFAULT_DP_RPC_PORT,
     DEFAULT_MAX_LOGPROBS,
     DEFAULT_MODEL,
@@ -260,6 +261,7 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     enforce_eager: bool = False
     attention_backend: str | None = None
+    cpu_bf16_linear: str = "auto"
     device: str = "auto"
     load_format: str = "safetensors"
     otlp_traces_endpoint: str | None = None
@@ -324,6 +326,15 @@ class EngineArgs:
             "default elsewhere, and on a CPU without a C++ compiler) gathers each request's pages "
             "and calls SDPA; PAGED_INDUCTOR reads decode keys in place through a kernel compiled "
             "by Inductor.",
+        )
+        g.add_argument(
+            "--cpu-bf16-linear",
+            default=d.cpu_bf16_linear,
+            choices=CPU_BF16_LINEAR_MODES,
+            help="How a bfloat16 model's linears run on a CPU: auto (the default) times oneDNN's "
+            "bfloat16 matmul against the same math as a float32 matmul of upcast weights, at the "
+            "model's shapes, once per CPU (cached), and takes the faster; native or upcast forces "
+            "one (upcast keeps a float32 copy of every linear weight).",
         )
         g.add_argument(
             "--trust-remote-code",
@@ -604,6 +615,7 @@ class EngineArgs:
             max_model_len=self.max_model_len,
             enforce_eager=self.enforce_eager,
             attention_backend=self.attention_backend,
+            cpu_bf16_linear=self.cpu_bf16_linear,
             served_model_name=self.served_model_name,
             trust_remote_code=self.trust_remote_code,
             tokenizer_mode=self.tokenizer_mode,

@@ -325,9 +325,10 @@ def _title(proc: psutil.Process) -> str | None:
 
 def runs_as_text(runs_as: dict[str, str]) -> str:
     """A worker's ``ProcessStatus.runs_as`` in one line: ``cpu bfloat16, compiled (inductor,
-    1 graph), attention CPU_PAGED_CPP, 2 of 2 CPU threads``; "" when it recorded none.
+    1 graph), attention CPU_PAGED_CPP, 2 of 2 CPU threads, bfloat16 linears native
+    (measured)``; "" when it recorded none.
     ``graphs_after_warm_up`` (a count for scripts) is already in ``compile``'s text."""
-    order = ("device", "dtype", "compile", "attention", "cpu_threads", "graphs_after_warm_up")
+    order = ("device", "dtype", "compile", "attention", "cpu_threads", "bf16_linear", "graphs_after_warm_up")
     parts = []
     head = " ".join(runs_as[k] for k in ("device", "dtype") if runs_as.get(k))
     if head:
@@ -338,6 +339,8 @@ def runs_as_text(runs_as: dict[str, str]) -> str:
         parts.append(f"attention {runs_as['attention']}")
     if runs_as.get("cpu_threads"):
         parts.append(f"{runs_as['cpu_threads']} CPU threads")
+    if runs_as.get("bf16_linear"):
+        parts.append(f"bfloat16 linears {runs_as['bf16_linear']}")
     parts += [f"{k} {v}" for k, v in sorted(runs_as.items()) if k not in order]
     return ", ".join(parts)
 

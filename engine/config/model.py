@@ -37,6 +37,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # reading the paged cache in place through a kernel compiled by Inductor, or through a
 # hand-written C++ kernel for CPUs (engine/model/cpu/csrc/paged_attention_cpu.cpp).
 ATTENTION_BACKENDS = ("TORCH_SDPA", "PAGED_INDUCTOR", "CPU_PAGED_CPP")
+# --cpu-bf16-linear: how a bfloat16 model's linears run on a CPU (engine/model/cpu/linear.py).
+CPU_BF16_LINEAR_MODES = ("auto", "native", "upcast")
 TOKENIZER_MODES = ("auto", "hf")  # both load the fast tokenizer (tokenizer.json); the only kind here
 # vLLM's default --max-logprobs (the OpenAI API's limit of top logprobs per token).
 DEFAULT_MAX_LOGPROBS = 20
@@ -132,6 +134,7 @@ class ModelConfig:
     max_model_len: int | None = None
     enforce_eager: bool = False
     attention_backend: str | None = None
+    cpu_bf16_linear: str = "auto"
     served_model_name: str | None = None
     trust_remote_code: bool = False
     tokenizer_mode: str = "auto"
@@ -183,6 +186,10 @@ class ModelConfig:
                 self.attention_backend,
                 "its decode kernel is compiled by torch.compile, which --enforce-eager rules out; "
                 "use TORCH_SDPA with --enforce-eager",
+            )
+        if self.cpu_bf16_linear not in CPU_BF16_LINEAR_MODES:
+            raise ConfigError(
+                "--cpu-bf16-linear", self.cpu_bf16_linear, f"allowed: {', '.join(CPU_BF16_LINEAR_MODES)}"
             )
         if not isinstance(self.seed, int):
             raise ConfigError("--seed", self.seed, "must be an integer")

@@ -176,5 +176,7 @@ def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dty
     if missing:
         names = ", ".join(model.describe_parameter(name) for name in missing)
         raise ValueError(f"checkpoint {model_config.model} is missing {len(missing)} weight(s): {names}")
-    pack_linear_weights(model)  # on a CPU: oneDNN's layout, made once (vLLM: process_weights_after_loading)
+    pack_linear_weights(
+        model, model_config.cpu_bf16_linear
+    )  # on a CPU: oneDNN's layout, made once (vLLM: process_weights_after_loading)
     return model.eval()

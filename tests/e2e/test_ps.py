@@ -222,17 +222,19 @@ def test_table_shows_tree_counts_and_missing_roles(capsys, mp_instance):
 
 
 def test_a_worker_says_how_it_runs_its_model(capsys, mp_instance):
-    """Once warm, a worker records device, dtype, compile mode, attention backend and CPU
-    threads in its status file (``tracing.stage.set_runs_as``); ps shows them in one line."""
+    """Once warm, a worker records device, dtype, compile mode, attention backend, CPU
+    threads and its measured speed choices in its status file (``tracing.stage.set_runs_as``); ps shows them in one line."""
     run_dir = mp_instance[0]
     path = run_dir / "Worker_DP0_PP0_TP0.status.json"
     status = json.loads(path.read_text())
     status["runs_as"] = {"device": "cpu", "dtype": "bfloat16", "compile": "compiled (inductor, 1 graph)",
-                         "attention": "CPU_PAGED_CPP", "cpu_threads": "1 of 2"}  # fmt: skip
+                         "attention": "CPU_PAGED_CPP", "cpu_threads": "1 of 2",
+                         "bf16_linear": "native (measured)"}  # fmt: skip
     path.write_text(json.dumps(status))
     code, out = _ps(capsys)
     assert code == 0
-    line = "Worker_DP0_PP0_TP0 runs as: cpu bfloat16, compiled (inductor, 1 graph), attention CPU_PAGED_CPP, 1 of 2 CPU threads"
+    line = ("Worker_DP0_PP0_TP0 runs as: cpu bfloat16, compiled (inductor, 1 graph), attention CPU_PAGED_CPP, "
+            "1 of 2 CPU threads, bfloat16 linears native (measured)")  # fmt: skip
     assert line in out
     [inst] = _ps_json(capsys)
     worker = next(p for p in inst["processes"] if p["role"] == "Worker_DP0_PP0_TP0")

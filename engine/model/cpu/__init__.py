@@ -8,8 +8,10 @@ through the interfaces those files define (a test holds the rule,
 - ``attention_backends.py``: the ``PAGED_INDUCTOR`` and ``CPU_PAGED_CPP`` attention backends
   (``AttentionBackend``, chosen by name in ``engine/model/attention_selector.py``);
   ``paged_attention_cpu.py`` builds and calls the C++ kernel of ``csrc/``.
-- ``linear.py``: linear weights pre-packed for oneDNN, and the bfloat16-as-float32 rule
-  (``CPUPackedLinearMethod``, a ``LinearMethodBase``).
+- ``linear.py``: linear weights pre-packed for oneDNN, and bfloat16 linears run natively or
+  as float32 matmuls, whichever measured faster (``CPUPackedLinearMethod``, a
+  ``LinearMethodBase``); ``measured_choice.py`` times such candidates on this machine once
+  and caches the verdict.
 - ``compile.py``: the forward through ``torch.compile`` and its ``glassbox::attention`` op.
 - ``op_threads.py``: the thread count of a step's parallel work, which the worker's thread
   governor (``engine/worker/cpu/``) lowers while other processes take its CPUs.

@@ -9,11 +9,17 @@ the blocked layout oneDNN's matmul wants is made once instead of on every call. 
 the "small" benchmark model, one thread, per CPU-second: +15–20 % output tokens in float32,
 +10 % in bfloat16 (docs/performance.md). The plain ``weight`` stays (the loader, tied
 embeddings and the tests read it), so linear weights take twice their size in memory (vLLM
-frees it). A bfloat16 model on a CPU without AMX also keeps each linear weight upcast to
-float32 and packed (``bf16_linears_as_f32``: the same math, faster there for steps of
-``BF16_AS_F32_MIN_ROWS`` rows or more), so its linear weights take four times their bfloat16
-size — unless those copies would take more than a quarter of the memory available
-(``F32_COPIES_MAX_SHARE``): then they are not made.
+frees it).
+
+bfloat16: oneDNN's bfloat16 matmul is twice as fast as its float32 one on some CPUs (AMD
+Zen 4's AVX512-BF16, Intel's AMX) and half as fast on others (an Intel Xeon with AVX512-BF16
+but no AMX). The same math (bfloat16 operands, float32 products and sums, one rounding) runs
+either way, so ``choose_bf16_linear`` times both at the model's shapes on this CPU
+(``measured_choice.py``: once, cached) and, where the float32 path wins, each linear weight is
+also kept upcast and packed (``packed_weight_f32``) for steps from the measured row count on —
+four times the bfloat16 weight's size, so not where those copies would take more than a
+quarter of the memory available (``F32_COPIES_MAX_SHARE``). ``--cpu-bf16-linear
+native|upcast`` forces either side.
 
 Under ``torch.compile`` a packed linear is one opaque op, ``glassbox::onednn_linear``:
 Inductor's own oneDNN lowering wants the weights frozen into the graph, which would rule out
@@ -22,12 +28,17 @@ the on-disk compile cache (``compile.py``).
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.config.model import CPU_BF16_LINEAR_MODES
 from engine.logger import init_logger
-from engine.model.cpu.op_threads import op_threads
+from engine.model.cpu.measured_choice import Verdict, measured, time_candidates
+from engine.model.cpu.op_threads import get_op_threads, op_threads
 from engine.model.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -37,11 +48,16 @@ from engine.model.layers import (
 
 logger = init_logger(__name__)
 
-# Rows of input from which a bfloat16 linear runs as a float32 matmul, on a CPU without AMX:
-# measured in the small benchmark model's compiled step (2-core Xeon), 64 rows and up gain
-# (decode of 64: -7 %, of 128: -15 %, a 16 × 128-token prefill: -30 % step time); below,
-# the casts cost what the matmul saves, and under 16 rows reading half the bytes wins.
-BF16_AS_F32_MIN_ROWS = 64
+# Rows of input from which this process's bfloat16 linears run as float32 matmuls (None: never):
+# the verdict of ``choose_bf16_linear``, set by ``pack_linear_weights``. Read per call by
+# ``_onednn_linear`` (inside the compiled graph too: the packed op is opaque to Inductor).
+_bf16_as_f32_min_rows: int | None = None
+
+# The row counts a bfloat16 linear is timed at (decode batches to a prefill chunk's size).
+BF16_TIMING_ROWS = (16, 64, 256)
+# The float32 path must be at least this much faster to be chosen: it takes twice the weight
+# memory, so a tie (or noise) keeps the bfloat16 kernel.
+BF16_UPCAST_MIN_GAIN = 1.1
 
 
 class CPUPackedLinearMethod(UnquantizedLinearMethod):
@@ -51,7 +67,7 @@ class CPUPackedLinearMethod(UnquantizedLinearMethod):
 
     Args:
         upcast_bf16: also pack a bfloat16 weight upcast to float32 (``packed_weight_f32``),
-            which inputs of at least ``BF16_AS_F32_MIN_ROWS`` rows use: see
+            which inputs of at least the measured row count use: see
             ``pack_linear_weights``.
     """
 
@@ -86,7 +102,7 @@ def _onednn_linear(
     if rows == 0:
         return F.linear(x, weight, bias)
     with op_threads():  # the worker's thread count of the moment (engine/model/cpu/op_threads.py)
-        if packed_f32 is not None and rows >= BF16_AS_F32_MIN_ROWS:
+        if packed_f32 is not None and _bf16_as_f32_min_rows is not None and rows >= _bf16_as_f32_min_rows:
             # Exactly the bfloat16 matmul's math (bfloat16 operands, float32 products and sums,
             # one rounding of the result), on the CPU's faster float32 units.
             bias_f32 = None if bias is None else bias.float()
@@ -123,27 +139,13 @@ def _(
 def _pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
     """``weight`` (out, in) reordered for oneDNN's matmul, or None where that does not apply
     (not on a CPU, not float32/bfloat16, no oneDNN, or a bfloat16 the CPU cannot run)."""
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return None
-    if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return None
-    if weight.dtype not in (torch.float32, torch.bfloat16):
+    if not _pack_for_onednn_possible(weight):
         return None
     try:
         # The layout is tuned for 32 rows of input (a decode batch); any row count works.
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
     except RuntimeError:
         return None
-
-
-def bf16_linears_as_f32() -> bool:
-    """Whether bfloat16 linears of ``BF16_AS_F32_MIN_ROWS`` rows or more run as float32
-    matmuls on this CPU: where it has no AMX tiles. Its bfloat16 dot products (AVX512-BF16)
-    then do no more per cycle than its float32 FMAs, and oneDNN's bfloat16 kernel reached
-    166 GFLOP/s against 258–304 in float32 on a 2-core Xeon, so the same math is faster in
-    float32 (1.3–1.55× per linear from 64 rows up, casts included)."""
-    is_amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return is_amx is not None and not is_amx()
 
 
 # The float32 copies of bfloat16 weights are made only if they take at most this share of
@@ -158,7 +160,7 @@ def _f32_copies_fit(num_bytes: int) -> bool:
     if num_bytes <= F32_COPIES_MAX_SHARE * available:
         return True
     logger.info(
-        "bfloat16 linears stay bfloat16 on this CPU without AMX: their float32 copies "
+        "bfloat16 linears stay bfloat16, though float32 measured faster: their float32 copies "
         "(%.1f GiB) would take more than a quarter of the %.1f GiB available",
         num_bytes / 2**30,
         available / 2**30,
@@ -166,24 +168,115 @@ def _f32_copies_fit(num_bytes: int) -> bool:
     return False
 
 
-def pack_linear_weights(model: nn.Module) -> int:
+def _time_bf16_linear(weight: torch.Tensor, rows: int, timer: Callable[[], float]) -> dict[str, float]:
+    """Median seconds of one ``rows``-row linear with ``weight`` (bfloat16, (out, in)): oneDNN's
+    bfloat16 kernel (``native``) against the same math as a float32 matmul of the upcast
+    weight, casts included (``upcast``)."""
+    packed = _pack_for_onednn(weight)
+    packed_f32 = _pack_for_onednn(weight.detach().float())
+    x = torch.randn(rows, weight.shape[1], dtype=torch.bfloat16)
+
+    def native() -> None:
+        torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+    def upcast() -> None:
+        torch.ops.mkldnn._linear_pointwise(x.float(), packed_f32, None, "none", [], "").to(torch.bfloat16)
+
+    with torch.inference_mode(), op_threads():
+        return time_candidates({"native": native, "upcast": upcast}, rounds=5, timer=timer)
+
+
+def choose_bf16_linear(
+    weights: list[torch.Tensor],
+    mode: str = "auto",
+    time_linear: Callable[[torch.Tensor, int], dict[str, float]] | None = None,
+) -> Verdict:
+    """Whether this model's bfloat16 linears run natively (oneDNN's bfloat16 kernel) or as
+    float32 matmuls of upcast weights, and from how many rows: by measurement on this CPU.
+
+    Args:
+        weights: the bfloat16 linear weights of the model, (out, in) each; one of each
+            distinct shape is timed and weighted by how many the model has.
+        mode: ``--cpu-bf16-linear``: ``auto`` (measure, or read an earlier start's verdict),
+            ``native`` or ``upcast`` (forced; upcast then from one row).
+        time_linear: ``(weight, rows) -> {"native": s, "upcast": s}``; tests pass a fake.
+
+    Returns:
+        A ``Verdict`` whose ``data["min_rows"]`` is the smallest of ``BF16_TIMING_ROWS`` from
+        which the upcast path is at least ``BF16_UPCAST_MIN_GAIN``× faster for the whole
+        model's linears at that row count and every larger one, or None (native always).
+    """
+    if mode not in CPU_BF16_LINEAR_MODES:
+        raise ValueError(f"--cpu-bf16-linear {mode!r}: allowed: {', '.join(CPU_BF16_LINEAR_MODES)}")
+    if mode == "native":
+        return Verdict("bf16_linear", "native", "forced by --cpu-bf16-linear", data={"min_rows": None})
+    if mode == "upcast":
+        return Verdict("bf16_linear", "upcast", "forced by --cpu-bf16-linear", data={"min_rows": 1})
+    counts: dict[tuple[int, int], int] = {}
+    examples: dict[tuple[int, int], torch.Tensor] = {}
+    for w in weights:
+        shape = (int(w.shape[0]), int(w.shape[1]))
+        counts[shape] = counts.get(shape, 0) + 1
+        examples.setdefault(shape, w)
+    timer = time.perf_counter
+    time_one = time_linear or (lambda w, rows: _time_bf16_linear(w, rows, timer))
+
+    def measure() -> tuple[str, str, dict]:
+        totals = {}
+        for rows in BF16_TIMING_ROWS:
+            per = {"native": 0.0, "upcast": 0.0}
+            for shape, w in examples.items():
+                t = time_one(w, rows)
+                per["native"] += counts[shape] * t["native"]
+                per["upcast"] += counts[shape] * t["upcast"]
+            totals[rows] = per
+        min_rows = None
+        for rows in reversed(BF16_TIMING_ROWS):  # from the largest down, while upcast wins
+            if totals[rows]["native"] >= BF16_UPCAST_MIN_GAIN * totals[rows]["upcast"]:
+                min_rows = rows
+            else:
+                break
+        detail = "; ".join(
+            f"{rows} rows: native {1e3 * t['native']:.2f} ms, upcast {1e3 * t['upcast']:.2f} ms"
+            for rows, t in totals.items()
+        )
+        choice = "native" if min_rows is None else f"upcast from {min_rows} rows"
+        return choice, f"the model's linears, {detail}", {"min_rows": min_rows}
+
+    key = {"shapes": sorted(counts.items()), "threads": get_op_threads(), "rows": BF16_TIMING_ROWS,
+           "min_gain": BF16_UPCAST_MIN_GAIN}  # fmt: skip
+    return measured("bf16_linear", key, measure)
+
+
+def pack_linear_weights(model: nn.Module, bf16_linear: str = "auto") -> int:
     """Put ``CPUPackedLinearMethod`` on every linear of ``model`` (and its ``lm_head``) whose
     weight oneDNN can take, and pack it; returns how many were packed (0 off the CPU). Call
     once, after ``load_weights`` (vLLM: ``process_weights_after_loading``).
 
-    A bfloat16 weight on a CPU without AMX (``bf16_linears_as_f32``) is also packed upcast
-    to float32 (``packed_weight_f32``, twice the bytes), which steps of at least
-    ``BF16_AS_F32_MIN_ROWS`` rows use — unless those copies would take more than
-    ``F32_COPIES_MAX_SHARE`` of the memory available now (a big model on a small machine):
-    then the bfloat16 kernel serves every step, and a log line says so."""
+    For bfloat16 weights, ``choose_bf16_linear`` decides (by measurement on this CPU, or
+    ``bf16_linear``: ``--cpu-bf16-linear``) whether steps from some row count on run as
+    float32 matmuls of upcast weights (``packed_weight_f32``, twice the bytes) — unless those
+    copies would take more than ``F32_COPIES_MAX_SHARE`` of the memory available now (a big
+    model on a small machine): then the bfloat16 kernel serves every step, and a log line
+    says so. The verdict is kept as ``model.measured_choices`` (the worker's status shows it)."""
+    global _bf16_as_f32_min_rows
     targets = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
     head = getattr(model, "lm_head", None)
     if isinstance(head, VocabParallelEmbedding):  # ParallelLMHead, or the tied embedding table
         targets.append(head)
-    as_f32 = bf16_linears_as_f32()
-    if as_f32:
-        need = sum(4 * m.weight.numel() for m in targets if m.weight.dtype == torch.bfloat16)
-        as_f32 = need > 0 and _f32_copies_fit(need)
+    targets = [m for m in targets if _pack_for_onednn_possible(m.weight)]
+    bf16 = [m.weight for m in targets if m.weight.dtype == torch.bfloat16]
+    as_f32 = False
+    if bf16:
+        verdict = choose_bf16_linear(bf16, bf16_linear)
+        logger.info("%s", verdict.text())
+        min_rows = verdict.data.get("min_rows")
+        as_f32 = min_rows is not None and _f32_copies_fit(sum(4 * w.numel() for w in bf16))
+        if min_rows is not None and not as_f32:
+            verdict = Verdict(verdict.name, "native", f"{verdict.source}, no memory for float32 copies",
+                              verdict.detail, {"min_rows": None})  # fmt: skip
+        _bf16_as_f32_min_rows = min_rows if as_f32 else None
+        model.measured_choices = [verdict]
     method = CPUPackedLinearMethod(upcast_bf16=as_f32)
     packed = 0
     for module in targets:
@@ -192,3 +285,12 @@ def pack_linear_weights(model: nn.Module) -> int:
             module.linear_method = method
             packed += 1
     return packed
+
+
+def _pack_for_onednn_possible(weight: torch.Tensor) -> bool:
+    """Whether ``_pack_for_onednn`` can take ``weight`` (device, dtype, oneDNN), without packing."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return weight.dtype == torch.float32

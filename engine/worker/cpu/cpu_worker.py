@@ -82,10 +82,14 @@ class CPUWorker(Worker):
         return f"{get_op_threads()} of {self._governor.max_threads}"
 
     def runs_as(self, compiled: dict[str, Any]) -> dict[str, str]:
-        """``Worker.runs_as`` and, on a CPU, its threads (now / its share)."""
+        """``Worker.runs_as`` and, on a CPU, its threads (now / its share) and the speed
+        choices measured for its model (``bf16_linear``: ``native (measured)``)."""
         facts = super().runs_as(compiled)
         if self.device.type == "cpu":
             facts["cpu_threads"] = self._threads_text()
+            model = self.model_runner.model if self.model_runner is not None else None
+            for verdict in getattr(model, "measured_choices", ()):  # engine/model/cpu/measured_choice.py
+                facts[verdict.name] = verdict.short()
         return facts
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:

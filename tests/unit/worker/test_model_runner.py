@@ -592,25 +592,26 @@ def test_linear_weights_are_packed_for_onednn_and_give_the_same_products(checkpo
     torch.testing.assert_close(got, torch.nn.functional.linear(x, model.lm_head.weight), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("amx", [False, True])
-def test_bf16_linears_run_as_f32_matmuls_on_a_cpu_without_amx(checkpoints, monkeypatch, amx):
-    """On a CPU without AMX, bfloat16 dot products are no faster than float32 FMAs: steps of
-    BF16_AS_F32_MIN_ROWS rows or more multiply the upcast weight in float32 — the same math (bfloat16 operands,
-    float32 sums, one rounding), so the product is the float32 one rounded to bfloat16."""
+@pytest.mark.parametrize("mode", ["native", "upcast"])
+def test_bf16_linears_forced_native_or_upcast_compute_the_same_bfloat16_product(
+    checkpoints, monkeypatch, mode
+):
+    """--cpu-bf16-linear upcast multiplies the upcast weight in float32, native runs oneDNN's
+    bfloat16 kernel: the same math (bfloat16 operands, float32 sums, one rounding), so either
+    product is the exact one rounded to bfloat16; only upcast keeps float32 copies."""
     from engine.model.cpu import linear as cpu_linear
 
     if not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("this CPU has no bfloat16 matmul in oneDNN")
-    monkeypatch.setattr(cpu_linear, "bf16_linears_as_f32", lambda: not amx)
-    model = load_model(ModelConfig(model=checkpoints["qwen2"]), torch.device("cpu"), torch.bfloat16)
+    model = load_model(
+        ModelConfig(model=checkpoints["qwen2"], cpu_bf16_linear=mode), torch.device("cpu"), torch.bfloat16
+    )
     qkv = model.model.layers[0].self_attn.qkv_proj  # Qwen2's has a bias
-    assert qkv.bias is not None and (qkv.packed_weight_f32 is None) == amx
-    assert (model.lm_head.packed_weight_f32 is None) == amx
-    if not amx:  # a big model on a small machine: no float32 copies, the bfloat16 kernel serves
-        monkeypatch.setattr(cpu_linear, "F32_COPIES_MAX_SHARE", 1e-12)
-        tight = load_model(ModelConfig(model=checkpoints["qwen2"]), torch.device("cpu"), torch.bfloat16)
-        assert tight.lm_head.packed_weight is not None and tight.lm_head.packed_weight_f32 is None
-    for rows in (3, cpu_linear.BF16_AS_F32_MIN_ROWS, cpu_linear.BF16_AS_F32_MIN_ROWS + 37):
+    upcast = mode == "upcast"
+    assert qkv.bias is not None and (qkv.packed_weight_f32 is not None) == upcast
+    assert (model.lm_head.packed_weight_f32 is not None) == upcast
+    assert [(v.choice, v.source) for v in model.measured_choices] == [(mode, "forced by --cpu-bf16-linear")]
+    for rows in (1, 3, 64, 101):
         x = torch.randn(rows, qkv.weight.shape[1], dtype=torch.bfloat16)
         with torch.inference_mode():
             got = qkv(x)
@@ -618,6 +619,13 @@ def test_bf16_linears_run_as_f32_matmuls_on_a_cpu_without_amx(checkpoints, monke
         # One rounding of a float32 sum: within a bfloat16 step (2^-8 relative) of the exact value.
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), exact, atol=1e-2, rtol=2**-8)
+    if upcast:  # a big model on a small machine: no float32 copies, the bfloat16 kernel serves
+        monkeypatch.setattr(cpu_linear, "F32_COPIES_MAX_SHARE", 1e-12)
+        cfg = ModelConfig(model=checkpoints["qwen2"], cpu_bf16_linear="upcast")
+        tight = load_model(cfg, torch.device("cpu"), torch.bfloat16)
+        assert tight.lm_head.packed_weight is not None and tight.lm_head.packed_weight_f32 is None
+        assert tight.measured_choices[0].choice == "native"
+        assert "no memory for float32 copies" in tight.measured_choices[0].source
 
 
 def test_paged_inductor_with_enforce_eager_or_without_a_compiler_is_one_clear_error(checkpoints, monkeypatch):

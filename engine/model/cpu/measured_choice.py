@@ -1,0 +1,162 @@
+"""Speed choices made by timing the candidates on this machine, once, and remembering the verdict.
+
+Where Glassbox can run the same math two ways and which is faster depends on the CPU (how
+many bfloat16 dot products its cores start per cycle against float32 FMAs, whether it has
+AMX tiles), a rule written from one CPU's flags is right on that CPU and backwards on the
+next: on an Intel Xeon without AMX oneDNN's bfloat16 matmul runs at about half its float32
+speed, on an AMD Zen 4 (AVX512-BF16) at about twice (``benchmarks/cpu_fma_peak.py``). So
+the choice is measured instead: the candidates are timed at the model's own shapes, at the
+worker's thread count, interleaved (one round of each, several rounds, medians), and the
+verdict is cached in ``<GLASSBOX_CACHE_ROOT>/measured_choices/<name>-<hash>.json``, keyed by
+everything that changes the answer (the CPU's model and instruction sets, torch's version,
+the thread count, the shapes, this module's ``VERSION``). A later start with the same key
+reads the file and measures nothing; a flag forces either side without measuring.
+
+Each ``Verdict`` says what was chosen, how (``measured``, ``cached``, ``forced by FLAG``) and
+the figures behind it; the worker logs it and puts it in its status (``runs_as``), so
+``glassbox ps`` and ``doctor`` show it.
+
+vLLM counterpart: none as such — vLLM's CPU build picks its kernels by CPU flags
+(``vllm/platforms/cpu.py``, ``cpu_attn``'s ISA dispatch); the closest in spirit is
+Inductor's ``max-autotune``, which also times candidate kernels and caches the winner.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.logger import init_logger
+
+logger = init_logger(__name__)
+
+VERSION = 1  # bump when a measurement's method changes: old verdicts are then ignored
+
+# The instruction sets that decide which kernel is fastest (the rest of /proc/cpuinfo's flags
+# change nothing a choice here depends on, and would make the key differ between VMs).
+CPU_FLAGS_THAT_MATTER = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
+
+
+def cpu_identity() -> dict[str, Any]:
+    """This CPU, as far as a speed choice cares: ``{"model": "AMD EPYC", "flags": [...]}``
+    (``/proc/cpuinfo``'s model name and those of ``CPU_FLAGS_THAT_MATTER`` it has; off Linux,
+    the platform's processor name and no flags)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and ":" in line:
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and ":" in line:
+                    flags = set(line.split(":", 1)[1].split())
+                if model and flags:
+                    break
+    except OSError:
+        pass
+    return {"model": model, "flags": [f for f in CPU_FLAGS_THAT_MATTER if f in flags]}
+
+
+@dataclass
+class Verdict:
+    """One speed choice: what was chosen, how, and the figures behind it.
+
+    Attributes:
+        name: the choice (``"bf16_linear"``).
+        choice: the winner, as a user reads it (``"native"``, ``"upcast from 64 rows"``).
+        source: ``"measured"``, ``"cached"`` (an earlier start's measurement) or
+            ``"forced by --cpu-bf16-linear"``.
+        detail: the measurement in words (each candidate's median time), "" when forced.
+        data: what the code acts on (``{"min_rows": 64}``), JSON-serialisable.
+        seconds: how long this start spent measuring (0 when cached or forced).
+    """
+
+    name: str
+    choice: str
+    source: str
+    detail: str = ""
+    data: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def short(self) -> str:
+        """``native (measured)`` — for a status line."""
+        return f"{self.choice} ({self.source})"
+
+    def text(self) -> str:
+        """The whole verdict in one sentence, for the log."""
+        return f"{self.name}: {self.choice} ({self.source}{': ' + self.detail if self.detail else ''})"
+
+
+def time_candidates(
+    candidates: Mapping[str, Callable[[], None]],
+    rounds: int = 5,
+    timer: Callable[[], float] = time.perf_counter,
+) -> dict[str, float]:
+    """Median seconds of one call of each candidate: one warm-up call each, then ``rounds``
+    rounds that call every candidate once in turn (interleaved, so a burst of load from
+    another process falls on all of them alike).
+
+    ``timer``: the clock (tests pass a fake one that the candidates themselves advance)."""
+    for fn in candidates.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    for _ in range(rounds):
+        for name, fn in candidates.items():
+            start = timer()
+            fn()
+            times[name].append(timer() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def cache_dir() -> Path:
+    from engine import envs
+
+    return Path(envs.GLASSBOX_CACHE_ROOT).expanduser() / "measured_choices"
+
+
+def cache_path(name: str, key: Mapping[str, Any]) -> Path:
+    """``<cache>/measured_choices/<name>-<hash of key, CPU, torch, VERSION>.json``."""
+    full = {"name": name, "version": VERSION, "torch": torch.__version__, "cpu": cpu_identity(), **key}
+    digest = hashlib.sha256(json.dumps(full, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return cache_dir() / f"{name}-{digest}.json"
+
+
+def measured(
+    name: str,
+    key: Mapping[str, Any],
+    measure: Callable[[], tuple[str, str, dict[str, Any]]],
+) -> Verdict:
+    """The cached verdict for ``(name, key)`` on this machine, else ``measure()``'s —
+    ``(choice, detail, data)`` — timed and written to the cache (atomically: two workers
+    measuring at once each write a file of their own and rename it). An unreadable cache
+    file is measured again; an unwritable cache directory only costs the next start a new
+    measurement (logged)."""
+    path = cache_path(name, key)
+    try:
+        saved = json.loads(path.read_text())
+        return Verdict(name, saved["choice"], "cached", saved.get("detail", ""), saved["data"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    start = time.perf_counter()
+    choice, detail, data = measure()
+    verdict = Verdict(name, choice, "measured", detail, data, seconds=time.perf_counter() - start)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        record = {"choice": choice, "detail": detail, "data": data, "key": dict(key), "cpu": cpu_identity()}
+        tmp.write_text(json.dumps(record, indent=1, default=str))
+        os.replace(tmp, path)
+    except OSError as e:
+        logger.warning(
+            "%s: could not cache the verdict in %s (%s); the next start measures again", name, path, e
+        )
+    return verdict

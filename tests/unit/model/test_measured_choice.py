@@ -1,0 +1,154 @@
+"""Speed choices by measurement (engine/model/cpu/measured_choice.py): the choice follows the
+timings, is cached per machine and shapes, and a flag forces it without measuring."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine.model.cpu import linear as cpu_linear
+from engine.model.cpu import measured_choice
+from engine.model.cpu.linear import choose_bf16_linear
+from engine.model.cpu.measured_choice import time_candidates
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("GLASSBOX_CACHE_ROOT", str(tmp_path))
+    return tmp_path
+
+
+class FakeClock:
+    """A clock the candidates advance by their own (made-up) cost."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_time_candidates_interleaves_rounds_and_takes_medians():
+    clock, calls = FakeClock(), []
+    costs = {"a": iter([9.0, 1.0, 1.0, 50.0, 1.0, 1.0]), "b": iter([9.0, 2.0, 2.0, 2.0, 2.0, 2.0])}
+
+    def candidate(name):
+        def run():
+            calls.append(name)
+            clock.now += next(costs[name])
+
+        return run
+
+    got = time_candidates({"a": candidate("a"), "b": candidate("b")}, rounds=5, timer=clock)
+    # one warm-up call each (not counted), then a, b, a, b, ...: a's burst of 50 is out-voted
+    assert calls == ["a", "b"] + ["a", "b"] * 5
+    assert got == {"a": 1.0, "b": 2.0}
+
+
+def weights(shapes):
+    return [torch.zeros(o, i, dtype=torch.bfloat16) for o, i in shapes]
+
+
+def fake_timing(upcast_faster_from: int | None, log: list):
+    """(weight, rows) -> times: upcast twice as fast from ``upcast_faster_from`` rows on."""
+
+    def time_linear(w, rows):
+        log.append((tuple(w.shape), rows))
+        work = rows * w.numel() * 1e-9
+        fast = upcast_faster_from is not None and rows >= upcast_faster_from
+        return {"native": work, "upcast": work / 2 if fast else work * 2}
+
+    return time_linear
+
+
+@pytest.mark.parametrize(("faster_from", "expect"), [(None, None), (64, 64), (1, 16), (256, 256)])
+def test_the_bf16_choice_follows_the_measurement(faster_from, expect):
+    log = []
+    model = weights([(64, 32)] * 3 + [(128, 32)])
+    v = choose_bf16_linear(model, "auto", time_linear=fake_timing(faster_from, log))
+    assert v.source == "measured" and v.data == {"min_rows": expect}
+    assert v.choice == ("native" if expect is None else f"upcast from {expect} rows")
+    # each distinct shape timed once per row count, not each layer
+    assert sorted(set(log)) == sorted(log) and len(log) == 2 * len(cpu_linear.BF16_TIMING_ROWS)
+    assert "256 rows: native" in v.detail
+
+
+def test_upcast_must_win_at_every_larger_row_count_and_by_a_margin():
+    def time_linear(w, rows):  # upcast wins at 64 only, and at 256 only by 5 %: not enough
+        return {16: {"native": 1.0, "upcast": 2.0}, 64: {"native": 2.0, "upcast": 1.0},
+                256: {"native": 1.05, "upcast": 1.0}}[rows]  # fmt: skip
+
+    v = choose_bf16_linear(weights([(8, 8)]), "auto", time_linear=time_linear)
+    assert v.data == {"min_rows": None} and v.choice == "native"
+
+
+def test_the_verdict_is_cached_per_shapes_and_machine(own_cache, monkeypatch):
+    log = []
+    model = weights([(64, 32)])
+    first = choose_bf16_linear(model, "auto", time_linear=fake_timing(64, log))
+    timed = len(log)
+    again = choose_bf16_linear(model, "auto", time_linear=fake_timing(None, log))
+    assert len(log) == timed, "a second start with the same key measures nothing"
+    assert (again.source, again.data, again.detail) == ("cached", first.data, first.detail)
+    files = list((own_cache / "measured_choices").glob("bf16_linear-*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["data"] == {"min_rows": 64}
+    # other shapes, or another CPU: a new measurement
+    assert (
+        choose_bf16_linear(weights([(96, 32)]), "auto", time_linear=fake_timing(None, log)).source
+        == "measured"
+    )
+    monkeypatch.setattr(
+        measured_choice, "cpu_identity", lambda: {"model": "Other CPU", "flags": ["amx_bf16"]}
+    )
+    other = choose_bf16_linear(model, "auto", time_linear=fake_timing(None, log))
+    assert other.source == "measured" and other.data == {"min_rows": None}
+
+
+def test_a_corrupt_cache_file_is_measured_again(own_cache):
+    log = []
+    model = weights([(64, 32)])
+    choose_bf16_linear(model, "auto", time_linear=fake_timing(16, log))
+    (path,) = (own_cache / "measured_choices").glob("*.json")
+    path.write_text("{not json")
+    v = choose_bf16_linear(model, "auto", time_linear=fake_timing(None, log))
+    assert v.source == "measured" and v.data == {"min_rows": None}
+
+
+@pytest.mark.parametrize(("mode", "min_rows"), [("native", None), ("upcast", 1)])
+def test_the_flag_forces_a_side_without_measuring(mode, min_rows):
+    def never(w, rows):
+        raise AssertionError("a forced choice measures nothing")
+
+    v = choose_bf16_linear(weights([(8, 8)]), mode, time_linear=never)
+    assert (v.choice, v.source, v.data) == (mode, "forced by --cpu-bf16-linear", {"min_rows": min_rows})
+    with pytest.raises(ValueError, match="--cpu-bf16-linear 'fast'.*auto, native, upcast"):
+        choose_bf16_linear(weights([(8, 8)]), "fast")
+
+
+def test_bad_flag_is_refused_in_the_config(tmp_path):
+    from engine.config import ConfigError, ModelConfig
+    from tests.tiny_models import build_tiny_checkpoint
+
+    path = build_tiny_checkpoint(tmp_path / "m", "llama")
+    with pytest.raises(ConfigError, match="--cpu-bf16-linear.*allowed: auto, native, upcast"):
+        ModelConfig(model=str(path), cpu_bf16_linear="fast")
+
+
+def test_on_this_cpu_the_real_measurement_is_quick_and_drives_the_linears(tmp_path):
+    """The real timer at a small model's shapes: seconds at most, and the layers do what the
+    verdict says (float32 copies exactly where upcast was chosen)."""
+    if not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("this CPU has no bfloat16 matmul in oneDNN")
+    from torch import nn
+
+    from engine.model.layers import ColumnParallelLinear
+
+    model = nn.Module()
+    model.a = ColumnParallelLinear(256, 512, bias=False)
+    model.a.weight.data = model.a.weight.data.bfloat16()
+    assert cpu_linear.pack_linear_weights(model) == 1
+    (verdict,) = model.measured_choices
+    assert verdict.source == "measured" and verdict.seconds < 10
+    assert (model.a.packed_weight_f32 is not None) == (verdict.data["min_rows"] is not None)
