@@ -15,7 +15,7 @@ from typing import Any
 
 from engine.config import (
     BLOCK_SIZES,
-    CPU_BF16_LINEAR_MODES,
+    CPU_BF16_MODES,
     DEFAULT_DP_RPC_PORT,
     DEFAULT_MAX_LOGPROBS,
     DEFAULT_MODEL,
@@ -262,6 +262,7 @@ class EngineArgs:
     enforce_eager: bool = False
     attention_backend: str | None = None
     cpu_bf16_linear: str = "auto"
+    cpu_bf16_attention: str = "auto"
     device: str = "auto"
     load_format: str = "safetensors"
     otlp_traces_endpoint: str | None = None
@@ -330,11 +331,19 @@ class EngineArgs:
         g.add_argument(
             "--cpu-bf16-linear",
             default=d.cpu_bf16_linear,
-            choices=CPU_BF16_LINEAR_MODES,
+            choices=CPU_BF16_MODES,
             help="How a bfloat16 model's linears run on a CPU: auto (the default) times oneDNN's "
             "bfloat16 matmul against the same math as a float32 matmul of upcast weights, at the "
             "model's shapes, once per CPU (cached), and takes the faster; native or upcast forces "
             "one (upcast keeps a float32 copy of every linear weight).",
+        )
+        g.add_argument(
+            "--cpu-bf16-attention",
+            default=d.cpu_bf16_attention,
+            choices=CPU_BF16_MODES,
+            help="How a bfloat16 model's prefill attention runs on a CPU: auto (the default) times "
+            "torch's SDPA in bfloat16 against float32 at the model's heads, once per CPU (cached), "
+            "and takes the faster; native or upcast forces one.",
         )
         g.add_argument(
             "--trust-remote-code",
@@ -616,6 +625,7 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             attention_backend=self.attention_backend,
             cpu_bf16_linear=self.cpu_bf16_linear,
+            cpu_bf16_attention=self.cpu_bf16_attention,
             served_model_name=self.served_model_name,
             trust_remote_code=self.trust_remote_code,
             tokenizer_mode=self.tokenizer_mode,

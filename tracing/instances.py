@@ -328,7 +328,8 @@ def runs_as_text(runs_as: dict[str, str]) -> str:
     1 graph), attention CPU_PAGED_CPP, 2 of 2 CPU threads, bfloat16 linears native
     (measured)``; "" when it recorded none.
     ``graphs_after_warm_up`` (a count for scripts) is already in ``compile``'s text."""
-    order = ("device", "dtype", "compile", "attention", "cpu_threads", "bf16_linear", "graphs_after_warm_up")
+    order = ("device", "dtype", "compile", "attention", "cpu_threads", "bf16_linear", "bf16_attention",
+             "graphs_after_warm_up")  # fmt: skip
     parts = []
     head = " ".join(runs_as[k] for k in ("device", "dtype") if runs_as.get(k))
     if head:
@@ -341,6 +342,8 @@ def runs_as_text(runs_as: dict[str, str]) -> str:
         parts.append(f"{runs_as['cpu_threads']} CPU threads")
     if runs_as.get("bf16_linear"):
         parts.append(f"bfloat16 linears {runs_as['bf16_linear']}")
+    if runs_as.get("bf16_attention"):
+        parts.append(f"bfloat16 prefill attention {runs_as['bf16_attention']}")
     parts += [f"{k} {v}" for k, v in sorted(runs_as.items()) if k not in order]
     return ", ".join(parts)
 

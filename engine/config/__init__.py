@@ -31,7 +31,7 @@ from engine.config.device import DEVICES, DeviceConfig
 from engine.config.load import LoadConfig
 from engine.config.model import (
     ATTENTION_BACKENDS,
-    CPU_BF16_LINEAR_MODES,
+    CPU_BF16_MODES,
     DEFAULT_MAX_LOGPROBS,
     DEFAULT_MODEL,
     DEFAULT_SERVED_NAME,
@@ -58,7 +58,7 @@ from engine.config.vllm import EngineConfig
 __all__ = [
     "ATTENTION_BACKENDS",
     "BLOCK_SIZES",
-    "CPU_BF16_LINEAR_MODES",
+    "CPU_BF16_MODES",
     "DEFAULT_DP_RPC_PORT",
     "DEFAULT_MAX_LOGPROBS",
     "DEFAULT_MODEL",

@@ -37,8 +37,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # reading the paged cache in place through a kernel compiled by Inductor, or through a
 # hand-written C++ kernel for CPUs (engine/model/cpu/csrc/paged_attention_cpu.cpp).
 ATTENTION_BACKENDS = ("TORCH_SDPA", "PAGED_INDUCTOR", "CPU_PAGED_CPP")
-# --cpu-bf16-linear: how a bfloat16 model's linears run on a CPU (engine/model/cpu/linear.py).
-CPU_BF16_LINEAR_MODES = ("auto", "native", "upcast")
+# --cpu-bf16-linear / --cpu-bf16-attention: how a bfloat16 model's linears and prefill
+# attention run on a CPU (engine/model/cpu/linear.py, prefill_attention.py).
+CPU_BF16_MODES = ("auto", "native", "upcast")
 TOKENIZER_MODES = ("auto", "hf")  # both load the fast tokenizer (tokenizer.json); the only kind here
 # vLLM's default --max-logprobs (the OpenAI API's limit of top logprobs per token).
 DEFAULT_MAX_LOGPROBS = 20
@@ -135,6 +136,7 @@ class ModelConfig:
     enforce_eager: bool = False
     attention_backend: str | None = None
     cpu_bf16_linear: str = "auto"
+    cpu_bf16_attention: str = "auto"
     served_model_name: str | None = None
     trust_remote_code: bool = False
     tokenizer_mode: str = "auto"
@@ -187,10 +189,10 @@ class ModelConfig:
                 "its decode kernel is compiled by torch.compile, which --enforce-eager rules out; "
                 "use TORCH_SDPA with --enforce-eager",
             )
-        if self.cpu_bf16_linear not in CPU_BF16_LINEAR_MODES:
-            raise ConfigError(
-                "--cpu-bf16-linear", self.cpu_bf16_linear, f"allowed: {', '.join(CPU_BF16_LINEAR_MODES)}"
-            )
+        for flag, value in (("--cpu-bf16-linear", self.cpu_bf16_linear),
+                            ("--cpu-bf16-attention", self.cpu_bf16_attention)):  # fmt: skip
+            if value not in CPU_BF16_MODES:
+                raise ConfigError(flag, value, f"allowed: {', '.join(CPU_BF16_MODES)}")
         if not isinstance(self.seed, int):
             raise ConfigError("--seed", self.seed, "must be an integer")
         limit = self.max_position_embeddings

@@ -353,12 +353,15 @@ class Attention(nn.Module):
         return out.view(out.shape[0], self.num_heads * self.head_dim)
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
-    """SDPA; on CPU a bfloat16/float16 attention is computed in float32.
+# Whether a CPU computes bfloat16/float16 prefill attention in float32. Which is faster depends
+# on the CPU (torch's CPU flash kernel ran 2.3x slower in bfloat16 on an Intel Xeon without
+# AMX, 3x faster on an AMD Zen 4): the CPU room measures it at load and sets this
+# (engine/model/cpu/prefill_attention.py); True until then.
+sdpa_upcast_on_cpu = True
 
-    Measured here: torch's CPU flash kernel is ~2.3x slower in bfloat16 than in float32 on
-    this workload, while the casts cost little next to it (the matmuls stay in bfloat16).
-    """
-    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """SDPA; on a CPU, a bfloat16/float16 attention in float32 where ``sdpa_upcast_on_cpu``."""
+    if sdpa_upcast_on_cpu and q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
         return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kwargs).to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, **kwargs)

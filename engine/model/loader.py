@@ -29,6 +29,7 @@ from torch import nn
 
 from engine.config import ConfigError, ModelConfig
 from engine.model.cpu.linear import pack_linear_weights
+from engine.model.cpu.prefill_attention import tune_prefill_attention
 from engine.model.llama import get_model_class
 
 _DTYPES = {
@@ -176,7 +177,8 @@ def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dty
     if missing:
         names = ", ".join(model.describe_parameter(name) for name in missing)
         raise ValueError(f"checkpoint {model_config.model} is missing {len(missing)} weight(s): {names}")
-    pack_linear_weights(
-        model, model_config.cpu_bf16_linear
-    )  # on a CPU: oneDNN's layout, made once (vLLM: process_weights_after_loading)
+    # On a CPU: oneDNN's layout, made once (vLLM: process_weights_after_loading); for a bfloat16
+    # model, its linears' and prefill attention's dtype, measured once on this CPU.
+    pack_linear_weights(model, model_config.cpu_bf16_linear)
+    tune_prefill_attention(model, model_config.cpu_bf16_attention)
     return model.eval()

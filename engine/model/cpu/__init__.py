@@ -11,7 +11,8 @@ through the interfaces those files define (a test holds the rule,
 - ``linear.py``: linear weights pre-packed for oneDNN, and bfloat16 linears run natively or
   as float32 matmuls, whichever measured faster (``CPUPackedLinearMethod``, a
   ``LinearMethodBase``); ``measured_choice.py`` times such candidates on this machine once
-  and caches the verdict.
+  and caches the verdict; ``prefill_attention.py`` chooses the same way whether a bfloat16
+  model's prefill attention runs in float32 (``engine.model.attention.sdpa_upcast_on_cpu``).
 - ``compile.py``: the forward through ``torch.compile`` and its ``glassbox::attention`` op.
 - ``op_threads.py``: the thread count of a step's parallel work, which the worker's thread
   governor (``engine/worker/cpu/``) lowers while other processes take its CPUs.

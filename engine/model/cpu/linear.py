@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config.model import CPU_BF16_LINEAR_MODES
+from engine.config.model import CPU_BF16_MODES
 from engine.logger import init_logger
 from engine.model.cpu.measured_choice import Verdict, measured, time_candidates
 from engine.model.cpu.op_threads import get_op_threads, op_threads
@@ -206,8 +206,8 @@ def choose_bf16_linear(
         which the upcast path is at least ``BF16_UPCAST_MIN_GAIN``× faster for the whole
         model's linears at that row count and every larger one, or None (native always).
     """
-    if mode not in CPU_BF16_LINEAR_MODES:
-        raise ValueError(f"--cpu-bf16-linear {mode!r}: allowed: {', '.join(CPU_BF16_LINEAR_MODES)}")
+    if mode not in CPU_BF16_MODES:
+        raise ValueError(f"--cpu-bf16-linear {mode!r}: allowed: {', '.join(CPU_BF16_MODES)}")
     if mode == "native":
         return Verdict("bf16_linear", "native", "forced by --cpu-bf16-linear", data={"min_rows": None})
     if mode == "upcast":

@@ -152,3 +152,60 @@ def test_on_this_cpu_the_real_measurement_is_quick_and_drives_the_linears(tmp_pa
     (verdict,) = model.measured_choices
     assert verdict.source == "measured" and verdict.seconds < 10
     assert (model.a.packed_weight_f32 is not None) == (verdict.data["min_rows"] is not None)
+
+
+@pytest.mark.parametrize(("native_s", "upcast_s", "upcast"), [(3.0, 1.0, True), (1.0, 3.0, False), (1.05, 1.0, False)])
+def test_the_prefill_attention_choice_follows_the_measurement_and_sets_the_reference(
+    monkeypatch, native_s, upcast_s, upcast
+):
+    from engine.model import attention
+    from engine.model.cpu import prefill_attention
+
+    monkeypatch.setattr(attention, "sdpa_upcast_on_cpu", not upcast)
+    asked = []
+
+    def fake(heads, kv_heads, head_dim, dtype):
+        asked.append((heads, kv_heads, head_dim, dtype))
+        return {"native": native_s, "upcast": upcast_s}
+
+    monkeypatch.setattr(prefill_attention, "_time_sdpa", fake)
+    model = torch.nn.Module()
+    model.attn = attention.Attention(num_heads=8, head_dim=16, num_kv_heads=2, scale=0.25)
+    model.proj = torch.nn.Linear(4, 4, dtype=torch.bfloat16)
+    verdict = prefill_attention.tune_prefill_attention(model)
+    assert asked == [(8, 2, 16, torch.bfloat16)]
+    assert (verdict.source, verdict.data) == ("measured", {"upcast": upcast})
+    assert attention.sdpa_upcast_on_cpu is upcast and model.measured_choices == [verdict]
+    # the same heads again: cached, not measured
+    assert prefill_attention.tune_prefill_attention(model).source == "cached" and len(asked) == 1
+
+
+def test_prefill_attention_forced_or_float32_measures_nothing(monkeypatch):
+    from engine.model import attention
+    from engine.model.cpu import prefill_attention
+
+    monkeypatch.setattr(attention, "sdpa_upcast_on_cpu", True)
+    monkeypatch.setattr(prefill_attention, "_time_sdpa", lambda *a: pytest.fail("measured"))
+    model = torch.nn.Module()
+    model.attn = attention.Attention(num_heads=4, head_dim=8, num_kv_heads=4, scale=1.0)
+    model.proj = torch.nn.Linear(4, 4)  # float32: nothing to choose
+    assert prefill_attention.tune_prefill_attention(model) is None and attention.sdpa_upcast_on_cpu
+    model.proj = torch.nn.Linear(4, 4, dtype=torch.bfloat16)
+    v = prefill_attention.tune_prefill_attention(model, "native")
+    assert (v.choice, v.source) == ("native", "forced by --cpu-bf16-attention") and not attention.sdpa_upcast_on_cpu
+
+
+def test_bf16_prefill_attention_native_and_upcast_agree_within_bfloat16_rounding(monkeypatch):
+    """Either side of the choice computes the same attention (float32 softmax inside the kernel):
+    the prefill's output differs only by bfloat16 rounding."""
+    from engine.model import attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 40, 16).bfloat16() for _ in range(3))
+    outs = []
+    for upcast in (True, False):
+        monkeypatch.setattr(attention, "sdpa_upcast_on_cpu", upcast)
+        outs.append(attention._sdpa(q, k, v, is_causal=True).float())
+    exact = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
+    for out in outs:
+        torch.testing.assert_close(out, exact.float(), atol=2e-2, rtol=2**-7)
