@@ -10,8 +10,8 @@ prints each engine's throughput as a fraction of the matching upper bound on thr
 **Peaks** (all usable cores at once, one pinned process per core, best of ``--repeats``):
 
 - *instruction peak*: ``cpu_fma_peak.py``'s loop of 12 independent chains of ``vfmadd231ps``
-  (16 float32 multiply-adds) and ``vdpbf16ps`` (32 bfloat16 multiply-adds), summed over the
-  cores. Without AVX512-BF16 the bfloat16 peak is the torch bfloat16 matmul's (oneDNN's) rate;
+  (16 float32 multiply-adds) and ``vdpbf16ps`` (32 bfloat16 multiply-adds), run on every core
+  at once, each core's best round summed over the cores. Without AVX512-BF16 the bfloat16 peak is the torch bfloat16 matmul's (oneDNN's) rate;
   without AVX-512 or g++ both peaks are the torch matmul's. The output says which.
 - *practical peak*: a torch matmul of two ``--matmul-size``² matrices (all threads), the most
   a real GEMM reaches; a second bound is computed with it.
@@ -193,25 +193,26 @@ class Peak:
 
 
 def instruction_peaks(cores: list[int], repeats: int) -> dict[str, Peak | None]:
-    """Multiply-adds/s of all ``cores`` at once (one pinned loop each), best of ``repeats``
-    rounds; ``None`` for a dtype whose instruction this CPU (or this toolchain) lacks."""
+    """Multiply-adds/s of all ``cores`` at once (one pinned loop each; the sum of each core's
+    best of ``repeats`` rounds); ``None`` for a dtype whose instruction this CPU (or this toolchain) lacks."""
     flags = cpu_flags()
     if shutil.which("g++") is None or "avx512f" not in flags:
         return {d: None for d in DTYPES}
-    best = (0.0, 0.0)
-    with tempfile.TemporaryDirectory() as tmp:
+    best = {cpu: (0.0, 0.0) for cpu in cores}  # each core's best round: another process's time slice
+    with tempfile.TemporaryDirectory() as tmp:  # on one core in one round is not held against it
         exe = compile_peak(Path(tmp))
         for _ in range(repeats):
-            procs = [start_peak(exe, cpu) for cpu in cores]
-            runs = [read_peak(p) for p in procs]
-            total = (sum(r[0] for r in runs), sum(r[1] for r in runs))
-            best = (max(best[0], total[0]), max(best[1], total[1]))
+            procs = {cpu: start_peak(exe, cpu) for cpu in cores}
+            for cpu, proc in procs.items():
+                fma, dp = read_peak(proc)
+                best[cpu] = (max(best[cpu][0], fma), max(best[cpu][1], dp))
+    fma, dp = sum(b[0] for b in best.values()), sum(b[1] for b in best.values())
     n = len(cores)
     out: dict[str, Peak | None] = {
-        "float32": Peak(best[0] * 16e9, f"vfmadd231ps zmm × 16 lanes, {n} cores at once")
+        "float32": Peak(fma * 16e9, f"vfmadd231ps zmm × 16 lanes, {n} cores at once")
     }
-    out["bfloat16"] = (Peak(best[1] * 32e9, f"vdpbf16ps zmm × 32 products, {n} cores at once")
-                       if best[1] > 0 and "avx512_bf16" in flags else None)  # fmt: skip
+    out["bfloat16"] = (Peak(dp * 32e9, f"vdpbf16ps zmm × 32 products, {n} cores at once")
+                       if dp > 0 and "avx512_bf16" in flags else None)  # fmt: skip
     return out
 
 
@@ -270,7 +271,8 @@ def cpu_features() -> str:
 
 
 def recorded_figures(args) -> list[tuple[str, dict[str, float]]]:
-    """(label, {dtype: out tok/s}) of vllm_recorded.json's entry of this workload, if any."""
+    """(label, {dtype: out tok/s}) of vllm_recorded.json's entry of this workload, if any: vLLM's
+    figures, and Glassbox's of the same run where the entry has them."""
     this = {"num_prompts": args.num_prompts, "input_len": list(args.input_len),
             "output_len": list(args.output_len), "max_model_len": args.max_model_len,
             "model_size": args.model_size}  # fmt: skip
@@ -280,6 +282,10 @@ def recorded_figures(args) -> list[tuple[str, dict[str, float]]]:
             label = (f"vLLM {entry['vllm_version']} RECORDED {entry['date']} on {entry['cpu_model']}, "
                      f"{entry['cores']} cores ({recorded_label(entry)})")  # fmt: skip
             out.append((label, {d: float(v) for d, v in entry["out_tok_s"].items()}))
+            if entry.get("glassbox_same_run"):
+                label = (f"Glassbox in that RECORDED run ({entry['date']}, {entry['cpu_model']}, "
+                         f"{entry['cores']} cores)")  # fmt: skip
+                out.append((label, {d: float(v) for d, v in entry["glassbox_same_run"].items()}))
     return out
 
 
@@ -357,7 +363,7 @@ def main() -> None:
     ap.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="small")
     ap.add_argument("--tok-s", type=parse_tok_s, nargs="*", default=[], metavar="NAME=DTYPE:VALUE",
                     help="a throughput to compare with the bound, e.g. glassbox=float32:438")  # fmt: skip
-    ap.add_argument("--repeats", type=int, default=3, help="best of this many, for each measurement")
+    ap.add_argument("--repeats", type=int, default=5, help="best of this many, for each measurement")
     ap.add_argument("--matmul-size", type=int, default=2048)
     ap.add_argument("--buffer-mib", type=int, default=1024)
     ap.add_argument("--svg", help="also draw the table as an SVG bar chart here")
@@ -431,8 +437,8 @@ def main() -> None:
         "\n(the instruction-peak bound is the hard one; the matmul-peak bound is only as hard as one large "
         "matmul's rate is the best a GEMM reaches here, and a busy machine measures every peak low)"
     )
-    if any(e[0].startswith("vLLM") for e in engine_list):
-        print("\n(recorded vLLM figures: from the date and machine named; a fraction of this machine's bound "
+    if any("RECORDED" in e[0] for e in engine_list):
+        print("\n(recorded figures: from the date and machine named; a fraction of this machine's bound "
               "is only indicative when that machine is not this one)")  # fmt: skip
     if args.svg:
         title = (
