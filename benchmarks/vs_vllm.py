@@ -579,9 +579,9 @@ def recorded_value(entry: dict, key: str):
 
 
 def recorded_label(entry: dict) -> str:
-    """``32 prompts`` (the small model) or ``32 prompts, 0.5b model``."""
+    """``32 prompts, small model`` (an entry from before ``--model-size``: small)."""
     size = recorded_value(entry, "model_size")
-    return f"{entry['num_prompts']} prompts" + ("" if size == "small" else f", {size} model")
+    return f"{entry['num_prompts']} prompts, {size} model"
 
 
 def recorded_key(num_prompts: int, model_size: str) -> str:
