@@ -4,11 +4,14 @@ The workload follows nano-vllm's and vLLM's offline benchmark, scaled to a CPU: 
 32 prompts of random token ids, input lengths uniform in 32–512, output lengths uniform in
 32–256, greedy, EOS ignored. Both engines run it in the same process on the same "small"
 random Llama (hidden 512, 8 layers, 8 heads, 4 KV heads, vocab 8192), built here with
-transformers. It prints output tokens/s for each (median of ``--runs`` runs), their ratio,
+transformers; ``--model-size 0.5b`` builds one shaped like Qwen2.5-0.5B instead (hidden 896,
+24 layers, 14 heads, 2 KV heads, intermediate 4864; vocab 8192 as the small one, so the
+prompts are the same: ~372 M parameters, random weights, nothing downloaded). It prints output tokens/s for each (median of ``--runs`` runs), their ratio,
 and the share of engine step time spent inside the model forward.
 
     .venv/bin/python benchmarks/offline_throughput.py                    # float32 and bfloat16
     .venv/bin/python benchmarks/offline_throughput.py --dtype float32 --num-prompts 8 --runs 1
+    .venv/bin/python benchmarks/offline_throughput.py --model-size 0.5b --skip-transformers
 
 transformers runs in static batches of ``--hf-batch-size`` prompts, left-padded; each
 batch generates as many tokens as its longest requested output, but only the requested
@@ -29,10 +32,23 @@ import torch
 
 SMALL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
              num_key_value_heads=4, vocab_size=8192, max_position_embeddings=1024)  # fmt: skip
+# Qwen2.5-0.5B's shape (without its q/k/v biases and its 151936-token vocabulary): a random
+# Llama of about 372 M parameters, untied embeddings, on the small one's vocabulary.
+QWEN_0_5B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=8192, max_position_embeddings=1024)  # fmt: skip
+MODEL_SIZES = {"small": SMALL, "0.5b": QWEN_0_5B}
 
 
-def build_small_model(path: Path) -> Path:
-    """A random Llama of the benchmark's shape, saved with the bundled tokenizer files."""
+def describe_model(shape: dict) -> str:
+    """The model part of a workload's description (vs_vllm.py's and roofline.py's)."""
+    return (f"random Llama hidden {shape['hidden_size']}, {shape['num_hidden_layers']} layers, "
+            f"{shape['num_attention_heads']} heads, {shape['num_key_value_heads']} KV heads, "
+            f"intermediate {shape['intermediate_size']}, vocab {shape['vocab_size']}")  # fmt: skip
+
+
+def build_small_model(path: Path, shape: dict = SMALL) -> Path:
+    """A random Llama of ``shape`` (the benchmark's "small" one by default), saved with the
+    bundled tokenizer files."""
     import shutil
 
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -40,7 +56,7 @@ def build_small_model(path: Path) -> Path:
     from engine.config import DEFAULT_MODEL
 
     torch.manual_seed(0)
-    config = LlamaConfig(**SMALL, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    config = LlamaConfig(**shape, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     LlamaForCausalLM(config).to(torch.float32).save_pretrained(path, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         src = Path(DEFAULT_MODEL) / name
@@ -135,6 +151,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--hf-batch-size", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="small",
+                    help="small: hidden 512, 8 layers; 0.5b: Qwen2.5-0.5B's shape (~372 M parameters)")  # fmt: skip
     ap.add_argument("--skip-transformers", action="store_true")
     args = ap.parse_args()
 
@@ -150,7 +168,7 @@ def main() -> None:
     dtypes = ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        path = build_small_model(Path(tmp) / "small")
+        path = build_small_model(Path(tmp) / args.model_size, MODEL_SIZES[args.model_size])
         for dtype in dtypes:
             hf_times, gb_times, shares = [], [], []
             with LLM(str(path), dtype=dtype, max_model_len=1024) as llm:
@@ -170,7 +188,8 @@ def main() -> None:
 
     print(f"\nworkload: {args.num_prompts} prompts, input {args.input_len[0]}-{args.input_len[1]}, "
           f"output {args.output_len[0]}-{args.output_len[1]} tokens ({total_out} output tokens), "
-          f"median of {args.runs} runs, torch threads {torch.get_num_threads()}")  # fmt: skip
+          f"median of {args.runs} runs, torch threads {torch.get_num_threads()}; "
+          f"model: {describe_model(MODEL_SIZES[args.model_size])}")  # fmt: skip
     print(f"{'dtype':<10}{'transformers tok/s':>20}{'glassbox tok/s':>17}{'ratio':>8}{'forward share':>15}")
     for dtype, hf, gb, ratio, share in rows:
         print(f"{dtype:<10}{hf:>20.1f}{gb:>17.1f}{ratio:>7.2f}x{share * 100:>14.1f}%")

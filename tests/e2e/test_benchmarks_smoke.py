@@ -41,6 +41,8 @@ CASES = {
                                 "--inner", "1"], r"\| dtype \| timing \| TORCH_SDPA _decode \| CPU_PAGED_CPP \|"),
     "pipeline_parallel": (["--pp", "2", *TINY], r"pp\s+thr/wkr\s+start-up s\s+generate s\s+out tok/s\s+hand-off"),
     "process_tree_overhead": (["--runs", "1", *TINY], r"client\s+output tok/s\s+LLM\(\) to ready"),
+    "roofline": (["--repeats", "1", "--matmul-size", "256", "--buffer-mib", "16", *TINY],
+                 r"\| engine \| out tok/s \| ÷ instruction-peak bound \| ÷ matmul-peak bound \|"),
     "serve_vs_offline": (["--model", "default", *TINY], r"run\s+output tok/s\s+TTFT ms \(mean/p99\)"),
     "serve_vs_vllm": (["--runs", "1", "--bench-runs", "1", "--num-prompts", "2", "--input-len", "8",
                        "--output-len", "2", "--max-concurrency", "2"], r"\| engine \| output tok/s \| TTFT p99 \|"),
