@@ -416,6 +416,13 @@ def test_proc_aborts_a_request_mid_flight_and_answers_utility_calls(proc):
     p.send(EngineCoreRequestType.ABORT, AbortRequests(request_ids=["long"]))
     after_abort = p.call_utility("get_kv_cache_info")
     unknown = p.call_utility("no_such_method")
+    # The abort and both calls must be in the engine's input queue before the step resumes
+    # (else, on a loaded machine, the 500 fast steps can all finish before the input thread
+    # has read them).
+    deadline = time.monotonic() + DEADLINE_S
+    while p.engine.input_queue.qsize() < 3 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert p.engine.input_queue.qsize() >= 3
     p.executor.resume.set()
     tokens, finished, replies = p.recv_until(lambda tokens, finished, replies: len(replies) == 2)
     # The request stopped where the abort found it: a prefix of its script, never finished.

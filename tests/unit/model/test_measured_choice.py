@@ -154,7 +154,9 @@ def test_on_this_cpu_the_real_measurement_is_quick_and_drives_the_linears(tmp_pa
     assert (model.a.packed_weight_f32 is not None) == (verdict.data["min_rows"] is not None)
 
 
-@pytest.mark.parametrize(("native_s", "upcast_s", "upcast"), [(3.0, 1.0, True), (1.0, 3.0, False), (1.05, 1.0, False)])
+@pytest.mark.parametrize(
+    ("native_s", "upcast_s", "upcast"), [(3.0, 1.0, True), (1.0, 3.0, False), (1.05, 1.0, False)]
+)
 def test_the_prefill_attention_choice_follows_the_measurement_and_sets_the_reference(
     monkeypatch, native_s, upcast_s, upcast
 ):
@@ -192,7 +194,10 @@ def test_prefill_attention_forced_or_float32_measures_nothing(monkeypatch):
     assert prefill_attention.tune_prefill_attention(model) is None and attention.sdpa_upcast_on_cpu
     model.proj = torch.nn.Linear(4, 4, dtype=torch.bfloat16)
     v = prefill_attention.tune_prefill_attention(model, "native")
-    assert (v.choice, v.source) == ("native", "forced by --cpu-bf16-attention") and not attention.sdpa_upcast_on_cpu
+    assert (v.choice, v.source) == (
+        "native",
+        "forced by --cpu-bf16-attention",
+    ) and not attention.sdpa_upcast_on_cpu
 
 
 def test_bf16_prefill_attention_native_and_upcast_agree_within_bfloat16_rounding(monkeypatch):
@@ -206,6 +211,8 @@ def test_bf16_prefill_attention_native_and_upcast_agree_within_bfloat16_rounding
     for upcast in (True, False):
         monkeypatch.setattr(attention, "sdpa_upcast_on_cpu", upcast)
         outs.append(attention._sdpa(q, k, v, is_causal=True).float())
-    exact = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
+    exact = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), is_causal=True
+    )
     for out in outs:
         torch.testing.assert_close(out, exact.float(), atol=2e-2, rtol=2**-7)
