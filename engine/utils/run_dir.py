@@ -48,6 +48,8 @@ from tracing.run_dir import (  # noqa: F401 - re-exported for the engine's calle
 
 logger = init_logger(__name__)
 
+MEMBERS_EXIT_S = 5.0  # s close_run_dir waits for the tree's other members to exit before removing
+
 
 def run_dir_base() -> Path:
     """Where this engine creates run directories (``GLASSBOX_RUN_DIR_BASE`` from
@@ -105,6 +107,15 @@ def close_run_dir(
     directory (``tracing.run_dir.keep_post_mortem``), or None. Never raises for the keeping:
     a tree always ends.
     """
+    from engine.utils.supervisor import wait_for_pids_gone
+
+    # The tree's other members first: a grandchild (a worker whose engine core exited at once,
+    # say) still writes its status or crash report here for a moment after its parent's exit,
+    # and a file written while the directory is removed leaves the directory behind.
+    members = [s.pid for p in status_files(run_dir).values() if (s := contract.read_status(p)) is not None]
+    left = wait_for_pids_gone([pid for pid in members if pid != os.getpid()], MEMBERS_EXIT_S)
+    if left:
+        logger.debug("removing %s while pid(s) %s still run", run_dir, left)
     kept = None
     if failure is not None:
         if root_cause:

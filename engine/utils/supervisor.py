@@ -119,6 +119,25 @@ def wait_for_exit(
             os.close(fd)
 
 
+def wait_for_pids_gone(pids: Collection[int], timeout: float) -> list[int]:
+    """Wait until every process in ``pids`` exited (children or not: their pidfds), or
+    ``timeout`` seconds passed; returns the pids still running then (empty: all gone)."""
+    deadline = time.monotonic() + timeout
+    sentinels: dict[int, int] = {}
+    try:
+        for pid in set(pids):
+            if (fd := open_sentinel(pid)) is not None:
+                sentinels[fd] = pid
+        while sentinels and (left := deadline - time.monotonic()) > 0:
+            for fd in wait_ready(list(sentinels), left):
+                sentinels.pop(fd)
+                os.close(fd)
+        return sorted(sentinels.values())
+    finally:
+        for fd in sentinels:
+            os.close(fd)
+
+
 @dataclass(eq=False)
 class Watched:
     """One process a ``Supervisor`` watches.

@@ -256,7 +256,8 @@ def test_a_rank_that_never_joins_is_named_and_a_joined_headless_node_leaves_with
         assert node.proc.wait(30) == 0, node.log()[-3000:]
         assert "the head stopped" in node.log() or "stops" in node.log(), node.log()[-3000:]
         assert wait_gone(session_members(head.pid) + session_members(node.proc.pid), timeout=10) == []
-        assert not list((tmp_path / "node").glob("glassbox-*")), "the node's run directory is removed"
+        left = list((tmp_path / "node").glob("glassbox-*"))
+        assert not left, ("the node's run directory is removed", [p.name for p in left[0].rglob("*")])
     finally:
         node.kill_group()
         try:

@@ -105,3 +105,39 @@ def test_wait_for_exit_returns_the_first_to_exit_without_polling(tmp_path, child
     first.lifeline.close()
     assert sup.wait_for_exit([first, other], DEADLINE_S, first=True) == [first]
     assert first.poll() == 0 and other.poll() is None
+
+
+def test_close_run_dir_waits_for_a_member_that_still_writes_then_removes_the_directory(tmp_path):
+    # A worker whose engine core exited at once still writes into the run directory for a
+    # moment: the closer waits for it (its pid from its status file), so nothing is left.
+    from engine.utils import run_dir as run_dirs
+    from tracing import run_dir as contract
+
+    run_dir = tmp_path / "glassbox-1-abcd"
+    run_dir.mkdir()
+    script = (
+        "import sys, pathlib; sys.stdin.read(); "
+        f"pathlib.Path({str(run_dir / 'Worker_DP0_PP0_TP0.crash.json')!r}).write_text('{{}}')"
+    )
+    popen = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE)
+    contract.write_status(
+        contract.status_path(run_dir, "Worker_DP0_PP0_TP0"),
+        contract.ProcessStatus(role="Worker_DP0_PP0_TP0", pid=popen.pid),
+    )
+    closer = threading.Thread(target=run_dirs.close_run_dir, args=(run_dir,))
+    closer.start()
+    popen.stdin.close()  # the member writes its last file and exits while the closer waits
+    closer.join(DEADLINE_S)
+    assert popen.wait(DEADLINE_S) == 0
+    assert not run_dir.exists()
+
+
+def test_wait_for_pids_gone_returns_those_still_running_at_the_deadline():
+    popen = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        assert sup.wait_for_pids_gone([popen.pid], 0.2) == [popen.pid]
+        popen.stdin.close()
+        assert sup.wait_for_pids_gone([popen.pid], DEADLINE_S) == []
+    finally:
+        popen.kill()
+        popen.wait()
