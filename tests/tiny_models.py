@@ -29,7 +29,11 @@ _ARCHS = {
     "mistral": ("MistralConfig", "MistralForCausalLM", False),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", False),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", True),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", False),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", False),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", False),
 }
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 # How much the final norm weight is scaled: logits' spread grows by this factor.
 LOGIT_SCALE = 8.0
@@ -69,8 +73,20 @@ def build_tiny_checkpoint(
     rope_parameters: dict[str, Any] | None = None,
     seed: int = 0,
     tokenizer_dir: str | Path | None = None,
+    num_experts: int = 4,
+    num_experts_per_tok: int = 2,
+    moe_intermediate_size: int | None = None,
+    norm_topk_prob: bool = True,
+    mlp_only_layers: list[int] | None = None,
+    shared_expert_intermediate_size: int | None = None,
 ) -> Path:
-    """Write a random float32 checkpoint of ``arch`` ("llama", "qwen2", "qwen3", "mistral").
+    """Write a random float32 checkpoint of ``arch`` ("llama", "qwen2", "qwen3", "mistral",
+    or a mixture of experts: "mixtral", "qwen2_moe", "qwen3_moe").
+
+    MoE checkpoints have ``num_experts`` experts, ``num_experts_per_tok`` per token, each of
+    ``moe_intermediate_size`` (Mixtral: ``intermediate_size``; default ``hidden_size``); Qwen's
+    take ``norm_topk_prob`` and ``mlp_only_layers`` (dense layers), Qwen2-MoE a shared expert
+    of ``shared_expert_intermediate_size`` (default ``2 * hidden_size``).
 
     ``tie_word_embeddings`` defaults to the family's usual choice (Llama 3.2 and Qwen3
     small models tie, Mistral and Qwen2-7B do not). ``sliding_window`` is set on Mistral
@@ -119,9 +135,18 @@ def build_tiny_checkpoint(
         kwargs["head_dim"] = head_dim
     if rope_parameters is not None:
         kwargs["rope_parameters"] = rope_parameters
-    if arch == "mistral":
+    if arch == "mixtral":
+        kwargs.update(num_local_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
+                      intermediate_size=intermediate_size or moe_intermediate_size or hidden_size)  # fmt: skip
+    elif arch in ("qwen2_moe", "qwen3_moe"):
+        kwargs.update(num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
+                      moe_intermediate_size=moe_intermediate_size or hidden_size, norm_topk_prob=norm_topk_prob,
+                      mlp_only_layers=list(mlp_only_layers or []), decoder_sparse_step=1)  # fmt: skip
+        if arch == "qwen2_moe":
+            kwargs["shared_expert_intermediate_size"] = shared_expert_intermediate_size or 2 * hidden_size
+    if arch in ("mistral", "mixtral"):
         kwargs["sliding_window"] = sliding_window
-    elif arch in ("qwen2", "qwen3"):
+    elif arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         kwargs["use_sliding_window"] = sliding_window is not None
         kwargs["sliding_window"] = sliding_window
         kwargs["max_window_layers"] = 0

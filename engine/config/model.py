@@ -31,6 +31,9 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # --attention-backend (engine/model/attention.py): the gather + SDPA reference, or decodes
@@ -361,6 +364,25 @@ class ModelConfig:
     @property
     def architecture(self) -> str:
         return next(a for a in self.hf_config["architectures"] if a in SUPPORTED_ARCHITECTURES)
+
+    @property
+    def num_experts(self) -> int:
+        """Routed experts per MoE layer (Mixtral's ``num_local_experts``, Qwen's
+        ``num_experts``); 0 for a dense model."""
+        return int(self.hf_config.get("num_local_experts") or self.hf_config.get("num_experts") or 0)
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the model routes tokens to experts (Mixtral, Qwen2-MoE, Qwen3-MoE)."""
+        return self.num_experts > 0
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        """One expert's intermediate width (Qwen's ``moe_intermediate_size``, Mixtral's
+        ``intermediate_size``); 0 for a dense model."""
+        if not self.is_moe:
+            return 0
+        return int(self.hf_config.get("moe_intermediate_size") or self.hf_config["intermediate_size"])
 
     @property
     def max_position_embeddings(self) -> int:

@@ -99,6 +99,14 @@ class EngineConfig:
                 tp,
                 f"must divide intermediate_size ({intermediate}) of {model.model}",
             )
+        # Experts split their intermediate dimension over TP.
+        expert_intermediate = model.expert_intermediate_size
+        if expert_intermediate % tp:
+            raise ConfigError(
+                "--tensor-parallel-size",
+                tp,
+                f"must divide the experts' intermediate size ({expert_intermediate}) of {model.model}",
+            )
 
     def _check_pipeline_parallel_size(self) -> None:
         """Refuse, in the first process, a PP size or layer partition that does not fit the model.

@@ -251,6 +251,7 @@ class GroupCoordinator:
 _WORLD: GroupCoordinator | None = None
 _TP: GroupCoordinator | None = None
 _PP: GroupCoordinator | None = None
+_EP: GroupCoordinator | None = None
 
 
 class RendezvousTimeout(TimeoutError):
@@ -426,6 +427,12 @@ def get_tp_group() -> GroupCoordinator | None:
 def get_pp_group() -> GroupCoordinator | None:
     """The PP group (this worker's stage and its neighbours), or None without one."""
     return _PP
+
+
+def get_ep_group() -> GroupCoordinator | None:
+    """The expert-parallel group (every worker of every DP engine, one pipeline stage), or None
+    without expert parallelism (vLLM: ``get_ep_group``)."""
+    return _EP
 
 
 def get_pipeline_model_parallel_world_size() -> int:

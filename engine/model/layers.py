@@ -286,6 +286,17 @@ class ColumnParallelLinear(nn.Module):
         return self.linear_method.apply(self, x, self.bias)
 
 
+class ReplicatedLinear(ColumnParallelLinear):
+    """``y = x W^T + b`` with the whole weight on every rank (vLLM: ``ReplicatedLinear``):
+    an MoE router, whose ``(num_experts, hidden)`` scores every rank needs in full.
+
+    Shapes: ``x`` (num_tokens, input_size) → ``y`` (num_tokens, output_size), on every rank.
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__(input_size, output_size, bias, tp_rank=0, tp_size=1)
+
+
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of the same input stored as one matrix.
 

@@ -16,7 +16,10 @@ and differ only in small switches, kept as class attributes of the subclasses:
   ``>= max_window_layers`` (or as ``layer_types`` says).
 
 The model maps token ids and attention metadata to hidden states and logits; it knows
-nothing of requests, scheduling or processes.
+nothing of requests, scheduling or processes. The mixtures of experts (``mixtral.py``,
+``qwen_moe.py``) are these classes with another feed-forward block per layer (``make_mlp``)
+and their experts' checkpoint names (``expert_params_mapping``, ``checkpoint_renames``); the
+class for an architecture is chosen in ``registry.py``.
 
 Tied embeddings (``tie_word_embeddings``) make the LM head the embedding table itself.
 
@@ -125,16 +128,17 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention and MLP, each with a residual connection."""
+    """Pre-norm attention and MLP, each with a residual connection. ``mlp`` maps (num_tokens,
+    hidden) to the same: a ``LlamaMLP``, or an MoE block (``engine/model/moe.py``)."""
 
-    def __init__(self, config: dict[str, Any], attention: LlamaAttention, mlp_bias: bool) -> None:
+    def __init__(self, config: dict[str, Any], attention: LlamaAttention, mlp: nn.Module) -> None:
         super().__init__()
         hidden = int(config["hidden_size"])
         eps = float(config.get("rms_norm_eps", 1e-6))
         self.input_layernorm = RMSNorm(hidden, eps)
         self.self_attn = attention
         self.post_attention_layernorm = RMSNorm(hidden, eps)
-        self.mlp = LlamaMLP(hidden, int(config["intermediate_size"]), bias=mlp_bias)
+        self.mlp = mlp
 
     def forward(
         self,
@@ -215,6 +219,11 @@ class LlamaForCausalLM(nn.Module):
     has_qk_norm = False  # Qwen3
     sliding_window_needs_flag = False  # Qwen2/3: the window applies only with use_sliding_window
 
+    # checkpoint name fragment → our name fragment, applied first (Mixtral's block_sparse_moe → mlp)
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
+    # MoE models: (param fragment, checkpoint fragment, expert id, shard id) per expert tensor
+    # (``FusedMoE.make_expert_params_mapping``), matched before stacked_params_mapping.
+    expert_params_mapping: list[tuple[str, str, int, str]] = []
     # checkpoint name fragment → (our parameter fragment, shard id)
     stacked_params_mapping = (
         (".q_proj.", ".qkv_proj.", "q"),
@@ -252,7 +261,7 @@ class LlamaForCausalLM(nn.Module):
                 self.layer_sliding_window(i),
                 i - start,
             )
-            layers.append(LlamaDecoderLayer(config, attention, bool(config.get("mlp_bias", False))))
+            layers.append(LlamaDecoderLayer(config, attention, self.make_mlp(i, i - start)))
         is_last = pp_rank == pp_size - 1
         self.model = LlamaModel(layers, config, self.head_dim, start, end, pp_rank == 0, is_last)
         self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
@@ -263,6 +272,13 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = self.model.embed_tokens
         else:
             self.lm_head = ParallelLMHead(int(config["vocab_size"]), hidden)
+
+    def make_mlp(self, layer_idx: int, local_index: int) -> nn.Module:
+        """Layer ``layer_idx``'s feed-forward block (``local_index``: its index on this pipeline
+        stage): the SwiGLU MLP here, an MoE block in the MoE models."""
+        config = self.config
+        return LlamaMLP(int(config["hidden_size"]), int(config["intermediate_size"]),
+                        bias=bool(config.get("mlp_bias", False)))  # fmt: skip
 
     def layer_sliding_window(self, layer_idx: int) -> int | None:
         """The sliding window of layer ``layer_idx`` in tokens, or None for full attention."""
@@ -305,6 +321,20 @@ class LlamaForCausalLM(nn.Module):
         """``(N, hidden)`` → ``(N, vocab)`` float32, the same on every TP rank (vocab slices all-gathered)."""
         return self.lm_head.compute_logits(hidden)
 
+    def _load_expert_weight(self, params: dict[str, nn.Parameter], hf_name: str, tensor: Any) -> str | None:
+        """Load ``hf_name`` if it is one expert's tensor (``expert_params_mapping``): returns the
+        parameter's name ("" when another EP rank holds that expert and nothing was read),
+        None when it is not an expert's tensor."""
+        for param_fragment, weight_fragment, expert_id, shard_id in self.expert_params_mapping:
+            if weight_fragment in hf_name:
+                # ...experts.3.w1.weight → ...experts.w13_weight
+                name = hf_name.replace(weight_fragment, param_fragment)
+                if name not in params:
+                    raise KeyError(f"checkpoint tensor {hf_name!r} has no parameter {name!r}")
+                loaded = params[name].weight_loader(params[name], tensor, hf_name, shard_id, expert_id)
+                return name if loaded else ""
+        return None
+
     def describe_parameter(self, name: str) -> str:
         """``name``, plus the checkpoint tensors it is stacked from (for error messages)."""
         sources = [
@@ -325,7 +355,7 @@ class LlamaForCausalLM(nn.Module):
             ValueError: a tensor's shape does not fit its parameter.
         """
         params = dict(self.named_parameters())
-        shards_needed = {name: 0 for name in params}
+        shards_needed = {name: getattr(param, "shards_needed", 0) for name, param in params.items()}
         for _, target, _ in self.stacked_params_mapping:
             for name in params:
                 if target in name:
@@ -337,8 +367,15 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if hf_name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
+            for fragment, ours in self.checkpoint_renames:
+                hf_name = hf_name.replace(fragment, ours)
             if hf_name.startswith(missing):
                 continue  # held by another pipeline stage: never read
+            expert = self._load_expert_weight(params, hf_name, tensor)
+            if expert is not None:
+                if expert:  # this rank holds the expert (expert parallelism: else another does)
+                    shards_seen[expert] = shards_seen.get(expert, 0) + 1
+                continue
             for fragment, target, shard_id in self.stacked_params_mapping:
                 if fragment in hf_name:
                     name = hf_name.replace(fragment, target)
@@ -377,25 +414,3 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
     has_qk_norm = True
     sliding_window_needs_flag = True
-
-
-MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": MistralForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-}
-
-
-def get_model_class(architecture: str) -> type[LlamaForCausalLM]:
-    """The class for a ``config.json`` architecture name (vLLM: ``ModelRegistry``).
-
-    Raises:
-        ValueError: the architecture is not one we implement.
-    """
-    try:
-        return MODEL_REGISTRY[architecture]
-    except KeyError:
-        raise ValueError(
-            f"architecture {architecture!r} is not supported; supported: {', '.join(MODEL_REGISTRY)}"
-        ) from None

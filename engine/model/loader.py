@@ -11,7 +11,8 @@ With tensor parallelism each worker reads only its slice: the tensors are handed
 layers as ``LazySlice`` objects, the layer's ``weight_loader`` narrows them to its rank's
 rows or columns, and only then are those bytes read from the file (safetensors
 ``get_slice``). A TP rank never holds a whole projection in memory. With pipeline
-parallelism the model skips the tensors of other stages' layers, which are then never read.
+parallelism the model skips the tensors of other stages' layers, and with expert parallelism
+the tensors of experts another rank holds: they are then never read.
 
 Left out: ``.bin``/``.pt`` checkpoints, downloads from the Hub, quantized formats.
 """
@@ -30,7 +31,7 @@ from torch import nn
 from engine.config import ConfigError, ModelConfig
 from engine.model.cpu.linear import pack_linear_weights
 from engine.model.cpu.prefill_attention import tune_prefill_attention
-from engine.model.llama import get_model_class
+from engine.model.registry import get_model_class
 
 _DTYPES = {
     "float32": torch.float32,
@@ -163,6 +164,7 @@ def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dty
         FileNotFoundError: no safetensors files.
     """
     from engine.distributed.parallel_state import (
+        get_ep_group,
         get_pipeline_model_parallel_world_size,
         get_tensor_model_parallel_world_size,
     )
@@ -170,8 +172,13 @@ def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dty
     model_class = get_model_class(model_config.architecture)
     with torch.device(device), _default_dtype(dtype):
         model = model_class(model_config.hf_config)  # this PP stage's layers, sized for this TP rank
-    # Lazy: a TP rank reads only its slices, a PP stage only its own layers' tensors.
-    lazy = get_tensor_model_parallel_world_size() > 1 or get_pipeline_model_parallel_world_size() > 1
+    # Lazy: a TP rank reads only its slices, a PP stage only its own layers' tensors, an EP
+    # rank only its own experts'.
+    lazy = (
+        get_tensor_model_parallel_world_size() > 1
+        or get_pipeline_model_parallel_world_size() > 1
+        or get_ep_group() is not None
+    )
     loaded = model.load_weights(iterate_safetensors(model_config.model, lazy=lazy))
     missing = sorted(set(dict(model.named_parameters())) - loaded)
     if missing:

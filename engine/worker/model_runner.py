@@ -45,6 +45,7 @@ from engine.model.cpu.compile import CompiledModel, missing_cxx_compiler, use_co
 from engine.model.cpu.op_threads import op_threads
 from engine.model.forward_context import set_forward_context
 from engine.model.loader import load_model
+from engine.model.moe import FusedMoE
 from engine.model.sampler import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
 from engine.model.utils import IntermediateTensors
 from engine.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput
@@ -184,6 +185,7 @@ class ModelRunner:
         self.kv_caches: list[KVCache] = []
         self.compiled: CompiledModel | None = None  # set by warm_up unless the model runs eagerly
         self.attention_layers: list = []  # this stage's Attention modules, by local layer index
+        self.moe_layers: dict[int, FusedMoE] = {}  # this stage's MoE layers' experts, by local layer index
         self.attention_backend = self.model_config.attention_backend  # resolved by warm_up
         from engine.distributed.parallel_state import get_pp_group
 
@@ -210,6 +212,8 @@ class ModelRunner:
         self.model_packed_bytes = sum(t.numel() * t.element_size() for t in packed)
         self.model_memory_usage = self.model_weight_bytes + self.model_packed_bytes
         self.attention_layers = [layer.self_attn.attn for layer in self.model.local_layers]
+        # An MoE model's routed experts, by local layer index (the compiled graph's moe op).
+        self.moe_layers = {m.layer_index: m for m in self.model.modules() if isinstance(m, FusedMoE)}
         logger.debug(
             "model %s loaded on %s as %s: %.1f MiB",
             self.model_config.architecture,
@@ -458,7 +462,7 @@ class ModelRunner:
             with op_threads():  # the worker's thread count of the moment; no graph to guard
                 return self.model(input_ids, positions, meta, self.kv_caches, intermediate_tensors)
         # Compiled: torch's count stays the graph's; the opaque ops set op_threads themselves.
-        with set_forward_context(meta, self.kv_caches, self.attention_layers):
+        with set_forward_context(meta, self.kv_caches, self.attention_layers, self.moe_layers):
             return self.compiled(input_ids, positions, intermediate_tensors)
 
     def _detail(self, name: str, num_tokens: int | None = None):
