@@ -24,7 +24,7 @@ TEST_STAMP := $(VENV)/.glassbox-test-installed
 # (a target-specific value, so it holds while their prerequisites are made).
 GLASSBOX_PIP := .
 
-.PHONY: install install-test run test lint format default-model clean
+.PHONY: install install-test run test lint format default-model moe-model clean
 
 $(STAMP): pyproject.toml Makefile
 	@if [ -x $(BIN)/python ]; then echo "glassbox: [1/3] using the virtualenv $(VENV)"; \
@@ -69,6 +69,10 @@ format: install-test
 ## default-model: retrain engine/assets/default_model (scripts/train_default_model.py; ~15 min on 2 quiet cores)
 default-model: install
 	$(BIN)/python scripts/train_default_model.py
+
+## moe-model: remake engine/assets/moe_model from the default model (scripts/train_moe_model.py; minutes)
+moe-model: install
+	$(BIN)/python scripts/train_moe_model.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

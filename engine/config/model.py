@@ -24,6 +24,9 @@ logger = init_logger(__name__)
 # The default model ships with the package (made by scripts/make_default_model.py).
 DEFAULT_MODEL = str(Path(__file__).parent.parent / "assets" / "default_model")
 DEFAULT_SERVED_NAME = "glassbox-tiny-llama"
+# The bundled mixture of experts, upcycled from the default model (scripts/train_moe_model.py).
+MOE_MODEL = str(Path(__file__).parent.parent / "assets" / "moe_model")
+MOE_SERVED_NAME = "glassbox-tiny-moe"
 
 # Architectures the model code implements (config.json "architectures").
 SUPPORTED_ARCHITECTURES = (
@@ -209,9 +212,10 @@ class ModelConfig:
                 f"must be at most the model's max_position_embeddings={limit}",
             )
         if self.served_model_name is None:
-            # vLLM serves a model under the name it was given; the bundled one has a short name.
-            bundled = self.model == str(Path(DEFAULT_MODEL).resolve())
-            self.served_model_name = DEFAULT_SERVED_NAME if bundled else given
+            # vLLM serves a model under the name it was given; the bundled ones have short names.
+            bundled = {str(Path(DEFAULT_MODEL).resolve()): DEFAULT_SERVED_NAME,
+                       str(Path(MOE_MODEL).resolve()): MOE_SERVED_NAME}  # fmt: skip
+            self.served_model_name = bundled.get(self.model, given)
         if not isinstance(self.served_model_name, str) or not self.served_model_name.strip():
             raise ConfigError("--served-model-name", self.served_model_name, "must be a non-empty name")
         if self.tokenizer_mode not in TOKENIZER_MODES:
