@@ -95,7 +95,6 @@ REFUSED_VLLM_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag(("--max-loras",), True, "LoRA adapters are left out"),
     VllmFlag(("--max-lora-rank",), True, "LoRA adapters are left out"),
     VllmFlag(("--lora-modules",), True, "LoRA adapters are left out", serving=True),
-    VllmFlag(("--enable-expert-parallel", "-ep"), False, "mixture-of-experts models are left out"),
     VllmFlag(("--kv-transfer-config",), True, "disaggregated prefill (KV transfer) is left out"),
     VllmFlag(("--enable-sleep-mode",), False, "sleep mode is left out"),
     VllmFlag(
@@ -258,6 +257,7 @@ class EngineArgs:
     data_parallel_address: str | None = None
     data_parallel_rpc_port: int = DEFAULT_DP_RPC_PORT
     headless: bool = False
+    enable_expert_parallel: bool = False
     distributed_executor_backend: str | None = None
     enforce_eager: bool = False
     attention_backend: str | None = None
@@ -508,6 +508,14 @@ class EngineArgs:
                 "workers with no API server: they join the head at --data-parallel-address over TCP.",
             )
         g.add_argument(
+            "--enable-expert-parallel",
+            "-ep",
+            action="store_true",
+            help="Mixture-of-experts models: split the experts over the DP × TP ranks (whole experts on "
+            "each, tokens sent to them by all-to-all) instead of each expert over TP; across DP engines "
+            "every engine then steps while any has work (dummy batches join the collectives).",
+        )
+        g.add_argument(
             "--distributed-executor-backend",
             default=None,
             choices=EXECUTOR_BACKENDS,
@@ -653,6 +661,7 @@ class EngineArgs:
             data_parallel_address=self.data_parallel_address,
             data_parallel_rpc_port=self.data_parallel_rpc_port,
             headless=self.headless,
+            enable_expert_parallel=self.enable_expert_parallel,
         )
         if usage_context != "serve" and parallel_config.multi_node:
             flag = "--headless" if self.headless else "--data-parallel-size-local"

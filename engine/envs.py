@@ -296,9 +296,10 @@ ENV_VARS: dict[str, EnvVar] = {
             _non_negative_float,
             0.02,
             "Data parallelism: the pause, in seconds, after each dummy batch an engine runs while "
-            "its request wave runs and it has nothing to do (0: back to back, as vLLM, whose "
-            "expert-parallel collectives need it; Glassbox has none across engines, so the pause "
-            "keeps an idle engine from taking the core a busy one needs).",
+            "its request wave runs and it has nothing to do (0: back to back, as vLLM). Without "
+            "expert parallelism the engines share no collective, so the pause keeps an idle engine "
+            "from taking the core a busy one needs; with --enable-expert-parallel every forward's "
+            "all-to-alls wait for every engine, and dummy batches run back to back whatever this says.",
         ),
         EnvVar(
             "GLASSBOX_API_KEY",

@@ -481,6 +481,14 @@ EXECUTOR_EXECUTE_MODEL = _span(
     "Run the forward pass and sampling on the workers.",
     (ATTR_STEP_ID,),
 )
+ENGINE_CORE_INIT_DP_GROUP = _span(
+    "engine_core.init_dp_group",
+    LIFECYCLE,
+    (KIND_ENGINE_CORE,),
+    "Expert parallelism across DP engines: the engine cores meet in their own gloo group (vLLM: "
+    "stateless_init_dp_group), where they decide together when a request wave ends.",
+    (ATTR_RANK,),
+)
 ENGINE_CORE_DUMMY_STEP = _span(
     "engine_core.dummy_step",
     STEP,

@@ -84,6 +84,13 @@ HINTS: dict[str, StageHint] = {
         "under 1 s once the engines are ready",
     ),
     # --- lifecycle: the engine core ---------------------------------------------------
+    catalogue.ENGINE_CORE_INIT_DP_GROUP: StageHint(
+        30,
+        "expert parallelism across DP engines: the engine cores meet in their own gloo group "
+        "(GLASSBOX_DIST_INIT_TIMEOUT_S); an engine core still loading its model, or one that died, "
+        "holds the others here: see which engine core is not in this stage",
+        "under 1 s once every engine core is ready",
+    ),
     catalogue.ENGINE_CORE_JOIN_HEAD: StageHint(
         60,
         "a headless node's engine core waits for the head's answer on --data-parallel-address:"

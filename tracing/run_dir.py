@@ -270,9 +270,9 @@ class CrashReport(msgspec.Struct):
 # The RPCs and collectives a CommPosition can name, by code (0: none). Appending keeps old
 # files readable; a code past the end reads as "other".
 COMM_RPCS = ("", "execute_model", "execute_dummy_batch", "other")
-COMM_KINDS = ("", "all_reduce", "all_gather", "send", "recv", "broadcast", "barrier")
-COMM_GROUPS = ("tp", "pp")
-# step, rpc code, rpc entered at, then per group (tp, pp): collectives entered this step, the
+COMM_KINDS = ("", "all_reduce", "all_gather", "send", "recv", "broadcast", "barrier", "all_to_all")
+COMM_GROUPS = ("tp", "pp", "ep")
+# step, rpc code, rpc entered at, then per group (tp, pp, ep): collectives entered this step, the
 # kind of the last one, 1 while inside it, when it was entered. Little-endian, 8-byte fields.
 _COMM = struct.Struct("<qqd" + "qqqd" * len(COMM_GROUPS))
 _Q, _QD, _QQQ, _QQQD = (struct.Struct(f) for f in ("<q", "<qd", "<qqq", "<qqqd"))  # the writer's parts
@@ -282,10 +282,10 @@ class CollectivePosition(msgspec.Struct):
     """Where a worker is in one group's collectives (``CommPosition.groups``).
 
     Attributes:
-        group: ``tp`` or ``pp``.
+        group: ``tp``, ``pp`` or ``ep`` (expert parallelism: every worker of every DP engine).
         seq: collectives of this group entered in the current step (the k of "all_reduce #k").
         kind: the last one entered: ``all_reduce``, ``all_gather``, ``send``, ``recv``,
-            ``broadcast`` or ``barrier`` ("" before the first).
+            ``broadcast``, ``barrier`` or ``all_to_all`` ("" before the first).
         inside: whether the worker is inside it now (waiting for its peers).
         entered_at: Unix time (s) it was entered.
     """
@@ -309,7 +309,7 @@ class CommPosition(msgspec.Struct):
         step: the worker's steps so far (``execute_model`` and ``execute_dummy_batch`` RPCs).
         rpc: the RPC it runs now, or the one that raised ("" between RPCs).
         rpc_entered_at: Unix time (s) that RPC began.
-        groups: one ``CollectivePosition`` per group, ``tp`` then ``pp``.
+        groups: one ``CollectivePosition`` per group, ``tp``, ``pp`` then ``ep``.
     """
 
     step: int = 0

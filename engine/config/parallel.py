@@ -4,7 +4,10 @@ vLLM's counterpart is ``vllm/config/parallel.py``. The executor backends and the
 data-parallel flags carry vLLM's names; Ray is checked here, in the first process, without
 being imported.
 
-Left out: expert parallelism (mixture-of-experts models are left out).
+Expert parallelism (``--enable-expert-parallel``) splits a mixture of experts' experts over the
+DP × TP ranks; across DP engines it joins every engine's workers in one world and keeps the
+engines in lockstep (``engine/core/engine_core_proc.py``). Left out with it: pipeline
+parallelism, other nodes, the uni and Ray executors.
 """
 
 from __future__ import annotations
@@ -99,6 +102,14 @@ class ParallelConfig:
     data_parallel_address: str | None = None
     data_parallel_rpc_port: int = DEFAULT_DP_RPC_PORT
     headless: bool = False
+    # Mixture-of-experts models: split the experts over the DP × TP ranks (each rank holds
+    # whole experts, tokens go to them by all-to-all) instead of splitting each expert over TP.
+    enable_expert_parallel: bool = False
+    # Not flags: with expert parallelism across DP engines, the first process picks two free
+    # ports on 127.0.0.1 before it starts the engines (``assign_dp_ports``): where the engine
+    # cores' DP group meets (vLLM's name) and where every engine's workers meet as one world.
+    data_parallel_master_port: int | None = None
+    data_parallel_worker_port: int | None = None
 
     def __post_init__(self) -> None:
         check_positive_int("--tensor-parallel-size", self.tensor_parallel_size, allow_none=False)
@@ -139,6 +150,8 @@ class ParallelConfig:
                 f"runs one worker inside the engine core; {' × '.join(sizes)} needs one process "
                 "per worker: use mp",
             )
+        if self.enable_expert_parallel:
+            self._check_expert_parallel()
         if self.data_parallel_size > 1:
             from engine import envs
 
@@ -148,6 +161,26 @@ class ParallelConfig:
                     self.data_parallel_size,
                     "runs one engine core process per rank: it needs GLASSBOX_ENABLE_MULTIPROCESSING=1",
                 )
+
+    def _check_expert_parallel(self) -> None:
+        """What expert parallelism here runs with (each error names its flag; whether the
+        model has experts, and how many, ``EngineConfig`` checks).
+
+        Raises:
+            ConfigError: pipeline parallelism, nodes other than this one, or (across DP
+                engines) an executor other than ``mp``.
+        """
+        flag = "--enable-expert-parallel"
+        if self.pipeline_parallel_size > 1:
+            raise ConfigError("--pipeline-parallel-size", self.pipeline_parallel_size,
+                              f"{flag} runs without pipeline parallelism here (left out)")  # fmt: skip
+        if self.multi_node:
+            raise ConfigError(flag, True, "expert parallelism across nodes is left out: run every DP engine "
+                              "on this node (no --headless, no --data-parallel-size-local)")  # fmt: skip
+        if self.data_parallel_size > 1 and self.distributed_executor_backend not in (None, "mp"):
+            raise ConfigError("--distributed-executor-backend", self.distributed_executor_backend,
+                              f"{flag} with --data-parallel-size > 1 joins every engine's workers in one "
+                              "torch.distributed world, which the mp executor builds: use mp")  # fmt: skip
 
     def _check_multi_node(self) -> None:
         """Multi-node data parallelism's flags (vLLM's meaning; each error names its flag).
@@ -210,3 +243,35 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def expert_parallel_across_dp(self) -> bool:
+        """Expert parallelism over more than one DP engine: the engines' workers form one
+        world, and every engine steps while any has work (the engine cores' DP group)."""
+        return self.enable_expert_parallel and self.data_parallel_size > 1
+
+    @property
+    def world_size_across_dp(self) -> int:
+        """Workers in the torch.distributed world: every engine's (DP × TP) with expert
+        parallelism across engines, else one engine's (TP × PP) (vLLM: ``world_size_across_dp``,
+        where DP always shares one world)."""
+        return self.world_size * (self.data_parallel_size if self.expert_parallel_across_dp else 1)
+
+    @property
+    def expert_parallel_size(self) -> int:
+        """Ranks the experts are split over: DP × TP with ``--enable-expert-parallel``, else 1."""
+        return self.data_parallel_size * self.tensor_parallel_size if self.enable_expert_parallel else 1
+
+    def assign_dp_ports(self) -> None:
+        """Pick the two free ports of expert parallelism across DP engines (first process,
+        before the engines start; a no-op otherwise or when already picked)."""
+        if not self.expert_parallel_across_dp or self.data_parallel_master_port is not None:
+            return
+        import socket
+
+        ports = []
+        for _ in range(2):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind(("127.0.0.1", 0))
+                ports.append(int(s.getsockname()[1]))
+        self.data_parallel_master_port, self.data_parallel_worker_port = ports

@@ -2,8 +2,9 @@
 
 vLLM's counterpart is ``VllmConfig`` in ``vllm/config/vllm.py``. Its ``__post_init__`` holds
 the checks that need two sub-configs at once: the scheduler's ``max_model_len``, the block
-override against one request, TP against the model's heads, PP against its layers, the
-attention backend against the device, and the weights present.
+override against one request, TP against the model's heads, PP against its layers, expert
+parallelism against the model's experts, the attention backend against the device, and the
+weights present.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class EngineConfig:
                 )
         self._check_tensor_parallel_size()
         self._check_pipeline_parallel_size()
+        self._check_expert_parallel()
         if self.model_config.attention_backend == "CPU_PAGED_CPP" and self.device_config.device == "cuda":
             # With --device auto the device is known only in the worker: set_attention_backend
             # refuses it there.
@@ -99,14 +101,33 @@ class EngineConfig:
                 tp,
                 f"must divide intermediate_size ({intermediate}) of {model.model}",
             )
-        # Experts split their intermediate dimension over TP.
+        # Experts split their intermediate dimension over TP (not with expert parallelism).
         expert_intermediate = model.expert_intermediate_size
-        if expert_intermediate % tp:
+        if expert_intermediate % tp and not self.parallel_config.enable_expert_parallel:
             raise ConfigError(
                 "--tensor-parallel-size",
                 tp,
                 f"must divide the experts' intermediate size ({expert_intermediate}) of {model.model}",
             )
+
+    def _check_expert_parallel(self) -> None:
+        """``--enable-expert-parallel`` needs a model with experts, as many a rank as every other.
+
+        Raises:
+            ConfigError: a dense model, or experts that do not split evenly over DP × TP ranks.
+        """
+        pc, model = self.parallel_config, self.model_config
+        if not pc.enable_expert_parallel:
+            return
+        if not model.is_moe:
+            raise ConfigError("--enable-expert-parallel", True,
+                              f"{model.model} ({model.architecture}) has no experts to split; it runs "
+                              "only with a mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE)")  # fmt: skip
+        if model.num_experts % pc.expert_parallel_size:
+            raise ConfigError("--enable-expert-parallel", True,
+                              f"{model.num_experts} experts do not split evenly over the "
+                              f"{pc.expert_parallel_size} expert-parallel ranks (--data-parallel-size "
+                              f"{pc.data_parallel_size} × --tensor-parallel-size {pc.tensor_parallel_size})")  # fmt: skip
 
     def _check_pipeline_parallel_size(self) -> None:
         """Refuse, in the first process, a PP size or layer partition that does not fit the model.

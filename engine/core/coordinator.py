@@ -12,7 +12,8 @@ Mirrors vLLM's ``DPCoordinator`` (``vllm/v1/engine/coordinator.py``). With
   marks the wave running and tells every other engine (``DPWave``, vLLM's
   ``START_DP_WAVE``), which then steps — a dummy batch when it has nothing to do — until the
   coordinator sees every engine at zero waiting and zero running and ends the wave
-  (``DPWave`` not running, next wave number). See ``coordinator_messages.py``.
+  (``DPWave`` not running, next wave number) — or, with expert parallelism across engines,
+  until the engines end it themselves (``WaveComplete``). See ``coordinator_messages.py``.
 
 The coordinator owns no run directory and no engine: if its parent (the client) goes away
 its lifeline closes and it exits; if it dies, the client notices and brings the tree down.
@@ -33,6 +34,7 @@ from engine.core.coordinator_messages import (
     EngineLoads,
     EngineToCoordinator,
     StartWave,
+    WaveComplete,
     decode_as,
     encode,
 )
@@ -55,8 +57,12 @@ class DPCoordinator:
         clock: the time source (tests pass their own).
     """
 
+    # Expert parallelism across engines: the engines end each wave (WaveComplete), not the counts.
+    engines_end_waves = False
+
     def __init__(self, payload: CoordinatorSpawnPayload, clock=time.monotonic) -> None:
         self.payload = payload
+        self.engines_end_waves = payload.engines_end_waves
         self.clock = clock
         self.counts: list[tuple[int, int]] = [(0, 0)] * payload.data_parallel_size
         # The wave state: the current wave's number, and whether it runs (every engine steps).
@@ -93,6 +99,8 @@ class DPCoordinator:
                                 f"are {len(self.counts)} engines")  # fmt: skip
         if isinstance(message, StartWave):
             self.start_wave(message)
+        elif isinstance(message, WaveComplete):
+            self.wave_complete(message)
         else:
             self.record(message)
 
@@ -103,13 +111,23 @@ class DPCoordinator:
         if self.counts[load.engine_index] != counts:
             self.counts[load.engine_index] = counts
             self.dirty = True
-        if self.engines_running and all(c == (0, 0) for c in self.counts):
+        if self.engines_running and not self.engines_end_waves and all(c == (0, 0) for c in self.counts):
             self.engines_running = False
             self.current_wave += 1
             self.dirty = True
             self._record_wave(self.current_wave - 1)
             logger.debug("wave %d complete", self.current_wave - 1)
             self._send_wave(DPWave(wave=self.current_wave, running=False))
+
+    def wave_complete(self, message: WaveComplete) -> None:
+        """Expert parallelism across engines: the engines ended wave ``message.wave`` together
+        (vLLM: ``wave_complete`` from engine 0); a later wave already started stays running."""
+        if message.wave >= self.current_wave:
+            self.current_wave = message.wave + 1
+            self.engines_running = False
+            self.dirty = True
+            self._record_wave(message.wave)
+            logger.debug("wave %d complete (the engines' decision)", message.wave)
 
     def start_wave(self, message: StartWave) -> None:
         """An idle engine got a request: run wave ``message.wave`` unless it runs already (vLLM:

@@ -5,6 +5,7 @@ balancing and request waves::
 
     engine core k ──PUSH/PULL──▶ DPCoordinator   EngineLoad (k, waiting, running), on change
                                                  StartWave (k, wave): k got a request while idle
+                                                 WaveComplete (0, wave): the engines ended it (EP)
     DPCoordinator ──PUB/SUB────▶ every engine    DPWave (wave, running, exclude): START_DP_WAVE
                                                  (running) or wave complete (not running)
     DPCoordinator ──PUB/SUB────▶ every client    EngineLoads (all engines, wave), ≤ 1 per 100 ms
@@ -21,6 +22,12 @@ need). An idle engine that gets a request starts a wave (``StartWave``); the coo
 tells every other engine (``DPWave`` running). When every engine reports no waiting and no
 running requests, the coordinator ends the wave (``DPWave`` not running, with the next wave
 number); an engine that still has requests then starts the next one.
+
+With expert parallelism across engines the end is the engines' own decision, as in vLLM: every
+``DP_WAVE_SYNC_STEPS`` steps of a wave they all-reduce "any work left?" over their DP group and,
+when none has any, all stop after the same step; engine 0 says ``WaveComplete``. (The counts
+the coordinator sees are a moment old: an engine it told to stop could still be needed by
+another engine's next all-to-all.)
 """
 
 from __future__ import annotations
@@ -55,8 +62,17 @@ class StartWave(msgspec.Struct, kw_only=True, array_like=True, tag="start_wave")
     trace_headers: dict[str, str] | None = None
 
 
+class WaveComplete(msgspec.Struct, kw_only=True, array_like=True, tag="wave_complete"):
+    """Expert parallelism across engines: the engines decided together (their DP group's
+    all-reduce) that wave ``wave`` is complete; engine 0 tells the coordinator (vLLM:
+    ``EngineCoreOutputs(wave_complete=...)``)."""
+
+    engine_index: int
+    wave: int
+
+
 # What an engine core sends the coordinator.
-EngineToCoordinator = EngineLoad | StartWave
+EngineToCoordinator = EngineLoad | StartWave | WaveComplete
 
 
 class DPWave(msgspec.Struct, kw_only=True, array_like=True):
@@ -90,6 +106,10 @@ class CoordinatorSpawnPayload(msgspec.Struct, kw_only=True):
     data_parallel_size: int
     publish_interval_s: float = PUBLISH_INTERVAL_S
     wave_address: str | None = None
+    # Expert parallelism across engines: the engines end each wave together (WaveComplete);
+    # the coordinator never ends one on the counts (an engine told to stop early would leave
+    # the others waiting in an all-to-all).
+    engines_end_waves: bool = False
     # Where its spans go, as every other process's (--trace-file, --otlp-traces-endpoint).
     trace_file: str | None = None
     otlp_traces_endpoint: str | None = None

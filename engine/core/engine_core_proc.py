@@ -14,7 +14,11 @@ Mirrors vLLM's ``EngineCoreProc`` (``vllm/v1/engine/core.py``)::
   follows the coordinator's request waves (vLLM's ``DPEngineCoreProc``): while a wave runs,
   an engine without requests runs a dummy batch (``engine_core.dummy_step``) instead of
   blocking, so every engine steps while any has work; an engine that gets a request while
-  its wave is over starts the next one (``StartWave`` to the coordinator).
+  its wave is over starts the next one (``StartWave`` to the coordinator). With expert
+  parallelism across engines this lockstep is what the model needs (every forward's MoE
+  all-to-alls take every engine's workers): one forward per turn, no pause between dummy
+  batches, and the engines end each wave together (``_lockstep_turn``: an all-reduce over
+  their own DP group every ``DP_WAVE_SYNC_STEPS`` steps).
 - The **output thread** (``EngineCoreOutputThread``) takes ``(client_index, message)`` pairs
   off ``output_queue``, encodes each and pushes it to that client's PULL socket: one PUSH
   socket per client output address (one per API server), so a client only ever receives
@@ -50,7 +54,7 @@ import zmq
 
 from engine import envs
 from engine.config import ConfigError, EngineConfig
-from engine.core.coordinator_messages import DPWave, EngineLoad, StartWave
+from engine.core.coordinator_messages import DPWave, EngineLoad, StartWave, WaveComplete
 from engine.core.coordinator_messages import decode_as as decode_coordinator
 from engine.core.coordinator_messages import encode as encode_coordinator
 from engine.core.engine_core import EngineCore
@@ -91,6 +95,9 @@ logger = init_logger(__name__)
 
 # How long one idle wait on the input queue lasts before the loop looks around again.
 IDLE_POLL_S = 1.0
+# Expert parallelism across engines: every this many steps of a wave, the engines all-reduce
+# whether any has work left, and all stop together when none has (vLLM's 32).
+DP_WAVE_SYNC_STEPS = 32
 # A client without outputs of its own still gets the engine's stats this often while the
 # engine works (vLLM's coordinator publishes at this rate), and always after the last step.
 STATS_INTERVAL_S = 0.1
@@ -164,6 +171,9 @@ class EngineCoreProc(EngineCore):
             passes another).
     """
 
+    # Expert parallelism across engines: the engine cores' DP group (set in __init__), else None.
+    dp_group = None
+
     def __init__(
         self,
         config: EngineConfig,
@@ -223,6 +233,17 @@ class EngineCoreProc(EngineCore):
             self.coordinator_socket.setsockopt(zmq.SNDHWM, 100)
             self.coordinator_socket.connect(coordinator_address)
         super().__init__(config, executor_class=executor_class, run_dir=str(run_dir))
+        # Expert parallelism across engines: the engine cores' own DP group, where they decide
+        # together when a wave ends (every engine must run the same steps: each step's forward
+        # joins every other engine's in the MoE all-to-alls). None otherwise.
+        self.dp_group = None
+        self.wave_step = 0  # steps (real or dummy) in the running wave, on every engine alike
+        if config.parallel_config.expert_parallel_across_dp:
+            try:
+                self.dp_group = self._init_dp_group()
+            except BaseException:
+                self.model_executor.shutdown()
+                raise
         # A worker that dies while we are idle wakes the busy loop through the input queue.
         self.model_executor.register_failure_callback(
             lambda error: self.input_queue.put((EngineCoreRequestType.EXECUTOR_FAILED, error))
@@ -269,7 +290,9 @@ class EngineCoreProc(EngineCore):
 
     def run_busy_loop(self) -> None:
         """Drain inputs, step while there is work (a dummy batch while a DP wave runs and this
-        engine has none); block (bounded) when idle."""
+        engine has none); block (bounded) when idle. With expert parallelism across engines,
+        one step or dummy batch per turn while the wave runs, and the wave's end decided with
+        the other engines (``_lockstep_turn``)."""
         while True:
             self._process_input_queue()
             # Once a turn, after the inputs and before a step that may run long: the coordinator
@@ -278,15 +301,61 @@ class EngineCoreProc(EngineCore):
             # a step that changed them (a DP engine with requests is in a running wave).
             if self.coordinator_socket is not None:  # data parallelism
                 self._report_load()
-            if self.scheduler.has_requests():
+            stepped = self.scheduler.has_requests()
+            if stepped:
+                if self.dp_group is not None:
+                    self._maybe_start_wave()  # a step's forward needs every engine: a wave runs
                 outputs, _ = self.step()
                 going_idle = not self.scheduler.has_requests()
                 for client_index, client_outputs in self.output_router.route(outputs, going_idle):
                     self.output_queue.put(
                         (client_index, client_outputs, self.step_tracer.last_step_context, time.time_ns())
                     )
-            elif self.engines_running:
+            if self.dp_group is not None:
+                self._lockstep_turn(stepped)
+            elif not stepped and self.engines_running:
                 self._dummy_step()
+
+    def _lockstep_turn(self, stepped: bool) -> None:
+        """Expert parallelism across engines (vLLM's ``DPEngineCoreProc`` busy loop): while the
+        wave runs, every turn of every engine runs exactly one forward — this turn's step (the
+        workers run a dummy forward when it schedules nothing), else a dummy batch — so the
+        k-th forward of each engine meets the k-th of every other in the MoE all-to-alls.
+        Every ``DP_WAVE_SYNC_STEPS`` forwards the engines all-reduce whether any has work left;
+        when none has, all leave the wave after this same forward, and engine 0 tells the
+        coordinator (``WaveComplete``)."""
+        if not stepped:
+            if not self.engines_running:
+                return
+            self._dummy_step()
+        self.wave_step += 1
+        if self.wave_step % DP_WAVE_SYNC_STEPS:
+            return
+        from engine.distributed.parallel_state import has_unfinished_dp
+
+        if has_unfinished_dp(self.dp_group, self.scheduler.has_requests()):
+            return
+        finished, self.wave_step = self.current_wave, 0
+        self.current_wave += 1
+        self.engines_running = False
+        if self.data_parallel_rank == 0:
+            message = WaveComplete(engine_index=0, wave=finished)
+            self._coordinator_backlog.append(encode_coordinator(message))
+            self._flush_coordinator_backlog()
+
+    def _init_dp_group(self):
+        """Join the engine cores' DP group at the port the first process picked (the
+        ``engine_core.init_dp_group`` stage; the rendezvous names absent engines)."""
+        from engine.distributed.parallel_state import stateless_init_dp_group
+
+        pc = self.config.parallel_config
+        with stage(catalogue.ENGINE_CORE_INIT_DP_GROUP, rank=self.data_parallel_rank):
+            return stateless_init_dp_group(
+                f"tcp://127.0.0.1:{pc.data_parallel_master_port}",
+                self.data_parallel_rank,
+                pc.data_parallel_size,
+                rank_name=lambda r: ProcessRole.engine_core(r).name,
+            )
 
     # ------------------------------------------------------------------ live telemetry
 
@@ -312,7 +381,9 @@ class EngineCoreProc(EngineCore):
         record = self.dummy_step_record(started_at, (time.perf_counter() - t0) * 1e3)
         for observer in self.step_observers:
             observer.on_dummy_step(record)
-        if self.dummy_step_interval_s > 0:
+        # No pause with expert parallelism across engines: the other engines' all-to-alls
+        # would wait it out.
+        if self.dummy_step_interval_s > 0 and self.dp_group is None:
             try:
                 item = self.input_queue.get(timeout=self.dummy_step_interval_s)
             except queue.Empty:
@@ -362,7 +433,7 @@ class EngineCoreProc(EngineCore):
             if wave.exclude_engine != self.data_parallel_rank and wave.wave >= self.current_wave:
                 self.current_wave = wave.wave
                 self.engines_running = True
-        elif wave.wave > self.current_wave:
+        elif wave.wave > self.current_wave and self.dp_group is None:  # with EP the engines end waves
             self.current_wave = wave.wave
             self.engines_running = False
             if self.scheduler.has_unfinished_requests():  # a request arrived as the wave ended
@@ -374,6 +445,7 @@ class EngineCoreProc(EngineCore):
             "current_wave": self.current_wave,
             "engines_running": self.engines_running,
             "num_dummy_steps": self.num_dummy_steps,
+            "wave_step": self.wave_step,
         }
 
     def _process_input_queue(self) -> None:

@@ -24,9 +24,16 @@ p + 1 (``send_tensor_dict`` / ``recv_tensor_dict`` point to point in its PP grou
 any group (world size 1, or the in-process ``uni`` executor) every helper below is the
 identity, so layers need no special case and many engines can share one process.
 
-Left out: DP groups, custom all-reduce kernels, the CPU/shared-memory communicator, expert
-parallelism, and vLLM's trick of sending only a 1/tp slice between stages and all-gathering
-it on the other side.
+**Expert parallelism** (``--enable-expert-parallel``) across DP engines makes one world of every
+engine's workers (``dp × tp`` ranks, rank ``dp_rank * tp + tp_rank``, met at the port the first
+process picked): each engine's TP group inside it, and one EP group of every rank, whose
+``all_to_all`` carries the MoE layers' dispatch and combine (``engine/model/moe.py``). The
+engine cores meet apart, in a stateless gloo group of their own (``stateless_init_dp_group``),
+to decide together when a request wave ends (``has_unfinished_dp``).
+
+Left out: a DP group among the workers, custom all-reduce kernels, the CPU/shared-memory
+communicator, and vLLM's trick of sending only a 1/tp slice between stages and all-gathering it
+on the other side.
 """
 
 from __future__ import annotations
@@ -54,8 +61,9 @@ _ARRIVED_KEY = "glassbox/arrived/{}"
 # groups is counted on it, so a rank waiting in all-reduce #k can be told from the rank that
 # never reached #k (``tracing.blame``). Two ``struct.pack_into`` on an mmap per collective.
 _board: run_dirs.CommBoard | None = None
-_ALL_REDUCE, _ALL_GATHER, _SEND, _RECV, _BROADCAST, _BARRIER = (
-    run_dirs.COMM_KINDS.index(k) for k in ("all_reduce", "all_gather", "send", "recv", "broadcast", "barrier")
+_ALL_REDUCE, _ALL_GATHER, _SEND, _RECV, _BROADCAST, _BARRIER, _ALL_TO_ALL = (
+    run_dirs.COMM_KINDS.index(k)
+    for k in ("all_reduce", "all_gather", "send", "recv", "broadcast", "barrier", "all_to_all")
 )
 
 
@@ -104,6 +112,8 @@ class CommStats:
     pp_recv_s: float = 0.0  # waiting for (and receiving) them from the previous one
     pp_send_calls: int = 0
     pp_recv_calls: int = 0
+    all_to_all_s: float = 0.0  # expert parallelism: MoE dispatch and combine
+    all_to_all_calls: int = 0
 
     def as_dict(self) -> dict[str, float]:
         return dict(self.__dict__)
@@ -233,6 +243,28 @@ class GroupCoordinator:
         self.stats.pp_recv_calls += 1
         return out
 
+    def all_to_all(self, x: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
+        """Rows ``x[sum(send_splits[:r]) : sum(send_splits[:r + 1])]`` to group rank ``r``; the
+        rows every rank sent here, in rank order: ``(sum(recv_splits), *x.shape[1:])``.
+
+        Every rank calls it (a rank with nothing to send passes zeros). gloo and NCCL both
+        take ``all_to_all_single`` with uneven splits (torch 2.13's gloo included: measured).
+        vLLM: ``All2AllManagerBase`` (its naive all-to-all)."""
+        start = time.perf_counter()
+        out = x.new_empty((sum(recv_splits), *x.shape[1:]))
+        counted = self._enter(_ALL_TO_ALL)
+        dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=self.device_group)
+        self._leave(counted)
+        self.stats.all_to_all_s += time.perf_counter() - start
+        self.stats.all_to_all_calls += 1
+        return out
+
+    def all_to_all_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """``counts`` ``(world_size · n,)`` int64, block ``r`` to rank ``r``: the blocks every
+        rank sent here, in rank order ``(world_size · n,)`` (how many rows of each kind will come)."""
+        n = counts.numel() // self.world_size
+        return self.all_to_all(counts, [n] * self.world_size, [n] * self.world_size)
+
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """``x`` of group rank ``src`` copied into ``x`` on every rank, in place."""
         if self.world_size > 1:
@@ -320,6 +352,40 @@ def _rendezvous(
     return store
 
 
+def stateless_init_dp_group(
+    init_method: str,
+    dp_rank: int,
+    dp_size: int,
+    timeout_s: float | None = None,
+    op_timeout_s: float | None = None,
+    rank_name: Callable[[int], str] | None = None,
+) -> dist.ProcessGroup:
+    """The data-parallel engine cores' own gloo group, apart from any worker's world (vLLM:
+    ``ParallelConfig.stateless_init_dp_group``): each ``EngineCore_DP<k>`` joins it once, so
+    that the engines can decide together when a request wave ends (``has_unfinished_dp``).
+    The rendezvous is ``_rendezvous``'s (absent ranks named); ``op_timeout_s`` bounds each
+    all-reduce (default ``GLASSBOX_EXECUTE_MODEL_TIMEOUT_S``).
+
+    Raises:
+        RendezvousTimeout: some engine cores never arrived (named).
+    """
+    from engine import envs
+
+    timeout_s = timeout_s if timeout_s is not None else envs.GLASSBOX_DIST_INIT_TIMEOUT_S
+    op_timeout_s = op_timeout_s if op_timeout_s is not None else envs.GLASSBOX_EXECUTE_MODEL_TIMEOUT_S
+    store = _rendezvous(init_method, dp_rank, dp_size, timeout_s, rank_name)
+    return dist.ProcessGroupGloo(store, dp_rank, dp_size, timedelta(seconds=op_timeout_s))
+
+
+def has_unfinished_dp(dp_group: dist.ProcessGroup, has_unfinished: bool) -> bool:
+    """Whether any engine of ``dp_group`` has unfinished work (vLLM:
+    ``ParallelConfig.has_unfinished_dp``): an all-reduce every engine core calls at the same
+    step of a wave."""
+    flag = torch.tensor([int(has_unfinished)], dtype=torch.int64)
+    dp_group.allreduce([flag]).wait()
+    return bool(flag.item())
+
+
 def init_distributed_environment(
     world_size: int,
     rank: int,
@@ -372,40 +438,63 @@ def init_distributed_environment(
 
 
 def initialize_model_parallel(
-    tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    data_parallel_size: int = 1,
+    enable_expert_parallel: bool = False,
 ) -> None:
-    """Split the world into TP groups of consecutive ranks and PP groups of every tp-th rank.
+    """Split the world into TP groups of consecutive ranks, PP groups of every tp-th rank
+    (within each DP engine) and, with expert parallelism, one EP group of every rank.
 
-    A group that is the whole world reuses the world group (with pp = 1 the TP group, with
-    tp = 1 the PP group).
+    The world spans ``data_parallel_size`` engines only with expert parallelism (rank
+    ``dp_rank · tp · pp + pp_rank · tp + tp_rank``); it is then ``dp × tp`` ranks (no PP:
+    refused by the config). A group that is the whole world reuses the world group.
     """
-    global _TP, _PP
+    global _TP, _PP, _EP
     if _WORLD is None:
         raise RuntimeError("init_distributed_environment() first")
-    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
-    if _WORLD.world_size != tp * pp:
+    tp, pp, dp = tensor_model_parallel_size, pipeline_model_parallel_size, data_parallel_size
+    if _WORLD.world_size != tp * pp * dp:
         raise ValueError(
             f"world size {_WORLD.world_size} is not tensor_parallel_size {tp} × pipeline_parallel_size {pp}"
+            + (f" × data_parallel_size {dp}" if dp > 1 else "")
         )
+
+    def group_of(ranks: list[int]) -> dist.ProcessGroup:
+        return dist.group.WORLD if len(ranks) == _WORLD.world_size else dist.new_group(ranks)
+
     # new_group is collective over the world: every rank creates every group, in the same order.
-    for start in range(0, _WORLD.world_size, tp):
-        ranks = list(range(start, start + tp))
-        group = dist.group.WORLD if tp == _WORLD.world_size else dist.new_group(ranks)
-        if _WORLD.rank in ranks:
-            _TP = GroupCoordinator("tp", ranks, _WORLD.rank, group)
-    for tp_rank in range(tp):
-        ranks = list(range(tp_rank, _WORLD.world_size, tp))
-        group = dist.group.WORLD if pp == _WORLD.world_size else dist.new_group(ranks)
-        if _WORLD.rank in ranks:
-            _PP = GroupCoordinator("pp", ranks, _WORLD.rank, group)
+    engine_size = tp * pp
+    for engine_start in range(0, _WORLD.world_size, engine_size):
+        for start in range(engine_start, engine_start + engine_size, tp):
+            ranks = list(range(start, start + tp))
+            group = group_of(ranks)
+            if _WORLD.rank in ranks:
+                _TP = GroupCoordinator("tp", ranks, _WORLD.rank, group)
+        for tp_rank in range(tp):
+            ranks = list(range(engine_start + tp_rank, engine_start + engine_size, tp))
+            group = group_of(ranks)
+            if _WORLD.rank in ranks:
+                _PP = GroupCoordinator("pp", ranks, _WORLD.rank, group)
+    if enable_expert_parallel and _WORLD.world_size > 1:
+        ranks = list(range(_WORLD.world_size))
+        _EP = GroupCoordinator("ep", ranks, _WORLD.rank, group_of(ranks))
 
 
 def ensure_model_parallel_initialized(
-    tensor_model_parallel_size: int, pipeline_model_parallel_size: int = 1
+    tensor_model_parallel_size: int,
+    pipeline_model_parallel_size: int = 1,
+    data_parallel_size: int = 1,
+    enable_expert_parallel: bool = False,
 ) -> None:
-    """Build the TP and PP groups unless they exist; refuse different sizes."""
+    """Build the TP, PP (and EP) groups unless they exist; refuse different sizes."""
     if _TP is None:
-        initialize_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size)
+        initialize_model_parallel(
+            tensor_model_parallel_size,
+            pipeline_model_parallel_size,
+            data_parallel_size,
+            enable_expert_parallel,
+        )
     elif _TP.world_size != tensor_model_parallel_size or (
         _PP is not None and _PP.world_size != pipeline_model_parallel_size
     ):
@@ -480,10 +569,10 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
 
 
 def get_comm_stats(reset: bool = False) -> dict[str, float]:
-    """Seconds and calls spent in TP collectives and PP hand-offs by this process (zeros
-    without a group)."""
+    """Seconds and calls spent in TP collectives, PP hand-offs and EP all-to-alls by this
+    process (zeros without a group)."""
     out = CommStats().as_dict()
-    for group in (_TP, _PP):
+    for group in (_TP, _PP, _EP):
         if group is None:
             continue
         for key, value in group.stats.as_dict().items():
@@ -494,11 +583,11 @@ def get_comm_stats(reset: bool = False) -> dict[str, float]:
 
 
 def destroy_model_parallel() -> None:
-    global _TP, _PP
-    for group in (_TP, _PP):
+    global _TP, _PP, _EP
+    for group in (_TP, _PP, _EP):
         if group is not None and group.device_group is not dist.group.WORLD and dist.is_initialized():
             dist.destroy_process_group(group.device_group)
-    _TP = _PP = None
+    _TP = _PP = _EP = None
 
 
 def destroy_distributed_environment() -> None:

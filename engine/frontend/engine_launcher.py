@@ -116,6 +116,9 @@ class CoreEngineProcManager:
                  input_addresses: list[str], output_addresses: list[str], coordinator_address: str | None,
                  coordinator_wave_address: str | None) -> None:  # fmt: skip
         self.processes: list[processes.ChildProcess] = []
+        # Expert parallelism across engines: the ports where the engine cores' DP group and
+        # their workers' one world meet, picked once here, before any engine starts.
+        config.parallel_config.assign_dp_ports()
         config_pickle = pickle.dumps(config, protocol=5)
         trace_headers = inject_trace_headers()
         try:
@@ -163,6 +166,7 @@ def coordinator_payload(
         publish_address=publish,
         data_parallel_size=config.parallel_config.data_parallel_size,
         wave_address=waves,
+        engines_end_waves=config.parallel_config.expert_parallel_across_dp,
         trace_file=config.observability_config.trace_file,
         otlp_traces_endpoint=config.observability_config.otlp_traces_endpoint,
         trace_headers=inject_trace_headers() or None,  # the handshake's: one start-up trace

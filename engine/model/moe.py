@@ -246,7 +246,9 @@ class FusedMoE(nn.Module):
         # Unpermute: each slot's result back in slot order, weighted, summed over its k slots.
         slots = torch.empty_like(out_rows)  # (T·k, H)
         slots[order] = out_rows
-        weighted = slots.view(num_tokens, k, -1).float() * topk_weights[..., None]  # (T, k, H) float32
+        weighted = (
+            slots.view(num_tokens, k, self.hidden_size).float() * topk_weights[..., None]
+        )  # (T, k, H) float32
         return weighted.sum(dim=1).to(hidden.dtype)  # (T, H)
 
     def run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -192,6 +192,10 @@ class ModelRunner:
         pp = get_pp_group()  # None without pipeline parallelism: the one stage is first and last
         self.is_first_stage = pp is None or pp.is_first_rank
         self.is_last_stage = pp is None or pp.is_last_rank
+        # Expert parallelism across DP engines: every step runs one forward, a dummy one when
+        # nothing is scheduled, so each rank joins every MoE layer's all-to-alls once a step
+        # (vLLM's engine core runs execute_dummy_batch after such a step instead).
+        self.forward_every_step = config.parallel_config.expert_parallel_across_dp
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -436,6 +440,8 @@ class ModelRunner:
         """
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
+            if self.forward_every_step:
+                self._dummy_step([1])  # the other engines' MoE all-to-alls wait for this rank's
             return EMPTY_MODEL_RUNNER_OUTPUT
         batch = self._prepare_inputs(scheduler_output)
         with self._detail(catalogue.MODEL_RUNNER_FORWARD, scheduler_output.total_num_scheduled_tokens):

@@ -117,30 +117,50 @@ class Worker:
         plans and pins its torch threads)."""
 
     def _init_distributed(self) -> None:
-        """Join the TP and PP groups (world size > 1 only); rendezvous bounded by GLASSBOX_DIST_INIT_TIMEOUT_S."""
+        """Join the TP and PP groups (world size > 1 only); rendezvous bounded by GLASSBOX_DIST_INIT_TIMEOUT_S.
+
+        With expert parallelism across DP engines the world is every engine's workers (rank
+        ``dp_rank · tp + rank``), met at the port the first process picked
+        (``data_parallel_worker_port``), and it holds the EP group besides each engine's TP group.
+        """
         pc = self.config.parallel_config
-        if pc.world_size == 1:
+        if pc.world_size_across_dp == 1:
             return
-        if self.distributed_init_method is None:
-            raise RuntimeError(
-                f"world size {pc.world_size} needs a distributed_init_method (the multiprocess executor)"
-            )
         from engine.distributed import parallel_state
         from engine.distributed.topology import ProcessRole
 
-        def rank_name(rank: int) -> str:  # one engine (DP rank 0) until data parallelism lands
-            return ProcessRole.worker_of_rank(0, rank, pc.tensor_parallel_size).name
+        tp = pc.tensor_parallel_size
+        init_method, rank, dp_rank = self.distributed_init_method, self.rank, pc.data_parallel_rank
+        if pc.expert_parallel_across_dp:
+            init_method = parallel_state.get_distributed_init_method(
+                "127.0.0.1", pc.data_parallel_worker_port
+            )
+            rank = dp_rank * pc.world_size + self.rank
+        if init_method is None:
+            raise RuntimeError(
+                f"world size {pc.world_size} needs a distributed_init_method (the multiprocess executor)"
+            )
+
+        def rank_name(r: int) -> str:
+            if pc.expert_parallel_across_dp:
+                return ProcessRole.worker_of_rank(r // pc.world_size, r % pc.world_size, tp).name
+            return ProcessRole.worker_of_rank(dp_rank, r, tp).name
 
         assert self.device is not None
         parallel_state.init_distributed_environment(
-            pc.world_size,
-            self.rank,
-            self.distributed_init_method,
+            pc.world_size_across_dp,
+            rank,
+            init_method,
             self.local_rank,
             backend="nccl" if self.device.type == "cuda" else "gloo",
             rank_name=rank_name,
         )
-        parallel_state.ensure_model_parallel_initialized(pc.tensor_parallel_size, pc.pipeline_parallel_size)
+        parallel_state.ensure_model_parallel_initialized(
+            tp,
+            pc.pipeline_parallel_size,
+            pc.data_parallel_size if pc.expert_parallel_across_dp else 1,
+            pc.enable_expert_parallel,
+        )
 
     def get_comm_stats(self, reset: bool = False) -> dict[str, float]:
         """Seconds in ``execute_model``, in TP collectives and in PP hand-offs (and their calls), for
@@ -282,7 +302,7 @@ class Worker:
 
     def shutdown(self) -> None:
         self.model_runner = None
-        if self.config.parallel_config.world_size > 1:
+        if self.config.parallel_config.world_size_across_dp > 1:
             from engine.distributed import parallel_state
 
             parallel_state.destroy_distributed_environment()

@@ -438,9 +438,11 @@ def test_the_list_covers_every_start_up_stage():
 
     start_up = {s.name for s in catalogue.SPANS.values() if s.level == catalogue.LIFECYCLE}
     # not on serve's path: the offline LLM's own stage, several API servers' stages, shutdown,
-    # a headless node's join (test_multi_node_dp.py), the DP coordinator's (-dp only)
+    # a headless node's join (test_multi_node_dp.py), the DP coordinator's (-dp only), the
+    # engine cores' DP group (-dp with --enable-expert-parallel only)
     start_up -= {"llm.init", "api_server.start_api_servers", "api_server.attach", "engine_core.shutdown",
-                 "engine_core.join_head", "dp_coordinator.init", "dp_coordinator.shutdown"}  # fmt: skip
+                 "engine_core.join_head", "dp_coordinator.init", "dp_coordinator.shutdown",
+                 "engine_core.init_dp_group"}  # fmt: skip
     assert {stage for stage, _ in START_UP_STAGES} == start_up
 
 
