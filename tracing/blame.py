@@ -4,12 +4,16 @@ alert (``tracing.telemetry.collector``), so the three never disagree.
 
 The rule, in order (the first that names someone wins):
 
-1. **the rank a collective waits for**: a worker inside collective #k of its TP (or PP) group
-   for over ``WAITING_S`` (or that died inside it) is a victim, whatever it did next (a gloo
-   timeout, its engine core's deadline); the culprit is a peer of that group that has not
-   reached #k of the same step (followed to the end of the chain) — "TP0 waits in
+1. **the rank a collective waits for**: a worker inside collective #k of its TP (or PP, or
+   EP) group for over ``WAITING_S`` (or that died inside it) is a victim, whatever it did next
+   (a gloo timeout, its engine core's deadline); the culprit is a peer of that group that has
+   not reached #k of the same step (followed to the end of the chain) — "TP0 waits in
    all_reduce #3 for TP1, which is still in worker.execute_model" (``CommPosition``) — with
-   its own trouble (failed, dead, stopped, frozen, held) when it has one.
+   its own trouble (failed, dead, stopped, frozen, held) when it has one. The EP group (expert
+   parallelism) spans every DP engine's workers: a late peer of another engine that sits
+   between steps was never sent the step, so the culprit is its engine core ("DP0_TP0 waits
+   in all_to_all #1 for DP1_TP0, which is still at step 40: EngineCore_DP1 never sent it step
+   41").
 2. **the first failure**: of the processes that failed — a crash report of their own (not an
    echo: ``CrashReport.caused_by`` names whom it follows), or dead without one (killed from
    outside, ``exit:<code>``) — the one whose failure came first: its crash report's time,
@@ -74,9 +78,12 @@ class Seen:
 
     def short(self, group: str) -> str:
         """A worker's name within its ``group``: ``TP1`` in a TP group (``PP1_TP1`` past the
-        first stage), ``PP1`` in a PP group (``PP1_TP1`` with TP); else the role."""
+        first stage), ``PP1`` in a PP group (``PP1_TP1`` with TP), ``DP1_TP0`` in the EP group
+        (every engine's workers); else the role."""
         if self.kind != "worker" or self.tp_rank is None or self.pp_rank is None:
             return self.role
+        if group == "ep":
+            return f"DP{self.dp_rank}_TP{self.tp_rank}"
         if group == "tp":
             return f"TP{self.tp_rank}" if self.pp_rank == 0 else f"PP{self.pp_rank}_TP{self.tp_rank}"
         return f"PP{self.pp_rank}" if self.tp_rank == 0 else f"PP{self.pp_rank}_TP{self.tp_rank}"
@@ -230,17 +237,26 @@ def find_culprit(seen: list[Seen], now: float) -> Blame | None:
 
 def _peers(seen: list[Seen], s: Seen, group: str) -> list[Seen]:
     """The other workers of ``s``'s ``group`` (``tp``: same engine and stage; ``pp``: same
-    engine and TP rank)."""
-    same = "pp_rank" if group == "tp" else "tp_rank"
+    engine and TP rank; ``ep``: every engine's workers of the same stage)."""
+    same = "tp_rank" if group == "pp" else "pp_rank"
     return [
         p
         for p in seen
         if p is not s
         and p.kind == "worker"
-        and p.dp_rank == s.dp_rank
+        and (group == "ep" or p.dp_rank == s.dp_rank)
         and getattr(p, same) == getattr(s, same)
         and p.comm is not None
     ]
+
+
+def _engine_that_never_sent(seen: list[Seen], worker: Seen, waiter: Seen) -> Seen | None:
+    """Expert parallelism: ``worker`` (of another engine than ``waiter``) is alive between steps
+    — its engine core never sent it the step ``waiter`` is in (a busy loop stuck, or an idle
+    engine's dummy batches stopped): that engine core, or None."""
+    if worker.dp_rank == waiter.dp_rank or not worker.alive or worker.comm is None or worker.comm.rpc:
+        return None
+    return next((p for p in seen if p.kind == "engine_core" and p.dp_rank == worker.dp_rank), None)
 
 
 def _behind(peer: Seen, step: int, group: str, seq: int) -> bool:
@@ -294,6 +310,11 @@ def _waited_on(seen: list[Seen], now: float) -> Blame | None:
         verb = "waits" if s.alive else "died waiting"
         reason = (f"{s.short(group)} {verb} in {pos.kind} #{pos.seq} for {culprit.short(group)}, which is {where}"
                   f" ({now - (pos.entered_at or now):.0f} s)")  # fmt: skip
+        engine = _engine_that_never_sent(seen, culprit, s) if group == "ep" else None
+        if engine is not None:  # the worker only waits for its own engine core's next step
+            chain.append(culprit.role)
+            reason += f": {engine.role} never sent it step {s.comm.step}"
+            return Blame(engine.role, "waited_on", engine.stage, reason, engine.pid, victims=chain)
         return Blame(culprit.role, "waited_on", stage, reason, culprit.pid, victims=chain)
     return None
 

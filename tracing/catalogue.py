@@ -557,6 +557,55 @@ MODEL_RUNNER_SAMPLE = _span(
     (KIND_WORKER,),
     "Logits to next tokens for one step: the sampler (--collect-detailed-traces model|worker|all).",
 )
+ATTR_MOE_LAYER = _attr(
+    "glassbox.moe.layer", "int", "The MoE layer's decoder-layer index on this pipeline stage."
+)
+ATTR_MOE_NUM_TOKENS = _attr("glassbox.moe.num_tokens", "int", "Tokens this rank routes through the layer.")
+ATTR_MOE_ROWS_SENT = _attr(
+    "glassbox.moe.rows_sent",
+    "int",
+    "Expert parallelism: (token, expert) rows this rank sends to the experts' ranks.",
+)
+ATTR_MOE_ROWS_RECEIVED = _attr(
+    "glassbox.moe.rows_received", "int", "Expert parallelism: rows this rank's experts get from every rank."
+)
+ATTR_MOE_WAIT_MS = _attr(
+    "glassbox.moe.collective_ms",
+    "float",
+    "Time inside the phase's all-to-alls, ms: mostly waiting for the slowest rank to reach them.",
+)
+MOE_ROUTER = _span(
+    "moe.router",
+    STEP,
+    (KIND_WORKER,),
+    "A mixture of experts' router: each token's top-k experts and their weights (fused_topk), one "
+    "layer (--collect-detailed-traces model|worker|all).",
+    (ATTR_MOE_LAYER, ATTR_MOE_NUM_TOKENS),
+)
+MOE_DISPATCH = _span(
+    "moe.dispatch",
+    STEP,
+    (KIND_WORKER,),
+    "Expert parallelism: each (token, expert) row sent to the rank holding the expert, two all-to-alls "
+    "(counts, rows) over every worker of every DP engine, one layer (--collect-detailed-traces "
+    "model|worker|all).",
+    (ATTR_MOE_LAYER, ATTR_MOE_ROWS_SENT, ATTR_MOE_ROWS_RECEIVED, ATTR_MOE_WAIT_MS),
+)
+MOE_EXPERTS = _span(
+    "moe.experts",
+    STEP,
+    (KIND_WORKER,),
+    "This rank's experts on the rows routed to them, one layer (--collect-detailed-traces model|worker|all).",
+    (ATTR_MOE_LAYER,),
+)
+MOE_COMBINE = _span(
+    "moe.combine",
+    STEP,
+    (KIND_WORKER,),
+    "Expert parallelism: each expert output sent back to its token's rank (one all-to-all), one layer "
+    "(--collect-detailed-traces model|worker|all).",
+    (ATTR_MOE_LAYER, ATTR_MOE_WAIT_MS),
+)
 
 # ---------------------------------------------------------------------------------------
 # Request spans.

@@ -200,6 +200,19 @@ HINTS: dict[str, StageHint] = {
     catalogue.WORKER_EXECUTE_MODEL: StageHint(
         10, "one forward pass and sampling on a worker: a hung kernel or collective", "milliseconds"
     ),
+    catalogue.MOE_DISPATCH: StageHint(
+        5,
+        "expert parallelism: the all-to-all needs every worker of every DP engine; one has not "
+        "reached it (a rank still in an earlier layer or step, or an engine whose dummy batches "
+        "stopped): glassbox doctor names it",
+        "milliseconds",
+    ),
+    catalogue.MOE_COMBINE: StageHint(
+        5,
+        "expert parallelism: the all-to-all back needs every worker of every DP engine; one has not "
+        "reached it: glassbox doctor names it",
+        "milliseconds",
+    ),
 }
 
 # Situations that are not a stage.

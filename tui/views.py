@@ -13,6 +13,9 @@ Panels (``docs/engine-top.md`` explains how to read each one):
 - requests   requests in flight (state, engine, tokens, KV blocks, age), then those just finished
 - kv         each engine's KV cache: blocks used, cached (free, still a prefix hit), empty;
              the prefix-cache hit rate; which request holds which blocks
+- experts    a mixture of experts: each worker's experts, the rows each took (the load of
+             each expert-parallel rank), the time in the all-to-alls (--once shows it only
+             for a model with experts)
 - alerts     what a person should look at, with a hint of what it usually means
 """
 
@@ -45,6 +48,13 @@ from tracing.telemetry.events import (
     GAUGE_KV_FREE,
     GAUGE_KV_TOTAL,
     GAUGE_KV_USED,
+    GAUGE_MOE_A2A_MS,
+    GAUGE_MOE_A2A_TOTAL_S,
+    GAUGE_MOE_FIRST_EXPERT,
+    GAUGE_MOE_FORWARD_TOTAL_S,
+    GAUGE_MOE_LOCAL_EXPERTS,
+    GAUGE_MOE_NUM_EXPERTS,
+    GAUGE_MOE_STEP_ROWS,
     GAUGE_MQ_READER_PREFIX,
     GAUGE_MQ_WRITTEN,
     GAUGE_OUTPUT_QUEUE,
@@ -55,6 +65,7 @@ from tracing.telemetry.events import (
     GAUGE_WORKER_THREADS,
     GAUGE_WORKER_THREADS_MAX,
     StepRecord,
+    moe_expert_gauge,
 )
 from tracing.telemetry.state import (
     FINISHED_KEEP_S,
@@ -69,7 +80,7 @@ from tracing.telemetry.state import (
 
 # ------------------------------------------------------------------------------ options
 
-PANELS = ("processes", "queues", "steps", "scheduled", "requests", "kv", "alerts")
+PANELS = ("processes", "queues", "steps", "scheduled", "requests", "kv", "experts", "alerts")
 REQUEST_SORTS = ("age", "state", "engine", "progress", "blocks", "id")
 
 # Characters of the budget bar: distinct shapes, so it reads without colour too.
@@ -418,7 +429,7 @@ _ENGINE_QUEUES = (
 )
 _MQ_LAG = "broadcast lag"
 # Gauges that are not queues: shown as their own rows (KV, DP wave) or not in this panel.
-_NOT_QUEUES = ("kv.", "dp.", "worker.", "sched.preempted")
+_NOT_QUEUES = ("kv.", "dp.", "worker.", "sched.preempted", "moe.")
 
 
 def _series_key(role: str, gauge: str) -> str:
@@ -494,6 +505,15 @@ def queue_rows(state: LiveState) -> list[tuple[str, str, float | None, list[floa
             label = f"threads (of {int(most)})" if most else "CPU threads"
             series = list(state.queues.get(_series_key(p.role, GAUGE_WORKER_THREADS), ()))
             rows.append((p.role, label, p.gauges[GAUGE_WORKER_THREADS], series))
+        moe = moe_rank(p)
+        if moe is not None:
+            # a mixture of experts: the rows this rank's experts took in the last forward, and
+            # (expert parallelism) that forward's time inside the all-to-alls
+            series = list(state.queues.get(_series_key(p.role, GAUGE_MOE_STEP_ROWS), ()))
+            rows.append((p.role, f"expert rows ({moe.experts})", moe.last_rows, series))
+            if moe.expert_parallel:
+                series = list(state.queues.get(_series_key(p.role, GAUGE_MOE_A2A_MS), ()))
+                rows.append((p.role, "all-to-all ms", moe.last_a2a_ms, series))
         if p.kind == "engine_core" and state.data_parallel_size > 1 and GAUGE_DP_WAVE in p.gauges:
             # the wave this engine is in (runs: every engine steps), and the dummy batches it ran
             running = "runs" if p.gauges.get(GAUGE_DP_RUNNING) else "over"
@@ -986,6 +1006,102 @@ def render_kv(state: LiveState, engine: int | None, max_rows: int | None = None)
     return Group(*parts)
 
 
+# ------------------------------------------------------------------------------ experts
+
+
+@dataclass
+class MoERank:
+    """One worker's share of a mixture of experts, from its gauges (``GAUGE_MOE_*``).
+
+    ``expert_rows``: (expert id, rows it took since start, all layers), this rank's experts;
+    ``last_rows``: rows in the last forward; ``last_a2a_ms``: that forward's time inside
+    expert-parallel all-to-alls; ``a2a_share``: all-to-all time / forward time since start."""
+
+    role: str
+    first: int
+    local: int
+    num_experts: int
+    expert_rows: list[tuple[int, float]]
+    last_rows: float
+    last_a2a_ms: float
+    a2a_share: float
+
+    @property
+    def experts(self) -> str:
+        """``0-1 of 4``, ``2 of 4``, or ``all 4``."""
+        if self.local >= self.num_experts:
+            return f"all {self.num_experts}"
+        ids = str(self.first) if self.local == 1 else f"{self.first}-{self.first + self.local - 1}"
+        return f"{ids} of {self.num_experts}"
+
+    @property
+    def expert_parallel(self) -> bool:
+        return self.local < self.num_experts
+
+    @property
+    def total_rows(self) -> float:
+        return sum(n for _, n in self.expert_rows)
+
+
+def moe_rank(p: ProcessLive) -> MoERank | None:
+    """``p``'s ``MoERank``, or None (not a worker of a mixture of experts)."""
+    g = p.gauges
+    if p.kind != "worker" or GAUGE_MOE_NUM_EXPERTS not in g:
+        return None
+    first, local = int(g.get(GAUGE_MOE_FIRST_EXPERT, 0)), int(g.get(GAUGE_MOE_LOCAL_EXPERTS, 0))
+    rows = [(e, g.get(moe_expert_gauge(e), 0.0)) for e in range(first, first + local)]
+    forward_s = g.get(GAUGE_MOE_FORWARD_TOTAL_S, 0.0)
+    share = g.get(GAUGE_MOE_A2A_TOTAL_S, 0.0) / forward_s if forward_s > 0 else 0.0
+    return MoERank(p.role, first, local, int(g[GAUGE_MOE_NUM_EXPERTS]), rows, g.get(GAUGE_MOE_STEP_ROWS, 0.0),
+                   g.get(GAUGE_MOE_A2A_MS, 0.0), share)  # fmt: skip
+
+
+def moe_ranks(state: LiveState, engine: int | None = None) -> list[MoERank]:
+    """Every worker's ``MoERank`` (of DP engine ``engine`` only, when given), in tree order."""
+    return [
+        r
+        for _, p in process_rows(state)
+        if (engine is None or dp_rank_of(p) == engine) and (r := moe_rank(p)) is not None
+    ]
+
+
+def render_experts(
+    state: LiveState, engine: int | None, max_rows: int | None = None, width: int | None = None
+) -> RenderableType:
+    """One row per worker of a mixture of experts: its experts, each one's share of the rows
+    its rank took since start, the rank's share of every rank's rows (a bar of five cells: with
+    expert parallelism, the load of each rank), the rows of the last forward, and the time
+    inside the all-to-alls (the last forward's, and its share of forward time since start).
+    ``width``: the cells the table may take (None: the width it is drawn in); below 80 the
+    columns are one cell apart instead of three, so that every cell reads whole."""
+    ranks = moe_ranks(state, engine)
+    if not ranks:
+        return Text("no experts: the model is dense (or no worker has reported yet)", style="dim")
+    if width is None:
+        return _Fitted(lambda w: render_experts(state, engine, max_rows, w))
+    everyone = sum(r.total_rows for r in moe_ranks(state)) or 1.0
+    shown = ranks if max_rows is None or len(ranks) <= max_rows else ranks[: max(1, max_rows - 1)]
+    per_experts = [
+        "  ".join(f"e{e} {100 * n / (r.total_rows or 1.0):.0f}%" for e, n in r.expert_rows) for r in shown
+    ]
+    pad = 1 if width >= 80 else 0
+    table = Table(box=box.SIMPLE_HEAD, expand=False, pad_edge=False, show_edge=False, padding=(0, pad))
+    table.add_column("worker", no_wrap=True, style="dim")
+    table.add_column("experts", no_wrap=True)
+    table.add_column("rows by expert", no_wrap=True)
+    table.add_column("rank's load", no_wrap=True)
+    table.add_column("rows", justify="right", no_wrap=True)
+    table.add_column("all-to-all", justify="right", no_wrap=True)
+    for r, per_expert in zip(shown, per_experts):
+        share = r.total_rows / everyone
+        bar = "█" * round(5 * share) + "·" * (5 - round(5 * share))
+        a2a = f"{fmt_ms(r.last_a2a_ms)} · {100 * r.a2a_share:.0f}%" if r.expert_parallel else "—"
+        table.add_row(r.role, r.experts, per_expert, f"{bar} {100 * share:3.0f}%", f"{r.last_rows:.0f}", a2a)
+    if len(shown) < len(ranks):
+        return Group(table, Text(f"… {len(ranks) - len(shown)} more (e: expand)", style="dim"))
+    return table
+
+
 def render_alerts(state: LiveState, max_rows: int | None = None) -> RenderableType:
     if not state.alerts:
         return Text("✓ no alerts", style="green")
@@ -1269,6 +1385,9 @@ def panel(
     if name == "kv":
         return _panel(render_kv(state, opts.engine, rows), f"KV cache · {_engine_label(opts)}",
                       "cached: free, still a prefix hit")  # fmt: skip
+    if name == "experts":
+        return _panel(render_experts(state, opts.engine, rows), f"experts · {_engine_label(opts)}",
+                      "all-to-all: last forward · share of forward time")  # fmt: skip
     if name == "alerts":
         n = len(state.alerts)
         return _panel(render_alerts(state, rows), f"alerts ({n})" if n else "alerts")
@@ -1282,6 +1401,7 @@ def render_once(state: LiveState, opts: ViewOptions | None = None, width: int = 
     parts += [
         panel(name, state, opts, rows=8 if name == "steps" else None, width=width, wrap=True)
         for name in PANELS
+        if name != "experts" or moe_ranks(state)  # a dense model has no experts panel
     ]
     return Group(*parts)
 

@@ -40,6 +40,10 @@ one opaque op of the graph, ``glassbox::moe_forward`` (vLLM: ``torch.ops.vllm.mo
 its shapes depend on the routing, which a graph over an unbacked token count cannot trace.
 The op finds its layer in the forward context, as the attention op does.
 
+Each phase of a layer (router, dispatch, experts, combine) is entered through an observer the
+worker sets (``MoEObserver``: ``engine/worker/moe_telemetry.py`` times it, counts the expert
+load, and makes it a span when asked); this file imports nothing of the tracing.
+
 Left out: fused kernels (Triton, oneDNN grouped GEMMs), grouped top-k and expert biases
 (DeepSeek), expert load balancing (EPLB) and redundant experts, quantized experts, DeepEP /
 pplx all-to-all kernels, expert placements other than contiguous ranges.
@@ -47,7 +51,9 @@ pplx all-to-all kernels, expert placements other than contiguous ranges.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +67,20 @@ from engine.distributed.parallel_state import (
 )
 from engine.model.forward_context import get_forward_context
 from engine.model.layers import default_weight_loader
+
+# ----------------------------------------------------------------------------- the glass
+
+
+class MoEObserver(Protocol):
+    """What watches the MoE layers (``engine/worker/moe_telemetry.py``; vLLM has none): the
+    model runner sets one on every ``FusedMoE`` (``observer``), which enters each phase of a
+    layer — ``router``, ``dispatch``, ``experts``, ``combine`` — through ``phase``. The context
+    yields a dict the layer fills with the phase's figures (``num_tokens``, ``rows_sent``,
+    ``rows_received``); the observer times the phase, its all-to-alls, and may make it a span.
+    Without an observer the layer runs as it is."""
+
+    def phase(self, name: str, layer_index: int) -> AbstractContextManager[dict[str, int]]: ...
+
 
 # ----------------------------------------------------------------------------- routing
 
@@ -144,9 +164,10 @@ class FusedMoE(nn.Module):
         for param, shards in ((self.w13_weight, 2), (self.w2_weight, 1)):
             param.weight_loader = self.weight_loader
             param.shards_needed = shards * self.num_local_experts  # checkpoint tensors that fill it
-        # Tokens routed to each expert of the whole layer (E,), by this rank's tokens, summed
-        # since the last read (``take_expert_load``): the expert load engine-top shows.
-        self.expert_load = torch.zeros(num_experts, dtype=torch.int64, device="cpu")
+        # Rows this rank's experts took (E_local,), from every rank's tokens, summed since the
+        # last read (``take_expert_load``): the load of this EP rank, engine-top's to show.
+        self.expert_load = torch.zeros(self.num_local_experts, dtype=torch.int64, device="cpu")
+        self.observer: MoEObserver | None = None
 
     # ------------------------------------------------------------------ loading
 
@@ -201,7 +222,9 @@ class FusedMoE(nn.Module):
 
     def forward_impl(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """Route, (dispatch,) run the experts, (combine,) all-reduce: ``(T, H)`` → ``(T, H)``."""
-        topk_weights, topk_ids = fused_topk(router_logits, self.top_k, self.renormalize)  # (T, k) each
+        with self._phase("router") as figures:
+            topk_weights, topk_ids = fused_topk(router_logits, self.top_k, self.renormalize)  # (T, k) each
+            figures["num_tokens"] = hidden.shape[0]
         if self.ep_size == 1:
             out = self.routed_experts(hidden, topk_weights, topk_ids)  # (T, H) partial over TP slices
             return tensor_model_parallel_all_reduce(out)
@@ -235,14 +258,19 @@ class FusedMoE(nn.Module):
         order = torch.argsort(flat_ids, stable=True)  # (T·k,) slot indices, grouped by expert
         rows = hidden[order // k]  # (T·k, H) each slot's token row, in expert order
         counts = torch.bincount(flat_ids, minlength=self.num_experts)  # (E,) slots per expert
-        self.expert_load += counts.cpu()
         if self.ep_size == 1:
-            out_rows = self.run_experts(rows, counts)  # (T·k, H)
+            self.expert_load += counts.cpu()
+            with self._phase("experts"):
+                out_rows = self.run_experts(rows, counts)  # (T·k, H)
         else:
-            received, received_counts, send_splits, recv_splits = self.dispatch(rows, counts)
-            out_rows = self.combine(
-                self.run_local_experts(received, received_counts), send_splits, recv_splits
-            )
+            with self._phase("dispatch") as figures:
+                received, received_counts, send_splits, recv_splits = self.dispatch(rows, counts)
+                figures["rows_sent"], figures["rows_received"] = rows.shape[0], received.shape[0]
+            self.expert_load += received_counts.sum(dim=0).cpu()
+            with self._phase("experts"):
+                expert_rows = self.run_local_experts(received, received_counts)  # (M, H)
+            with self._phase("combine"):
+                out_rows = self.combine(expert_rows, send_splits, recv_splits)  # (T·k, H)
         # Unpermute: each slot's result back in slot order, weighted, summed over its k slots.
         slots = torch.empty_like(out_rows)  # (T·k, H)
         slots[order] = out_rows
@@ -307,8 +335,14 @@ class FusedMoE(nn.Module):
         all-to-all, vLLM: the finalize step): ``(M, H)`` → ``(N, H)`` in the dispatch's order."""
         return get_ep_group().all_to_all(out_rows, recv_splits, send_splits)
 
+    def _phase(self, name: str) -> AbstractContextManager[dict[str, int]]:
+        """The observer's context for phase ``name`` of this layer; a no-op without one."""
+        if self.observer is None:
+            return contextlib.nullcontext({})
+        return self.observer.phase(name, self.layer_index)
+
     def take_expert_load(self) -> torch.Tensor:
-        """Tokens routed to each expert ``(E,)`` since the last call, and reset."""
+        """Rows this rank's experts took ``(E_local,)`` since the last call, and reset."""
         load, self.expert_load = self.expert_load, torch.zeros_like(self.expert_load)
         return load
 
@@ -369,4 +403,4 @@ def _(hidden: torch.Tensor, router_logits: torch.Tensor, layer_index: int) -> to
     return torch.empty_like(hidden)
 
 
-__all__ = ["FusedMoE", "SparseMoeBlock", "fused_topk", "moe_forward"]
+__all__ = ["FusedMoE", "MoEObserver", "SparseMoeBlock", "fused_topk", "moe_forward"]

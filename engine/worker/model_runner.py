@@ -182,6 +182,7 @@ class ModelRunner:
         self.model_weight_bytes = 0
         self.model_packed_bytes = 0
         self.model_num_params = 0
+        self.model_expert_bytes = 0  # the routed experts' share of model_weight_bytes (MoE)
         self.kv_caches: list[KVCache] = []
         self.compiled: CompiledModel | None = None  # set by warm_up unless the model runs eagerly
         self.attention_layers: list = []  # this stage's Attention modules, by local layer index
@@ -218,6 +219,9 @@ class ModelRunner:
         self.attention_layers = [layer.self_attn.attn for layer in self.model.local_layers]
         # An MoE model's routed experts, by local layer index (the compiled graph's moe op).
         self.moe_layers = {m.layer_index: m for m in self.model.modules() if isinstance(m, FusedMoE)}
+        self.model_expert_bytes = sum(
+            p.numel() * p.element_size() for m in self.moe_layers.values() for p in m.parameters()
+        )
         logger.debug(
             "model %s loaded on %s as %s: %.1f MiB",
             self.model_config.architecture,
@@ -238,7 +242,22 @@ class ModelRunner:
                 f" + {self.model_packed_bytes / 2**20:.1f} MiB of oneDNN-packed copies (CPU) = "
                 f"{self.model_memory_usage / 2**20:.1f} MiB in memory"
             )
+        if self.moe_layers:
+            text += f"; the routed experts {self.model_expert_bytes / 2**20:.1f} MiB of it: {self.describe_experts()}"
         return text
+
+    def describe_experts(self) -> str:
+        """Which experts this rank holds, in words: e.g. ``experts 0-1 of 4 in each of 4 layers
+        (expert parallelism: 2 ranks)``."""
+        first = next(iter(self.moe_layers.values()))
+        layers = f"in each of {len(self.moe_layers)} layers"
+        if first.ep_size > 1:
+            last = first.first_local_expert + first.num_local_experts - 1
+            return (f"experts {first.first_local_expert}-{last} of {first.num_experts} {layers} "
+                    f"(expert parallelism: {first.ep_size} ranks)")  # fmt: skip
+        if first.moe_tp_size > 1:
+            return f"a 1/{first.moe_tp_size} slice of all {first.num_experts} experts {layers} (tensor parallelism)"
+        return f"all {first.num_experts} experts {layers}"
 
     def get_kv_cache_spec(self) -> FullAttentionSpec:
         """The page shape of one layer's KV cache (``load_model`` first)."""

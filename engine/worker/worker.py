@@ -47,6 +47,7 @@ from engine.model.utils import IntermediateTensors
 from engine.outputs import ModelRunnerOutput
 from engine.sched.output import SchedulerOutput
 from engine.worker.model_runner import ModelRunner
+from engine.worker.moe_telemetry import MoETelemetry, moe_forward
 from engine.worker.step_telemetry import WorkerStepTelemetry, compile_text
 from tracing import catalogue, stage
 from tracing.stage import set_runs_as
@@ -85,6 +86,7 @@ class Worker:
         self.dtype: torch.dtype | None = None
         self.model_runner: ModelRunner | None = None
         self.step_telemetry = WorkerStepTelemetry()  # step counts and times, late graphs (glass)
+        self.moe_telemetry: MoETelemetry | None = None  # a mixture of experts' load and all-to-alls (glass)
 
     def _attrs(self, **extra: Any) -> dict[str, Any]:
         return {catalogue.ATTR_RANK: self.rank, **extra}
@@ -176,6 +178,9 @@ class Worker:
         with stage(catalogue.WORKER_LOAD_MODEL, **self._attrs()) as st:
             assert self.model_runner is not None, "init_device first"
             self.model_runner.load_model()
+            if self.model_runner.moe_layers:
+                detailed = self.config.observability_config.collect_model_forward_time
+                self.moe_telemetry = MoETelemetry(self.model_runner.moe_layers, detailed)
             st.set(catalogue.ATTR_MODEL_NAME, self.config.model_config.served_model_name)
             logger.info(
                 "Loaded %s: %s",
@@ -241,6 +246,13 @@ class Worker:
         ):
             assert self.model_runner is not None
             self.model_runner.initialize_kv_cache(kv_cache_config)
+            runner = self.model_runner
+            if runner.moe_layers:  # where this rank's memory goes: KV cache, experts, the rest
+                kv = kv_cache_config.num_blocks * kv_cache_config.spec.bytes_per_block
+                logger.info("Memory of rank %d: KV cache %.1f MiB, routed experts %.1f MiB (%s), other weights "
+                            "%.1f MiB", self.rank, kv / 2**20, runner.model_expert_bytes / 2**20,
+                            runner.describe_experts(),
+                            (runner.model_weight_bytes - runner.model_expert_bytes) / 2**20)  # fmt: skip
 
     def compile_or_warm_up_model(self) -> None:
         """Compile the forward (unless eager) and run a few dummy steps, so the first request
@@ -267,7 +279,7 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         intermediate_tensors = None
-        with self.step_telemetry.step(self.model_runner):
+        with self.step_telemetry.step(self.model_runner), moe_forward(self.moe_telemetry):
             if not self.model_runner.is_first_stage and scheduler_output.total_num_scheduled_tokens > 0:
                 intermediate_tensors = self._recv_intermediate_tensors()
             output = self.model_runner.execute_model(scheduler_output, intermediate_tensors)
@@ -285,15 +297,18 @@ class Worker:
             return IntermediateTensors(get_pp_group().recv_tensor_dict(device=self.device))
 
     def telemetry_gauges(self) -> dict[str, float]:
-        """Live-telemetry gauges: execute_model calls so far and the last one's time (ms)
-        (``CPUWorker`` adds its thread counts)."""
-        return self.step_telemetry.gauges()
+        """Live-telemetry gauges: execute_model calls so far and the last one's time (ms), and a
+        mixture of experts' load and all-to-all time (``CPUWorker`` adds its thread counts)."""
+        gauges = self.step_telemetry.gauges()
+        if self.moe_telemetry is not None:
+            gauges.update(self.moe_telemetry.gauges())
+        return gauges
 
     def execute_dummy_batch(self) -> None:
         """A one-token dummy forward (and sampler run) into the null block: what an engine
         without requests runs while its data-parallel wave runs (vLLM: ``execute_dummy_batch``)."""
         assert self.model_runner is not None
-        with stage(catalogue.WORKER_EXECUTE_DUMMY_BATCH, **self._attrs()):
+        with stage(catalogue.WORKER_EXECUTE_DUMMY_BATCH, **self._attrs()), moe_forward(self.moe_telemetry):
             self.model_runner.execute_dummy_batch()
         self.step_telemetry.note_late_graphs(self.model_runner)
 

@@ -211,3 +211,150 @@ def test_dp2_tp2_expert_parallel_equals_transformers(tiny_dir, monkeypatch, reap
     with LLM(str(path), max_model_len=128, data_parallel_size=2, tensor_parallel_size=2,
              enable_expert_parallel=True, max_num_batched_tokens=16) as llm:  # fmt: skip
         assert _generate(llm) == expected
+
+
+# ---------------------------------------------------------------------- slow: what a person sees
+
+
+@pytest.fixture(scope="module")
+def ep_server(tmp_path_factory):
+    """``glassbox serve`` on the bundled mixture of experts, ``-dp 2 --enable-expert-parallel``
+    (float32, for transformers' tokens), with each MoE phase a span in a trace file."""
+    import tempfile
+    from pathlib import Path
+
+    from server_utils import start_server
+
+    from engine.config import MOE_MODEL
+
+    base = Path(tempfile.mkdtemp(prefix="gbep", dir="/tmp"))  # short: ipc paths ≤ 107 chars
+    trace = base / "spans.jsonl"
+    server = start_server(base, "--model", MOE_MODEL, "-dp", "2", "--enable-expert-parallel", "--dtype",
+                          "float32", "--max-model-len", "512", "--api-server-count", "1",
+                          "--collect-detailed-traces", "model", "--trace-file", str(trace),
+                          "--uvicorn-log-level", "warning", timeout=240)  # fmt: skip
+    try:
+        yield server, trace
+    finally:
+        server.kill_group()
+        import shutil
+
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _complete(server, prompt: str, max_tokens: int = 16) -> dict:
+    import httpx
+
+    body = {"model": "glassbox-tiny-moe", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    reply = httpx.post(server.base_url + "/v1/completions", json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_serve_ep_answers_transformers_text_and_shows_experts_spans_and_memory(ep_server):
+    """One request at a time, so one engine is always idle; then what a person sees of it: the
+    start-up log's memory split, engine-top's experts, the MoE phases' spans."""
+    import json
+    import re
+    import subprocess
+    import sys
+
+    from tokenizers import Tokenizer
+
+    from engine.config import MOE_MODEL
+
+    server, trace = ep_server
+    tokenizer = Tokenizer.from_file(f"{MOE_MODEL}/tokenizer.json")
+    for prompt in ("The following", "This module"):
+        expected = tokenizer.decode(hf_greedy(MOE_MODEL, tokenizer.encode(prompt).ids, 16))
+        assert _complete(server, prompt)["choices"][0]["text"] == expected
+
+    log = server.log()
+    for worker, experts in (
+        ("Worker_DP0_PP0_TP0", "experts 0-1 of 4"),
+        ("Worker_DP1_PP0_TP0", "experts 2-3 of 4"),
+    ):
+        line = next(ln for ln in log.splitlines() if worker in ln and "Memory of rank" in ln)
+        assert f"KV cache 1024.0 MiB, routed experts 4.1 MiB ({experts} in each of 4 layers" in line, line
+
+    top = subprocess.run([sys.executable, "-m", "tui", "--once", "--run-dir", str(server.run_dir)],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert top.returncode == 0, top.stderr
+    # the experts panel: each rank's experts, each one's share of its rows, the rank's load
+    for worker, experts in (("Worker_DP0_PP0_TP0", r"0-1 of 4\s+e0 \d+%  e1 \d+%"),
+                            ("Worker_DP1_PP0_TP0", r"2-3 of 4\s+e2 \d+%  e3 \d+%")):  # fmt: skip
+        assert re.search(rf"{worker}\s+{experts}\s+█*·*\s+\d+%", top.stdout), top.stdout
+
+    spans = [json.loads(line) for line in trace.read_text().splitlines() if '"moe.' in line]
+    dispatch = [s for s in spans if s["name"] == "moe.dispatch"]
+    assert {s["resource"]["glassbox.role"] for s in dispatch} == {"Worker_DP0_PP0_TP0", "Worker_DP1_PP0_TP0"}
+    assert all("glassbox.moe.collective_ms" in s["attributes"] for s in dispatch)
+    assert {s["name"] for s in spans} == {"moe.router", "moe.dispatch", "moe.experts", "moe.combine"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_engine_top_in_tmux_shows_each_ranks_experts_and_all_to_all_time(ep_server):
+    """engine-top in a real terminal (tmux) attached to the expert-parallel server: the queues
+    panel's rows of each rank's expert rows and all-to-all time, and ``e`` pressed until the
+    experts panel fills the screen."""
+    import os
+    import re
+    import shlex
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if shutil.which("tmux") is None:
+        pytest.skip("tmux is not installed")
+    server, _ = ep_server
+    root = Path(__file__).resolve().parents[2]
+    session = f"gbep{os.getpid()}"
+    exit_file = server.run_dir.parent / "top.exit"
+
+    def tmux(*args: str) -> str:
+        return subprocess.run(["tmux", *args], capture_output=True, text=True, timeout=10).stdout
+
+    def wait_screen(predicate, what: str, timeout_s: float = 60) -> str:
+        deadline = time.monotonic() + timeout_s
+        screen = ""
+        while time.monotonic() < deadline:
+            screen = tmux("capture-pane", "-p", "-t", session)
+            if predicate(screen):
+                return screen
+            _complete(server, "The following", 4)  # traffic: rows for the experts, all-to-alls
+        raise AssertionError(f"engine-top never showed {what}; last screen:\n{screen}")
+
+    env = (
+        f"GLASSBOX_RUN_DIR_BASE={shlex.quote(str(server.run_dir.parent))} PYTHONPATH={shlex.quote(str(root))}"
+    )
+    command = (f"env -u COLUMNS -u LINES {env} {shlex.quote(sys.executable)} -m tui; "
+               f"echo $? > {shlex.quote(str(exit_file))}")  # fmt: skip
+    try:
+        tmux("new-session", "-d", "-s", session, "-x", "200", "-y", "60", command)
+        tmux("resize-window", "-t", session, "-x", "200", "-y", "60")
+        wait_screen(lambda s: re.search(r"expert rows \(0-1 of 4\)\s+\d+", s) and "expert rows (2-3 of 4)" in s
+                    and "all-to-all ms" in s, "each rank's expert rows and all-to-all time")  # fmt: skip
+        for _ in range(views_index_of_experts()):
+            tmux("send-keys", "-t", session, "e")
+        screen = wait_screen(lambda s: "rows by expert" in s, "the experts panel expanded", 20)
+        assert re.search(r"Worker_DP0_PP0_TP0\s+0-1 of 4\s+e0 \d+%\s+e1 \d+%", screen), screen
+        assert re.search(r"Worker_DP1_PP0_TP0\s+2-3 of 4\s+e2 \d+%\s+e3 \d+%", screen), screen
+        tmux("send-keys", "-t", session, "q")
+        deadline = time.monotonic() + 15
+        while not exit_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert exit_file.read_text().strip() == "0"
+    finally:
+        tmux("kill-session", "-t", session)
+
+
+def views_index_of_experts() -> int:
+    """``e`` presses from the full screen to the experts panel alone."""
+    from tui import views
+
+    return views.PANELS.index("experts") + 1

@@ -71,6 +71,20 @@ GAUGE_WORKER_STEP = "worker.step_id"  # execute_model calls since start
 GAUGE_WORKER_FORWARD_MS = "worker.forward_ms"  # time in the last execute_model
 GAUGE_WORKER_THREADS = "worker.cpu_threads"  # threads of a CPU worker's step now (its governor's)
 GAUGE_WORKER_THREADS_MAX = "worker.cpu_threads_max"  # its share: the most it runs with
+# Worker of a mixture of experts (engine/worker/moe_telemetry.py): this rank's experts and their load
+GAUGE_MOE_NUM_EXPERTS = "moe.num_experts"  # experts per MoE layer, all ranks together
+GAUGE_MOE_FIRST_EXPERT = "moe.first_expert"  # the first of this rank's experts (a contiguous range)
+GAUGE_MOE_LOCAL_EXPERTS = "moe.local_experts"  # how many this rank holds (all of them without EP)
+GAUGE_MOE_EXPERT_PREFIX = "moe.expert."  # + expert id + ".tokens": rows it took since start, all layers
+GAUGE_MOE_STEP_ROWS = "moe.step_rows"  # rows this rank's experts took in the last forward, all layers
+GAUGE_MOE_A2A_MS = "moe.a2a_ms"  # the last forward's time inside expert-parallel all-to-alls
+GAUGE_MOE_A2A_TOTAL_S = "moe.a2a_total_s"  # since start
+GAUGE_MOE_FORWARD_TOTAL_S = "moe.forward_total_s"  # forwards (steps and dummy batches) since start
+
+
+def moe_expert_gauge(expert: int) -> str:
+    """The gauge of expert ``expert``'s rows since start: ``moe.expert.<id>.tokens``."""
+    return f"{GAUGE_MOE_EXPERT_PREFIX}{expert}.tokens"
 
 
 class _Event(msgspec.Struct, kw_only=True, array_like=True, tag_field="kind"):

@@ -127,3 +127,62 @@ def test_every_stage_hint_is_a_clause_its_readers_end():
     from tracing import catalogue, hints
 
     assert [name for name in catalogue.SPANS if hints.stage_hint(name).hint.endswith(".")] == []
+
+
+# ---------------------------------------------------------------------------- expert parallelism
+
+EP_WORKERS = ["Worker_DP0_PP0_TP0", "Worker_DP1_PP0_TP0"]
+EP_A2A = contract.COMM_KINDS.index("all_to_all")
+EP_GROUP = contract.COMM_GROUPS.index("ep")
+
+
+@pytest.fixture
+def ep_run_dir(tmp_path):
+    """-dp 2 --enable-expert-parallel: two engine cores, one worker each, one EP group of both."""
+    roles = [
+        contract.PlannedProcess(f"EngineCore_DP{d}", kind="engine_core", rank=d, dp_rank=d) for d in (0, 1)
+    ]
+    roles += [contract.PlannedProcess(r, kind="worker", rank=0, dp_rank=d, pp_rank=0, tp_rank=0)
+              for d, r in enumerate(EP_WORKERS)]  # fmt: skip
+    contract.write_manifest(tmp_path, contract.Manifest(run_dir=str(tmp_path), mode="serve", roles=roles))
+    for role in ["EngineCore_DP0", "EngineCore_DP1", *EP_WORKERS]:
+        _status(tmp_path, role, os.getpid())
+    return tmp_path
+
+
+def test_a_rank_of_another_engine_that_never_reached_the_all_to_all_is_named(ep_run_dir):
+    """DP0's worker waits in all_to_all #3 of step 5; DP1's is in step 5 but only reached #2
+    (held inside its dispatch): DP1's worker is named, across engines."""
+    boards = [contract.CommBoard(ep_run_dir, role) for role in EP_WORKERS]
+    for board in boards:
+        for _ in range(5):
+            board.rpc_enter("execute_model")
+        for _ in range(2):
+            board.enter(EP_GROUP, EP_A2A)
+            board.leave(EP_GROUP)
+    boards[0].enter(EP_GROUP, EP_A2A)
+    culprit = blame.blame_run_dir(ep_run_dir, now=time.time() + 5)
+    assert (culprit.role, culprit.verdict, culprit.victims) == (EP_WORKERS[1], "waited_on", [EP_WORKERS[0]])
+    assert culprit.reason.startswith(
+        "DP0_TP0 waits in all_to_all #3 for DP1_TP0, which is still in worker.execute_model"
+    )
+
+
+def test_an_engine_whose_worker_was_never_sent_the_step_is_named_not_its_worker(ep_run_dir):
+    """DP0's worker waits in all_to_all #1 of step 8 (a request's step); DP1's worker finished
+    step 7 and sits between steps: its engine core never sent step 8 (its dummy batches stopped),
+    so EngineCore_DP1 is named, both workers its victims."""
+    boards = [contract.CommBoard(ep_run_dir, role) for role in EP_WORKERS]
+    for board in boards:
+        for _ in range(7):
+            board.rpc_enter("execute_dummy_batch")
+    boards[1].rpc_exit()
+    boards[0].rpc_enter("execute_model")
+    boards[0].enter(EP_GROUP, EP_A2A)
+    culprit = blame.blame_run_dir(ep_run_dir, now=time.time() + 5)
+    assert (culprit.role, culprit.verdict) == ("EngineCore_DP1", "waited_on")
+    assert culprit.victims == EP_WORKERS
+    assert culprit.reason == (
+        "DP0_TP0 waits in all_to_all #1 for DP1_TP0, which is still at step 7 (5 s): "
+        "EngineCore_DP1 never sent it step 8"
+    )

@@ -33,6 +33,13 @@ from tracing.telemetry.events import (
     GAUGE_KV_FREE,
     GAUGE_KV_TOTAL,
     GAUGE_KV_USED,
+    GAUGE_MOE_A2A_MS,
+    GAUGE_MOE_A2A_TOTAL_S,
+    GAUGE_MOE_FIRST_EXPERT,
+    GAUGE_MOE_FORWARD_TOTAL_S,
+    GAUGE_MOE_LOCAL_EXPERTS,
+    GAUGE_MOE_NUM_EXPERTS,
+    GAUGE_MOE_STEP_ROWS,
     GAUGE_MQ_WRITTEN,
     GAUGE_OUTPUT_QUEUE,
     GAUGE_PREEMPTED,
@@ -47,6 +54,7 @@ from tracing.telemetry.events import (
     ScheduledRequest,
     Snapshot,
     StepRecord,
+    moe_expert_gauge,
 )
 from tracing.telemetry.state import Alert, LiveState, ProcessLive, RequestLive, WaitInfo
 from tui import views
@@ -912,6 +920,49 @@ def test_queues_panel_has_the_prefix_cache_rows():
     text = render(views.panel("queues", kv_state(), views.ViewOptions(), width=120), width=120)
     assert re.search(r"KV cached\s+3\b", text)
     assert re.search(r"prefix hit %\s+41\b", text)
+
+
+def moe_state() -> LiveState:
+    """``-dp 2 --enable-expert-parallel`` on the bundled mixture of experts (4 experts, 2 per
+    rank), as its two workers' snapshots report it (the figures of a recorded run): engine 0
+    served the requests, engine 1 ran dummy batches — yet its experts took rows from engine 0's
+    tokens, and its all-to-alls waited for engine 0's longer forwards."""
+    state = LiveState(run_dir=RUN_DIR, now=NOW, mode="serve", data_parallel_size=2)
+    figures = {
+        "Worker_DP0_PP0_TP0": (0, {0: 5120.0, 1: 4860.0}, 96.0, 1.9, 0.8, 4.0),
+        "Worker_DP1_PP0_TP0": (2, {2: 5540.0, 3: 4950.0}, 104.0, 7.5, 2.3, 4.1),
+    }
+    for i, (role, (first, rows, last, a2a_ms, a2a_s, fwd_s)) in enumerate(figures.items()):
+        gauges = {GAUGE_MOE_NUM_EXPERTS: 4, GAUGE_MOE_FIRST_EXPERT: first, GAUGE_MOE_LOCAL_EXPERTS: 2,
+                  GAUGE_MOE_STEP_ROWS: last, GAUGE_MOE_A2A_MS: a2a_ms, GAUGE_MOE_A2A_TOTAL_S: a2a_s,
+                  GAUGE_MOE_FORWARD_TOTAL_S: fwd_s, **{moe_expert_gauge(e): n for e, n in rows.items()}}  # fmt: skip
+        state.processes[role] = _proc(role, "worker", 3000 + i)
+        state.apply(Snapshot(role=role, pid=3000 + i, seq=1, t=NOW - 0.5, stages=[], gauges=gauges))
+    return state
+
+
+def test_the_experts_panel_shows_each_ranks_experts_their_load_and_the_all_to_all_wait():
+    text = render(views.panel("experts", moe_state(), views.ViewOptions(), width=120), width=120)
+    row0, row1 = line_of(text, "Worker_DP0_PP0_TP0"), line_of(text, "Worker_DP1_PP0_TP0")
+    assert re.search(r"0-1 of 4\s+e0 51%  e1 49%\s+██···\s+49%\s+96\s+1\.9 · 20%", row0), row0
+    assert re.search(r"2-3 of 4\s+e2 53%  e3 47%\s+███··\s+51%\s+104\s+7\.5 · 56%", row1), row1
+    assert "experts · DP1" in render(
+        views.panel("experts", moe_state(), views.ViewOptions(engine=1)), width=120
+    )
+    narrow = render(views.panel("experts", moe_state(), views.ViewOptions(), width=80), width=80)
+    assert "e2 53%  e3 47%" in line_of(narrow, "Worker_DP1_PP0_TP0")  # reads whole at 80 columns
+    only_dp1 = render(views.render_experts(moe_state(), engine=1), width=120)
+    assert "Worker_DP0" not in only_dp1 and "Worker_DP1_PP0_TP0" in only_dp1
+
+
+def test_queues_show_each_ranks_expert_rows_and_all_to_all_time_and_once_shows_the_experts():
+    state = moe_state()
+    text = render(views.panel("queues", state, views.ViewOptions(), width=120), width=120)
+    assert re.search(r"Worker_DP1_PP0_TP0\s+expert rows \(2-3 of 4\)\s+104\b", text), text
+    assert re.search(r"all-to-all ms\s+8\b", text), text  # 7.5 ms, as the queues round
+    assert "moe." not in text  # the raw gauges are not queues
+    assert "experts · all engines" in render(views.render_once(state), width=120)
+    assert "experts ·" not in render(views.render_once(make_state()), width=120)  # a dense model: no panel
 
 
 def test_stuck_stage_alert_with_its_hint():
