@@ -9,7 +9,8 @@ to the top process leaves nothing behind — no process, no run directory (the s
 queues live in it).
 
 The cases are chosen so each kind (hang, freeze, crash, exit) and each side (worker, engine
-core; serve and offline; TP rank 1 of ``-tp 2``) is struck at least once; the in-process
+core; serve and offline; TP rank 1 of ``-tp 2``; engine 1 of ``-dp 2 --enable-expert-parallel``
+in its MoE all-to-alls) is struck at least once; the in-process
 tests of ``tests/e2e/test_faults.py`` cover every kind at any stage. All are slow (each starts a
 tree) and bounded.
 """
@@ -692,5 +693,60 @@ def test_a_crash_while_serving_names_the_process_its_stage_and_exception(base, a
         root = _root_cause(tree.log())
         assert f"process:   {role}" in root and f"stage:     {stage}" in root, root
         assert "exception: InjectedFault: injected fault" in root and "still running" not in root, root
+    finally:
+        tree.kill()
+
+
+# ------------------------------------------------------------------------ expert parallelism
+
+
+@pytest.mark.parametrize(
+    ("spec", "role", "why"),
+    [
+        # DP1's worker blocks as it enters a MoE layer's dispatch: DP0's waits in the all-to-all
+        ("moe.dispatch:hang@Worker_DP1_PP0_TP0#60", "Worker_DP1_PP0_TP0",
+         "DP0_TP0 waits in all_to_all #"),
+        # DP1's worker dies entering a combine: the all-to-all back loses a rank
+        ("moe.combine:kill:SIGKILL@Worker_DP1_PP0_TP0#60", "Worker_DP1_PP0_TP0", "SIGKILL"),
+        # DP1's engine core stops its dummy batches: its worker is never sent the step
+        ("engine_core.dummy_step:hang@EngineCore_DP1#5", "EngineCore_DP1",
+         "EngineCore_DP1 never sent it step"),
+    ],
+    ids=["dp1-dispatch-hang", "dp1-combine-kill", "dp1-dummy-steps-stop"],
+)  # fmt: skip
+def test_a_rank_that_stalls_or_dies_in_a_moe_collective_is_named_and_the_tree_stops(base, spec, role, why):
+    """``-dp 2 --enable-expert-parallel`` on the bundled mixture of experts, one request
+    streaming (engine 1 mostly runs dummy batches): a fault strikes engine 1 in its MoE
+    collectives, or stops its dummy batches. Doctor names engine 1's process, not engine 0's
+    worker waiting in the all-to-all; the stream errors within the step deadline; the tree exits
+    1 with one root cause naming it, and leaves nothing."""
+    from engine.config import MOE_MODEL
+
+    env = {"GLASSBOX_EXECUTE_MODEL_TIMEOUT_S": "20"}
+    args = ["--model", MOE_MODEL, "-dp", "2", "--enable-expert-parallel", "--api-server-count", "1",
+            "--inject-fault", spec]  # fmt: skip
+    tree = Tree(base, args, env=env)
+    try:
+        thread, out = _stream_in_background(tree, base)
+        if "hang" in spec:  # while the tree stands: doctor names the rank, not its victim
+            struck = tree.wait_struck(role, timeout=180)
+            deadline = time.monotonic() + 15
+            while True:
+                code, doc = _doctor(tree, "--no-stacks")
+                named = doc.get("culprit") == role and why in doc.get("diagnosis", "")
+                if named or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            assert code == 1 and doc["culprit"] == role and why in doc["diagnosis"], doc["diagnosis"]
+            thread.join(timeout=120)
+            assert out.get("errored_at") is not None, out
+            errored_at = time.time() - (time.monotonic() - out["errored_at"])
+            assert errored_at - struck.struck_at < 20 + 15, "the stream errored long past the step deadline"
+        thread.join(timeout=120)
+        assert out.get("errored_at") is not None, out
+        assert tree.proc.wait(timeout=60) == 1, tree.log()[-3000:]
+        root = _root_cause(tree.log())
+        assert f"process:   {role}" in root and why in root, root
+        tree.assert_nothing_left()
     finally:
         tree.kill()
