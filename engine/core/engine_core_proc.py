@@ -173,6 +173,8 @@ class EngineCoreProc(EngineCore):
 
     # Expert parallelism across engines: the engine cores' DP group (set in __init__), else None.
     dp_group = None
+    # ... and how many forwards of a wave pass between two "any work left?" all-reduces.
+    wave_sync_steps = DP_WAVE_SYNC_STEPS
 
     def __init__(
         self,
@@ -329,7 +331,7 @@ class EngineCoreProc(EngineCore):
                 return
             self._dummy_step()
         self.wave_step += 1
-        if self.wave_step % DP_WAVE_SYNC_STEPS:
+        if self.wave_step % self.wave_sync_steps:
             return
         from engine.distributed.parallel_state import has_unfinished_dp
 

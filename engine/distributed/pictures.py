@@ -9,8 +9,8 @@ the serve parser, turned into an ``EngineConfig`` and planned by ``topology.plan
 The same command draws the other pictures there too: one request's path
 (``engine/distributed/request_path_picture.py``), the paged KV cache
 (``engine/kv_cache/pictures.py``), one engine step on the engine core's threads
-(``engine/core/step_picture.py``, from a recorded trace) and one data-parallel request wave
-(``engine/core/wave_picture.py``).
+(``engine/core/step_picture.py``, from a recorded trace), one data-parallel request wave
+(``engine/core/wave_picture.py``) and one under expert parallelism (``engine/core/ep_wave_picture.py``).
 
 A test regenerates them and compares byte for byte (``tests/unit/distributed/test_pictures.py``).
 
@@ -339,9 +339,10 @@ def write_pictures(out_dir: Path = DOCS_DIR) -> list[Path]:
 
 
 def write_every_picture(out_dir: Path = DOCS_DIR) -> list[Path]:
-    """The process trees, one request's path, the paged KV cache, one engine step and one DP
-    wave: every picture of ``docs/pictures/``, each from its own module; returns the paths written."""
-    from engine.core import step_picture, wave_picture
+    """The process trees, one request's path, the paged KV cache, one engine step, one DP wave
+    and one wave under expert parallelism: every picture of ``docs/pictures/``, each from its
+    own module; returns the paths written."""
+    from engine.core import ep_wave_picture, step_picture, wave_picture
     from engine.distributed import request_path_picture
     from engine.kv_cache import pictures as kv_cache_pictures
 
@@ -351,6 +352,7 @@ def write_every_picture(out_dir: Path = DOCS_DIR) -> list[Path]:
         *kv_cache_pictures.write_pictures(out_dir),
         *step_picture.write_pictures(out_dir),
         *wave_picture.write_pictures(out_dir),
+        *ep_wave_picture.write_pictures(out_dir),
     ]
 
 

@@ -9,8 +9,8 @@ and, with ``--collect-detailed-traces model`` (or ``worker``, ``all``) or a faul
 enters it as a stage: ``moe.router``, ``moe.dispatch``, ``moe.experts``, ``moe.combine`` (a span
 with the layer, the rows sent and received, the all-to-all time). Around each forward (a step
 or a DP dummy batch) ``forward`` sums what the layers did: the rows each of this rank's experts
-took, the time in all-to-alls, the forward's time. The live-telemetry gauges (``gauges``) carry
-them to engine-top.
+took, the time in all-to-alls, the forward's time, from the first step on (``reset`` after the
+warm-up). The live-telemetry gauges (``gauges``) carry them to engine-top.
 """
 
 from __future__ import annotations
@@ -104,6 +104,20 @@ class MoETelemetry:
         self.last_rows = sum(load)
         self.last_a2a_ms = self._a2a_s * 1e3
         self.a2a_total_s += self._a2a_s
+
+    def reset(self) -> None:
+        """Forget what start-up did (the profile and warm-up forwards route their dummy tokens
+        too): the counters start at the first step."""
+        for layer in self.layers:
+            layer.take_expert_load()
+        self.expert_rows = [0] * len(self.expert_rows)
+        self.last_rows, self.last_a2a_ms, self.a2a_total_s, self.forward_total_s, self.forwards = (
+            0,
+            0.0,
+            0.0,
+            0.0,
+            0,
+        )
 
     def gauges(self) -> dict[str, float]:
         """Live-telemetry gauges (``events.GAUGE_MOE_*``): this rank's experts, their rows since

@@ -265,6 +265,8 @@ class Worker:
             st.set(catalogue.ATTR_COMPILE_CACHE, compiled["cache"])
             st.set(catalogue.ATTR_COMPILE_SECONDS, round(compiled["seconds"], 3))
             torch.manual_seed(self.config.model_config.seed)
+            if self.moe_telemetry is not None:
+                self.moe_telemetry.reset()  # the experts' load counts serving only
         set_runs_as(self.runs_as(compiled))
 
     def runs_as(self, compiled: dict[str, Any]) -> dict[str, str]:

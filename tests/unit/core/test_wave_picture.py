@@ -35,3 +35,30 @@ def test_the_idle_engine_runs_dummy_batches_exactly_while_the_wave_runs():
 
 def test_drawing_twice_gives_the_same_bytes():
     assert wave_picture.render_all() == wave_picture.render_all()
+
+
+# ---------------------------------------------------------------------- under expert parallelism
+
+
+def test_the_committed_expert_parallel_picture_is_current(tmp_path):
+    from engine.core import ep_wave_picture
+
+    (path,) = ep_wave_picture.write_pictures(tmp_path)
+    committed = pictures.DOCS_DIR / ep_wave_picture.FILE_NAME
+    assert committed.read_bytes() == path.read_bytes(), f"docs/pictures/{path.name} is stale; {REGENERATE}"
+
+
+def test_under_expert_parallelism_the_forwards_meet_and_the_engines_end_the_wave_together():
+    from engine.core import ep_wave_picture
+
+    columns = ep_wave_picture.run_scenario()
+    assert [c.did[0] for c in columns] == ["idle", "prefill", "cont. prefill", "decode", "decode (finished)",
+                                           "dummy", "idle"]  # fmt: skip
+    assert [c.did[1] for c in columns] == ["idle", "idle", "dummy", "dummy", "dummy", "dummy", "idle"]
+    # engine 0's prefill waits in the all-to-all until engine 1's first dummy batch joins it
+    assert columns[1].waiting == [True, False] and columns[1].forward is None
+    assert [c.forward for c in columns] == [None, None, 1, 2, 3, 4, None]
+    # the all-reduce at the 4th forward finds no work: both leave wave 0 after that same forward
+    assert columns[5].synced is False and columns[5].wave == [(1, False), (1, False)]
+    assert (0, "WaveComplete(0)") in columns[5].to_coordinator and columns[5].coordinator == (1, False)
+    assert all(c.from_coordinator == [] for c in columns[2:])  # the coordinator never ends it itself
