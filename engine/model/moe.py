@@ -66,7 +66,7 @@ from engine.distributed.parallel_state import (
     tensor_model_parallel_all_reduce,
 )
 from engine.model.forward_context import get_forward_context
-from engine.model.layers import default_weight_loader
+from engine.model.layers import ReplicatedLinear, default_weight_loader
 
 # ----------------------------------------------------------------------------- the glass
 
@@ -371,8 +371,6 @@ class SparseMoeBlock(nn.Module):
         shared_expert: nn.Module | None = None,
     ) -> None:
         super().__init__()
-        from engine.model.layers import ReplicatedLinear
-
         self.gate = ReplicatedLinear(hidden_size, num_experts)  # the router: every rank scores every expert
         self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize, layer_index)
         self.shared_expert = shared_expert

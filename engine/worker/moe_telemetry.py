@@ -45,7 +45,8 @@ class MoETelemetry:
 
     Counters: ``expert_rows`` (rows each of this rank's experts took since start, all layers),
     ``last_rows`` (in the last forward), ``last_a2a_ms`` (the last forward's time inside
-    all-to-alls, ms), ``a2a_total_s`` and ``forward_total_s`` (since start, s), ``forwards``.
+    all-to-alls, ms), ``a2a_total_s`` and ``forward_total_s`` (since start, s), ``forwards``,
+    ``phase_s`` (seconds in each phase, all layers, since start).
     """
 
     def __init__(self, layers: dict[int, FusedMoE], detailed: bool = False) -> None:
@@ -61,6 +62,7 @@ class MoETelemetry:
         self.forward_total_s = 0.0
         self.forwards = 0
         self._a2a_s = 0.0  # in the forward running now
+        self.phase_s = dict.fromkeys(PHASE_SPANS, 0.0)  # seconds in each phase since start, all layers
         for layer in self.layers:
             layer.observer = self
 
@@ -72,10 +74,12 @@ class MoETelemetry:
         a2a_before = ep.stats.all_to_all_s if ep is not None else 0.0
         figures: dict[str, int] = {}
         span = PHASE_SPANS[name]
+        start = time.perf_counter()
         if not (self.detailed or span in faults.armed_stages()):
             yield figures
             if ep is not None:
                 self._a2a_s += ep.stats.all_to_all_s - a2a_before
+            self.phase_s[name] += time.perf_counter() - start
             return
         with stage(span, **{catalogue.ATTR_MOE_LAYER: layer_index}) as st:
             yield figures
@@ -86,6 +90,7 @@ class MoETelemetry:
                 self._a2a_s += waited
                 if name in ("dispatch", "combine"):
                     st.set(catalogue.ATTR_MOE_WAIT_MS, round(waited * 1e3, 3))
+        self.phase_s[name] += time.perf_counter() - start
 
     @contextmanager
     def forward(self) -> Iterator[None]:
@@ -111,13 +116,19 @@ class MoETelemetry:
         for layer in self.layers:
             layer.take_expert_load()
         self.expert_rows = [0] * len(self.expert_rows)
-        self.last_rows, self.last_a2a_ms, self.a2a_total_s, self.forward_total_s, self.forwards = (
-            0,
-            0.0,
-            0.0,
-            0.0,
-            0,
-        )
+        self.last_rows, self.last_a2a_ms, self.forwards = 0, 0.0, 0
+        self.times(reset=True)
+
+    def times(self, reset: bool = False) -> dict[str, float]:
+        """Seconds since start (or the last reset) in forwards (``moe_forward_s``), in each
+        phase of every layer (``moe_router_s``, ``moe_dispatch_s``, ``moe_experts_s``,
+        ``moe_combine_s``) and inside the all-to-alls (``moe_a2a_s``): the benchmarks' shares."""
+        out = {"moe_forward_s": self.forward_total_s, "moe_a2a_s": self.a2a_total_s}
+        out.update({f"moe_{name}_s": seconds for name, seconds in self.phase_s.items()})
+        if reset:
+            self.forward_total_s = self.a2a_total_s = 0.0
+            self.phase_s = dict.fromkeys(PHASE_SPANS, 0.0)
+        return out
 
     def gauges(self) -> dict[str, float]:
         """Live-telemetry gauges (``events.GAUGE_MOE_*``): this rank's experts, their rows since

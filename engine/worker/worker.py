@@ -165,11 +165,13 @@ class Worker:
         )
 
     def get_comm_stats(self, reset: bool = False) -> dict[str, float]:
-        """Seconds in ``execute_model``, in TP collectives and in PP hand-offs (and their calls), for
-        benchmarks."""
+        """Seconds in ``execute_model``, in TP collectives, PP hand-offs and EP all-to-alls (and
+        their calls), and a mixture of experts' phases (``MoETelemetry.times``), for benchmarks."""
         from engine.distributed import parallel_state
 
         out = {"execute_model_s": self.step_telemetry.execute_model_s, **parallel_state.get_comm_stats(reset)}
+        if self.moe_telemetry is not None:  # a mixture of experts: its phases' seconds too
+            out.update(self.moe_telemetry.times(reset))
         if reset:
             self.step_telemetry.execute_model_s = 0.0
         return out

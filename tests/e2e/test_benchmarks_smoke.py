@@ -35,6 +35,8 @@ CASES = {
     "cpu_contention": (["--repeats", "1", "--only", "after", *TINY], r"variant\s+quiet tok/s\s+contended\s+ratio"),
     "cpu_fma_peak": ([], r"one core, best of 3"),
     "data_parallel": (["--dp", "2", "--repeats", "1", *TINY], r"dp\s+thr/wkr\s+start-up s\s+generate s\s+out tok/s"),
+    "expert_parallel": (["--repeats", "1", *TINY],
+                        r"config\s+workers\s+thr/wkr\s+start-up s\s+generate s\s+out tok/s\s+router %"),
     "offline_throughput": (["--dtype", "float32", "--runs", "1", "--hf-batch-size", "2", *TINY],
                            r"dtype\s+transformers tok/s\s+glassbox tok/s\s+ratio\s+forward share"),
     "paged_attention_kernel": (["--num-decodes", "2", "--min-len", "16", "--max-len", "32", "--repeats", "1",
