@@ -33,6 +33,7 @@ from engine.config import (
     ObservabilityConfig,
     ParallelConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
 )
 from engine.kv_cache.kv_cache_planning import check_fixed_kv_budget
 from engine.logger import init_logger
@@ -113,8 +114,6 @@ REFUSED_VLLM_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag(("--task",), True, "only text generation is implemented", allowed=("auto", "generate")),
     VllmFlag(("--limit-mm-per-prompt",), True, "multimodal inputs are left out"),
     VllmFlag(("--enable-prompt-embeds",), False, "prompt embeddings are left out"),
-    VllmFlag(("--structured-outputs-config",), True, "structured outputs are left out"),
-    VllmFlag(("--guided-decoding-backend",), True, "structured outputs are left out"),
     VllmFlag(("--reasoning-parser",), True, "reasoning parsers are left out", serving=True),
     VllmFlag(("--enable-auto-tool-choice",), False, "tool calling is left out", serving=True),
     VllmFlag(("--tool-call-parser",), True, "tool calling is left out", serving=True),
@@ -273,6 +272,8 @@ class EngineArgs:
     step_delay_ms: float = 0.0
     collect_detailed_traces: str | None = None
     inject_fault: str | None = None
+    structured_outputs_config: dict[str, Any] | None = None
+    guided_decoding_backend: str | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, serving: bool = False) -> argparse.ArgumentParser:
@@ -522,6 +523,23 @@ class EngineArgs:
         g.add_argument(
             "--load-format", default=d.load_format, choices=("auto", "safetensors"), help="Weight format."
         )
+        g = parser.add_argument_group("StructuredOutputsConfig")
+        g.add_argument(
+            "--structured-outputs-config",
+            type=_json_object,
+            default=None,
+            metavar="JSON",
+            help='The grammar backend and its options, e.g. \'{"backend": "guidance", '
+            "\"disable_any_whitespace\": true}'. backend: auto or guidance (both llguidance; vLLM's "
+            "xgrammar, outlines, lm-format-enforcer are refused); disable_any_whitespace, "
+            "disable_additional_properties, whitespace_pattern as in vLLM.",
+        )
+        g.add_argument(
+            "--guided-decoding-backend",
+            default=None,
+            metavar="NAME",
+            help="The older name of --structured-outputs-config's backend (vLLM 0.32 still takes it).",
+        )
         g = parser.add_argument_group("ObservabilityConfig")
         g.add_argument(
             "--otlp-traces-endpoint",
@@ -683,6 +701,7 @@ class EngineArgs:
             scheduler_config=scheduler_config,
             device_config=DeviceConfig(device=self.device),
             load_config=LoadConfig(load_format=self.load_format),
+            structured_outputs_config=self._structured_outputs_config(),
             observability_config=ObservabilityConfig(
                 otlp_traces_endpoint=self.otlp_traces_endpoint,
                 trace_file=self.trace_file or envs.GLASSBOX_TRACE_FILE,
@@ -696,3 +715,20 @@ class EngineArgs:
         )
         check_fixed_kv_budget(config)
         return config
+
+    def _structured_outputs_config(self) -> StructuredOutputsConfig:
+        """``--structured-outputs-config``, with ``--guided-decoding-backend`` as its backend."""
+        value = dict(self.structured_outputs_config or {})
+        if self.guided_decoding_backend is not None:
+            if "backend" in value and value["backend"] != self.guided_decoding_backend:
+                raise ConfigError("--guided-decoding-backend", self.guided_decoding_backend,
+                                  "--structured-outputs-config names another backend")  # fmt: skip
+            value["backend"] = self.guided_decoding_backend
+        try:
+            return StructuredOutputsConfig.from_json(value)
+        except ConfigError as e:
+            if self.guided_decoding_backend is not None and "backend" in str(e):
+                raise ConfigError(
+                    "--guided-decoding-backend", self.guided_decoding_backend, e.allowed
+                ) from None
+            raise

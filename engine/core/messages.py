@@ -69,6 +69,9 @@ class FinishReason(enum.IntEnum):
     STOP = 0
     LENGTH = 1
     ABORT = 2
+    # vLLM 0.33's: the engine could not go on with the request (a structured-output grammar
+    # that failed to compile in the engine, or that no token can follow).
+    ERROR = 3
 
     def __str__(self) -> str:
         return self.name.lower()
