@@ -552,7 +552,13 @@ class Scheduler:
         prefix_stats = self.kv_cache_manager.make_prefix_cache_stats()
         self.prefix_cache_queries += prefix_stats.queries
         self.prefix_cache_hits += prefix_stats.hits
+        counts, seconds_sum = [], 0.0
+        if self.structured_output_manager is not None:
+            counts, seconds_sum = self.structured_output_manager.compile_time_histogram()
         return SchedulerStats(
+            num_waiting_for_fsm=self.num_waiting_for_fsm(),
+            grammar_compile_counts=counts,
+            grammar_compile_seconds_sum=seconds_sum,
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
             kv_cache_usage=self.kv_cache_manager.usage,

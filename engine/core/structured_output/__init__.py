@@ -13,8 +13,9 @@ Mirrors vLLM's ``vllm/v1/structured_output/__init__.py``. It lives in the engine
 3. ``update_from_output`` (the scheduler) advances each grammar by its sampled tokens
    (``accept_tokens``); a grammar that is terminated finishes its request (``stop``).
 
-Compile times (s) are kept for the metrics (``take_compile_times``), and each compile is a
-span (``structured_output.compile_grammar``).
+Compile times (s) are kept for the metrics (``compile_time_histogram``, and
+``take_compile_times`` for a benchmark), and each compile is a span
+(``structured_output.compile_grammar``).
 
 Left out: reasoning parsers (``should_fill_bitmask`` is always true), speculative tokens,
 parallel bitmask filling for large batches (vLLM's threshold is 128 requests).
@@ -22,6 +23,7 @@ parallel bitmask filling for large batches (vLLM's threshold is 128 requests).
 
 from __future__ import annotations
 
+import bisect
 import multiprocessing
 import threading
 import time
@@ -32,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from engine.core.messages import GRAMMAR_COMPILE_BUCKETS
 from engine.core.structured_output.backend_guidance import GuidanceBackend, get_structured_output_key
 from engine.core.structured_output.backend_types import StructuredOutputBackend, StructuredOutputGrammar
 from engine.logger import init_logger
@@ -78,6 +81,9 @@ class StructuredOutputManager:
         self._pending: set[Future] = set()
         self._compile_times: list[float] = []
         self._times_lock = threading.Lock()
+        # Every compile since start: counts per GRAMMAR_COMPILE_BUCKETS bound (+ the rest), sum (s).
+        self.compile_counts = [0] * (len(GRAMMAR_COMPILE_BUCKETS) + 1)
+        self.compile_seconds_sum = 0.0
 
     def _get_backend(self) -> StructuredOutputBackend:
         """The backend, built on first use (in a compile thread: it reads the whole vocabulary)."""
@@ -113,7 +119,15 @@ class StructuredOutputManager:
             st.set(catalogue.ATTR_SO_SHORTEST_OUTPUT, getattr(grammar, "shortest_output", None) or -1)
         with self._times_lock:
             self._compile_times.append(seconds)
+            self.compile_counts[bisect.bisect_left(GRAMMAR_COMPILE_BUCKETS, seconds)] += 1
+            self.compile_seconds_sum += seconds
         return grammar
+
+    def compile_time_histogram(self) -> tuple[list[int], float]:
+        """(counts per ``GRAMMAR_COMPILE_BUCKETS`` bound and one for the rest, sum of seconds)
+        over every compile since start (for ``SchedulerStats``)."""
+        with self._times_lock:
+            return list(self.compile_counts), self.compile_seconds_sum
 
     def take_compile_times(self) -> list[float]:
         """Seconds of every grammar compile finished since the last call."""

@@ -45,13 +45,17 @@ class ScriptedGrammar:
 
 
 class FakeManager:
-    """The two calls the scheduler makes: ``should_advance`` and ``grammar_bitmask``."""
+    """The calls the scheduler makes: ``should_advance``, ``grammar_bitmask`` and, for its
+    stats, ``compile_time_histogram``."""
 
     def __init__(self) -> None:
         self.bitmask_calls: list[list[str]] = []
 
     def should_advance(self, request: Request) -> bool:
         return request.use_structured_output
+
+    def compile_time_histogram(self):
+        return [0, 1], 0.25
 
     def grammar_bitmask(self, requests, ids):
         self.bitmask_calls.append(list(ids))
@@ -81,6 +85,8 @@ def test_a_request_waits_for_its_grammar_while_others_run():
     assert list(output.num_scheduled_tokens) == ["plain"]
     assert waiting.status == RequestStatus.WAITING_FOR_FSM
     assert scheduler.num_waiting_for_fsm() == 1
+    stats = scheduler.make_stats()  # what /metrics shows: one waits for its grammar; the compiles so far
+    assert stats.num_waiting_for_fsm == 1 and stats.grammar_compile_counts == [0, 1]
     assert list(scheduler.waiting) == [waiting]  # it kept its place
 
     grammar = ScriptedGrammar()
