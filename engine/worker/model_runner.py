@@ -145,16 +145,15 @@ def apply_grammar_bitmask(
     if not masked:
         return
     words = np.frombuffer(scheduler_output.grammar_bitmask, dtype=np.int32).reshape(len(rows_of), -1)
-    logit_rows = [row for row, _ in masked]
-    mask_rows = words[[mask_row for _, mask_row in masked]]  # (n, ceil(vocab / 32)) int32
-    bits = np.unpackbits(mask_rows.view(np.uint8), axis=1, bitorder="little")  # (n, 32 * words) 0/1
-    vocab_size = logits.shape[1]
-    allowed = np.zeros((len(masked), vocab_size), dtype=bool)  # (n, vocab)
+    bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")  # (len(ids), 32 * words) 0/1
+    num_rows, vocab_size = logits.shape
     width = min(vocab_size, bits.shape[1])
-    allowed[:, :width] = bits[:, :width].astype(bool)
-    forbidden = torch.from_numpy(~allowed).to(logits.device)  # (n, vocab) bool
-    index = torch.tensor(logit_rows, dtype=torch.int64, device=logits.device)
-    logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
+    # One mask over every logits row (rows without a grammar forbid nothing), one masked_fill_.
+    forbidden = np.zeros((num_rows, vocab_size), dtype=bool)  # (num_rows, vocab)
+    logit_rows = [row for row, _ in masked]
+    forbidden[logit_rows] = True
+    forbidden[logit_rows, :width] = bits[[mask_row for _, mask_row in masked], :width] == 0
+    logits.masked_fill_(torch.from_numpy(forbidden).to(logits.device), float("-inf"))
 
 
 def _is_compile_failure(error: BaseException) -> bool:

@@ -46,6 +46,8 @@ CASES = {
     "serve_vs_offline": (["--model", "default", *TINY], r"run\s+output tok/s\s+TTFT ms \(mean/p99\)"),
     "serve_vs_vllm": (["--runs", "1", "--bench-runs", "1", "--num-prompts", "2", "--input-len", "8",
                        "--output-len", "2", "--max-concurrency", "2"], r"\| engine \| output tok/s \| TTFT p99 \|"),
+    "structured_outputs": (["--num-requests", "2", "--concurrency", "2", "--max-tokens", "8", "--repeats", "1"],
+                           r"run\s+output tok/s \(each run\)\s+median\s+tokens/request"),
     "step_gaps": (["--tokens", "4"], r"median \(p90\) time between engine steps\n.*=1 .*alone .* ms"),
     "telemetry_overhead": (["--repeats", "1", *TINY], r"telemetry off: .* tok/s\s+on \(engine-top attached\)"),
     "tensor_parallel": (["--tp", "2", *TINY], r"tp\s+thr/wkr\s+start-up s\s+generate s\s+out tok/s"),

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import copy
 import json
-from collections import deque
+import threading
+from collections import OrderedDict, deque
 from typing import Any
 
 import llguidance
@@ -39,6 +40,11 @@ from engine.sampling_params import StructuredOutputsParams
 
 logger = init_logger(__name__)
 
+# Compiled constraints kept for reuse (each a matcher at the start of the output).
+GRAMMAR_CACHE_SIZE = 128
+# A request whose completion plan was not found tries again at its next steps, at most this
+# many times in all (a search costs up to a few ms; the state changes a little each step).
+MAX_PLAN_ATTEMPTS = 2
 # Bits 0..31 of each bitmask word, to unpack a row into token ids.
 _BITS = np.arange(32, dtype=np.uint32)
 
@@ -206,7 +212,11 @@ class GuidanceGrammar(StructuredOutputGrammar):
         return True
 
     def fill_bitmask(self, bitmask: np.ndarray, index: int, remaining_tokens: int) -> None:
-        if self.planned is None and remaining_tokens <= self.reserve and self.plan_attempts < 3:
+        if (
+            self.planned is None
+            and remaining_tokens <= self.reserve
+            and self.plan_attempts < MAX_PLAN_ATTEMPTS
+        ):
             self.plan_attempts += 1
             self.planned = _deque_or_none(
                 plan_completion(
@@ -249,6 +259,10 @@ class GuidanceBackend(StructuredOutputBackend):
         self.eos_token_ids = set(eos_token_ids)
         self.config = config
         self.ll_tokenizer = ll_tokenizer_from(tokenizer_json, vocab_size, eos_token_ids)
+        # Compiled matchers by constraint (LRU): a repeated schema costs a copy, not a compile
+        # (vLLM's xgrammar backend keeps such a cache; its guidance backend compiles each time).
+        self._cache: OrderedDict[tuple, tuple[llguidance.LLMatcher, int | None]] = OrderedDict()
+        self._cache_lock = threading.Lock()
         self.table = TokenTable(
             [
                 b"" if i in self.eos_token_ids or self.ll_tokenizer.is_special_token(i)
@@ -263,6 +277,13 @@ class GuidanceBackend(StructuredOutputBackend):
         return np.flatnonzero((words[:, None] >> _BITS) & 1)[: self.vocab_size]
 
     def compile_grammar(self, request_type: StructuredOutputOptions, grammar_spec: str, params=None):
+        """A fresh ``GuidanceGrammar`` for one request: a copy of the compiled matcher (from the
+        cache of the last ``GRAMMAR_CACHE_SIZE`` constraints, else compiled now, with its
+        shortest whole output planned once).
+
+        Raises:
+            ValueError: the constraint does not compile (llguidance's message).
+        """
         defaults = {
             "disable_any_whitespace": self.config.disable_any_whitespace,
             "disable_additional_properties": self.config.disable_additional_properties,
@@ -273,9 +294,21 @@ class GuidanceBackend(StructuredOutputBackend):
             if params is not None
             else {k: v for k, v in defaults.items() if v is not None}
         )
-        serialized = serialize_guidance_grammar(request_type, grammar_spec, **options)
-        matcher = llguidance.LLMatcher(self.ll_tokenizer, serialized, log_level=0)
-        if matcher.is_error():
-            raise ValueError(matcher.get_error())
-        plan = plan_completion(matcher, self.table, self.allowed_tokens, b"", 256)
-        return GuidanceGrammar(matcher, self, None if plan is None else len(plan))
+        key = (request_type, grammar_spec, tuple(sorted(options.items())))
+        with self._cache_lock:
+            cached = self._cache.get(key)
+            if cached is not None:
+                self._cache.move_to_end(key)
+        if cached is None:
+            serialized = serialize_guidance_grammar(request_type, grammar_spec, **options)
+            matcher = llguidance.LLMatcher(self.ll_tokenizer, serialized, log_level=0)
+            if matcher.is_error():
+                raise ValueError(matcher.get_error())
+            plan = plan_completion(matcher, self.table, self.allowed_tokens, b"", 256)
+            cached = (matcher, None if plan is None else len(plan))
+            with self._cache_lock:
+                self._cache[key] = cached
+                while len(self._cache) > GRAMMAR_CACHE_SIZE:
+                    self._cache.popitem(last=False)
+        template, shortest_output = cached
+        return GuidanceGrammar(template.deep_copy(), self, shortest_output)

@@ -166,6 +166,20 @@ def test_regex_choice_object_and_grammar_outputs_end_inside_their_constraint(man
     assert ended and check(out.decode()), out
 
 
+def test_a_repeated_schema_reuses_the_compiled_grammar_but_not_its_state(manager):
+    first = compiled(manager, StructuredOutputsParams(json=SCHEMAS["nested"]), max_tokens=96)
+    out, ended = generate(manager, first)
+    assert ended
+    second = compiled(manager, StructuredOutputsParams(json=SCHEMAS["nested"]), max_tokens=96)
+    grammar = second.structured_output_request.grammar
+    assert grammar.matcher is not first.structured_output_request.grammar.matcher
+    assert grammar.shortest_output == first.structured_output_request.grammar.shortest_output
+    assert not grammar.is_terminated() and grammar.output_bytes == b""  # it starts at the start
+    out2, ended = generate(manager, second, seed=1)
+    assert ended
+    jsonschema.validate(json.loads(out2), SCHEMAS["nested"])
+
+
 def test_compile_times_are_kept_for_the_metrics(manager):
     manager.take_compile_times()
     compiled(manager, StructuredOutputsParams(regex="[0-9]+"))
