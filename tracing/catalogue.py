@@ -526,7 +526,8 @@ STRUCTURED_OUTPUT_COMPILE_GRAMMAR = _span(
     STEP,
     (KIND_ENGINE_CORE,),
     "Compile one request's grammar (JSON schema, regex, choice or grammar) with llguidance, in the "
-    "StructuredOutputManager's thread pool, while the request waits as WAITING_FOR_FSM.",
+    "StructuredOutputManager's thread pool, while the request waits as WAITING_FOR_FSM; in the request's "
+    "trace (a copy of the backend's compiled grammar when the constraint was seen before).",
     (ATTR_GEN_AI_REQUEST_ID, ATTR_SO_KIND, ATTR_SO_SHORTEST_OUTPUT, ATTR_THREAD_NAME),
 )
 STRUCTURED_OUTPUT_GRAMMAR_BITMASK = _span(

@@ -197,7 +197,7 @@ class EngineCore:
             client_index=request.client_index,
             block_hasher=self.block_hasher,
         )
-        self.structured_output_manager.grammar_init(core_request)
+        self.structured_output_manager.grammar_init(core_request, request.trace_headers)
         self.scheduler.add_request(core_request)
         self.request_tracer.add(request.request_id, request.trace_headers)
 

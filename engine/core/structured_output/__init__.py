@@ -39,6 +39,7 @@ from engine.core.structured_output.backend_guidance import GuidanceBackend, get_
 from engine.core.structured_output.backend_types import StructuredOutputBackend, StructuredOutputGrammar
 from engine.logger import init_logger
 from tracing import catalogue, stage
+from tracing.propagation import attached_trace_context
 
 if TYPE_CHECKING:
     from engine.sched.request import Request
@@ -94,17 +95,21 @@ class StructuredOutputManager:
                 )
             return self.backend
 
-    def grammar_init(self, request: Request) -> None:
-        """Start compiling ``request``'s grammar in the pool (no-op without a constraint)."""
+    def grammar_init(self, request: Request, trace_headers: dict[str, str] | None = None) -> None:
+        """Start compiling ``request``'s grammar in the pool (no-op without a constraint).
+        ``trace_headers``: the request's trace context (W3C), so that the compile's span is
+        in the request's trace."""
         so_request = request.structured_output_request
         if so_request is None:
             return
-        future = self.executor.submit(self._async_create_grammar, request)
+        future = self.executor.submit(self._async_create_grammar, request, trace_headers)
         self._pending.add(future)
         future.add_done_callback(self._pending.discard)
         so_request.grammar = future
 
-    def _async_create_grammar(self, request: Request) -> StructuredOutputGrammar:
+    def _async_create_grammar(
+        self, request: Request, trace_headers: dict[str, str] | None
+    ) -> StructuredOutputGrammar:
         so_request = request.structured_output_request
         assert so_request is not None
         request_type, spec = get_structured_output_key(so_request.params)
@@ -113,7 +118,10 @@ class StructuredOutputManager:
             catalogue.ATTR_GEN_AI_REQUEST_ID: request.request_id,
             catalogue.ATTR_SO_KIND: so_request.params.kind,
         }
-        with stage(catalogue.STRUCTURED_OUTPUT_COMPILE_GRAMMAR, **attributes) as st:
+        with (
+            attached_trace_context(trace_headers),
+            stage(catalogue.STRUCTURED_OUTPUT_COMPILE_GRAMMAR, **attributes) as st,
+        ):
             grammar = self._get_backend().compile_grammar(request_type, spec, so_request.params)
             seconds = time.perf_counter() - start
             st.set(catalogue.ATTR_SO_SHORTEST_OUTPUT, getattr(grammar, "shortest_output", None) or -1)

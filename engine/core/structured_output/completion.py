@@ -41,6 +41,9 @@ _CLOSERS, _SEPARATORS, _DIGITS, _PUNCTUATION, _LETTERS, _WHITESPACE, _OTHER = ra
 _WHITESPACE_BYTES = frozenset(b" \t\n\r")
 # The bytes that open or close something (a token without any is scanned without scanning).
 _STRUCTURAL = frozenset(b'"\\{}[]')
+_CLOSING_BYTES = frozenset(b'"{}[],:0123456789 \t\n\r')
+# Above this many allowed tokens, only the ``TokenTable.closing`` ones are ranked.
+_RANK_ALL_BELOW = 256
 
 
 def _byte_class(byte: int) -> int:
@@ -90,6 +93,12 @@ class TokenTable:
         n = len(self.token_bytes)
         self.usable = np.array([bool(b) for b in self.token_bytes])  # (n,) special tokens are never planned
         self.length = np.array([len(b) for b in self.token_bytes], dtype=np.int64)  # (n,)
+        # The tokens the search ranks where many are allowed (inside a string, a number): the
+        # short ones (at most 2 bytes) and those made only of JSON's punctuation, digits and
+        # whitespace; a vocabulary of 150k ranks a few hundred, not all of them.
+        self.closing = np.array(
+            [0 < len(b) <= 2 or (bool(b) and set(b) <= _CLOSING_BYTES) for b in self.token_bytes]
+        )  # (n,)
         # Whitespace-only tokens are tried last, whatever they leave open.
         self.whitespace = np.array(
             [bool(b) and all(byte in _WHITESPACE_BYTES for byte in b) for b in self.token_bytes]
@@ -114,6 +123,10 @@ class TokenTable:
         """The best ``limit`` of the ``allowed`` token ids, one per (openings, class) pair,
         best first (the shortest token of each pair)."""
         allowed = allowed[self.usable[allowed]]
+        if allowed.size > _RANK_ALL_BELOW:
+            closing = allowed[self.closing[allowed]]
+            if closing.size:
+                allowed = closing
         if allowed.size == 0:
             return []
         depth, in_string, escaped = state
@@ -129,7 +142,7 @@ class TokenTable:
         order = np.lexsort((self.length[allowed], classes, openings, whitespace))  # last key sorts first
         # (whitespace, openings, class) as one number, in sorted order: keep each run's first.
         keys = whitespace[order] * 1_000_000 + (openings[order] + 1000) * 10 + classes[order]
-        firsts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])[:limit]
+        firsts = np.flatnonzero(np.concatenate(([True], keys[1:] != keys[:-1])))[:limit]
         return [int(t) for t in allowed[order[firsts]]]
 
 
