@@ -25,6 +25,16 @@ def _bool(value: str) -> bool:
     raise ValueError(f"expected 0 or 1 (or true/false, yes/no, on/off), got {value!r}")
 
 
+def _auto_bool(value: str) -> bool | str:
+    """``auto`` (or empty) stays ``"auto"``; anything else is a ``_bool``."""
+    if value.strip().lower() in ("auto", ""):
+        return "auto"
+    try:
+        return _bool(value)
+    except ValueError:
+        raise ValueError(f"expected auto, 0 or 1, got {value!r}") from None
+
+
 def _cache_root(value: str) -> str:
     """A directory Glassbox may create and write: an existing non-directory or an existing
     directory it cannot write is refused (found in the first process, not by a worker's
@@ -177,12 +187,14 @@ ENV_VARS: dict[str, EnvVar] = {
         ),
         EnvVar(
             "GLASSBOX_TORCH_COMPILE",
-            _bool,
-            True,
+            _auto_bool,
+            "auto",
             "0 runs the model eagerly, as --enforce-eager does, in every engine started from this "
             "environment (the tests about model math do, on their many tiny checkpoints). 1: the "
             "model forward is compiled with torch.compile (Inductor) unless --enforce-eager; see "
-            "GLASSBOX_CACHE_ROOT for the compile cache.",
+            "GLASSBOX_CACHE_ROOT for the compile cache. auto (unset): compiled, and on a CPU "
+            "timed once against the eager step on this machine, which replaces it only where it "
+            "measured clearly faster (the worker's status shows the verdict as compiled_step).",
         ),
         EnvVar(
             "GLASSBOX_CACHE_ROOT",

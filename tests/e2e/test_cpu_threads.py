@@ -198,6 +198,28 @@ def test_the_users_openmp_settings_are_respected(tiny, monkeypatch, capfd):
     err = capfd.readouterr().err
     assert re.search(r"Worker rank 0: 1 torch thread\(s\) on CPUs \S+ \(auto: \d+ usable CPUs, 1 worker\(s\), "
                      r"OMP_NUM_THREADS=1\); OMP_WAIT_POLICY=ACTIVE, GOMP_SPINCOUNT=unset", err), err[-3000:]  # fmt: skip
+    assert "step_threads: 1 (forced by OMP_NUM_THREADS=1)" in err, err[-3000:]  # not timed
+
+
+@pytest.mark.slow
+def test_on_defaults_the_worker_times_its_threads_and_compiled_step_and_runs_as_it_chose(tiny, monkeypatch):
+    monkeypatch.setenv("GLASSBOX_ENABLE_MULTIPROCESSING", "1")
+    for name in (BIND, "OMP_NUM_THREADS", "GLASSBOX_TORCH_COMPILE"):
+        monkeypatch.delenv(name, raising=False)
+    with LLM(str(tiny), max_model_len=128) as llm:
+        out = llm.generate([{"prompt_token_ids": [7, 8, 9]}], SamplingParams(temperature=0, max_tokens=4))
+        assert len(out[0].outputs[0].token_ids) == 4
+        from tracing import run_dir as contract
+
+        runs_as = contract.read_status(contract.status_path(llm.run_dir, "Worker_DP0_PP0_TP0")).runs_as
+    # Each verdict says how it was reached: timed now, or an earlier start's timing read back.
+    threads, how = runs_as["step_threads"].split(" ", 1)
+    assert how in ("(measured)", "(cached)", "(the only candidate)"), runs_as
+    # The worker runs with at most what it chose ("N of M" while its governor follows the load).
+    assert runs_as["cpu_threads"].split(" of ")[-1] == threads, runs_as
+    mode, how = runs_as["compiled_step"].split(" ", 1)
+    assert how in ("(measured)", "(cached)") and mode in ("compiled", "eager"), runs_as
+    assert runs_as["compile"].startswith("compiled (") == (mode == "compiled"), runs_as
 
 
 @pytest.mark.slow
