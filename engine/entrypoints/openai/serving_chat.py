@@ -10,8 +10,8 @@ held back for a possible stop string, as vLLM sends it), the last one carrying t
 carries the usage.
 
 The flow up to the engine's outputs (checks, chat template, limits, sampling params, trace,
-engine request) is ``start_generation``, so that a route that translates its request into a
-``ChatCompletionRequest`` runs it too and shapes its outputs its own way.
+engine request) is ``start_generation``; ``/v1/responses`` and ``/v1/messages`` run it too,
+with a ``ChatCompletionRequest`` made from their own request, and shape its outputs their way.
 
 Left out: tools and tool-call parsing, reasoning parsers, ``response_format``,
 ``continue_final_message``, a chat template given in the request, ``echo``, multimodal
@@ -65,7 +65,8 @@ logger = init_logger(__name__)
 class ChatGeneration:
     """One chat request admitted into the engine (``OpenAIServingChat.start_generation``).
 
-    The routes that run through the chat flow shape these outputs into their own answers.
+    The routes that run through the chat flow — chat completions, the Responses API and
+    Anthropic's Messages — shape these outputs into their own answers.
 
     Attributes:
         request_id: the engine request's id (each route picks its prefix).
