@@ -75,6 +75,12 @@ def _non_negative_float(value: str) -> float:
     return number
 
 
+def _non_negative_int(value: str) -> int:
+    if not value.strip().isdigit():
+        raise ValueError(f"expected a whole number >= 0, got {value!r}")
+    return int(value)
+
+
 def _layer_partition(value: str) -> tuple[int, ...]:
     """``"2,2"`` → ``(2, 2)``: layer counts per pipeline stage, each a whole number >= 1.
 
@@ -317,6 +323,16 @@ ENV_VARS: dict[str, EnvVar] = {
             str,
             None,
             "API key the server requires on /v1/* (same as --api-key; vLLM: VLLM_API_KEY).",
+        ),
+        EnvVar(
+            "GLASSBOX_RESPONSES_API_STORE_SIZE",
+            _non_negative_int,
+            256,
+            "How many responses each API server keeps in memory for GET /v1/responses/{id}, "
+            "/cancel and previous_response_id (those sent with store true; an LRU: past the bound "
+            "the least recently used is forgotten, and asking for it is a 404). 0: nothing is "
+            "kept, store is ignored and background is refused — vLLM's default; vLLM's "
+            "VLLM_ENABLE_RESPONSES_API_STORE=1 keeps every response, without a bound.",
         ),
         EnvVar(
             "GLASSBOX_KEEP_ALIVE_ON_ENGINE_DEATH",

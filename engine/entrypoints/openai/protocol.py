@@ -14,7 +14,7 @@ vLLM does. Unknown fields are ignored (vLLM logs them).
 Left out: tools and tool calls, ``response_format`` other than text (structured outputs),
 ``logit_bias``, ``suffix`` and ``best_of`` — these are declared only so that using them is
 an error rather than silently ignored — beam search, LoRA, multimodal content, embeddings
-and the other pooling APIs, the Responses API.
+and the other pooling APIs. The Responses API's bodies are in ``responses/protocol.py``.
 """
 
 from __future__ import annotations
