@@ -63,8 +63,15 @@ class CPUWorker(Worker):
         self._thread_plan = plan
         info = self.cpu_threads_info()
         governor = None
-        if envs.GLASSBOX_CPU_ADAPTIVE_THREADS and plan.num_threads is not None and plan.num_threads >= 2:
-            governor = CpuThreadGovernor(plan.num_threads, plan.cpus or tuple(sorted(_usable_cpus())),
+        # In the caller's process (auto) torch's count is left as the caller set it, and the
+        # governor follows the load below it all the same: Glassbox's own parallel work runs
+        # inside op_threads(), which puts the caller's count back after each op. Without it, a
+        # busy machine held a 2-thread team waiting on a starved thread at every matmul
+        # (libgomp's own long spin there too): 26 against 201 tok/s with one thread.
+        most = plan.num_threads if plan.num_threads is not None else (
+            get_op_threads() if plan.why.startswith("auto") else None)  # fmt: skip
+        if envs.GLASSBOX_CPU_ADAPTIVE_THREADS and most is not None and most >= 2:
+            governor = CpuThreadGovernor(most, plan.cpus or tuple(sorted(_usable_cpus())),
                                          name=f"Worker rank {self.rank} on CPUs {info['cpus']}")  # fmt: skip
         self._governor = governor if governor is not None and governor.enabled else None
         logger.info(
