@@ -265,6 +265,12 @@ ATTR_DEVICE = _attr("glassbox.device", "str", "Resolved torch device, e.g. cpu o
 
 # vLLM's gen_ai.* keys (vllm/tracing.py SpanAttributes); latencies in seconds, as vLLM.
 ATTR_GEN_AI_REQUEST_ID = _attr("gen_ai.request.id", "str", "The request id.")
+ATTR_HTTP_ROUTE = _attr(
+    "http.route",
+    "str",
+    "The HTTP route a request came in on, e.g. /v1/chat/completions or /v1/messages "
+    "(OpenTelemetry's HTTP semantic conventions).",
+)
 ATTR_GEN_AI_USAGE_PROMPT_TOKENS = _attr("gen_ai.usage.prompt_tokens", "int", "Tokens in the prompt.")
 ATTR_GEN_AI_USAGE_COMPLETION_TOKENS = _attr(
     "gen_ai.usage.completion_tokens", "int", "Tokens generated for the request."
@@ -631,7 +637,7 @@ API_SERVER_REQUEST = _span(
     (KIND_API_SERVER,),
     "One HTTP request in the API server, from its arrival to its last streamed byte: the root of a "
     "request's trace (or a child of the caller's traceparent). Everything below joins it.",
-    (ATTR_GEN_AI_REQUEST_ID,),
+    (ATTR_GEN_AI_REQUEST_ID, ATTR_HTTP_ROUTE),
 )
 API_SERVER_PROCESS_INPUTS = _span(
     "api_server.process_inputs",

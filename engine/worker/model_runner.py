@@ -443,7 +443,7 @@ class ModelRunner:
         """Why the forward runs eagerly (a sentence for the log), or None to compile it."""
         if self.model_config.enforce_eager:
             return "--enforce-eager"
-        if not envs.GLASSBOX_TORCH_COMPILE:
+        if envs.GLASSBOX_TORCH_COMPILE is False:
             return "GLASSBOX_TORCH_COMPILE is off"
         missing = missing_cxx_compiler(self.device)
         if missing:
@@ -692,8 +692,9 @@ class ModelRunner:
         pipeline stage runs on zeros, so no stage waits for another."""
         self._dummy_step([1])
 
-    def _dummy_step(self, query_lens: list[int]) -> None:
-        """A forward and a sampler run over fresh dummy requests writing into the null block."""
+    def _dummy_step(self, query_lens: list[int], sample: bool = True) -> None:
+        """A forward and (``sample``) a sampler run over fresh dummy requests writing into the
+        null block."""
         num_reqs = len(query_lens)
         starts = [0]
         for n in query_lens:
@@ -721,7 +722,7 @@ class ModelRunner:
         )
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         hidden = self._run_model(input_ids, positions, meta, self._dummy_intermediate(num_tokens))
-        if self.is_last_stage:
+        if self.is_last_stage and sample:
             last = torch.tensor(starts[1:], device=self.device) - 1
             self._dummy_sample(self.model.compute_logits(hidden[last]))
 

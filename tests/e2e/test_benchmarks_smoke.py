@@ -31,6 +31,10 @@ TINY = ["--num-prompts", "2", "--input-len", "8", "16", "--output-len", "2", "4"
 
 # script → (its smallest settings, a pattern of its table's header line)
 CASES = {
+    "batch_sweep": (["--batch-sizes", "1", "2", "--input-len", "8", "--output-len", "2", "--runs", "1", "--dtype",
+                     "float32", "--repeats", "1"],
+                    r"\| batch \| glassbox float32 \| share of the limit, glassbox float32 \|(.|\n)*"
+                    r"\| dtype \| batch \| schedule \| ipc \| inputs \| forward \| sample \| update \| between \|"),
     "broadcast_latency": (["--iterations", "20", "--gap-ms", "0"], r"readers\s+measure\s+median µs\s+p99 µs"),
     "cpu_contention": (["--repeats", "1", "--only", "after", *TINY], r"variant\s+quiet tok/s\s+contended\s+ratio"),
     "cpu_fma_peak": ([], r"one core, best of 3"),

@@ -209,6 +209,27 @@ def test_a_constraint_that_does_not_compile_is_a_400_naming_the_field(server, bo
         assert error["param"] == param and error["type"] == "BadRequestError", error
 
 
+def test_the_responses_and_messages_routes_hold_their_format_too(server):
+    """``/v1/responses``' ``text.format`` and ``/v1/messages``' ``output_config.format`` become
+    chat's ``response_format``: the same path, and their errors name their own fields."""
+    fmt = {"type": "json_schema", "name": "flat", "schema": FLAT}
+    name = model(server)
+    response = httpx.post(f"{server.base_url}/v1/responses", timeout=120,
+                          json={"model": name, "input": "A title, as JSON.", "text": {"format": fmt}})  # fmt: skip
+    assert response.status_code == 200, response.text
+    text = response.json()["output"][0]["content"][0]["text"]
+    jsonschema.validate(json.loads(text), FLAT)
+    message = httpx.post(f"{server.base_url}/v1/messages", timeout=120,
+                         json={"model": name, "max_tokens": 200, "messages": [{"role": "user", "content": "A title?"}],
+                               "output_config": {"format": {"type": "json_schema", "schema": FLAT}}})  # fmt: skip
+    assert message.status_code == 200, message.text
+    jsonschema.validate(json.loads(message.json()["content"][0]["text"]), FLAT)
+    bad = httpx.post(f"{server.base_url}/v1/messages", timeout=60,
+                     json={"model": name, "max_tokens": 20, "messages": [{"role": "user", "content": "A title?"}],
+                           "output_config": {"format": {"type": "json_schema", "schema": {"type": "strin"}}}})  # fmt: skip
+    assert bad.status_code == 400 and "output_config.format.schema" in bad.text, bad.text
+
+
 def test_metrics_count_the_grammar_compiles(server):
     text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
     count = next(

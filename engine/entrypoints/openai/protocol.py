@@ -20,7 +20,8 @@ Structured outputs, as vLLM takes them: OpenAI's ``response_format`` (``json_obj
 Left out: ``tool_choice: "auto"`` (it needs a tool parser), ``response_format`` of type
 ``structural_tag``, ``logit_bias``, ``suffix`` and ``best_of`` — these are declared only so
 that using them is an error rather than silently ignored — beam search, LoRA, multimodal
-content, embeddings and the other pooling APIs, the Responses API.
+content, embeddings and the other pooling APIs. The Responses API's bodies are in
+``responses/protocol.py``.
 """
 
 from __future__ import annotations

@@ -9,12 +9,17 @@ held back for a possible stop string, as vLLM sends it), the last one carrying t
 ``finish_reason``; with ``stream_options.include_usage`` a final chunk with no choices
 carries the usage.
 
+The flow up to the engine's outputs (checks, chat template, limits, sampling params, trace,
+engine request) is ``start_generation``; ``/v1/responses`` and ``/v1/messages`` run it too,
+with a ``ChatCompletionRequest`` made from their own request, and shape its outputs their way.
+
 Structured outputs: ``response_format``, ``structured_outputs`` and ``tools`` with
 ``tool_choice`` ``"required"`` or a named function become the request's constraint
 (``structured_outputs.py``); a reply to a tool choice comes back as ``message.tool_calls``
 (streamed whole in the choice's last chunk).
 
-Left out: ``tool_choice: "auto"`` and tool parsers, reasoning parsers, ``continue_final_message``, a chat template given in the request, ``echo``, multimodal
+Left out: ``tool_choice: "auto"`` and tool parsers, reasoning parsers,
+``continue_final_message``, a chat template given in the request, ``echo``, multimodal
 content parts, ``continuous_usage_stats``.
 """
 
@@ -24,6 +29,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from engine.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
@@ -57,8 +63,9 @@ from engine.entrypoints.openai.serving_engine import (
 )
 from engine.entrypoints.openai.structured_outputs import structured_outputs_of, tool_calls_of
 from engine.frontend.outputs import LogprobsDict, RequestOutput
-from engine.frontend.request_tracing import start_request_trace
+from engine.frontend.request_tracing import RequestTrace, start_request_trace
 from engine.logger import init_logger
+from engine.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
 
@@ -81,8 +88,33 @@ def wants_tool_calls(request: ChatCompletionRequest) -> bool:
     return bool(request.tools) and request.tool_choice not in (None, "none", "auto")
 
 
+@dataclass
+class ChatGeneration:
+    """One chat request admitted into the engine (``OpenAIServingChat.start_generation``).
+
+    The routes that run through the chat flow — chat completions, the Responses API and
+    Anthropic's Messages — shape these outputs into their own answers.
+
+    Attributes:
+        request_id: the engine request's id (each route picks its prefix).
+        prompt_token_ids: the rendered conversation's tokens (usage counts them).
+        params: the request's ``SamplingParams`` before the input processor's fill-in.
+        trace: the request's ``api_server.request`` span; ``final_output`` or the route's
+            ``trace.wrap_stream`` ends it.
+        outputs: the engine's ``RequestOutput``s, tagged with their generator's index (always
+            0: one engine request); closing it aborts the request.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    trace: RequestTrace
+    outputs: AsyncIterator[tuple[int, RequestOutput]]
+
+
 class OpenAIServingChat(OpenAIServing):
-    """The chat route (vLLM's ``OpenAIServingChat``)."""
+    """The chat route (vLLM's ``OpenAIServingChat``), and the chat flow other routes reuse
+    (``start_generation``, ``final_output``)."""
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest, headers: dict[str, str] | None = None
@@ -95,6 +127,31 @@ class OpenAIServingChat(OpenAIServing):
 
         Raises:
             OpenAIError: a bad request (400), an unknown model (404).
+            EngineDeadError: the engine is dead (503).
+        """
+        generation = await self.start_generation(
+            request, f"chatcmpl-{random_uuid()}", headers, "/v1/chat/completions"
+        )
+        if request.stream:
+            stream = self._stream(request, generation.request_id, len(generation.prompt_token_ids),
+                                  generation.outputs)  # fmt: skip
+            return generation.trace.wrap_stream(stream)
+        final = await self.final_output(generation, "messages")
+        return self._full_response(request, generation.request_id, final)
+
+    async def start_generation(
+        self, request: ChatCompletionRequest, request_id: str, headers: dict[str, str] | None, route: str
+    ) -> ChatGeneration:
+        """Check a chat request, render and tokenize its conversation, and start it in the engine.
+
+        Every rule a chat request meets is checked here, once, before anything answers 200: the
+        model, the engine's health, the fields left out, the prompt's length
+        (``check_text_fits``, then the input processor's ``validate_prompt``) and the sampling
+        params. ``route`` names the HTTP route in the request's trace (``http.route``).
+
+        Raises:
+            OpenAIError: a bad request (400, naming the chat field at fault), an unknown
+                model (404).
             EngineDeadError: the engine is dead (503).
         """
         arrived_ns = time.time_ns()
@@ -113,7 +170,6 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens_field = request.max_tokens_field
         max_tokens = self.resolve_max_tokens(request.requested_max_tokens, max_tokens_field)
         renames = {"max_tokens": max_tokens_field, "logprobs": "top_logprobs", **so_renames}
-        request_id = f"chatcmpl-{random_uuid()}"
         try:
             params = request.to_sampling_params(max_tokens, self.default_sampling_params, structured_outputs)
             engine_request = self.engine.input_processor.process_inputs(
@@ -122,30 +178,35 @@ class OpenAIServingChat(OpenAIServing):
         except ValueError as e:
             raise bad_request_from_value_error(e, "messages", renames) from None
 
-        rtrace = start_request_trace(request_id, headers, arrived_ns)
+        rtrace = start_request_trace(request_id, headers, arrived_ns, route)
         rtrace.record_inputs(tokenize_ns, tokenized_ns)
         engine_request.trace_headers = rtrace.engine_headers
         generator = self.engine.generate(engine_request, params, request_id)
-        outputs = merge_async_iterators(generator)
-        if request.stream:
-            return rtrace.wrap_stream(self._stream(request, request_id, len(prompt_ids), outputs))
+        return ChatGeneration(request_id, prompt_ids, params, rtrace, merge_async_iterators(generator))
 
+    async def final_output(self, generation: ChatGeneration, blamed: str) -> RequestOutput:
+        """The last ``RequestOutput`` of a full (not streamed) request, its trace ended.
+
+        Raises:
+            OpenAIError: (400, ``blamed``) the engine refused the request's input.
+            EngineDeadError: the engine died (503).
+        """
         final: RequestOutput | None = None
         error: BaseException | None = None
         try:
-            async with contextlib.aclosing(outputs):
-                async for _, output in outputs:
+            async with contextlib.aclosing(generation.outputs):
+                async for _, output in generation.outputs:
                     final = output
         except ValueError as e:
             error = e
-            raise bad_request_from_value_error(e, "messages") from None
+            raise bad_request_from_value_error(e, blamed) from None
         except BaseException as e:
             error = e
             raise
         finally:
-            rtrace.end(error)
+            generation.trace.end(error)
         assert final is not None, "the engine ended a request without a final output"
-        return self._full_response(request, request_id, final)
+        return final
 
     # ------------------------------------------------------------------ full response
 

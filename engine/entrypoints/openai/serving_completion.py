@@ -96,7 +96,7 @@ class OpenAIServingCompletion(OpenAIServing):
         except ValueError as e:
             raise bad_request_from_value_error(e, "prompt", renames) from None
 
-        rtrace = start_request_trace(request_id, headers, arrived_ns)
+        rtrace = start_request_trace(request_id, headers, arrived_ns, "/v1/completions")
         rtrace.record_inputs(tokenize_ns, tokenized_ns)
         generators = []
         for engine_request in engine_requests:
