@@ -507,9 +507,9 @@ class Scheduler:
             return stopped
         grammar = request.structured_output_request.grammar
         if not grammar.accept_tokens(request.request_id, new_token_ids) or grammar.error():
-            if not stopped or request.status != RequestStatus.FINISHED_STOPPED:
-                request.status = RequestStatus.FINISHED_ERROR
-                request.stop_reason = f"structured output: {grammar.error()}"
+            # Even an EOS that check_stop took: the grammar did not allow the output to end there.
+            request.status = RequestStatus.FINISHED_ERROR
+            request.stop_reason = f"structured output: {grammar.error()}"
             return True
         if not stopped and grammar.is_terminated():
             request.status = RequestStatus.FINISHED_STOPPED

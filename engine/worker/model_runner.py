@@ -136,6 +136,8 @@ def apply_grammar_bitmask(
     ``structured_output_request_ids``, ``ceil(vocab / 32)`` words, bit ``j`` of word ``w``
     allowing token ``32 * w + j``; ``req_ids[i]`` is the request of logits row ``i``. Rows of
     requests without a grammar are left alone; tokens past the bitmask's width are forbidden.
+    The words are read as the host's int32 (little-endian on x86-64 and ARM64, as llguidance
+    writes them in the engine core: both ends run on the same kind of host).
 
     Args:
         logits: ``(len(req_ids), vocab_size)`` float32, changed in place.

@@ -136,6 +136,18 @@ def test_a_token_the_grammar_refuses_ends_the_request_with_an_error():
     assert "refused" in outputs["so"].stop_reason
 
 
+def test_an_eos_the_grammar_refuses_is_an_error_not_a_stop():
+    # The output may not end here: EOS stops the request in check_stop, but the grammar
+    # refuses it, so the client learns its reply is not a whole document.
+    scheduler = create_scheduler()
+    scheduler.structured_output_manager = FakeManager()
+    request, compiled = structured_request("so")
+    compiled.set_result(ScriptedGrammar(bad=EOS))
+    scheduler.add_request(request)
+    _, outputs, _ = step(scheduler, lambda r: EOS)
+    assert outputs["so"].finish_reason == FinishReason.ERROR
+
+
 def test_eos_terminates_the_grammar_and_stops_the_request():
     scheduler = create_scheduler()
     scheduler.structured_output_manager = FakeManager()
