@@ -209,6 +209,8 @@ def main() -> None:
     record = base / "telemetry.rec"
     proc, url = start_server(base, args.model, record)
     try:
+        print(f"CPU: {cpu_model()}; {os.cpu_count()} logical CPUs; load average before: "
+              f"{' '.join(f'{v:.2f}' for v in os.getloadavg())} (a shared machine: other work runs beside this)")  # fmt: skip
         # The first structured request also builds the backend (llguidance's tokenizer, the
         # token table): timed apart, with a regex.
         before_sum, _ = compile_seconds(url)
@@ -216,8 +218,6 @@ def main() -> None:
         httpx.post(url + "/v1/chat/completions", json=warm, timeout=120).raise_for_status()
         print(f"first structured request (builds the backend) + its regex: "
               f"{1e3 * (compile_seconds(url)[0] - before_sum):.1f} ms")  # fmt: skip
-        print(f"CPU: {cpu_model()}; {os.cpu_count()} logical CPUs; load average before: "
-              f"{' '.join(f'{v:.2f}' for v in os.getloadavg())} (a shared machine: other work runs beside this)")  # fmt: skip
         print("grammar compile time per schema (ms): the first request, and again (the backend's cache)")
         for i, (name, schema) in enumerate(SCHEMAS.items()):
             times = []
