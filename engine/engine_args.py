@@ -114,6 +114,12 @@ REFUSED_VLLM_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag(("--task",), True, "only text generation is implemented", allowed=("auto", "generate")),
     VllmFlag(("--limit-mm-per-prompt",), True, "multimodal inputs are left out"),
     VllmFlag(("--enable-prompt-embeds",), False, "prompt embeddings are left out"),
+    VllmFlag(
+        ("--guided-decoding-backend",),
+        True,
+        "vLLM removed it in 0.12 (vLLM 0.32 does not know it): use --structured-outputs-config "
+        '\'{"backend": "guidance"}\'',
+    ),
     VllmFlag(("--reasoning-parser",), True, "reasoning parsers are left out", serving=True),
     VllmFlag(
         ("--enable-auto-tool-choice",),
@@ -283,7 +289,6 @@ class EngineArgs:
     collect_detailed_traces: str | None = None
     inject_fault: str | None = None
     structured_outputs_config: dict[str, Any] | None = None
-    guided_decoding_backend: str | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, serving: bool = False) -> argparse.ArgumentParser:
@@ -544,12 +549,6 @@ class EngineArgs:
             "xgrammar, outlines, lm-format-enforcer are refused); disable_any_whitespace, "
             "disable_additional_properties, whitespace_pattern as in vLLM.",
         )
-        g.add_argument(
-            "--guided-decoding-backend",
-            default=None,
-            metavar="NAME",
-            help="The older name of --structured-outputs-config's backend (vLLM 0.32 still takes it).",
-        )
         g = parser.add_argument_group("ObservabilityConfig")
         g.add_argument(
             "--otlp-traces-endpoint",
@@ -727,18 +726,5 @@ class EngineArgs:
         return config
 
     def _structured_outputs_config(self) -> StructuredOutputsConfig:
-        """``--structured-outputs-config``, with ``--guided-decoding-backend`` as its backend."""
-        value = dict(self.structured_outputs_config or {})
-        if self.guided_decoding_backend is not None:
-            if "backend" in value and value["backend"] != self.guided_decoding_backend:
-                raise ConfigError("--guided-decoding-backend", self.guided_decoding_backend,
-                                  "--structured-outputs-config names another backend")  # fmt: skip
-            value["backend"] = self.guided_decoding_backend
-        try:
-            return StructuredOutputsConfig.from_json(value)
-        except ConfigError as e:
-            if self.guided_decoding_backend is not None and "backend" in str(e):
-                raise ConfigError(
-                    "--guided-decoding-backend", self.guided_decoding_backend, e.allowed
-                ) from None
-            raise
+        """``--structured-outputs-config``'s JSON as a ``StructuredOutputsConfig``."""
+        return StructuredOutputsConfig.from_json(dict(self.structured_outputs_config or {}))

@@ -1,8 +1,9 @@
 """``StructuredOutputsConfig``: which grammar backend compiles structured outputs, and its options.
 
 vLLM's counterpart is ``vllm/config/structured_outputs.py``, set with
-``--structured-outputs-config '{"backend": ...}'`` (and, still accepted in vLLM 0.32, the older
-``--guided-decoding-backend NAME``). Glassbox has one backend, llguidance (vLLM's
+``--structured-outputs-config '{"backend": ...}'`` (vLLM 0.12 removed the older
+``--guided-decoding-backend``; Glassbox refuses it, naming the new flag). Glassbox has one
+backend, llguidance (vLLM's
 ``"guidance"``); ``"auto"`` (vLLM's default, which prefers xgrammar) resolves to it. The other
 vLLM backends (``xgrammar``, ``outlines``, ``lm-format-enforcer``) are refused, naming the flag.
 
