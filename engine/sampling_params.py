@@ -10,7 +10,8 @@ a regular expression, a list of choices or a grammar; it rides inside ``Sampling
 (``structured_outputs``) to the engine core, whose ``StructuredOutputManager`` compiles it.
 
 Left out: beam search, logits processors, ``best_of``, bad words; of structured outputs, the
-structural tag and a per-request backend.
+structural tag, ``disable_fallback`` (one backend: nothing to fall back to) and a per-request
+backend.
 """
 
 from __future__ import annotations

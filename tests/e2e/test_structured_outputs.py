@@ -192,6 +192,7 @@ def test_a_named_tool_and_required_tools_come_back_as_tool_calls(server):
         ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex"),
         ({"structured_outputs": {"grammar": "start: missing_rule"}}, "structured_outputs.grammar"),
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tools": [WEATHER]}, "tool_choice"),  # "auto", the default with tools: no tool parser
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objec"}}}],

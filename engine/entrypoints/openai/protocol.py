@@ -121,6 +121,9 @@ class StructuredOutputsRequest(OpenAIBaseModel):
     disable_any_whitespace: bool | None = None
     disable_additional_properties: bool | None = None
     whitespace_pattern: str | None = None
+    # vLLM's, left out: declared so that asking for them is a 400, not silently ignored.
+    structural_tag: str | None = None
+    disable_fallback: bool | None = None
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 

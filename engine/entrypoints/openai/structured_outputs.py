@@ -43,7 +43,13 @@ def structured_outputs_of(request: Any) -> tuple[StructuredOutputsParams | None,
     """
     found: list[tuple[str, StructuredOutputsParams, dict[str, str]]] = []
     if request.structured_outputs is not None:
-        fields = request.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+        for left_out in ("structural_tag", "disable_fallback"):
+            if getattr(request.structured_outputs, left_out) is not None:
+                raise OpenAIError(f"structured_outputs.{left_out} is not supported (left out).",
+                                  param=f"structured_outputs.{left_out}")  # fmt: skip
+        fields = request.structured_outputs.model_dump(
+            by_alias=True, exclude_none=True, exclude={"structural_tag", "disable_fallback"}
+        )
         try:
             params = StructuredOutputsParams(**fields)
         except ValueError as e:
