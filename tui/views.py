@@ -1215,7 +1215,8 @@ def render_help() -> RenderableType:
         "A stale heartbeat (⚠, greyed) means the process stopped answering; a fresh heartbeat with a "
         "growing 'last step' means it is alive but its busy loop stopped (see docs/engine-top.md). "
         "A 0+0 step after requests finish: " + EMPTY_STEP_NOTE.split(": ", 1)[1] + ". '+delay': the "
-        "--step-delay-ms pause after a step, not part of its ms.",
+        "--step-delay-ms pause after a step, not part of its ms. 'grammar' S/F · M: S requests sampled under a "
+        "structured-output grammar, F waiting for theirs to compile, M the bitmask's ms.",
         style="dim",
     )
     return Panel(Group(table, legend, note), title="engine-top keys", border_style="cyan")

@@ -548,6 +548,7 @@ def test_structured_output_steps_show_grammar_rows_and_waiting_grammars():
     assert "waiting grammar" not in render(views.render_queues(state))
     state.processes["EngineCore_DP0"].gauges[GAUGE_WAITING_FOR_FSM] = 2
     assert " 2 " in line_of(render(views.render_queues(state)), "waiting grammar")
+    assert "'grammar' S/F · M" in render(views.render_help(), width=500)  # the help says how to read it
 
 
 def test_steps_of_all_engines_carry_the_engine_column():
