@@ -25,6 +25,16 @@ def _bool(value: str) -> bool:
     raise ValueError(f"expected 0 or 1 (or true/false, yes/no, on/off), got {value!r}")
 
 
+def _auto_bool(value: str) -> bool | str:
+    """``auto`` (or empty) stays ``"auto"``; anything else is a ``_bool``."""
+    if value.strip().lower() in ("auto", ""):
+        return "auto"
+    try:
+        return _bool(value)
+    except ValueError:
+        raise ValueError(f"expected auto, 0 or 1, got {value!r}") from None
+
+
 def _cache_root(value: str) -> str:
     """A directory Glassbox may create and write: an existing non-directory or an existing
     directory it cannot write is refused (found in the first process, not by a worker's
@@ -63,6 +73,12 @@ def _non_negative_float(value: str) -> float:
     if not number >= 0:  # also refuses NaN
         raise ValueError(f"expected a number of seconds >= 0, got {value!r}")
     return number
+
+
+def _non_negative_int(value: str) -> int:
+    if not value.strip().isdigit():
+        raise ValueError(f"expected a whole number >= 0, got {value!r}")
+    return int(value)
 
 
 def _layer_partition(value: str) -> tuple[int, ...]:
@@ -177,12 +193,14 @@ ENV_VARS: dict[str, EnvVar] = {
         ),
         EnvVar(
             "GLASSBOX_TORCH_COMPILE",
-            _bool,
-            True,
+            _auto_bool,
+            "auto",
             "0 runs the model eagerly, as --enforce-eager does, in every engine started from this "
             "environment (the tests about model math do, on their many tiny checkpoints). 1: the "
             "model forward is compiled with torch.compile (Inductor) unless --enforce-eager; see "
-            "GLASSBOX_CACHE_ROOT for the compile cache.",
+            "GLASSBOX_CACHE_ROOT for the compile cache. auto (unset): compiled, and on a CPU "
+            "timed once against the eager step on this machine, which replaces it only where it "
+            "measured clearly faster (the worker's status shows the verdict as compiled_step).",
         ),
         EnvVar(
             "GLASSBOX_CACHE_ROOT",
@@ -306,6 +324,16 @@ ENV_VARS: dict[str, EnvVar] = {
             str,
             None,
             "API key the server requires on /v1/* (same as --api-key; vLLM: VLLM_API_KEY).",
+        ),
+        EnvVar(
+            "GLASSBOX_RESPONSES_API_STORE_SIZE",
+            _non_negative_int,
+            256,
+            "How many responses each API server keeps in memory for GET /v1/responses/{id}, "
+            "/cancel and previous_response_id (those sent with store true; an LRU: past the bound "
+            "the least recently used is forgotten, and asking for it is a 404). 0: nothing is "
+            "kept, store is ignored and background is refused — vLLM's default; vLLM's "
+            "VLLM_ENABLE_RESPONSES_API_STORE=1 keeps every response, without a bound.",
         ),
         EnvVar(
             "GLASSBOX_KEEP_ALIVE_ON_ENGINE_DEATH",

@@ -53,10 +53,13 @@ def extract_trace_headers(headers: Mapping[str, str]) -> dict[str, str] | None:
     return found or None
 
 
-def start_request_trace(request_id: str, headers: Mapping[str, str] | None, arrived_ns: int) -> RequestTrace:
+def start_request_trace(
+    request_id: str, headers: Mapping[str, str] | None, arrived_ns: int, route: str
+) -> RequestTrace:
     """The ``api_server.request`` span of one request (see ``RequestTrace``), from its HTTP
-    ``headers`` and its arrival (Unix ns)."""
-    return RequestTrace(request_id, extract_trace_headers(headers or {}), arrived_ns)
+    ``headers``, its arrival (Unix ns) and the ``route`` it came in on
+    (``"/v1/chat/completions"``, ...)."""
+    return RequestTrace(request_id, extract_trace_headers(headers or {}), arrived_ns, route)
 
 
 class RequestTrace:
@@ -70,15 +73,15 @@ class RequestTrace:
     When tracing records nothing, the caller's headers pass through unchanged.
     """
 
-    def __init__(self, request_id: str, incoming: dict[str, str] | None, arrived_ns: int) -> None:
+    def __init__(self, request_id: str, incoming: dict[str, str] | None, arrived_ns: int, route: str) -> None:
         self.request_id = request_id
         self.engine_headers = incoming
         self.span = None
         self._ended = False
         if is_recording():
+            attributes = {catalogue.ATTR_GEN_AI_REQUEST_ID: request_id, catalogue.ATTR_HTTP_ROUTE: route}
             self.span = start_span(catalogue.API_SERVER_REQUEST, parent=extract_trace_context(incoming),
-                                   attributes={catalogue.ATTR_GEN_AI_REQUEST_ID: request_id},
-                                   kind=SpanKind.SERVER, start_ns=arrived_ns)  # fmt: skip
+                                   attributes=attributes, kind=SpanKind.SERVER, start_ns=arrived_ns)  # fmt: skip
             self.context = trace.set_span_in_context(self.span)
             self.engine_headers = inject_trace_headers(self.context) or incoming
 

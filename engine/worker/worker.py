@@ -26,8 +26,8 @@ while the others work.
 
 On a CPU the executor builds ``CPUWorker`` (``engine/worker/cpu/cpu_worker.py``, vLLM's
 ``cpu_worker.py``), this class with its torch threads planned and governed: it plugs in
-through ``_init_device_threads`` and by extending ``execute_model``, ``runs_as`` and
-``telemetry_gauges``; this file imports nothing of it.
+through ``_init_device_threads``, ``_tune_after_warm_up`` and by extending ``execute_model``,
+``runs_as`` and ``telemetry_gauges``; this file imports nothing of it.
 """
 
 from __future__ import annotations
@@ -261,7 +261,7 @@ class Worker:
         does not pay one-time costs; the stage records the mode, graphs and compile seconds."""
         with stage(catalogue.WORKER_COMPILE_OR_WARM_UP_MODEL, **self._attrs()) as st:
             assert self.model_runner is not None
-            compiled = self.model_runner.warm_up()
+            compiled = self._tune_after_warm_up(self.model_runner.warm_up())
             st.set(catalogue.ATTR_COMPILE_MODE, compiled["mode"])
             st.set(catalogue.ATTR_COMPILE_NUM_GRAPHS, compiled["graphs"])
             st.set(catalogue.ATTR_COMPILE_CACHE, compiled["cache"])
@@ -270,6 +270,11 @@ class Worker:
             if self.moe_telemetry is not None:
                 self.moe_telemetry.reset()  # the experts' load counts serving only
         set_runs_as(self.runs_as(compiled))
+
+    def _tune_after_warm_up(self, compiled: dict[str, Any]) -> dict[str, Any]:
+        """Tune the warm step for this machine and return ``compiled`` as it then stands:
+        nothing here (``CPUWorker`` times its threads and compiled-or-eager)."""
+        return compiled
 
     def runs_as(self, compiled: dict[str, Any]) -> dict[str, str]:
         """How this worker runs its model, for its status file (``glassbox ps``, ``doctor``):

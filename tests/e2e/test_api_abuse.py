@@ -223,7 +223,8 @@ BAD_BODIES = {
     "empty": b"",
     "not JSON": b"hello",
 }
-POST_ROUTES = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
+POST_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
+               "/tokenize", "/detokenize")  # fmt: skip
 
 
 def test_any_undecodable_body_is_a_400_and_the_connection_stays_usable(server: Server) -> None:
@@ -234,7 +235,10 @@ def test_any_undecodable_body_is_a_400_and_the_connection_stays_usable(server: S
             (status, _, answer), (after, _, _) = raw_exchange(server.port, bad, good)
             assert status == 400, (path, name, status, answer[:300])
             error = json.loads(answer)["error"]
-            assert error["code"] == 400 and error["type"] == "BadRequestError", (path, name, error)
+            if path.startswith("/v1/messages"):  # Anthropic's error shape
+                assert error["type"] == "invalid_request_error" and error["message"], (path, name, error)
+            else:
+                assert error["code"] == 400 and error["type"] == "BadRequestError", (path, name, error)
             assert after == 200, (path, name, "the keep-alive connection did not serve the next request")
     assert "Exception in ASGI application" not in server.log()
     assert "Traceback" not in server.log()
@@ -250,6 +254,8 @@ def test_every_route_is_in_the_openapi_document_with_its_body(server: Server) ->
         "/health": {"get", "head"}, "/ping": {"get", "post"}, "/version": {"get"}, "/metrics": {"get"},
         "/v1/models": {"get"}, "/v1/models/{model_id}": {"get"}, "/v1/completions": {"post"},
         "/v1/chat/completions": {"post"}, "/tokenize": {"post"}, "/detokenize": {"post"},
+        "/v1/responses": {"post"}, "/v1/responses/{response_id}": {"get"}, "/v1/responses/{response_id}/cancel": {"post"},
+        "/v1/messages": {"post"}, "/v1/messages/count_tokens": {"post"},
     }  # fmt: skip
     assert {path: set(ops) for path, ops in paths.items()} == expected
     op_ids = [op["operationId"] for ops in paths.values() for op in ops.values()]
@@ -260,7 +266,8 @@ def test_every_route_is_in_the_openapi_document_with_its_body(server: Server) ->
         refs = [body["$ref"]] if "$ref" in body else [ref["$ref"] for ref in body["anyOf"]]
         for ref in refs:
             assert ref.removeprefix("#/components/schemas/") in schemas, ref
-    assert {"TokenizeCompletionRequest", "TokenizeChatRequest", "DetokenizeRequest"} <= set(schemas)
+    assert {"TokenizeCompletionRequest", "TokenizeChatRequest", "DetokenizeRequest", "ResponsesRequest",
+            "AnthropicMessagesRequest", "AnthropicCountTokensRequest"} <= set(schemas)  # fmt: skip
     assert "prompt" in schemas["TokenizeCompletionRequest"]["properties"]
     assert "Duplicate Operation ID" not in server.log()
 

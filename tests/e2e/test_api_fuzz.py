@@ -207,6 +207,25 @@ CASES = [
     ("json with charset", "/tokenize", b'{"prompt": "x"}', "application/json; charset=utf-8", {200}),
     ("vendor +json", "/tokenize", b'{"prompt": "x"}', "application/vnd.api+json", {200}),
     ("not quite json", "/tokenize", b'{"prompt": "x"}', "application/jsonx", {400}),
+    ("nested object to responses", "/v1/responses", DEEP_OBJECT, "application/json", {400}),
+    ("nested object to messages", "/v1/messages", DEEP_OBJECT, "application/json", {400}),
+    ("huge input", "/v1/responses", json.dumps({"input": BIG_TEXT}).encode(), "application/json", {400}),
+    ("huge message", "/v1/messages",
+     json.dumps({"model": "x", "max_tokens": 1, "messages": [{"role": "user", "content": BIG_TEXT}]}).encode(),
+     "application/json", {400, 404}),
+    ("huge count_tokens", "/v1/messages/count_tokens",
+     json.dumps({"model": "x", "messages": [{"role": "user", "content": "ab " * 300_000}]}).encode(),
+     "application/json", {404}),
+    ("wrong type: input number", "/v1/responses", b'{"input": 5}', "application/json", {400}),
+    ("wrong type: max_tokens float", "/v1/messages",
+     b'{"model": "x", "max_tokens": 2.5, "messages": [{"role": "user", "content": "x"}]}', "application/json", {400}),
+    ("NaN temperature to messages", "/v1/messages",
+     b'{"model": "x", "max_tokens": 1, "temperature": NaN, "messages": []}', "application/json", {400}),
+    ("invalid UTF-8 to responses", "/v1/responses", b'{"input": "\xff"}', "application/json", {400}),
+    ("lone surrogate to messages", "/v1/messages",
+     b'{"model": "x", "max_tokens": 1, "messages": [{"role": "user", "content": "\\ud800"}]}', "application/json",
+     {400}),
+    ("text/plain to messages", "/v1/messages", b"{}", "text/plain", {400}),
     ("unknown route", "/v1/nope", b"{}", "application/json", {404}),
     ("wrong method", "/v1/models", b"{}", "application/json", {405}),
 ]
@@ -221,7 +240,10 @@ def test_a_hostile_request_gets_a_4xx_or_200_and_the_server_stays_healthy(
     with httpx.Client(timeout=120) as client:
         r = client.post(server.base_url + path, content=body, headers=headers)
         assert r.status_code in allowed, f"{name}: {r.status_code} {r.text[:300]}"
-        if r.status_code >= 400:
+        if r.status_code >= 400 and path.startswith("/v1/messages"):  # Anthropic's shape
+            body = r.json()
+            assert body["type"] == "error" and body["error"]["type"] and body["error"]["message"], r.text
+        elif r.status_code >= 400:
             error = r.json()["error"]
             assert error["code"] == r.status_code and error["message"], r.text
         # The same keep-alive connection still serves.

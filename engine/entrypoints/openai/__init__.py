@@ -9,6 +9,9 @@ Mirrors vLLM's ``vllm/entrypoints/openai/`` package, one concept per module:
 - ``serving_completion.py`` (``/v1/completions``), ``serving_chat.py``
   (``/v1/chat/completions``), ``serving_models.py`` (``/v1/models``),
   ``serving_tokenization.py`` (``/tokenize``, ``/detokenize``).
+- ``responses/``: the Responses API (``/v1/responses``, retrieve, cancel), run through the chat
+  flow, and its bounded store (vLLM 0.32's ``vllm/entrypoints/openai/responses/``). Anthropic's
+  Messages API (``/v1/messages``) is its sibling package ``engine/entrypoints/anthropic/``.
 - ``app.py``: ``build_app`` — the FastAPI app with its routes, middleware, error handlers,
   health and Prometheus metrics.
 

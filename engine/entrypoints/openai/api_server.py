@@ -315,7 +315,8 @@ async def run_server_worker(
                     api_key_scope=args.api_key_scope, allowed_methods=args.allowed_methods,
                     allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
                     max_request_body_bytes=args.max_request_body_bytes,
-                    enable_prompt_tokens_details=args.enable_prompt_tokens_details)  # fmt: skip
+                    enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                    responses_store_size=envs.GLASSBOX_RESPONSES_API_STORE_SIZE)  # fmt: skip
     # uvicorn's own lines (start-up, access log) get the role prefix like ours: with
     # several API servers, each line says which one served.
     adopt_logger("uvicorn", args.uvicorn_log_level)

@@ -7,10 +7,15 @@ Mirrors the app half of vLLM's ``vllm/entrypoints/openai/api_server.py`` (``buil
 serves it.
 
 Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
-``POST /tokenize``, ``POST /detokenize``, ``GET /health``, ``GET|POST /ping``,
-``GET /version``, ``GET /metrics``.
+``POST /v1/responses``, ``GET /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``
+(``responses/``), ``POST /v1/messages``, ``POST /v1/messages/count_tokens``
+(``engine/entrypoints/anthropic/``), ``POST /tokenize``, ``POST /detokenize``,
+``GET /health``, ``GET|POST /ping``, ``GET /version``, ``GET /metrics``. The route table, with
+vLLM's counterparts and what each leaves out, is in ``docs/architecture.md``.
 
-Errors: every error body is OpenAI's ``{"error": {"message", "type", "param", "code"}}``.
+Errors: every error body is OpenAI's ``{"error": {"message", "type", "param", "code"}}``, but
+under ``/v1/messages``, where it is Anthropic's ``{"type": "error", "error": {"type",
+"message"}}`` (``serving_engine.error_body``: the API-key check and the body limit too).
 Invalid requests — malformed JSON and schema violations included — are 400 (FastAPI's
 default would be 422); an unknown model 404; a missing or wrong API key 401 (vLLM answers
 ``{"error": "Unauthorized"}`` there; we keep one shape); a body over
@@ -42,8 +47,8 @@ every API server in multiprocess mode), the scheduler gauges from the client's
 ``EngineStatsTable`` (one ``engine="<DP rank>"`` series per engine) and the span exporters'
 health. A scrape asks the engine nothing.
 
-Left out: ``/load``, ``/v1/responses``, embeddings/pooling/score/rerank, audio, LoRA and dev
-routes, ``X-Request-Id`` middleware.
+Left out: ``/load``, embeddings/pooling/score/rerank, audio, LoRA and dev routes,
+``X-Request-Id`` middleware.
 """
 
 from __future__ import annotations
@@ -68,6 +73,14 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine import __version__
+from engine.entrypoints.anthropic.protocol import (
+    AnthropicCountTokensRequest,
+    AnthropicCountTokensResponse,
+    AnthropicErrorResponse,
+    AnthropicMessagesRequest,
+    AnthropicMessagesResponse,
+)
+from engine.entrypoints.anthropic.serving import AnthropicServingMessages
 from engine.entrypoints.openai.http_telemetry import InFlightCounter
 from engine.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, RequestBodyLimit, parse_json_body
 from engine.entrypoints.openai.protocol import (
@@ -84,13 +97,15 @@ from engine.entrypoints.openai.protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
+from engine.entrypoints.openai.responses.protocol import ResponsesRequest, ResponsesResponse
+from engine.entrypoints.openai.responses.serving import OpenAIServingResponses
 from engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from engine.entrypoints.openai.serving_engine import (
     ENGINE_DEAD_MESSAGE,
     OpenAIError,
     bad_request_from_value_error,
-    error_response,
+    error_body,
     internal_error_message,
 )
 from engine.entrypoints.openai.serving_models import OpenAIServingModels
@@ -127,6 +142,7 @@ def build_app(
     allow_credentials: bool = False,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     enable_prompt_tokens_details: bool = False,
+    responses_store_size: int = 0,
 ) -> FastAPI:
     """The FastAPI app that serves ``engine`` under ``served_model_name``.
 
@@ -149,6 +165,8 @@ def build_app(
             whole (``--max-request-body-bytes``); 0 means no limit.
         enable_prompt_tokens_details: completions' and chats' usage carries
             ``prompt_tokens_details.cached_tokens`` (``--enable-prompt-tokens-details``).
+        responses_store_size: how many responses ``/v1/responses`` keeps for retrieval and
+            ``previous_response_id`` (``GLASSBOX_RESPONSES_API_STORE_SIZE``); 0: none.
 
     Raises:
         ValueError: an ``api_key_scope`` that is not one of ``API_KEY_SCOPES``.
@@ -165,6 +183,10 @@ def build_app(
         engine, served_model_name, enable_prompt_tokens_details
     )
     state.serving_chat = OpenAIServingChat(engine, served_model_name, enable_prompt_tokens_details)
+    state.serving_responses = OpenAIServingResponses(
+        engine, served_model_name, enable_prompt_tokens_details, responses_store_size
+    )
+    state.serving_messages = AnthropicServingMessages(engine, served_model_name, enable_prompt_tokens_details)
     state.serving_tokenization = OpenAIServingTokenization(engine, served_model_name)
     state.stat_loggers = StatLoggerManager(
         served_model_name,
@@ -224,6 +246,9 @@ _SCHEMA_REFS = "#/components/schemas/"
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 503)
 }
+_ANTHROPIC_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": AnthropicErrorResponse} for code in (400, 401, 404, 413, 503)
+}
 _SSE = {"text/event-stream": {"schema": {"type": "string"}}}
 
 
@@ -237,7 +262,7 @@ def _request_body(*models: type[BaseModel]) -> dict[str, Any]:
 
 # The request models named by ``_request_body``: added to the OpenAPI document's components.
 _BODY_MODELS = (CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequest, TokenizeChatRequest,
-                DetokenizeRequest)  # fmt: skip
+                DetokenizeRequest, ResponsesRequest, AnthropicMessagesRequest, AnthropicCountTokensRequest)  # fmt: skip
 
 
 @router.get("/health", operation_id="health")
@@ -302,6 +327,52 @@ async def create_chat_completion(raw_request: Request) -> Response:
     request = await parse_json_body(raw_request, partial(_validate, ChatCompletionRequest))
     handler: OpenAIServingChat = raw_request.app.state.serving_chat
     return await _respond(raw_request, handler.create_chat_completion(request, dict(raw_request.headers)))
+
+
+@router.post("/v1/responses", operation_id="create_response", openapi_extra=_request_body(ResponsesRequest),
+             responses={200: {"model": ResponsesResponse, "content": _SSE}, **_ERRORS})  # fmt: skip
+async def create_responses(raw_request: Request) -> Response:
+    """OpenAI's Responses API, text only (``responses/serving.py``)."""
+    request = await parse_json_body(raw_request, partial(_validate, ResponsesRequest))
+    handler: OpenAIServingResponses = raw_request.app.state.serving_responses
+    return await _respond(raw_request, handler.create_responses(request, dict(raw_request.headers)))
+
+
+@router.get("/v1/responses/{response_id}", operation_id="retrieve_response", response_model=ResponsesResponse,
+            responses=_ERRORS)  # fmt: skip
+async def retrieve_responses(response_id: str, raw_request: Request, stream: bool = False) -> Response:
+    """A stored response as it stands; 404 once the store no longer holds it. ``stream=true``
+    (vLLM replays a background run's events) is left out: a 400."""
+    if stream:
+        raise OpenAIError("Streaming a stored response is not supported (left out).", param="stream")
+    return _json(raw_request.app.state.serving_responses.retrieve_responses(response_id))
+
+
+@router.post("/v1/responses/{response_id}/cancel", operation_id="cancel_response", response_model=ResponsesResponse,
+             responses=_ERRORS)  # fmt: skip
+async def cancel_responses(response_id: str, raw_request: Request) -> Response:
+    """Stop a background response still queued or in progress (400 for any other)."""
+    return _json(await raw_request.app.state.serving_responses.cancel_responses(response_id))
+
+
+@router.post("/v1/messages", operation_id="create_message", openapi_extra=_request_body(AnthropicMessagesRequest),
+             responses={200: {"model": AnthropicMessagesResponse, "content": _SSE}, **_ANTHROPIC_ERRORS})  # fmt: skip
+async def create_messages(raw_request: Request) -> Response:
+    """Anthropic's Messages API, text only (``engine/entrypoints/anthropic/serving.py``)."""
+    request = await parse_json_body(raw_request, partial(_validate, AnthropicMessagesRequest))
+    handler: AnthropicServingMessages = raw_request.app.state.serving_messages
+    return await _respond(raw_request, handler.create_messages(request, dict(raw_request.headers)))
+
+
+@router.post("/v1/messages/count_tokens", operation_id="count_message_tokens",
+             openapi_extra=_request_body(AnthropicCountTokensRequest),
+             responses={200: {"model": AnthropicCountTokensResponse}, **_ANTHROPIC_ERRORS})  # fmt: skip
+async def count_message_tokens(raw_request: Request) -> Response:
+    """The prompt tokens a ``/v1/messages`` request would have (the chat template rendered
+    and tokenized in a worker thread)."""
+    request = await parse_json_body(raw_request, partial(_validate, AnthropicCountTokensRequest))
+    handler: AnthropicServingMessages = raw_request.app.state.serving_messages
+    return await _respond(raw_request, handler.count_tokens(request))
 
 
 def _tokenize_request(body: Any) -> TokenizeCompletionRequest | TokenizeChatRequest:
@@ -370,8 +441,10 @@ async def _json_in_thread(work: Callable[[Any], BaseModel], request: Any) -> Res
     return Response(await asyncio.to_thread(run), media_type="application/json")
 
 
-def _error(status_code: int, message: str, param: str | None = None) -> Response:
-    return _json(error_response(status_code, message, param), status_code)
+def _error(status_code: int, message: str, param: str | None = None, path: str = "") -> Response:
+    """An error response for a request to ``path``, in the shape its clients read
+    (``serving_engine.error_body``)."""
+    return _json(error_body(path, status_code, message, param), status_code)
 
 
 async def _respond(raw_request: Request, work: Awaitable[BaseModel | AsyncIterator[str]]) -> Response:
@@ -410,10 +483,14 @@ async def _respond_failed(raw_request: Request, task: asyncio.Future) -> Respons
     except (OpenAIError, EngineDeadError):
         raise  # answered by their handlers below
     except ValueError as e:  # our convention for bad input (a prompt that cannot be encoded, ...)
-        blamed = "messages" if raw_request.url.path.endswith("/chat/completions") else "prompt"
+        blamed = _BLAMED_FIELD.get(raw_request.url.path, "prompt")
         raise bad_request_from_value_error(e, blamed) from None
     except Exception as e:
         return await _unexpected_error_handler(raw_request, e)
+
+
+# The field a route's bad input (a ``ValueError``) is blamed on when it names none.
+_BLAMED_FIELD = {"/v1/chat/completions": "messages", "/v1/messages": "messages", "/v1/responses": "input"}
 
 
 async def _wait_for_disconnect(raw_request: Request) -> None:
@@ -452,24 +529,24 @@ async def _validation_error_handler(request: Request, exc: RequestValidationErro
             param = path[0]
         where = ".".join(str(p) for p in path) or "body"
         messages.append(f"{where}: {err.get('msg', 'invalid value')}")
-    return _error(400, "; ".join(messages) or "Invalid request", param)
+    return _error(400, "; ".join(messages) or "Invalid request", param, request.url.path)
 
 
 async def _http_error_handler(request: Request, exc: StarletteHTTPException) -> Response:
     """Starlette's own errors (unknown route 404, wrong method 405) in the OpenAI shape."""
-    response = _error(exc.status_code, str(exc.detail))
+    response = _error(exc.status_code, str(exc.detail), path=request.url.path)
     for name, value in (exc.headers or {}).items():
         response.headers[name] = value
     return response
 
 
 async def _openai_error_handler(request: Request, exc: OpenAIError) -> Response:
-    return _error(exc.status_code, exc.message, exc.param)
+    return _error(exc.status_code, exc.message, exc.param, request.url.path)
 
 
 async def _engine_dead_handler(request: Request, exc: EngineDeadError) -> Response:
     # The root-cause block (pids, stages, exceptions) goes to the server log, not to clients.
-    return _error(503, ENGINE_DEAD_MESSAGE)
+    return _error(503, ENGINE_DEAD_MESSAGE, path=request.url.path)
 
 
 async def _value_error_handler(request: Request, exc: ValueError) -> Response:
@@ -478,7 +555,7 @@ async def _value_error_handler(request: Request, exc: ValueError) -> Response:
 
 async def _unexpected_error_handler(request: Request, exc: Exception) -> Response:
     logger.error("unexpected error serving %s: %r", request.url.path, exc, exc_info=exc)
-    return _error(500, internal_error_message(exc))
+    return _error(500, internal_error_message(exc), path=request.url.path)
 
 
 # ---------------------------------------------------------------------------- API key
@@ -490,6 +567,11 @@ class APIKeyMiddleware:
     ``scope``: ``"v1"`` guards ``/v1/*`` only, as vLLM (``/tokenize``, ``/metrics``, ...
     stay open); ``"all"`` guards every path but ``/health`` and ``/ping``. Preflight
     ``OPTIONS`` requests always pass (browsers send them without credentials).
+
+    ``/v1/messages`` too takes the key only as a bearer token, as vLLM 0.32's Anthropic route
+    does: Anthropic's ``x-api-key`` header is not read (the ``anthropic`` client sends its
+    ``api_key`` as ``Authorization: Bearer``; its ``auth_token`` always goes that way). Its 401
+    is in Anthropic's error shape.
 
     Pure ASGI, so streamed responses pass through untouched. Only a SHA-256 digest of the
     key is kept, and digests are compared with ``secrets.compare_digest`` (constant time).
@@ -513,7 +595,8 @@ class APIKeyMiddleware:
                 token = header[len("Bearer ") :] if header.startswith("Bearer ") else ""
                 digest = hashlib.sha256(token.encode()).digest()
                 if not secrets.compare_digest(digest, self.key_digest):
-                    response = _error(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.")
+                    response = _error(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
+                                      path=path)  # fmt: skip
                     await response(scope, receive, send)
                     return
         await self.app(scope, receive, send)

@@ -4,8 +4,8 @@ vLLM has no counterpart: its routes let FastAPI read any body whole and parse it
 event loop. Here every request passes ``RequestBodyLimit`` (an ASGI middleware) and every
 route that takes a body parses it with ``parse_json_body``:
 
-- **Size**: a body larger than ``--max-request-body-bytes`` is answered with an
-  OpenAI-shaped 413 *before* it is read whole: at once when its ``Content-Length`` says
+- **Size**: a body larger than ``--max-request-body-bytes`` is answered with a 413 (in
+  OpenAI's error shape, Anthropic's under ``/v1/messages``) *before* it is read whole: at once when its ``Content-Length`` says
   so, or as soon as the bytes counted from a chunked body pass the limit. The connection is
   then closed (``Connection: close``), since the rest of the body is never read.
 - **Parsing** (``parse_json_body``): the body must be JSON (``Content-Type`` absent,
@@ -34,7 +34,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.entrypoints.openai.serving_engine import UNCHECKED_FIELDS, OpenAIError, error_response
+from engine.entrypoints.openai.serving_engine import UNCHECKED_FIELDS, OpenAIError, error_body
 from engine.logger import init_logger
 
 logger = init_logger(__name__)
@@ -63,13 +63,10 @@ class BodyTooLarge(Exception):
     """The request body is larger than the limit (answered with 413)."""
 
 
-def _error_body(status: int, message: str) -> bytes:
-    return error_response(status, message).model_dump_json().encode()
-
-
-async def send_error(send: Send, status: int, message: str, close: bool = False) -> None:
-    """Send a whole OpenAI-shaped error response (pure ASGI)."""
-    body = _error_body(status, message)
+async def send_error(send: Send, status: int, message: str, close: bool = False, path: str = "") -> None:
+    """Send a whole error response (pure ASGI), in the shape of ``path``'s clients
+    (``serving_engine.error_body``: OpenAI's, or Anthropic's under ``/v1/messages``)."""
+    body = error_body(path, status, message).model_dump_json().encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if close:
         headers.append((b"connection", b"close"))
@@ -103,12 +100,17 @@ class RequestBodyLimit:
             return
         headers = Headers(scope=scope)
         length = headers.get("content-length")
+        path = scope["path"]
         if length is not None and "transfer-encoding" not in headers:
             if not length.strip().isdigit():
-                await send_error(send, 400, f"Invalid Content-Length header: {length!r}.", close=True)
+                await send_error(
+                    send, 400, f"Invalid Content-Length header: {length!r}.", close=True, path=path
+                )
                 return
             if 0 < self.max_bytes < int(length):
-                await send_error(send, 413, too_large_message(int(length), self.max_bytes), close=True)
+                await send_error(
+                    send, 413, too_large_message(int(length), self.max_bytes), close=True, path=path
+                )
                 return
         # Read here, not by the app: a client that leaves mid-body (or is cut off by
         # --http-body-timeout's 408) ends the request quietly, with no traceback from the app.
@@ -127,7 +129,9 @@ class RequestBodyLimit:
             chunk = message.get("body", b"")
             size += len(chunk)
             if 0 < self.max_bytes < size:
-                await send_error(send, 413, too_large_message(None, self.max_bytes), close=True)
+                await send_error(
+                    send, 413, too_large_message(None, self.max_bytes), close=True, path=scope["path"]
+                )
                 return
             chunks.append(chunk)
             more_body = message.get("more_body", False)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import uuid
 from collections.abc import AsyncGenerator
 from http import HTTPStatus
@@ -32,6 +33,7 @@ from typing import Any, TypeVar
 import msgspec
 from pydantic import BaseModel
 
+from engine.entrypoints.anthropic.protocol import anthropic_error_response
 from engine.entrypoints.openai.protocol import (
     ChatMessageParam,
     ErrorInfo,
@@ -74,6 +76,8 @@ UNSUPPORTED_FIELDS = {
 }
 # Request fields accepted and ignored: not checked (``limits.decode_json``'s Unicode scan).
 UNCHECKED_FIELDS = frozenset({"user"})
+# Requests under this path get their errors in Anthropic's shape (``error_body``).
+ANTHROPIC_PATH = "/v1/messages"
 # What a client is told when the engine is dead, streaming or not (503); the root cause
 # (pids, stages, exceptions) goes to the server's log only.
 ENGINE_DEAD_MESSAGE = "The engine is dead; the server's log shows the root cause."
@@ -96,6 +100,19 @@ class OpenAIError(Exception):
         self.status_code = int(status_code)
         self.param = param
 
+    def renamed(self, renames: dict[str, str]) -> OpenAIError:
+        """This error with its field renamed through ``renames``: a route that runs through
+        another route's flow (``/v1/responses`` and ``/v1/messages`` through chat's) names its
+        own request's field (``max_output_tokens`` for chat's ``max_completion_tokens``).
+
+        ``param`` is renamed, and so is the field where the message names it the two ways
+        our messages do: first (``SamplingParams``: ``"stop must be ..."``) or quoted
+        (``"'max_completion_tokens' is too large"``)."""
+        message = self.message
+        for old, new in renames.items():
+            message = re.sub(rf"^{re.escape(old)}\b", new, message).replace(f"'{old}'", f"'{new}'")
+        return OpenAIError(message, self.status_code, renames.get(self.param, self.param))
+
 
 def error_response(status_code: int, message: str, param: str | None = None) -> ErrorResponse:
     """The OpenAI-shaped error body for ``status_code``.
@@ -108,22 +125,54 @@ def error_response(status_code: int, message: str, param: str | None = None) -> 
     return ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param, code=status_code))
 
 
+def error_body(path: str, status_code: int, message: str, param: str | None = None) -> BaseModel:
+    """The error body of a request to ``path``: Anthropic's shape
+    (``{"type": "error", "error": {"type", "message"}}``) under ``/v1/messages``, where the
+    ``anthropic`` client reads it; OpenAI's (``error_response``) everywhere else."""
+    if path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/"):
+        return anthropic_error_response(status_code, message)
+    return error_response(status_code, message, param)
+
+
 def bad_request_from_value_error(
     e: ValueError, default_param: str | None, renames: dict[str, str] | None = None
 ) -> OpenAIError:
     """A ``ValueError`` from ``SamplingParams`` or the input processor → a 400.
 
     ``SamplingParams`` starts its messages with the field's name; that name (renamed to the
-    request's own field through ``renames``) becomes ``param``. Other messages (a bad
-    prompt) blame ``default_param``.
+    request's own field through ``renames``) becomes ``param``; so does a constraint's
+    ``structured_outputs.<kind>:`` (the input processor's compile check). Other messages (a
+    bad prompt) blame ``default_param``.
     """
     message = str(e)
     first_word = message.split(" ", 1)[0]
+    if first_word.startswith("structured_outputs.") and first_word.endswith(":"):
+        # A constraint that does not compile: "structured_outputs.json: <why>", named after the
+        # request field it came from (response_format.json_schema.schema, tools[i]...).
+        field = first_word[:-1]
+        param = (renames or {}).get(field, field)
+        message = f"{param}: {message.split(' ', 1)[1] if ' ' in message else ''}"
+        return OpenAIError(message, param=param)
     if first_word in _SAMPLING_FIELDS:
         param = (renames or {}).get(first_word, first_word)
     else:
         param = default_param
     return OpenAIError(message, param=param)
+
+
+def check_finished_without_error(finish_reason: str | None, stop_reason: int | str | None) -> None:
+    """A choice the engine ended with ``error`` (a structured-output grammar that failed in
+    the engine, or that no token could follow; ``stop_reason`` says which) is a 400: the
+    constraint is the request's.
+
+    Raises:
+        OpenAIError: (400) naming ``structured_outputs``.
+    """
+    if finish_reason == "error":
+        raise OpenAIError(
+            f"The engine could not follow the request's output constraint: {stop_reason}",
+            param="structured_outputs",
+        )
 
 
 def random_uuid() -> str:
@@ -173,40 +222,39 @@ class StreamChunks:
 SSE_DONE = "data: [DONE]\n\n"
 
 
-def engine_dead_event(error: BaseException, request_id: str) -> str:
-    """The SSE error event that ends a stream whose engine died: the short 503 message
-    (``ENGINE_DEAD_MESSAGE``), as a non-streaming client gets.
+def stream_error(error: BaseException, request_id: str, blamed: str | None) -> ErrorResponse:
+    """The error body that ends a stream on ``error``, with the status a plain request would
+    get: a ``ValueError`` (our convention for bad input) is a 400 blaming ``blamed`` unless it
+    names a field, an ``OpenAIError`` its own status, anything else a 500, logged.
 
-    The root cause (process, pid, stage, exception) goes to the log instead: one line, once
-    per engine death however many streams it ends (the full block is printed once, last, by
-    the server when it stops).
+    A dead engine is a 503 with the short ``ENGINE_DEAD_MESSAGE``; its root cause (process,
+    pid, stage, exception) goes to the log instead: one line, once per engine death however
+    many streams it ends (the full block is printed once, last, by the server when it stops).
     """
-    if not getattr(error, "_logged_for_streams", False):
-        cause = getattr(error, "root_cause", None) or str(error)
-        summary = "; ".join(
-            " ".join(line.split()) for line in cause.splitlines() if line.strip() and line[0] != "="
-        )
-        logger.error("The engine died while streaming %s (and maybe others): %s", request_id, summary)
-        try:
-            error._logged_for_streams = True  # type: ignore[attr-defined]
-        except AttributeError:
-            pass
-    return sse_event(error_response(503, ENGINE_DEAD_MESSAGE))
-
-
-def stream_error_event(error: Exception, request_id: str, blamed: str) -> str:
-    """The SSE error event that ends a stream on ``error`` (then comes ``data: [DONE]``), with
-    the status a plain request would get: a ``ValueError`` (our convention for bad input)
-    is a 400 blaming ``blamed`` unless it names a field, an ``OpenAIError`` its own status,
-    a dead engine 503 (``engine_dead_event``), anything else a 500, logged."""
     if isinstance(error, ValueError):
         error = bad_request_from_value_error(error, blamed)
     if isinstance(error, OpenAIError):
-        return sse_event(error_response(error.status_code, error.message, error.param))
+        return error_response(error.status_code, error.message, error.param)
     if isinstance(error, EngineDeadError):
-        return engine_dead_event(error, request_id)
+        if not getattr(error, "_logged_for_streams", False):
+            cause = getattr(error, "root_cause", None) or str(error)
+            summary = "; ".join(
+                " ".join(line.split()) for line in cause.splitlines() if line.strip() and line[0] != "="
+            )
+            logger.error("The engine died while streaming %s (and maybe others): %s", request_id, summary)
+            try:
+                error._logged_for_streams = True  # type: ignore[attr-defined]
+            except AttributeError:
+                pass
+        return error_response(503, ENGINE_DEAD_MESSAGE)
     logger.error("stream %s failed", request_id, exc_info=error)
-    return sse_event(error_response(500, internal_error_message(error)))
+    return error_response(500, internal_error_message(error))
+
+
+def stream_error_event(error: Exception, request_id: str, blamed: str) -> str:
+    """The SSE error event (``data: {"error": ...}``) that ends a completions or chat stream on
+    ``error`` (then comes ``data: [DONE]``); the body is ``stream_error``'s."""
+    return sse_event(stream_error(error, request_id, blamed))
 
 
 def internal_error_message(error: BaseException) -> str:
@@ -341,6 +389,11 @@ class OpenAIServing:
             )
         if request.stream_options is not None and not request.stream:
             raise OpenAIError("stream_options can only be given when stream is true.", param="stream_options")
+        OpenAIServing.log_unknown_fields(request)
+
+    @staticmethod
+    def log_unknown_fields(request: BaseModel) -> None:
+        """Log the fields of ``request`` that no model declares (they are ignored, as vLLM does)."""
         if request.model_extra:
             ignored = ", ".join(sorted(request.model_extra))
             logger.warning("The request's field(s) %s are not known and were ignored", ignored)

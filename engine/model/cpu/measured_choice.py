@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from engine.logger import init_logger
+from engine.utils.cpu_load import OthersLoad
 
 logger = init_logger(__name__)
 
@@ -130,6 +131,15 @@ def cache_path(name: str, key: Mapping[str, Any]) -> Path:
     return cache_dir() / f"{name}-{digest}.json"
 
 
+# Other processes taking this many CPUs or more while a choice was measured make its verdict
+# provisional: a later start measures again (at most ``REMEASURE_BUSY`` times), so one busy
+# moment does not decide for good.
+BUSY_CPUS = 0.5
+REMEASURE_BUSY = 2
+# What measures the other processes' load during a measurement (tests put a fixed one).
+load_meter: Callable[[], OthersLoad] = OthersLoad
+
+
 def measured(
     name: str,
     key: Mapping[str, Any],
@@ -139,20 +149,31 @@ def measured(
     ``(choice, detail, data)`` — timed and written to the cache (atomically: two workers
     measuring at once each write a file of their own and rename it). An unreadable cache
     file is measured again; an unwritable cache directory only costs the next start a new
-    measurement (logged)."""
+    measurement (logged). How busy the machine was meanwhile (other processes' CPUs,
+    ``engine/utils/cpu_load.py``) is said in the detail; a verdict measured while they took
+    ``BUSY_CPUS`` or more is measured again at the next start, up to ``REMEASURE_BUSY`` times."""
     path = cache_path(name, key)
+    remeasured = 0
     try:
         saved = json.loads(path.read_text())
-        return Verdict(name, saved["choice"], "cached", saved.get("detail", ""), saved["data"])
+        remeasured = int(saved.get("remeasured", 0))
+        busy = (saved.get("others_cpus") or 0.0) >= BUSY_CPUS
+        if not busy or remeasured >= REMEASURE_BUSY:
+            return Verdict(name, saved["choice"], "cached", saved.get("detail", ""), saved["data"])
+        remeasured += 1
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    start = time.perf_counter()
+    start, load = time.perf_counter(), load_meter()
     choice, detail, data = measure()
+    others = load.others()
+    if others is not None and others >= 0.05:
+        detail += f" (other processes took {others:.1f} CPU meanwhile)"
     verdict = Verdict(name, choice, "measured", detail, data, seconds=time.perf_counter() - start)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        record = {"choice": choice, "detail": detail, "data": data, "key": dict(key), "cpu": cpu_identity()}
+        record = {"choice": choice, "detail": detail, "data": data, "key": dict(key), "cpu": cpu_identity(),
+                  "others_cpus": others, "remeasured": remeasured}  # fmt: skip
         tmp.write_text(json.dumps(record, indent=1, default=str))
         os.replace(tmp, path)
     except OSError as e:

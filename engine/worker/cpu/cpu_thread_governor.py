@@ -38,11 +38,11 @@ Changing the count may change the order of a matmul's sums, hence the last bits 
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable, Iterable
 
 from engine.logger import init_logger
+from engine.utils.cpu_load import read_idle_seconds  # noqa: F401 - the governor's reader (tests import it here)
 
 logger = init_logger(__name__)
 
@@ -57,27 +57,6 @@ PAUSE_WINDOWS = 8
 # measured 0.9-1.3 against two threads.
 DOWN_SLACK_CPUS = 0.8
 UP_SLACK_CPUS = 0.6
-
-
-def read_idle_seconds(cpus: Iterable[int]) -> float | None:
-    """Idle + iowait seconds so far, summed over ``cpus``, from ``/proc/stat``; None where
-    that cannot be read (not Linux)."""
-    wanted = {f"cpu{c}" for c in cpus}
-    try:
-        with open("/proc/stat", encoding="ascii") as f:
-            lines = f.readlines()
-    except OSError:
-        return None
-    ticks = 0
-    found = 0
-    for line in lines:
-        fields = line.split()
-        if fields and fields[0] in wanted:
-            ticks += int(fields[4]) + int(fields[5])  # idle, iowait
-            found += 1
-    if found != len(wanted):
-        return None
-    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 class CpuThreadGovernor:

@@ -20,7 +20,13 @@ from engine.model.cpu.op_threads import get_op_threads
 from engine.outputs import ModelRunnerOutput
 from engine.sched.output import SchedulerOutput
 from engine.worker.cpu.cpu_thread_governor import CpuThreadGovernor
-from engine.worker.cpu.cpu_threads import _cpu_ranges, _usable_cpus, apply_cpu_threads, plan_cpu_threads
+from engine.worker.cpu.cpu_threads import (
+    CpuThreadPlan,
+    _cpu_ranges,
+    _usable_cpus,
+    apply_cpu_threads,
+    plan_cpu_threads,
+)
 from engine.worker.worker import Worker, logger
 from tracing.stage import set_runs_as
 from tracing.telemetry import events
@@ -33,6 +39,7 @@ class CPUWorker(Worker):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._governor: CpuThreadGovernor | None = None  # the adaptive thread count, when on
+        self._thread_plan: CpuThreadPlan | None = None  # init_device's plan, on a CPU
 
     def _init_device_threads(self) -> None:
         if self.device.type == "cpu":
@@ -53,10 +60,18 @@ class CPUWorker(Worker):
             own_process=get_process_role() != "Main",
         )
         apply_cpu_threads(plan)
+        self._thread_plan = plan
         info = self.cpu_threads_info()
         governor = None
-        if envs.GLASSBOX_CPU_ADAPTIVE_THREADS and plan.num_threads is not None and plan.num_threads >= 2:
-            governor = CpuThreadGovernor(plan.num_threads, plan.cpus or tuple(sorted(_usable_cpus())),
+        # In the caller's process (auto) torch's count is left as the caller set it, and the
+        # governor follows the load below it all the same: Glassbox's own parallel work runs
+        # inside op_threads(), which puts the caller's count back after each op. Without it, a
+        # busy machine held a 2-thread team waiting on a starved thread at every matmul
+        # (libgomp's own long spin there too): 26 against 201 tok/s with one thread.
+        most = plan.num_threads if plan.num_threads is not None else (
+            get_op_threads() if plan.why.startswith("auto") else None)  # fmt: skip
+        if envs.GLASSBOX_CPU_ADAPTIVE_THREADS and most is not None and most >= 2:
+            governor = CpuThreadGovernor(most, plan.cpus or tuple(sorted(_usable_cpus())),
                                          name=f"Worker rank {self.rank} on CPUs {info['cpus']}")  # fmt: skip
         self._governor = governor if governor is not None and governor.enabled else None
         logger.info(
@@ -80,6 +95,62 @@ class CPUWorker(Worker):
         if self._governor is None:
             return str(get_op_threads())
         return f"{get_op_threads()} of {self._governor.max_threads}"
+
+    def _tune_after_warm_up(self, compiled: dict[str, Any]) -> dict[str, Any]:
+        """On a CPU, time the warm step's thread counts and compiled against eager
+        (``step_choices.tune_step``), apply the verdicts and add them to the model's measured
+        choices; ``compiled["mode"]`` becomes ``"eager"`` where eager won. Skipped where the
+        forward holds collectives (every rank would have to time the same steps)."""
+        if self.device.type != "cpu" or self._thread_plan is None or self.model_runner is None:
+            return compiled
+        from engine.worker.cpu.step_choices import forward_has_collectives, tune_step
+
+        runner = self.model_runner
+        if forward_has_collectives(self.config):
+            self._tune_attention_task_shape()  # the kernel alone: no collective in it
+            return compiled
+        plan = self._thread_plan
+        share = plan.num_threads or get_op_threads()
+        verdicts = tune_step(runner, share, plan.cpus or tuple(sorted(_usable_cpus())),
+                             threads_fixed=_threads_fixed(plan), compile_fixed=self._compile_fixed())  # fmt: skip
+        for verdict in verdicts:
+            logger.info("%s", verdict.text())
+        runner.model.measured_choices = [*getattr(runner.model, "measured_choices", []), *verdicts]
+        threads = verdicts[0].data["threads"]
+        if self._governor is not None:
+            self._governor.max_threads = self._governor.num_threads = threads
+            if not self._governor.enabled:  # one thread: nothing left to govern
+                self._governor = None
+        self._tune_attention_task_shape()
+        if runner.compiled is None and compiled["mode"] != "eager":
+            compiled = {"mode": "eager", "graphs": 0, "cache": "off", "seconds": 0.0}
+        return compiled
+
+    def _tune_attention_task_shape(self) -> None:
+        """With the C++ decode kernel (``CPU_PAGED_CPP``): time its task shapes at this model's
+        heads and thread count (``paged_attention_cpu.choose_task_shape``) and use the verdict."""
+        runner = self.model_runner
+        if runner.attention_backend != "CPU_PAGED_CPP" or not runner.attention_layers:
+            return
+        from engine.model.cpu import paged_attention_cpu
+        from engine.model.cpu.op_threads import op_threads
+
+        layer = runner.attention_layers[0]
+        with op_threads():
+            verdict = paged_attention_cpu.choose_task_shape(layer.num_heads, layer.num_kv_heads, layer.head_dim,
+                                                            runner.dtype, runner.block_size, get_op_threads())  # fmt: skip
+        paged_attention_cpu.all_heads_from = verdict.data["all_heads_from"]
+        logger.info("%s", verdict.text())
+        runner.model.measured_choices = [*getattr(runner.model, "measured_choices", []), verdict]
+
+    def _compile_fixed(self) -> str | None:
+        """What fixed compiled-or-eager (``--enforce-eager``, ``GLASSBOX_TORCH_COMPILE=1``), or
+        None where it is to be measured."""
+        if self.config.model_config.enforce_eager:
+            return "--enforce-eager"
+        if envs.GLASSBOX_TORCH_COMPILE != "auto":
+            return f"GLASSBOX_TORCH_COMPILE={int(bool(envs.GLASSBOX_TORCH_COMPILE))}"
+        return None
 
     def runs_as(self, compiled: dict[str, Any]) -> dict[str, str]:
         """``Worker.runs_as`` and, on a CPU, its threads (now / its share) and the speed
@@ -114,3 +185,15 @@ class CPUWorker(Worker):
             most = self._governor.max_threads if self._governor is not None else get_op_threads()
             gauges[events.GAUGE_WORKER_THREADS_MAX] = most
         return gauges
+
+
+def _threads_fixed(plan: CpuThreadPlan) -> str | None:
+    """What fixed a plan's thread count (``OMP_NUM_THREADS=4``, a CPU list), or None under
+    ``auto`` with nothing set, where ``step_choices`` times it."""
+    if plan.num_threads is None:
+        return plan.why
+    if "OMP_NUM_THREADS" in plan.why:
+        return "OMP_NUM_THREADS=" + os.environ.get("OMP_NUM_THREADS", "")
+    if not plan.why.startswith("auto"):
+        return plan.why
+    return None

@@ -17,6 +17,8 @@ BAD = {
     "float": "lots",
     "_log_level": "LOUD",
     "_bool": "maybe",
+    "_auto_bool": "sometimes",
+    "_non_negative_int": "-1",
     "_positive_float": "-1",
     "parse_seconds": "-1",  # tracing.waits' parser, which envs uses for every deadline
     "_non_negative_float": "-0.5",

@@ -14,9 +14,21 @@ from engine.model.cpu.linear import choose_bf16_linear
 from engine.model.cpu.measured_choice import time_candidates
 
 
+class FixedLoad:
+    """Other processes' load during a measurement, as the test sets it (the real one follows
+    the machine: the suite's other tests)."""
+
+    cpus = 0.0
+
+    def others(self) -> float:
+        return FixedLoad.cpus
+
+
 @pytest.fixture(autouse=True)
 def own_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("GLASSBOX_CACHE_ROOT", str(tmp_path))
+    monkeypatch.setattr(measured_choice, "load_meter", FixedLoad)
+    monkeypatch.setattr(FixedLoad, "cpus", 0.0)
     return tmp_path
 
 
@@ -216,3 +228,24 @@ def test_bf16_prefill_attention_native_and_upcast_agree_within_bfloat16_rounding
     )
     for out in outs:
         torch.testing.assert_close(out, exact.float(), atol=2e-2, rtol=2**-7)
+
+
+def test_a_verdict_measured_while_the_machine_was_busy_is_measured_again_a_bounded_number_of_times():
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return "a", "timed", {"x": len(calls)}
+
+    FixedLoad.cpus = 1.2  # another process took more than a CPU of ours
+    first = measured_choice.measured("demo", {"k": 1}, measure)
+    assert first.source == "measured" and "other processes took 1.2 CPU meanwhile" in first.detail
+    for _ in range(measured_choice.REMEASURE_BUSY):
+        assert measured_choice.measured("demo", {"k": 1}, measure).source == "measured"
+    # still busy each time: after REMEASURE_BUSY more tries the last verdict stands
+    assert measured_choice.measured("demo", {"k": 1}, measure).source == "cached"
+    assert len(calls) == 1 + measured_choice.REMEASURE_BUSY
+    # a quiet measurement is cached at once
+    FixedLoad.cpus = 0.1
+    measured_choice.measured("demo", {"k": 2}, measure)
+    assert measured_choice.measured("demo", {"k": 2}, measure).source == "cached"

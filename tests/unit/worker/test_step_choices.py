@@ -1,0 +1,123 @@
+"""A CPU worker's step tuned by timing it (engine/worker/cpu/step_choices.py): the thread count
+and compiled-or-eager follow the measurement, a tie keeps the default, a flag or variable
+forces a side, and a forward with collectives is never timed on one rank alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.model.cpu import measured_choice
+from engine.worker.cpu import step_choices
+from engine.worker.cpu.cpu_threads import CpuThreadPlan
+from engine.worker.cpu.cpu_worker import _threads_fixed
+
+SHAPES = {"16 decodes": [1] * 16, "a 256-token prefill": [256]}
+
+
+class Quiet:
+    def others(self) -> float:
+        return 0.0
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("GLASSBOX_CACHE_ROOT", str(tmp_path))
+    monkeypatch.setattr(measured_choice, "load_meter", Quiet)
+
+
+def test_thread_candidates_are_the_share_half_of_it_and_its_physical_cores():
+    assert step_choices.thread_candidates(2, 2) == [2, 1]
+    assert step_choices.thread_candidates(1, 1) == [1]
+    assert step_choices.thread_candidates(8, 4) == [8, 4]  # hyper-threads: half are siblings
+    assert step_choices.thread_candidates(12, 3) == [12, 6, 3]
+    assert step_choices.thread_candidates(4, None) == [4, 2]
+
+
+def test_physical_cores_are_read_from_sysfs():
+    cores = step_choices.physical_cores_of([0])
+    assert cores in (None, 1)
+    assert step_choices.physical_cores_of([10**6]) is None  # no such CPU
+
+
+def fake_threads(ms: dict[int, tuple[float, float]], calls: list):
+    def time_threads():
+        calls.append(1)
+        return {n: {"16 decodes": d / 1e3, "a 256-token prefill": p / 1e3} for n, (d, p) in ms.items()}
+
+    return time_threads
+
+
+@pytest.mark.parametrize(
+    ("ms", "chosen"),
+    [
+        ({2: (8.0, 20.0), 1: (3.0, 14.0)}, 1),  # fewer threads clearly faster (a tiny model)
+        ({2: (4.0, 10.0), 1: (6.0, 19.0)}, 2),  # the share is faster
+        ({2: (4.0, 10.0), 1: (3.9, 9.9)}, 2),  # fewer only by 1 %: a tie keeps the share
+    ],
+)
+def test_the_thread_count_follows_the_measurement_and_a_tie_keeps_the_share(ms, chosen):
+    calls = []
+    v = step_choices.choose_step_threads([2, 1], SHAPES, fake_threads(ms, calls), {"model": "m"})
+    assert (v.choice, v.source, v.data) == (str(chosen), "measured", {"threads": chosen})
+    assert "16 decodes: 2 threads" in v.detail and "a 256-token prefill" in v.detail
+    again = step_choices.choose_step_threads([2, 1], SHAPES, fake_threads(ms, calls), {"model": "m"})
+    assert again.source == "cached" and again.data == v.data and len(calls) == 1
+
+
+def test_one_candidate_is_not_timed():
+    v = step_choices.choose_step_threads([1], SHAPES, lambda: pytest.fail("timed"), {})
+    assert (v.choice, v.source) == ("1", "the only candidate")
+
+
+@pytest.mark.parametrize(
+    ("compiled", "eager", "chosen"),
+    [
+        ((5.0, 20.0), (10.0, 30.0), "compiled"),  # compiled faster
+        ((10.0, 30.0), (5.0, 29.0), "compiled"),  # eager wins the decode only
+        ((10.0, 30.0), (9.0, 27.0), "compiled"),  # eager 1.11x at both: inside the margin
+        ((10.0, 30.0), (8.0, 24.0), "eager"),  # eager 1.25x at both: past the margin (1.2)
+    ],
+)
+def test_eager_replaces_the_compiled_step_only_when_clearly_faster_at_every_shape(compiled, eager, chosen):
+    names = list(SHAPES)
+
+    def time_modes():
+        return {"compiled": dict(zip(names, [c / 1e3 for c in compiled])),
+                "eager": dict(zip(names, [e / 1e3 for e in eager]))}  # fmt: skip
+
+    v = step_choices.choose_compiled_step(SHAPES, time_modes, {"case": (compiled, eager)})
+    assert (v.choice, v.data) == (chosen, {"compiled": chosen == "compiled"})
+    assert "16 decodes: compiled 10.00 ms" in v.detail or "16 decodes: compiled 5.00 ms" in v.detail
+
+
+def test_what_fixes_the_thread_count_is_named():
+    assert _threads_fixed(CpuThreadPlan(2, None, "auto: 2 usable CPUs, 1 worker(s)")) is None
+    fixed = CpuThreadPlan(1, None, "auto: 2 usable CPUs, 1 worker(s), OMP_NUM_THREADS=1")
+    assert _threads_fixed(fixed).startswith("OMP_NUM_THREADS=")
+    listed = CpuThreadPlan(1, (0,), "GLASSBOX_CPU_OMP_THREADS_BIND=0 for this worker")
+    assert _threads_fixed(listed) == "GLASSBOX_CPU_OMP_THREADS_BIND=0 for this worker"
+    assert _threads_fixed(CpuThreadPlan(None, None, "GLASSBOX_CPU_OMP_THREADS_BIND=nobind")) is not None
+
+
+def test_a_forward_with_collectives_is_never_timed_alone():
+    from types import SimpleNamespace
+
+    def config(world_size, ep=False):
+        return SimpleNamespace(
+            parallel_config=SimpleNamespace(world_size=world_size, enable_expert_parallel=ep)
+        )
+
+    assert not step_choices.forward_has_collectives(config(1))
+    assert step_choices.forward_has_collectives(config(2))
+    assert step_choices.forward_has_collectives(config(1, ep=True))
+
+
+def test_the_timed_steps_fit_the_scheduler_limits():
+    assert step_choices.step_shapes(256, 4096, 1024) == {"16 decodes": [1] * 16, "a 256-token prefill": [256]}
+    assert step_choices.step_shapes(4, 64, 128) == {"4 decodes": [1] * 4, "a 64-token prefill": [64]}
+    # a larger model times a shorter chunk: a 0.5 B model's 256 tokens take seconds on 2 cores
+    assert step_choices.step_shapes(256, 4096, 1024, 372_000_000)["a 17-token prefill"] == [17]
+    assert step_choices.step_shapes(256, 4096, 1024, 10**10) == {
+        "16 decodes": [1] * 16,
+        "a 16-token prefill": [16],
+    }
