@@ -163,6 +163,7 @@ class EngineCore:
                 priority=request.priority,
                 client_index=request.client_index,
                 block_hasher=self.block_hasher,
+                pooling_params=request.pooling_params,
             )
         )
         self.request_tracer.add(request.request_id, request.trace_headers)

@@ -156,14 +156,15 @@ def do_tracing(state: RequestState, done: FinishedRequestStats, model_name: str 
         catalogue.ATTR_REQUEST_NUM_CACHED_TOKENS: state.num_cached_tokens,
         catalogue.ATTR_GEN_AI_RESPONSE_FINISH_REASONS: [done.finish_reason],
         catalogue.ATTR_GEN_AI_LATENCY_E2E: done.e2e_latency,
-        catalogue.ATTR_GEN_AI_REQUEST_MAX_TOKENS: params.max_tokens,
-        catalogue.ATTR_GEN_AI_REQUEST_TEMPERATURE: params.temperature,
-        catalogue.ATTR_GEN_AI_REQUEST_TOP_P: params.top_p,
-        catalogue.ATTR_GEN_AI_REQUEST_N: params.n,
     }
+    if params is not None:  # a pooling request has no sampling params
+        attributes[catalogue.ATTR_GEN_AI_REQUEST_MAX_TOKENS] = params.max_tokens
+        attributes[catalogue.ATTR_GEN_AI_REQUEST_TEMPERATURE] = params.temperature
+        attributes[catalogue.ATTR_GEN_AI_REQUEST_TOP_P] = params.top_p
+        attributes[catalogue.ATTR_GEN_AI_REQUEST_N] = params.n
     if req.scheduled_ts:
         attributes[catalogue.ATTR_GEN_AI_LATENCY_TIME_IN_QUEUE] = done.queued_time
-    if req.num_generation_tokens:
+    if req.num_generation_tokens or req.first_token_ts:
         attributes[catalogue.ATTR_GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN] = req.first_token_latency
         if req.scheduled_ts:
             attributes[catalogue.ATTR_GEN_AI_LATENCY_TIME_IN_MODEL_PREFILL] = done.prefill_time

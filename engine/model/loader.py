@@ -28,6 +28,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.config import ConfigError, ModelConfig
+from engine.model.adapters import as_embedding_model
 from engine.model.cpu.linear import pack_linear_weights
 from engine.model.cpu.prefill_attention import tune_prefill_attention
 from engine.model.llama import get_model_class
@@ -168,8 +169,13 @@ def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dty
     )
 
     model_class = get_model_class(model_config.architecture)
+    kwargs = {}
+    if model_config.convert_type == "embed":  # --runner pooling: a pooler in place of the LM head
+        model_class, kwargs = as_embedding_model(model_class), {"pooler_config": model_config.pooler_config}
     with torch.device(device), _default_dtype(dtype):
-        model = model_class(model_config.hf_config)  # this PP stage's layers, sized for this TP rank
+        model = model_class(
+            model_config.hf_config, **kwargs
+        )  # this PP stage's layers, sized for this TP rank
     # Lazy: a TP rank reads only its slices, a PP stage only its own layers' tensors.
     lazy = get_tensor_model_parallel_world_size() > 1 or get_pipeline_model_parallel_world_size() > 1
     loaded = model.load_weights(iterate_safetensors(model_config.model, lazy=lazy))
