@@ -42,7 +42,7 @@ from tracing.telemetry.publisher import telemetry
 
 if TYPE_CHECKING:
     from engine.frontend.output_processor import RequestState
-    from engine.frontend.outputs import RequestOutput
+    from engine.frontend.outputs import PoolingRequestOutput, RequestOutput
     from engine.metrics.stats import FinishedRequestStats
 
 
@@ -232,12 +232,14 @@ class LiveRequest:
         self.request_id = request_id
         self.finished = False
 
-    def output(self, output: RequestOutput) -> None:
+    def output(self, output: RequestOutput | PoolingRequestOutput) -> None:
         self.finished = output.finished
         if self.request_id in self.requests.waiting_for_engine:
             self.requests.waiting_for_engine.discard(self.request_id)
             n_prompt = len(output.prompt_token_ids)  # a first token: its whole prompt was computed
+            # A pooling request's vector stands for its first token (and has no output tokens).
+            outputs = output.outputs if isinstance(output.outputs, list) else []
             telemetry().publish_request_event(
                 self.request_id, "first_token", num_prompt_tokens=n_prompt, num_computed_tokens=n_prompt,
-                num_output_tokens=sum(len(o.token_ids) for o in output.outputs),
+                num_output_tokens=sum(len(o.token_ids) for o in outputs),
             )  # fmt: skip
