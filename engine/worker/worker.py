@@ -157,9 +157,11 @@ class Worker:
             assert self.model_runner is not None, "init_device first"
             self.model_runner.load_model()
             st.set(catalogue.ATTR_MODEL_NAME, self.config.model_config.served_model_name)
+            model_config = self.config.model_config
             logger.info(
-                "Loaded %s: %s",
-                self.config.model_config.architecture,
+                "Loaded %s%s: %s",
+                model_config.architecture,
+                " as an embedding model (--convert embed)" if model_config.convert_type == "embed" else "",
                 self.model_runner.describe_model_memory(),
             )
 

@@ -91,6 +91,16 @@ def test_cli_refuses_chunked_prefill_under_mean_pooling_in_one_line():
     assert "Traceback" not in proc.stderr
 
 
+def test_cli_generate_refuses_a_pooling_runner_before_starting_an_engine():
+    proc = _cli("generate", "hi", "--runner", "pooling")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .startswith("glassbox generate: error: --runner pooling: glassbox generate generates text")
+    )
+
+
 # ------------------------------------------------------------------------------ PoolingParams
 
 
