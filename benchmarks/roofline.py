@@ -10,8 +10,9 @@ prints each engine's throughput as a fraction of the matching upper bound on thr
 **Peaks** (all usable cores at once, one pinned process per core, best of ``--repeats``):
 
 - *instruction peak*: ``cpu_fma_peak.py``'s loop of 12 independent chains of ``vfmadd231ps``
-  (16 float32 multiply-adds) and ``vdpbf16ps`` (32 bfloat16 multiply-adds), run on every core
-  at once, each core's best round summed over the cores. Without AVX512-BF16 the bfloat16 peak is the torch bfloat16 matmul's (oneDNN's) rate;
+  (16 float32 multiply-adds) and ``vdpbf16ps`` (32 bfloat16 multiply-adds) — or, on a CPU with
+  AMX, of the tile instruction ``tdpbf16ps`` (8,192) for bfloat16 — run on every core at once,
+  each core's best round summed over the cores. Without AVX512-BF16 the bfloat16 peak is the torch bfloat16 matmul's (oneDNN's) rate;
   without AVX-512 or g++ both peaks are the torch matmul's. The output says which.
 - *practical peak*: a torch matmul of two ``--matmul-size``² matrices (all threads), the most
   a real GEMM reaches; a second bound is computed with it.
@@ -67,7 +68,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(Path(__file__).resolve().parent)]
 
-from cpu_fma_peak import compile_peak, cpu_flags, read_peak, start_peak  # noqa: E402
+from cpu_fma_peak import MULTIPLY_ADDS, compile_peak, cpu_flags, read_peak, start_peak  # noqa: E402
 from offline_throughput import MODEL_SIZES, describe_model, make_workload  # noqa: E402
 from vs_vllm import cpu_model, load_average, read_recorded, recorded_label, recorded_value  # noqa: E402
 
@@ -198,21 +199,23 @@ def instruction_peaks(cores: list[int], repeats: int) -> dict[str, Peak | None]:
     flags = cpu_flags()
     if shutil.which("g++") is None or "avx512f" not in flags:
         return {d: None for d in DTYPES}
-    best = {cpu: (0.0, 0.0) for cpu in cores}  # each core's best round: another process's time slice
+    best = {cpu: (0.0, 0.0, 0.0) for cpu in cores}  # each core's best round: another process's time slice
     with tempfile.TemporaryDirectory() as tmp:  # on one core in one round is not held against it
         exe = compile_peak(Path(tmp))
         for _ in range(repeats):
             procs = {cpu: start_peak(exe, cpu) for cpu in cores}
             for cpu, proc in procs.items():
-                fma, dp = read_peak(proc)
-                best[cpu] = (max(best[cpu][0], fma), max(best[cpu][1], dp))
-    fma, dp = sum(b[0] for b in best.values()), sum(b[1] for b in best.values())
+                best[cpu] = tuple(max(a, b) for a, b in zip(best[cpu], read_peak(proc)))
+    fma, dp, amx = (sum(b[i] for b in best.values()) for i in range(3))
     n = len(cores)
     out: dict[str, Peak | None] = {
         "float32": Peak(fma * 16e9, f"vfmadd231ps zmm × 16 lanes, {n} cores at once")
     }
-    out["bfloat16"] = (Peak(dp * 32e9, f"vdpbf16ps zmm × 32 products, {n} cores at once")
-                       if dp > 0 and "avx512_bf16" in flags else None)  # fmt: skip
+    if amx > 0:  # AMX tiles: what oneDNN's bfloat16 matmul runs on where the CPU has them
+        out["bfloat16"] = Peak(amx * MULTIPLY_ADDS["amx"] * 1e9, f"AMX tdpbf16ps × 8,192, {n} cores at once")
+    else:
+        out["bfloat16"] = (Peak(dp * 32e9, f"vdpbf16ps zmm × 32 products, {n} cores at once")
+                           if dp > 0 and "avx512_bf16" in flags else None)  # fmt: skip
     return out
 
 

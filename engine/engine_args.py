@@ -34,6 +34,7 @@ from engine.config import (
     ParallelConfig,
     PoolerConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
 )
 from engine.kv_cache.kv_cache_planning import check_fixed_kv_budget
 from engine.logger import init_logger
@@ -118,11 +119,25 @@ REFUSED_VLLM_FLAGS: tuple[VllmFlag, ...] = (
     ),
     VllmFlag(("--limit-mm-per-prompt",), True, "multimodal inputs are left out"),
     VllmFlag(("--enable-prompt-embeds",), False, "prompt embeddings are left out"),
-    VllmFlag(("--structured-outputs-config",), True, "structured outputs are left out"),
-    VllmFlag(("--guided-decoding-backend",), True, "structured outputs are left out"),
+    VllmFlag(
+        ("--guided-decoding-backend",),
+        True,
+        "vLLM removed it in 0.12 (vLLM 0.32 does not know it): use --structured-outputs-config "
+        '\'{"backend": "guidance"}\'',
+    ),
     VllmFlag(("--reasoning-parser",), True, "reasoning parsers are left out", serving=True),
-    VllmFlag(("--enable-auto-tool-choice",), False, "tool calling is left out", serving=True),
-    VllmFlag(("--tool-call-parser",), True, "tool calling is left out", serving=True),
+    VllmFlag(
+        ("--enable-auto-tool-choice",),
+        False,
+        'tool parsers are left out: tool_choice "required" or a named function work without one',
+        serving=True,
+    ),
+    VllmFlag(
+        ("--tool-call-parser",),
+        True,
+        'tool parsers are left out: tool_choice "required" or a named function work without one',
+        serving=True,
+    ),
     VllmFlag(("--ssl-keyfile",), True, "HTTPS is left out; put a TLS proxy in front", serving=True),
     VllmFlag(("--ssl-certfile",), True, "HTTPS is left out; put a TLS proxy in front", serving=True),
     VllmFlag(("--uds",), True, "the server listens on TCP only", serving=True),
@@ -281,6 +296,7 @@ class EngineArgs:
     step_delay_ms: float = 0.0
     collect_detailed_traces: str | None = None
     inject_fault: str | None = None
+    structured_outputs_config: dict[str, Any] | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, serving: bool = False) -> argparse.ArgumentParser:
@@ -555,6 +571,17 @@ class EngineArgs:
         g.add_argument(
             "--load-format", default=d.load_format, choices=("auto", "safetensors"), help="Weight format."
         )
+        g = parser.add_argument_group("StructuredOutputsConfig")
+        g.add_argument(
+            "--structured-outputs-config",
+            type=_json_object,
+            default=None,
+            metavar="JSON",
+            help='The grammar backend and its options, e.g. \'{"backend": "guidance", '
+            "\"disable_any_whitespace\": true}'. backend: auto or guidance (both llguidance; vLLM's "
+            "xgrammar, outlines, lm-format-enforcer are refused); disable_any_whitespace, "
+            "disable_additional_properties, whitespace_pattern as in vLLM.",
+        )
         g = parser.add_argument_group("ObservabilityConfig")
         g.add_argument(
             "--otlp-traces-endpoint",
@@ -724,6 +751,7 @@ class EngineArgs:
             scheduler_config=scheduler_config,
             device_config=DeviceConfig(device=self.device),
             load_config=LoadConfig(load_format=self.load_format),
+            structured_outputs_config=self._structured_outputs_config(),
             observability_config=ObservabilityConfig(
                 otlp_traces_endpoint=self.otlp_traces_endpoint,
                 trace_file=self.trace_file or envs.GLASSBOX_TRACE_FILE,
@@ -764,3 +792,7 @@ class EngineArgs:
             if self.long_prefill_token_threshold:
                 raise ConfigError("--long-prefill-token-threshold", self.long_prefill_token_threshold, why)
         return chunked, caching
+
+    def _structured_outputs_config(self) -> StructuredOutputsConfig:
+        """``--structured-outputs-config``'s JSON as a ``StructuredOutputsConfig``."""
+        return StructuredOutputsConfig.from_json(dict(self.structured_outputs_config or {}))

@@ -5,7 +5,13 @@ defaults, validated when the object is built so a bad value fails in the caller'
 with a ``ValueError`` naming the field. Pure Python (no torch): it travels inside
 ``EngineCoreRequest`` and ``SchedulerOutput`` as a msgspec struct.
 
-Left out: beam search, structured outputs, logits processors, ``best_of``, bad words.
+``StructuredOutputsParams`` (vLLM's, in the same file) constrains the output to a JSON schema,
+a regular expression, a list of choices or a grammar; it rides inside ``SamplingParams``
+(``structured_outputs``) to the engine core, whose ``StructuredOutputManager`` compiles it.
+
+Left out: beam search, logits processors, ``best_of``, bad words; of structured outputs, the
+structural tag, ``disable_fallback`` (one backend: nothing to fall back to) and a per-request
+backend.
 """
 
 from __future__ import annotations
@@ -76,6 +82,56 @@ class RequestOutputKind(enum.IntEnum):
     FINAL_ONLY = 2  # one output, when the request finishes
 
 
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """One output constraint (vLLM's ``StructuredOutputsParams``): exactly one of
+
+    - ``json``: a JSON schema (a dict, or its JSON text) the output must validate against;
+    - ``json_object``: any JSON object;
+    - ``regex``: a regular expression (Rust ``regex`` syntax, as llguidance reads it) the
+      whole output must match;
+    - ``choice``: the output is one of these strings;
+    - ``grammar``: a Lark or GBNF grammar.
+
+    ``disable_any_whitespace`` (compact JSON), ``disable_additional_properties`` (an object
+    schema without ``additionalProperties`` takes no keys beyond its ``properties``) and
+    ``whitespace_pattern`` (a regex for the whitespace JSON may hold) tune the JSON grammar;
+    left None they take ``--structured-outputs-config``'s values.
+
+    Raises:
+        ValueError: none or several constraints, or a value of the wrong shape; the message
+            starts with ``structured_outputs``. Whether a schema, regex or grammar compiles is
+            the input processor's check (``validate_structured_output``).
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in STRUCTURED_OUTPUT_KINDS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, regex, choice, grammar or json_object, "
+                f"got {', '.join(given) if given else 'none'}."
+            )
+        if self.choice is not None and (not self.choice or any(not isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings.")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: one of ``STRUCTURED_OUTPUT_KINDS``."""
+        return next(name for name in STRUCTURED_OUTPUT_KINDS if getattr(self, name) not in (None, False))
+
+
+# The constraints a StructuredOutputsParams may carry (exactly one of them).
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """How to pick the next token, and when to stop.
 
@@ -108,6 +164,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # The output's constraint (a JSON schema, regex, choice or grammar), or None.
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the input processor: stop_token_ids plus the model's extra EOS ids
     # (generation_config.json may list several, e.g. Llama-3-Instruct).
     all_stop_token_ids: list[int] = msgspec.field(default_factory=list)

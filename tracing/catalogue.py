@@ -166,6 +166,21 @@ ATTR_STEP_NUM_PREEMPTED = _attr(
 ATTR_STEP_NUM_RUNNING = _attr("glassbox.step.num_running", "int", "Requests in RUNNING after the step.")
 ATTR_STEP_NUM_WAITING = _attr("glassbox.step.num_waiting", "int", "Requests in WAITING after the step.")
 
+ATTR_SO_KIND = _attr(
+    "glassbox.structured_output.kind", "str", "The constraint: json, json_object, regex, choice or grammar."
+)
+ATTR_SO_SHORTEST_OUTPUT = _attr(
+    "glassbox.structured_output.shortest_output",
+    "int",
+    "Tokens of the shortest whole output the grammar allows (its completion plan from the start; -1: "
+    "none found); a request starts planning its completion twice that plus 8 tokens before max_tokens.",
+)
+ATTR_SO_NUM_REQS = _attr(
+    "glassbox.structured_output.num_reqs",
+    "int",
+    "Structured-output requests that sample this step (bitmask rows).",
+)
+
 ATTR_DP_WAVE = _attr(
     "glassbox.dp.wave", "int", "Data-parallel request wave the engine is in (vLLM: current_wave)."
 )
@@ -508,6 +523,26 @@ SCHEDULER_UPDATE_FROM_OUTPUT = _span(
     (KIND_ENGINE_CORE,),
     "Append sampled tokens, check stop conditions, free finished requests.",
     (ATTR_STEP_ID, ATTR_STEP_NUM_RUNNING, ATTR_STEP_NUM_WAITING, ATTR_KV_USAGE),
+)
+
+# Structured outputs (engine/core/structured_output/): the grammar compile, in the manager's
+# thread pool, and the step's bitmask, between schedule and execute_model.
+STRUCTURED_OUTPUT_COMPILE_GRAMMAR = _span(
+    "structured_output.compile_grammar",
+    STEP,
+    (KIND_ENGINE_CORE,),
+    "Compile one request's grammar (JSON schema, regex, choice or grammar) with llguidance, in the "
+    "StructuredOutputManager's thread pool, while the request waits as WAITING_FOR_FSM; in the request's "
+    "trace (a copy of the backend's compiled grammar when the constraint was seen before).",
+    (ATTR_GEN_AI_REQUEST_ID, ATTR_SO_KIND, ATTR_SO_SHORTEST_OUTPUT, ATTR_THREAD_NAME),
+)
+STRUCTURED_OUTPUT_GRAMMAR_BITMASK = _span(
+    "structured_output.grammar_bitmask",
+    STEP,
+    (KIND_ENGINE_CORE,),
+    "StructuredOutputManager.grammar_bitmask(): one row of allowed tokens per structured request "
+    "that samples this step; it rides on the SchedulerOutput to the workers.",
+    (ATTR_STEP_ID, ATTR_SO_NUM_REQS),
 )
 
 # Step spans in the other threads and processes (vLLM has none of these).

@@ -52,6 +52,7 @@ from tracing.telemetry.events import (
     GAUGE_PREFIX_HIT_RATE,
     GAUGE_RUNNING,
     GAUGE_WAITING,
+    GAUGE_WAITING_FOR_FSM,
     GAUGE_WORKER_THREADS,
     GAUGE_WORKER_THREADS_MAX,
     StepRecord,
@@ -413,10 +414,15 @@ _API_QUEUES = (
 _ENGINE_QUEUES = (
     (GAUGE_INPUT_QUEUE, "input_queue"),
     (GAUGE_WAITING, "waiting"),  # the scheduler's WAITING queue
+    # of those, the ones whose structured-output grammar compiles (WAITING_FOR_FSM); shown
+    # once a request has waited so (_SHOWN_WHEN_USED)
+    (GAUGE_WAITING_FOR_FSM, "waiting grammar"),
     (GAUGE_RUNNING, "running"),  # the scheduler's RUNNING list
     (GAUGE_OUTPUT_QUEUE, "output_queue"),
 )
 _MQ_LAG = "broadcast lag"
+# Queues most runs never use: a row only once the series (or the gauge now) is non-zero.
+_SHOWN_WHEN_USED = frozenset({GAUGE_WAITING_FOR_FSM})
 # Gauges that are not queues: shown as their own rows (KV, DP wave) or not in this panel.
 _NOT_QUEUES = ("kv.", "dp.", "worker.", "sched.preempted")
 
@@ -467,6 +473,8 @@ def queue_rows(state: LiveState) -> list[tuple[str, str, float | None, list[floa
             used.add(key)
             now = p.gauges.get(gauge, series[-1] if series else None)
             if now is None and not series:
+                continue
+            if gauge in _SHOWN_WHEN_USED and not now and not any(series):
                 continue
             rows.append((p.role, label, now, series))
         lag_series = _mq_lag_series(state, p.role)
@@ -606,6 +614,11 @@ def render_steps(
     delayed = any(s.step_delay_ms for s in steps)
     if delayed:  # --step-delay-ms: the pause after the step, apart from its own time
         table.add_column("+delay", justify="right", no_wrap=True)
+    # Structured outputs: requests sampled under a grammar / waiting for theirs to compile,
+    # and the bitmask's time (shown only while a step in view had any).
+    grammar = any(s.num_structured_reqs or s.num_waiting_for_fsm for s in steps)
+    if grammar:
+        table.add_column("grammar", justify="right", no_wrap=True)
     if not compact:
         table.add_column("sched/exec/upd", justify="right", no_wrap=True)
         table.add_column("run/wait", justify="right", no_wrap=True)
@@ -622,6 +635,8 @@ def render_steps(
         cells += [kv, pre, fmt_ms(s.duration_ms)]
         if delayed:
             cells.append(Text(fmt_ms(s.step_delay_ms), style="dim"))
+        if grammar:
+            cells.append(grammar_cell(s, compact))
         if not compact:
             cells += [
                 f"{fmt_ms(s.schedule_ms)}/{fmt_ms(s.execute_ms)}/{fmt_ms(s.update_ms)}",
@@ -629,6 +644,15 @@ def render_steps(
             ]
         table.add_row(*cells, style="dim" if s.dummy else "")
     return table
+
+
+def grammar_cell(step: StepRecord, compact: bool = False) -> Text:
+    """``S/F``: S requests sampled under a grammar this step, F waited for theirs to compile;
+    with room, `` · M`` the bitmask's milliseconds."""
+    text = f"{step.num_structured_reqs}/{step.num_waiting_for_fsm}"
+    if not compact and step.num_structured_reqs:
+        text += f" · {fmt_ms(step.bitmask_ms)}"
+    return Text(text, style="magenta" if step.num_structured_reqs else "dim")
 
 
 def latest_step(state: LiveState, engine: int | None) -> StepRecord | None:
@@ -1192,7 +1216,8 @@ def render_help() -> RenderableType:
         "A stale heartbeat (⚠, greyed) means the process stopped answering; a fresh heartbeat with a "
         "growing 'last step' means it is alive but its busy loop stopped (see docs/engine-top.md). "
         "A 0+0 step after requests finish: " + EMPTY_STEP_NOTE.split(": ", 1)[1] + ". '+delay': the "
-        "--step-delay-ms pause after a step, not part of its ms.",
+        "--step-delay-ms pause after a step, not part of its ms. 'grammar' S/F · M: S requests sampled under a "
+        "structured-output grammar, F waiting for theirs to compile, M the bitmask's ms.",
         style="dim",
     )
     return Panel(Group(table, legend, note), title="engine-top keys", border_style="cyan")

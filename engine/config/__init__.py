@@ -11,6 +11,7 @@ module              classes                     vLLM 0.32
 ``load.py``         ``LoadConfig``              ``vllm/config/load.py``
 ``observability.py`` ``ObservabilityConfig``    ``vllm/config/observability.py``
 ``pooler.py``       ``PoolerConfig``            ``vllm/config/pooler.py``
+``structured_outputs.py`` ``StructuredOutputsConfig``  ``vllm/config/structured_outputs.py``
 ``vllm.py``         ``EngineConfig``            ``VllmConfig``, ``vllm/config/vllm.py``
 ``utils.py``        ``ConfigError``             ``vllm/config/utils.py``
 ==================  ==========================  ==================================
@@ -54,10 +55,13 @@ from engine.config.parallel import (
 )
 from engine.config.pooler import SEQ_POOLING_TYPES, PoolerConfig
 from engine.config.scheduler import SCHEDULING_POLICIES, SchedulerConfig
+from engine.config.structured_outputs import STRUCTURED_OUTPUT_BACKENDS, StructuredOutputsConfig
 from engine.config.utils import ConfigError
 from engine.config.vllm import EngineConfig
 
 __all__ = [
+    "STRUCTURED_OUTPUT_BACKENDS",
+    "StructuredOutputsConfig",
     "ATTENTION_BACKENDS",
     "BLOCK_SIZES",
     "CPU_BF16_MODES",

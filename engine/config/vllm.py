@@ -19,6 +19,7 @@ from engine.config.model import ModelConfig
 from engine.config.observability import ObservabilityConfig
 from engine.config.parallel import ParallelConfig
 from engine.config.scheduler import SchedulerConfig
+from engine.config.structured_outputs import StructuredOutputsConfig
 from engine.config.utils import ConfigError
 
 
@@ -33,6 +34,7 @@ class EngineConfig:
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     load_config: LoadConfig = field(default_factory=LoadConfig)
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     def __post_init__(self) -> None:
         max_len = self.model_config.max_model_len

@@ -17,6 +17,7 @@ capacity, and only then builds the ``Scheduler`` over that many blocks.
 
 from __future__ import annotations
 
+import functools
 import time
 
 from engine.config import EngineConfig
@@ -29,6 +30,7 @@ from engine.core.step_observer import (
     StepTelemetry,
     StepTracer,
 )
+from engine.core.structured_output import StructuredOutputManager
 from engine.executor.abstract import Executor
 from engine.kv_cache.kv_cache_interface import KVCacheConfig
 from engine.kv_cache.kv_cache_planning import get_kv_cache_configs
@@ -41,6 +43,29 @@ from tracing.telemetry import events
 from tracing.telemetry.events import RequestProgress, StepRecord
 
 logger = init_logger(__name__)
+
+# The longest the busy loop waits for a grammar to compile when nothing else can run (s);
+# it then drains its input queue and looks again.
+GRAMMAR_WAIT_S = 0.01
+
+
+def tokenizer_json(tokenizer_dir: str) -> str:
+    """The model's tokenizer as ``tokenizer.json`` text (added tokens included), for the
+    grammar backend: what the API server's tokenizer is built from too."""
+    from engine.frontend.tokenizer import get_tokenizer
+
+    backend = get_tokenizer(tokenizer_dir).backend_tokenizer
+    return backend.to_str()
+
+
+def eos_token_ids(model_config) -> list[int]:
+    """Every id that ends an output: the primary EOS and ``generation_config.json``'s."""
+    ids = [] if model_config.eos_token_id is None else [model_config.eos_token_id]
+    eos = model_config.generation_config.get("eos_token_id")
+    for token_id in [eos] if isinstance(eos, int) else (eos or []):
+        if token_id not in ids:
+            ids.append(token_id)
+    return ids
 
 
 class EngineCore:
@@ -73,12 +98,20 @@ class EngineCore:
                 # Stop the workers in order (not by their lifeline, as orphans would).
                 self.model_executor.shutdown()
                 raise
+            self.structured_output_manager = StructuredOutputManager(
+                config.structured_outputs_config,
+                functools.partial(tokenizer_json, config.model_config.tokenizer),
+                config.model_config.vocab_size,
+                eos_token_ids(config.model_config),
+                config.scheduler_config.max_num_seqs,
+            )
             self.scheduler = Scheduler(
                 config.scheduler_config,
                 config.cache_config,
                 self.kv_cache_config,
                 log_stats=log_stats,
                 use_pp=config.parallel_config.pipeline_parallel_size > 1,
+                structured_output_manager=self.structured_output_manager,
             )
             self.block_hasher = (
                 get_request_block_hasher(config.cache_config.block_size)
@@ -152,20 +185,21 @@ class EngineCore:
             return kv_cache_config
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Turn a frontend request into a scheduler ``Request`` and queue it."""
-        self.scheduler.add_request(
-            Request(
-                request_id=request.request_id,
-                prompt_token_ids=request.prompt_token_ids,
-                sampling_params=request.sampling_params,
-                eos_token_id=request.eos_token_id,
-                arrival_time=request.arrival_time,
-                priority=request.priority,
-                client_index=request.client_index,
-                block_hasher=self.block_hasher,
-                pooling_params=request.pooling_params,
-            )
+        """Turn a frontend request into a scheduler ``Request`` and queue it; a structured one
+        starts compiling its grammar (in the manager's threads) and waits as WAITING_FOR_FSM."""
+        core_request = Request(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling_params=request.sampling_params,
+            eos_token_id=request.eos_token_id,
+            arrival_time=request.arrival_time,
+            priority=request.priority,
+            client_index=request.client_index,
+            block_hasher=self.block_hasher,
+            pooling_params=request.pooling_params,
         )
+        self.structured_output_manager.grammar_init(core_request, request.trace_headers)
+        self.scheduler.add_request(core_request)
         self.request_tracer.add(request.request_id, request.trace_headers)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -183,12 +217,20 @@ class EngineCore:
         """
         if not self.scheduler.has_requests():
             return {}, False
+        if self._only_waiting_for_grammars():
+            # Nothing can run until a grammar compiles: wait for one (bounded) rather than
+            # spin empty steps.
+            self.structured_output_manager.wait_for_any_grammar(GRAMMAR_WAIT_S)
+            return {}, False
         self.step_counter += 1
         tracer = self.step_tracer
         with tracer.step(self.step_counter):
             with tracer.phase(catalogue.SCHEDULER_SCHEDULE):
                 scheduler_output = self.scheduler.schedule()
                 tracer.scheduled(scheduler_output)
+            if scheduler_output.structured_output_request_ids:
+                with tracer.phase(catalogue.STRUCTURED_OUTPUT_GRAMMAR_BITMASK):
+                    self.scheduler.get_grammar_bitmask(scheduler_output)
             with tracer.phase(catalogue.EXECUTOR_EXECUTE_MODEL):
                 model_output = self.model_executor.execute_model(scheduler_output)
             with tracer.phase(catalogue.SCHEDULER_UPDATE_FROM_OUTPUT):
@@ -202,6 +244,18 @@ class EngineCore:
                 time.sleep(self.step_delay_s)
                 self.last_step_delay_ns = (start_ns, time.time_ns())
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
+
+    def _only_waiting_for_grammars(self) -> bool:
+        """Every unfinished request waits for its grammar, and no finished id waits to be
+        handed to the workers."""
+        scheduler = self.scheduler
+        return (
+            self.structured_output_manager.num_pending > 0
+            and not scheduler.running
+            and not scheduler.has_finished_requests()
+            and all(r.status == RequestStatus.WAITING_FOR_FSM and r.structured_output_request.grammar is None
+                    for r in scheduler.waiting)
+        )  # fmt: skip
 
     def dummy_step_record(self, started_at: float, duration_ms: float) -> StepRecord:
         """A DP dummy batch's record (no request: every count 0): ``started_at`` Unix s,
@@ -248,6 +302,7 @@ class EngineCore:
         queries = scheduler.prefix_cache_queries
         return {
             events.GAUGE_WAITING: len(scheduler.waiting),
+            events.GAUGE_WAITING_FOR_FSM: scheduler.num_waiting_for_fsm(),
             events.GAUGE_RUNNING: len(scheduler.running),
             events.GAUGE_PREEMPTED: scheduler.num_preemptions,
             events.GAUGE_KV_TOTAL: total,
@@ -276,4 +331,5 @@ class EngineCore:
 
     def shutdown(self) -> None:
         with stage(catalogue.ENGINE_CORE_SHUTDOWN):
+            self.structured_output_manager.clear_backend()
             self.model_executor.shutdown()

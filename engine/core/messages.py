@@ -70,6 +70,9 @@ class FinishReason(enum.IntEnum):
     STOP = 0
     LENGTH = 1
     ABORT = 2
+    # vLLM 0.33's: the engine could not go on with the request (a structured-output grammar
+    # that failed to compile in the engine, or that no token can follow).
+    ERROR = 3
 
     def __str__(self) -> str:
         return self.name.lower()
@@ -148,6 +151,10 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, array_like=True, omit_defau
         return self.finish_reason is not None
 
 
+# Upper bounds (s) of the grammar compile-time histogram (glassbox:structured_output_compile_seconds).
+GRAMMAR_COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
 class SchedulerStats(msgspec.Struct, kw_only=True, array_like=True, gc=False):
     """Scheduler state after a step (vLLM ``vllm/v1/metrics/stats.py``).
 
@@ -163,6 +170,12 @@ class SchedulerStats(msgspec.Struct, kw_only=True, array_like=True, gc=False):
     num_preemptions: int = 0
     step_counter: int = 0
     num_scheduled_tokens: int = 0
+    # Structured outputs: waiting requests whose grammar still compiles, and every grammar
+    # compile since start as a histogram (counts per bucket of GRAMMAR_COMPILE_BUCKETS, then
+    # one for the rest; the sum of the seconds).
+    num_waiting_for_fsm: int = 0
+    grammar_compile_counts: list[int] = msgspec.field(default_factory=list)
+    grammar_compile_seconds_sum: float = 0.0
 
 
 class EngineCoreOutputs(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True, gc=False):

@@ -125,12 +125,14 @@ class StepTracer:
         self._scheduler_output: SchedulerOutput | None = None
         self._batch: dict[str, Any] = {}
         self._record: StepRecord | None = None
+        self._bitmask_ms = 0.0
 
     @contextlib.contextmanager
     def step(self, step_id: int) -> Iterator[None]:
         """The ``engine_core.step`` span around one step (numbered ``step_id``, from 1)."""
         self._attributes = {catalogue.ATTR_STEP_ID: step_id}
         self._started_at, self._marks = time.time(), [time.perf_counter()]
+        self._bitmask_ms = 0.0
         with stage(catalogue.ENGINE_CORE_STEP, **self._attributes) as self._step_span:
             yield
         span = self._step_span.span
@@ -138,7 +140,17 @@ class StepTracer:
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """One phase's span inside the step; every phase after the first marks its start."""
+        """One phase's span inside the step; every phase after the first marks its start (the
+        grammar bitmask, between schedule and execute, counts as scheduling and is timed
+        apart: ``bitmask_ms``)."""
+        if name == catalogue.STRUCTURED_OUTPUT_GRAMMAR_BITMASK:
+            start = time.perf_counter()
+            so = self._scheduler_output
+            rows = len(so.structured_output_request_ids) if so is not None else 0
+            with stage(name, **self._attributes, **{catalogue.ATTR_SO_NUM_REQS: rows}):
+                yield
+            self._bitmask_ms = (time.perf_counter() - start) * 1e3
+            return
         if name != catalogue.SCHEDULER_SCHEDULE:
             self._marks.append(time.perf_counter())
         with stage(name, **self._attributes) as self._phase_span:
@@ -198,6 +210,9 @@ class StepTracer:
             num_preempted=len(scheduler_output.preempted_req_ids),
             kv_usage=self.scheduler.kv_cache_manager.usage,
             step_delay_ms=self.step_delay_ms,
+            num_structured_reqs=len(scheduler_output.structured_output_request_ids),
+            num_waiting_for_fsm=self.scheduler.num_waiting_for_fsm(),
+            bitmask_ms=self._bitmask_ms,
         )
 
     def _is_pooling(self, req_id: str) -> bool:

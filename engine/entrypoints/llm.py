@@ -117,7 +117,10 @@ class LLM:
                 if self.config.model_config.chat_template is not None:  # --chat-template / chat_template=
                     self.tokenizer.chat_template = self.config.model_config.chat_template
                 self.input_processor = InputProcessor(
-                    self.config.model_config, self.tokenizer, self.config.parallel_config.data_parallel_size
+                    self.config.model_config,
+                    self.tokenizer,
+                    self.config.parallel_config.data_parallel_size,
+                    self.config.structured_outputs_config,
                 )
                 self.output_processor = OutputProcessor(self.tokenizer, log_stats=False)
                 self.engine_core = EngineCoreClient.make_client(self.config, self.run_dir, multiprocess)

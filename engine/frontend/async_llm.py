@@ -76,7 +76,10 @@ class AsyncLLM:
             self.tokenizer.chat_template = config.model_config.chat_template
         self.log_requests = config.observability_config.enable_log_requests
         self.input_processor = InputProcessor(
-            config.model_config, self.tokenizer, config.parallel_config.data_parallel_size
+            config.model_config,
+            self.tokenizer,
+            config.parallel_config.data_parallel_size,
+            config.structured_outputs_config,
         )
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=False)
         self.engine_core = AsyncMPClient(

@@ -140,7 +140,9 @@ class InprocClient(EngineCoreClient):
         # Imported here: the engine core brings torch, which the API server (this module's
         # other user) never imports (tests/e2e/test_import_rules.py).
         from engine.core.engine_core import EngineCore
+        from engine.utils.processes import use_openmp_wait_here
 
+        use_openmp_wait_here()  # the short OpenMP wait a child gets, where torch is not loaded yet
         self.engine_core = EngineCore(config, run_dir=str(run_dir) if run_dir else None)
         self.device_info = self.engine_core.model_executor.device_info
         self.num_gpu_blocks = self.engine_core.kv_cache_config.num_blocks

@@ -23,7 +23,10 @@ a generation request on a pooling model, or the reverse, is refused ("This model
 support generation" / "pooling", vLLM's words). The API server builds its engine requests here, before a stream
 answers 200, so a bad request is a plain 400 and every rule is checked once.
 
-Left out: multimodal inputs, encoder-decoder prompts, LoRA, structured outputs,
+Structured outputs: a request's constraint is compile-checked here with the engine's
+compiler (``_validate_structured_output``), so a bad one never reaches the engine.
+
+Left out: multimodal inputs, encoder-decoder prompts, LoRA,
 ``n`` fan-out (done by the caller with ``ParentRequest``).
 """
 
@@ -33,7 +36,7 @@ import operator
 import time
 from typing import Any
 
-from engine.config import ModelConfig
+from engine.config import ModelConfig, StructuredOutputsConfig
 from engine.core.messages import EngineCoreRequest
 from engine.frontend.outputs import PromptType
 from engine.frontend.tokenizer import encode
@@ -91,10 +94,20 @@ class InputProcessor:
         tokenizer: the model's ``PreTrainedTokenizerFast``.
         data_parallel_size: the engines a request may pin with ``data_parallel_rank``
             (the parallel config's; vLLM's ``InputProcessor`` reads it there too).
+        structured_outputs_config: ``--structured-outputs-config`` (its JSON options are the
+            defaults a request's constraint is validated with).
     """
 
-    def __init__(self, model_config: ModelConfig, tokenizer: Any, data_parallel_size: int = 1) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        tokenizer: Any,
+        data_parallel_size: int = 1,
+        structured_outputs_config: StructuredOutputsConfig | None = None,
+    ) -> None:
         self.model_config = model_config
+        self.structured_outputs_config = structured_outputs_config or StructuredOutputsConfig()
+        self._ll_tokenizer = None  # llguidance's view of the tokenizer, built on first use
         self.tokenizer = tokenizer
         self.data_parallel_size = data_parallel_size
         # The primary EOS is the tokenizer's, as in vLLM (for chat models it is the
@@ -248,11 +261,42 @@ class InputProcessor:
                     f"stop_token_ids holds token id {token_id!r}, which is out of vocabulary "
                     f"(vocab_size={vocab_size})"
                 )
+        if params.structured_outputs is not None:
+            self._validate_structured_output(params)
         limit = self.max_logprobs
         for field in ("logprobs", "prompt_logprobs"):
             value = getattr(params, field)
             if value is not None and value > limit:
                 raise ValueError(f"{field} must be between 0 and {limit} (--max-logprobs), got {value}.")
+
+    def _validate_structured_output(self, params: SamplingParams) -> None:
+        """Compile-check the request's constraint with the engine's own compiler, here in the
+        API server, so a bad schema, regex or grammar is a 400 before the request reaches the
+        engine (vLLM's ``_validate_structured_output``).
+
+        Raises:
+            ValueError: ``"structured_outputs.<kind>: <why>"``.
+        """
+        from engine.core.structured_output.backend_guidance import (
+            ll_tokenizer_from,
+            validate_guidance_grammar,
+        )
+
+        if self._ll_tokenizer is None:
+            eos = self.generation_config.get("eos_token_id")
+            eos_ids = [self.eos_token_id] if self.eos_token_id is not None else []
+            eos_ids += [t for t in ([eos] if isinstance(eos, int) else eos or []) if t not in eos_ids]
+            self._ll_tokenizer = ll_tokenizer_from(
+                self.tokenizer.backend_tokenizer.to_str(), self.model_config.vocab_size, eos_ids
+            )
+        config = self.structured_outputs_config
+        validate_guidance_grammar(
+            params.structured_outputs,
+            self._ll_tokenizer,
+            disable_any_whitespace=config.disable_any_whitespace,
+            disable_additional_properties=config.disable_additional_properties,
+            whitespace_pattern=config.whitespace_pattern,
+        )
 
 
 def _validate_stop_strings(params: SamplingParams) -> None:

@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from engine.core.messages import GRAMMAR_COMPILE_BUCKETS
 from engine.metrics.stats import IterationStats
 
 PROMETHEUS_MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
@@ -291,6 +292,30 @@ class EngineStatsCollector:
             for engine_index, stats in rows:
                 family.add_metric([self.model_name, str(engine_index)], value_of(stats))
             yield family
+        yield from self._structured_output_families(rows)
+
+    def _structured_output_families(self, rows):
+        """Glassbox's structured-output metrics (vLLM has none): the requests waiting for their
+        grammar, and the grammar compile times (a histogram kept by the engine core since start)."""
+        from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+
+        waiting = GaugeMetricFamily("glassbox:num_requests_waiting_for_grammar",
+                                    "Requests waiting for their structured-output grammar to compile "
+                                    "(WAITING_FOR_FSM).", labels=list(LABELS))  # fmt: skip
+        compile_time = HistogramMetricFamily("glassbox:structured_output_compile_seconds",
+                                             "Histogram of structured-output grammar compile time in seconds.",
+                                             labels=list(LABELS))  # fmt: skip
+        for engine_index, stats in rows:
+            labels = [self.model_name, str(engine_index)]
+            waiting.add_metric(labels, stats.num_waiting_for_fsm)
+            counts = stats.grammar_compile_counts or [0] * (len(GRAMMAR_COMPILE_BUCKETS) + 1)
+            cumulative, buckets = 0, []
+            for bound, count in zip((*GRAMMAR_COMPILE_BUCKETS, float("inf")), counts):
+                cumulative += count
+                buckets.append(("+Inf" if bound == float("inf") else str(bound), cumulative))
+            compile_time.add_metric(labels, buckets, stats.grammar_compile_seconds_sum)
+        yield waiting
+        yield compile_time
 
 
 # ---------------------------------------------------------------------------- exporter health

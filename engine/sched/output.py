@@ -85,6 +85,7 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     prefill chunk or one decode token); their sum is ``total_num_scheduled_tokens`` and
     never exceeds ``max_num_batched_tokens``. ``finished_req_ids`` lists requests that
     finished or were aborted since the last step, so the worker can drop their state.
+    ``grammar_bitmask`` masks the logits of ``structured_output_request_ids`` before sampling.
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -94,3 +95,9 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     finished_req_ids: set[str]
     preempted_req_ids: set[str] = msgspec.field(default_factory=set)
     num_common_prefix_blocks: int = 0
+    # Structured outputs: the requests that sample under a grammar this step, and their
+    # allowed tokens, row i for structured_output_request_ids[i]: the bytes of an int32 array
+    # (len(ids), ceil(vocab_size / 32)), bit j of word w allowing token 32 * w + j (numpy's
+    # ``tobytes``; vLLM ships the numpy array itself). None when no request has a grammar.
+    structured_output_request_ids: list[str] = msgspec.field(default_factory=list)
+    grammar_bitmask: bytes | None = None

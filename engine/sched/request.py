@@ -5,8 +5,10 @@ scheduler and KV cache manager are tested without torch.
 
 A request's life: WAITING → RUNNING → (PREEMPTED → RUNNING)* → FINISHED_*. Its
 ``num_computed_tokens`` catches up with ``num_tokens`` step by step; there is no separate
-prefill or decode phase. A pooling request (``pooling_params``, no sampling params) is all
-prefill: it finishes (FINISHED_STOPPED) when its pooled vector arrives, with no output token.
+prefill or decode phase. A request with structured outputs starts as WAITING_FOR_FSM, and
+becomes WAITING once its grammar is compiled (``structured_output_request``). A pooling request
+(``pooling_params``, no sampling params) is all prefill: it finishes (FINISHED_STOPPED) when its
+pooled vector arrives, with no output token.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import TYPE_CHECKING
 
 # A wire enum: it lives with the client ↔ engine-core messages; re-exported here.
 from engine.core.messages import EngineCoreEvent, EngineCoreEventType, FinishReason
+from engine.core.structured_output.request import StructuredOutputRequest
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
@@ -29,12 +32,15 @@ class RequestStatus(enum.IntEnum):
     """Where a request is in its life. Every status after PREEMPTED is a finished one."""
 
     WAITING = enum.auto()
+    WAITING_FOR_FSM = enum.auto()  # its structured-output grammar is compiling
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
     FINISHED_IGNORED = enum.auto()
+    # vLLM 0.33's name: the grammar failed to compile in the engine or cannot be followed.
+    FINISHED_ERROR = enum.auto()
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -50,6 +56,7 @@ _FINISHED_REASONS = {
     RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
     RequestStatus.FINISHED_IGNORED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 
@@ -90,7 +97,9 @@ class Request:
         self.sampling_params = sampling_params
         self.pooling_params = pooling_params
         self.eos_token_id = eos_token_id
-        self.status = RequestStatus.WAITING
+        # The constraint and its grammar (None without structured outputs).
+        self.structured_output_request = StructuredOutputRequest.from_sampling_params(sampling_params)
+        self.status = RequestStatus.WAITING_FOR_FSM if self.use_structured_output else RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         if pooling_params is not None:
             assert sampling_params is None, "a request pools or samples, not both"
@@ -127,6 +136,10 @@ class Request:
             return None
         events, self.events = self.events, []
         return events
+
+    @property
+    def use_structured_output(self) -> bool:
+        return self.structured_output_request is not None
 
     @property
     def skip_reading_prefix_cache(self) -> bool:

@@ -16,7 +16,9 @@ One step, ``schedule()``:
      latest-arrived one.
   2. WAITING requests next — only if nothing was preempted this step (the cache is
      full) — while budget and ``max_num_seqs`` allow: each starts after its prefix-cache
-     hit and takes what budget is left.
+     hit and takes what budget is left. A request still WAITING_FOR_FSM (its structured-
+     output grammar compiling) is passed over and keeps its place; one whose compile failed
+     finishes with FINISHED_ERROR.
   3. Scheduled tokens are counted as computed right away, so the next ``schedule()`` can
      plan the next chunk before this one's results arrive.
 
@@ -29,7 +31,10 @@ prefix caching off for MEAN and CLS, so their prompts are scheduled whole), and 
 (FINISHED_STOPPED, its blocks freed) by the step whose ``pooler_output`` carries their vector.
 
 Mirrors vLLM's ``vllm/v1/core/sched/scheduler.py`` (vLLM 0.32, the one version Glassbox
-mirrors). Left out: speculative decoding, async scheduling, structured output, encoder inputs
+mirrors). Structured outputs: the scheduler lists the step's structured requests that sample
+(``structured_output_request_ids``), ``get_grammar_bitmask`` asks the
+``StructuredOutputManager`` for their bitmask, and ``update_from_output`` advances their
+grammars. Left out: speculative decoding, async scheduling, encoder inputs
 and multimodal, LoRA, KV connectors (disaggregated prefill), KV events,
 cascade attention (``num_common_prefix_blocks`` is always 0).
 
@@ -64,6 +69,8 @@ class Scheduler:
         cache_config: ``enable_prefix_caching``; its ``block_size`` must match the KV spec.
         kv_cache_config: the sized KV cache (blocks, block size).
         log_stats: build ``SchedulerStats`` for every step's outputs.
+        structured_output_manager: compiles grammars and builds bitmasks (the engine core's);
+            None when no request will carry structured outputs (tests).
 
     The engine checks at start-up that one ``max_model_len`` request fits in the cache
     (vLLM's ``check_enough_kv_cache_memory``). Should a request still need more blocks
@@ -80,6 +87,7 @@ class Scheduler:
         kv_cache_config: KVCacheConfig,
         log_stats: bool = True,
         use_pp: bool = False,
+        structured_output_manager=None,
     ) -> None:
         if cache_config.block_size != kv_cache_config.spec.block_size:
             raise ValueError(
@@ -90,6 +98,7 @@ class Scheduler:
         self.cache_config = cache_config
         self.kv_cache_config = kv_cache_config
         self.log_stats = log_stats
+        self.structured_output_manager = structured_output_manager
         # Pipeline parallelism: tell the workers the scheduled token ids (new_token_ids).
         self.use_pp = use_pp
 
@@ -104,6 +113,9 @@ class Scheduler:
         # Finished or aborted since the last step; the next SchedulerOutput tells the
         # workers so they drop their copies of these requests.
         self.finished_req_ids: set[str] = set()
+        # Requests the scheduler ended itself (FINISHED_ERROR) since the last outputs were made:
+        # update_from_output reports them.
+        self.errored_reqs: list[Request] = []
 
         self.kv_cache_manager = KVCacheManager(
             kv_cache_config,
@@ -249,9 +261,23 @@ class Scheduler:
             req_index += 1
 
         # Step 2: WAITING requests, unless step 1 showed the cache is full.
+        skipped_waiting_reqs: list[Request] = []
         if not preempted_reqs:
             while self.waiting and token_budget > 0 and len(self.running) < self.max_num_running_reqs:
                 request = self.waiting.peek_request()
+                if request.status == RequestStatus.WAITING_FOR_FSM:
+                    grammar = request.structured_output_request.grammar
+                    if grammar is None:  # still compiling: set aside, it keeps its place
+                        skipped_waiting_reqs.append(self.waiting.pop_request())
+                        continue
+                    if isinstance(grammar, Exception):  # compile failed (the API server checks first)
+                        self.waiting.pop_request()
+                        request.status = RequestStatus.FINISHED_ERROR
+                        request.stop_reason = f"grammar compile failed: {grammar}"
+                        self._free_request(request)
+                        self.errored_reqs.append(request)
+                        continue
+                    request.status = RequestStatus.WAITING
                 # A waiting request has computed nothing (preemption resets it to 0), so it
                 # starts after its prefix-cache hit. (vLLM skips the lookup for a request a KV
                 # connector loaded; we have no connectors.)
@@ -293,6 +319,9 @@ class Scheduler:
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_computed_tokens
 
+        if skipped_waiting_reqs:
+            self.waiting.prepend_requests(skipped_waiting_reqs)
+
         total_num_scheduled_tokens = sum(num_scheduled_tokens.values())
         assert total_num_scheduled_tokens <= self.max_num_scheduled_tokens
         assert token_budget >= 0
@@ -310,9 +339,30 @@ class Scheduler:
             total_num_scheduled_tokens=total_num_scheduled_tokens,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={req.request_id for req in preempted_reqs},
+            structured_output_request_ids=self._structured_output_request_ids(num_scheduled_tokens),
         )
         self._update_after_schedule(scheduler_output)
         return scheduler_output
+
+    def _structured_output_request_ids(self, num_scheduled_tokens: dict[str, int]) -> list[str]:
+        """The scheduled structured requests that sample this step (their prompt is complete
+        after it): one bitmask row each, in this order."""
+        return [
+            request_id
+            for request_id, num_tokens in num_scheduled_tokens.items()
+            if (request := self.requests[request_id]).use_structured_output
+            and request.num_computed_tokens + num_tokens >= request.num_tokens
+        ]
+
+    def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> None:
+        """Fill ``scheduler_output.grammar_bitmask`` for its structured requests (vLLM's name;
+        the engine core calls it between ``schedule()`` and ``execute_model``, in its own span).
+        Called before ``_update_after_schedule``'s counts matter: it reads outputs only."""
+        ids = scheduler_output.structured_output_request_ids
+        if not ids or self.structured_output_manager is None:
+            return
+        bitmask = self.structured_output_manager.grammar_bitmask(self.requests, ids)
+        scheduler_output.grammar_bitmask = bitmask.tobytes()
 
     def _preempt(self, request: Request) -> None:
         """Preempt by recompute: drop its KV, reset its progress, queue it at the front."""
@@ -412,6 +462,9 @@ class Scheduler:
                     new_token_ids = new_token_ids[:num_new]  # the tokens after a stop are dropped
                     break
 
+            if new_token_ids and self.structured_output_manager is not None:
+                stopped = self._advance_grammar(request, new_token_ids, stopped)
+
             new_logprobs = model_runner_output.logprobs.get(request_id)
             if new_logprobs is not None and len(new_logprobs.ranks) > len(new_token_ids):
                 new_logprobs = _first_rows(new_logprobs, len(new_token_ids))
@@ -437,6 +490,17 @@ class Scheduler:
 
         if stopped_ids:
             self.running = [r for r in self.running if r.request_id not in stopped_ids]
+        for request in self.errored_reqs:
+            outputs.setdefault(request.client_index, []).append(
+                EngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[],
+                    finish_reason=request.get_finished_reason(),
+                    stop_reason=request.stop_reason,
+                    events=request.take_events(),
+                )
+            )
+        self.errored_reqs = []
 
         engine_core_outputs = {
             client_index: EngineCoreOutputs(outputs=client_outputs)
@@ -447,11 +511,32 @@ class Scheduler:
             engine_core_outputs.setdefault(0, EngineCoreOutputs()).scheduler_stats = stats
         return engine_core_outputs
 
+    def _advance_grammar(self, request: Request, new_token_ids: list[int], stopped: bool) -> bool:
+        """Advance the request's grammar by its new tokens (vLLM: ``accept_tokens``). A token
+        the grammar refuses ends the request with FINISHED_ERROR; a grammar that is complete
+        ends it with FINISHED_STOPPED. Returns whether the request stopped."""
+        if not self.structured_output_manager.should_advance(request):
+            return stopped
+        grammar = request.structured_output_request.grammar
+        if not grammar.accept_tokens(request.request_id, new_token_ids) or grammar.error():
+            # Even an EOS that check_stop took: the grammar did not allow the output to end there.
+            request.status = RequestStatus.FINISHED_ERROR
+            request.stop_reason = f"structured output: {grammar.error()}"
+            return True
+        if not stopped and grammar.is_terminated():
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        return stopped
+
     # ------------------------------------------------------------------ state and stats
 
     def get_request_counts(self) -> tuple[int, int]:
         """(running, waiting) request counts."""
         return len(self.running), len(self.waiting)
+
+    def num_waiting_for_fsm(self) -> int:
+        """Waiting requests whose grammar is still compiling (WAITING_FOR_FSM)."""
+        return sum(1 for r in self.waiting if r.status == RequestStatus.WAITING_FOR_FSM)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.running) + len(self.waiting)
@@ -479,7 +564,13 @@ class Scheduler:
         prefix_stats = self.kv_cache_manager.make_prefix_cache_stats()
         self.prefix_cache_queries += prefix_stats.queries
         self.prefix_cache_hits += prefix_stats.hits
+        counts, seconds_sum = [], 0.0
+        if self.structured_output_manager is not None:
+            counts, seconds_sum = self.structured_output_manager.compile_time_histogram()
         return SchedulerStats(
+            num_waiting_for_fsm=self.num_waiting_for_fsm(),
+            grammar_compile_counts=counts,
+            grammar_compile_seconds_sum=seconds_sum,
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
             kv_cache_usage=self.kv_cache_manager.usage,

@@ -28,6 +28,10 @@ stage other than the last returns ``IntermediateTensors`` instead of sampling. T
 never see a sampled token, so the scheduler sends each request's scheduled tokens along
 (``CachedRequestData.new_token_ids``, filled only with PP) and they append them here.
 
+Structured outputs: the ``SchedulerOutput`` carries the grammar bitmask the engine core's
+``StructuredOutputManager`` built; ``apply_grammar_bitmask`` sets the forbidden tokens' logits
+to -inf before the sampler runs.
+
 Left out: the persistent ``InputBatch`` (we rebuild small arrays each step), CUDA graphs,
 async scheduling, speculative decoding, multimodal inputs, token-wise pooling.
 """
@@ -130,6 +134,38 @@ class _Batch:
     sample_rows: list[int]  # batch indices of requests that sample this step
     logits_indices: torch.Tensor  # (len(sample_rows),) token index of each one's last token
     prompt_logprob_rows: list[int]  # batch indices of requests that asked for prompt logprobs
+
+
+def apply_grammar_bitmask(
+    scheduler_output: SchedulerOutput, req_ids: list[str], logits: torch.Tensor
+) -> None:
+    """Structured outputs: set the logit of every token a request's grammar forbids to -inf,
+    in place, before sampling (vLLM: ``GPUModelRunner.apply_grammar_bitmask``).
+
+    ``scheduler_output.grammar_bitmask`` holds one int32 row per id of
+    ``structured_output_request_ids``, ``ceil(vocab / 32)`` words, bit ``j`` of word ``w``
+    allowing token ``32 * w + j``; ``req_ids[i]`` is the request of logits row ``i``. Rows of
+    requests without a grammar are left alone; tokens past the bitmask's width are forbidden.
+    The words are read as the host's int32 (little-endian on x86-64 and ARM64, as llguidance
+    writes them in the engine core: both ends run on the same kind of host).
+
+    Args:
+        logits: ``(len(req_ids), vocab_size)`` float32, changed in place.
+    """
+    rows_of = {req_id: i for i, req_id in enumerate(scheduler_output.structured_output_request_ids)}
+    masked = [(row, rows_of[req_id]) for row, req_id in enumerate(req_ids) if req_id in rows_of]
+    if not masked:
+        return
+    words = np.frombuffer(scheduler_output.grammar_bitmask, dtype=np.int32).reshape(len(rows_of), -1)
+    bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")  # (len(ids), 32 * words) 0/1
+    num_rows, vocab_size = logits.shape
+    width = min(vocab_size, bits.shape[1])
+    # One mask over every logits row (rows without a grammar forbid nothing), one masked_fill_.
+    forbidden = np.zeros((num_rows, vocab_size), dtype=bool)  # (num_rows, vocab)
+    logit_rows = [row for row, _ in masked]
+    forbidden[logit_rows] = True
+    forbidden[logit_rows, :width] = bits[[mask_row for _, mask_row in masked], :width] == 0
+    logits.masked_fill_(torch.from_numpy(forbidden).to(logits.device), float("-inf"))
 
 
 def _is_compile_failure(error: BaseException) -> bool:
@@ -459,7 +495,7 @@ class ModelRunner:
                 return self._pool(batch, hidden)
 
         with self._detail(catalogue.MODEL_RUNNER_SAMPLE), op_threads():
-            sampled_lists, logprobs = self._sample(batch, hidden)
+            sampled_lists, logprobs = self._sample(batch, hidden, scheduler_output)
         return ModelRunnerOutput(
             req_ids=batch.req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(batch.req_ids)},
@@ -486,16 +522,18 @@ class ModelRunner:
         return stage(name, **({catalogue.ATTR_STEP_NUM_SCHEDULED_TOKENS: num_tokens} if num_tokens else {}))
 
     def _sample(
-        self, batch: _Batch, hidden: torch.Tensor
+        self, batch: _Batch, hidden: torch.Tensor, scheduler_output: SchedulerOutput
     ) -> tuple[list[list[int]], dict[str, LogprobsLists]]:
-        """Logits of the rows that sample, then the sampler; each sampled token is appended to
-        its request's mirror. Returns one list per batch row (empty: no sample this step) and
-        the logprob rows of the requests that asked."""
+        """Logits of the rows that sample, the grammar bitmask on them, then the sampler; each
+        sampled token is appended to its request's mirror. Returns one list per batch row
+        (empty: no sample this step) and the logprob rows of the requests that asked."""
         sampled_lists: list[list[int]] = [[] for _ in batch.req_ids]
         if not batch.sample_rows:
             return sampled_lists, {}
         states = [self.requests[batch.req_ids[row]] for row in batch.sample_rows]
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # (num_sample, vocab) float32
+        if scheduler_output.grammar_bitmask is not None:
+            apply_grammar_bitmask(scheduler_output, [s.req_id for s in states], logits)
         sampling_metadata = SamplingMetadata.build(
             [s.sampling_params for s in states],
             [s.prompt_token_ids for s in states],

@@ -31,6 +31,10 @@ TINY = ["--num-prompts", "2", "--input-len", "8", "16", "--output-len", "2", "4"
 
 # script → (its smallest settings, a pattern of its table's header line)
 CASES = {
+    "batch_sweep": (["--batch-sizes", "1", "2", "--input-len", "8", "--output-len", "2", "--runs", "1", "--dtype",
+                     "float32", "--repeats", "1"],
+                    r"\| batch \| glassbox float32 \| share of the limit, glassbox float32 \|(.|\n)*"
+                    r"\| dtype \| batch \| schedule \| ipc \| inputs \| forward \| sample \| update \| between \|"),
     "broadcast_latency": (["--iterations", "20", "--gap-ms", "0"], r"readers\s+measure\s+median µs\s+p99 µs"),
     "cpu_contention": (["--repeats", "1", "--only", "after", *TINY], r"variant\s+quiet tok/s\s+contended\s+ratio"),
     "cpu_fma_peak": ([], r"one core, best of 3"),
@@ -48,6 +52,8 @@ CASES = {
     "serve_vs_offline": (["--model", "default", *TINY], r"run\s+output tok/s\s+TTFT ms \(mean/p99\)"),
     "serve_vs_vllm": (["--runs", "1", "--bench-runs", "1", "--num-prompts", "2", "--input-len", "8",
                        "--output-len", "2", "--max-concurrency", "2"], r"\| engine \| output tok/s \| TTFT p99 \|"),
+    "structured_outputs": (["--num-requests", "2", "--concurrency", "2", "--max-tokens", "8", "--repeats", "1"],
+                           r"run\s+output tok/s \(each run\)\s+median\s+tokens/request"),
     "step_gaps": (["--tokens", "4"], r"median \(p90\) time between engine steps\n.*=1 .*alone .* ms"),
     "telemetry_overhead": (["--repeats", "1", *TINY], r"telemetry off: .* tok/s\s+on \(engine-top attached\)"),
     "tensor_parallel": (["--tp", "2", *TINY], r"tp\s+thr/wkr\s+start-up s\s+generate s\s+out tok/s"),

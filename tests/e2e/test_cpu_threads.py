@@ -13,6 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 from tiny_models import build_tiny_checkpoint
 
 from engine import LLM, SamplingParams, envs
@@ -256,3 +257,41 @@ def test_a_cpu_the_worker_may_not_use_is_one_line_exit_2(tmp_path):
     assert done.returncode == 2, done.stderr[-2000:]
     last = done.stderr.strip().splitlines()[-1]
     assert BIND in last and f"CPU {bad} is not one this process may use" in last, last
+
+
+def test_an_engine_in_the_callers_process_gets_the_short_openmp_wait_before_torch_loads():
+    # libgomp reads its wait variables once, when torch loads it: InprocClient sets them first
+    # where it still can, and leaves a process that loaded torch (or chose) alone.
+    code = (
+        "import os, sys\n"
+        "from engine.utils.processes import use_openmp_wait_here\n"
+        "first = use_openmp_wait_here()\n"
+        "import torch\n"
+        "os.environ.pop('GOMP_SPINCOUNT', None)\n"
+        "print(first, use_openmp_wait_here(), os.environ.get('GOMP_SPINCOUNT'))\n"
+    )
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+    }
+    env.pop("GLASSBOX_CPU_ADAPTIVE_THREADS", None)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.stdout.strip() == "{'GOMP_SPINCOUNT': '10000'} {} None", done.stderr[-2000:]
+    chose = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                           env={**env, "OMP_WAIT_POLICY": "ACTIVE"})  # fmt: skip
+    assert chose.stdout.strip() == "{} {} None", chose.stderr[-2000:]
+
+
+def test_an_engine_in_the_callers_process_keeps_the_callers_threads_and_follows_the_load_below_them(
+    tiny, monkeypatch, caplog
+):
+    monkeypatch.setenv("GLASSBOX_ENABLE_MULTIPROCESSING", "0")
+    monkeypatch.delenv(BIND, raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    with LLM(str(tiny), max_model_len=128, enforce_eager=True) as llm:
+        llm.generate([{"prompt_token_ids": [7, 8, 9]}], SamplingParams(temperature=0, max_tokens=2))
+    assert torch.get_num_threads() == before  # the caller's count, untouched
+    if before >= 2:
+        assert (
+            "in the caller's process: left as they are, fewer while other processes take CPUs" in caplog.text
+        )

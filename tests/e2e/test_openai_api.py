@@ -625,7 +625,10 @@ BAD_CHATS = [
     ({"model": MODEL, "messages": CHAT, "temperature": -1}, "temperature"),
     ({"model": MODEL, "messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
     ({"model": MODEL, "messages": CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"model": MODEL, "messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    (
+        {"model": MODEL, "messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
+        "tool_choice",
+    ),
 ]
 
 

@@ -53,6 +53,7 @@ GAUGE_API_PENDING_OUTPUTS = "api.pending_output_chunks"  # outputs queued, not y
 GAUGE_INPUT_QUEUE = "engine.input_queue"  # items in input_queue
 GAUGE_OUTPUT_QUEUE = "engine.output_queue"  # items in output_queue
 GAUGE_WAITING = "sched.waiting"
+GAUGE_WAITING_FOR_FSM = "sched.waiting_for_fsm"  # of the waiting: grammars still compiling
 GAUGE_RUNNING = "sched.running"
 GAUGE_PREEMPTED = "sched.preempted_total"  # preemptions since start
 GAUGE_KV_USED = "kv.blocks_used"
@@ -230,6 +231,10 @@ class StepRecord(_Event, tag="step", kw_only=True):
     the defaults). ``step_delay_ms``: the pause ``--step-delay-ms`` makes after this step, not
     part of ``duration_ms`` (0 without the flag).
 
+    Structured outputs: ``num_structured_reqs`` requests sampled under a grammar this step (the
+    bitmask's rows), built in ``bitmask_ms`` (part of ``schedule_ms``); ``num_waiting_for_fsm``
+    of the waiting requests still wait for their grammar to compile after the step.
+
     What was scheduled, request by request, in vLLM's ``SchedulerOutput`` terms:
     ``scheduled_new_reqs`` (first scheduled: the worker gets them whole) and
     ``scheduled_cached_reqs`` (known to the worker: running on, or resumed after a
@@ -271,6 +276,9 @@ class StepRecord(_Event, tag="step", kw_only=True):
     scheduled_new_reqs: list[ScheduledRequest] = []
     scheduled_cached_reqs: list[ScheduledRequest] = []
     finished_req_ids: list[str] = []
+    num_structured_reqs: int = 0
+    num_waiting_for_fsm: int = 0
+    bitmask_ms: float = 0.0
 
     def figures(self) -> dict[str, Any]:
         """The step's own fields (all but the event header), by name: what ``publish_step``

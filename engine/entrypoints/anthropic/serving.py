@@ -63,6 +63,8 @@ logger = init_logger(__name__)
 RENAMES = {
     "max_completion_tokens": "max_tokens",
     "stop": "stop_sequences",
+    # A schema that does not compile (structured_outputs.py's names), the specific name first.
+    "response_format.json_schema.schema": "output_config.format.schema",
     "response_format": "output_config.format",
 }
 ROUTE = "/v1/messages"

@@ -11,10 +11,17 @@ Sampling fields left unset (``None``) take the model's defaults from
 ``generation_config.json`` (``AsyncLLM.get_default_sampling_params``), then vLLM's — as
 vLLM does. Unknown fields are ignored (vLLM logs them).
 
-Left out: tools and tool calls, ``response_format`` other than text (structured outputs),
-``logit_bias``, ``suffix`` and ``best_of`` — these are declared only so that using them is
-an error rather than silently ignored — beam search, LoRA, multimodal content, embeddings
-and the other pooling APIs. The Responses API's bodies are in ``responses/protocol.py``.
+Structured outputs, as vLLM takes them: OpenAI's ``response_format`` (``json_object``,
+``json_schema``) on chat and completions, vLLM's ``structured_outputs`` (``json``, ``regex``,
+``choice``, ``grammar``, ``json_object``) on both, and on chat ``tools`` with ``tool_choice``
+``"required"`` or a named function (``structured_outputs.py`` turns each into one
+``StructuredOutputsParams``).
+
+Left out: ``tool_choice: "auto"`` (it needs a tool parser), ``response_format`` of type
+``structural_tag``, ``logit_bias``, ``suffix`` and ``best_of`` — these are declared only so
+that using them is an error rather than silently ignored — beam search, LoRA, multimodal
+content, embeddings and the other pooling APIs. The Responses API's bodies are in
+``responses/protocol.py``.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from typing import Any, Literal
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
-from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 # A seed must fit a signed 64-bit integer (vLLM: ``_LONG_INFO``).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
@@ -79,6 +86,104 @@ class UsageInfo(OpenAIBaseModel):
     prompt_tokens_details: PromptTokenUsageInfo | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
+class JsonSchemaResponseFormat(OpenAIBaseModel):
+    """``response_format.json_schema``: the schema the reply must validate against
+    (``schema``; vLLM's ``JsonSchemaResponseFormat``). ``strict`` is accepted: the output is
+    always held to the schema."""
+
+    name: str
+    description: str | None = None
+    # "schema" shadows a BaseModel attribute: the field is json_schema, spelled "schema" in JSON.
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class ResponseFormat(OpenAIBaseModel):
+    """``response_format``: ``{"type": "text"}``, ``{"type": "json_object"}`` or
+    ``{"type": "json_schema", "json_schema": {...}}`` (vLLM's ``ResponseFormat``)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaResponseFormat | None = None
+
+
+class StructuredOutputsRequest(OpenAIBaseModel):
+    """vLLM's ``structured_outputs`` request field: exactly one of ``json`` (a JSON schema),
+    ``regex``, ``choice``, ``grammar`` (Lark or GBNF) or ``json_object``, and the JSON
+    grammar's options (``engine.sampling_params.StructuredOutputsParams``)."""
+
+    json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+    whitespace_pattern: str | None = None
+    # vLLM's, left out: declared so that asking for them is a 400, not silently ignored.
+    structural_tag: str | None = None
+    disable_fallback: bool | None = None
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    """A tool's function: its ``name`` and the JSON schema of its arguments (``parameters``)."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionToolsParam(OpenAIBaseModel):
+    """One entry of ``tools`` (vLLM's ``ChatCompletionToolsParam``)."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ChatCompletionNamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class ChatCompletionNamedToolChoiceParam(OpenAIBaseModel):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``: call this tool."""
+
+    type: Literal["function"] = "function"
+    function: ChatCompletionNamedFunction
+
+
+class FunctionCall(OpenAIBaseModel):
+    """The call the model made: the tool's name and its arguments, a JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(OpenAIBaseModel):
+    """One ``message.tool_calls`` entry (vLLM's ``ToolCall``; ids ``chatcmpl-tool-...``)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    """A streamed piece of a tool call (its ``index``; the first piece carries id and name)."""
+
+    id: str | None = None
+    type: Literal["function"] | None = None
+    index: int
+    function: DeltaFunctionCall | None = None
+
+
 class StreamOptions(OpenAIBaseModel):
     """``include_usage``: send a last chunk, with no choices, that carries ``usage``."""
 
@@ -128,6 +233,9 @@ class SamplingFields(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # Structured outputs (both routes): OpenAI's response_format and vLLM's structured_outputs.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
     # vLLM extras left out: declared so that asking for them is a 400, not silently ignored.
     prompt_logprobs: int | None = None
     chat_template: str | None = None
@@ -141,6 +249,7 @@ class SamplingFields(OpenAIBaseModel):
         logprobs: int | None,
         prompt_logprobs: int | None,
         default: SamplingParams,
+        structured_outputs: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         """``SamplingParams`` for one prompt; unset fields take ``default``'s values.
 
@@ -156,7 +265,7 @@ class SamplingFields(OpenAIBaseModel):
         # still become a stop string); a full response needs only the end.
         output_kind = RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY
         fields.update(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
-        return SamplingParams(**fields, output_kind=output_kind)
+        return SamplingParams(**fields, output_kind=output_kind, structured_outputs=structured_outputs)
 
 
 # ---------------------------------------------------------------------------- completions
@@ -179,9 +288,14 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     best_of: int | None = None
 
-    def to_sampling_params(self, max_tokens: int | None, default: SamplingParams) -> SamplingParams:
+    def to_sampling_params(
+        self,
+        max_tokens: int | None,
+        default: SamplingParams,
+        structured_outputs: StructuredOutputsParams | None = None,
+    ) -> SamplingParams:
         prompt_logprobs = self.logprobs if self.echo else None
-        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs, default)
+        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs, default, structured_outputs)
 
 
 class CompletionLogProbs(OpenAIBaseModel):
@@ -264,9 +378,10 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = 0
     # vLLM's extra: end with the header that opens the assistant's turn.
     add_generation_prompt: bool = True
-    # Declared only so that asking for them is an error rather than silently ignored.
-    tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    # Tool calling: "required" or a named function constrain the reply to the tools' argument
+    # schemas; "none" ignores the tools; "auto" (the default with tools) is refused.
+    tools: list[ChatCompletionToolsParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam | None = None
 
     @property
     def max_tokens_field(self) -> str:
@@ -279,14 +394,23 @@ class ChatCompletionRequest(SamplingFields):
             return self.max_completion_tokens
         return self.max_tokens
 
-    def to_sampling_params(self, max_tokens: int | None, default: SamplingParams) -> SamplingParams:
+    def to_sampling_params(
+        self,
+        max_tokens: int | None,
+        default: SamplingParams,
+        structured_outputs: StructuredOutputsParams | None = None,
+    ) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs, None, default)
+        return self._sampling_params(max_tokens, logprobs, None, default, structured_outputs)
 
 
 class ChatMessage(OpenAIBaseModel):
+    """The reply. ``tool_calls`` only when the model called tools (then ``content`` is None
+    for ``tool_choice: "required"``, the empty string for a named tool, as vLLM sends them)."""
+
     role: str
     content: str | None = None
+    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class DeltaMessage(OpenAIBaseModel):
@@ -295,12 +419,15 @@ class DeltaMessage(OpenAIBaseModel):
 
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _omit_missing_role(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data = handler(self)
         if self.role is None:
             data.pop("role", None)
+        if self.tool_calls is None:
+            data.pop("tool_calls", None)
         return data
 
 

@@ -13,7 +13,12 @@ The flow up to the engine's outputs (checks, chat template, limits, sampling par
 engine request) is ``start_generation``; ``/v1/responses`` and ``/v1/messages`` run it too,
 with a ``ChatCompletionRequest`` made from their own request, and shape its outputs their way.
 
-Left out: tools and tool-call parsing, reasoning parsers, ``response_format``,
+Structured outputs: ``response_format``, ``structured_outputs`` and ``tools`` with
+``tool_choice`` ``"required"`` or a named function become the request's constraint
+(``structured_outputs.py``); a reply to a tool choice comes back as ``message.tool_calls``
+(streamed whole in the choice's last chunk).
+
+Left out: ``tool_choice: "auto"`` and tool parsers, reasoning parsers,
 ``continue_final_message``, a chat template given in the request, ``echo``, multimodal
 content parts, ``continuous_usage_stats``.
 """
@@ -37,8 +42,10 @@ from engine.entrypoints.openai.protocol import (
     ChatCompletionStreamResponse,
     ChatMessage,
     ChatStreamChoiceWire,
+    DeltaFunctionCall,
     DeltaMessage,
     DeltaMessageWire,
+    DeltaToolCall,
     UsageInfo,
 )
 from engine.entrypoints.openai.serving_engine import (
@@ -48,17 +55,37 @@ from engine.entrypoints.openai.serving_engine import (
     OpenAIServing,
     StreamChunks,
     bad_request_from_value_error,
+    check_finished_without_error,
     merge_async_iterators,
     random_uuid,
     sse_event,
     stream_error_event,
 )
+from engine.entrypoints.openai.structured_outputs import structured_outputs_of, tool_calls_of
 from engine.frontend.outputs import LogprobsDict, RequestOutput
 from engine.frontend.request_tracing import RequestTrace, start_request_trace
 from engine.logger import init_logger
 from engine.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
+
+
+def reply_message(
+    request: ChatCompletionRequest, text: str, finish_reason: str | None
+) -> tuple[ChatMessage, str | None]:
+    """The reply and its finish reason: the text as ``content``, or — when ``tool_choice``
+    asked for tool calls — ``tool_calls`` with ``content: ""``; ``"required"`` then finishes
+    ``tool_calls`` where the model finished ``stop``, a named tool ``stop`` (vLLM's)."""
+    calls = tool_calls_of(request, text)
+    if calls is None:
+        return ChatMessage(role="assistant", content=text), finish_reason
+    if request.tool_choice == "required" and finish_reason == "stop":
+        finish_reason = "tool_calls"
+    return ChatMessage(role="assistant", content="", tool_calls=calls), finish_reason
+
+
+def wants_tool_calls(request: ChatCompletionRequest) -> bool:
+    return bool(request.tools) and request.tool_choice not in (None, "none", "auto")
 
 
 @dataclass
@@ -133,10 +160,7 @@ class OpenAIServingChat(OpenAIServing):
         self.check_unsupported(request)
         if request.top_logprobs and not request.logprobs:
             raise OpenAIError("top_logprobs needs logprobs to be true.", param="top_logprobs")
-        if request.tools:
-            raise OpenAIError("tools are not supported (tool calling is left out).", param="tools")
-        if request.response_format and request.response_format.get("type", "text") != "text":
-            raise OpenAIError("Only the text response_format is supported.", param="response_format")
+        structured_outputs, so_renames = structured_outputs_of(request)
         # Rendering and tokenizing off the event loop, so other requests stream on.
         tokenize_ns = time.time_ns()
         _, prompt_ids = await asyncio.to_thread(
@@ -145,9 +169,9 @@ class OpenAIServingChat(OpenAIServing):
         tokenized_ns = time.time_ns()
         max_tokens_field = request.max_tokens_field
         max_tokens = self.resolve_max_tokens(request.requested_max_tokens, max_tokens_field)
-        renames = {"max_tokens": max_tokens_field, "logprobs": "top_logprobs"}
+        renames = {"max_tokens": max_tokens_field, "logprobs": "top_logprobs", **so_renames}
         try:
-            params = request.to_sampling_params(max_tokens, self.default_sampling_params)
+            params = request.to_sampling_params(max_tokens, self.default_sampling_params, structured_outputs)
             engine_request = self.engine.input_processor.process_inputs(
                 request_id, {"prompt_token_ids": prompt_ids}, params
             )
@@ -194,12 +218,14 @@ class OpenAIServingChat(OpenAIServing):
             logprobs = None
             if request.logprobs and out.logprobs is not None:
                 logprobs = self.create_logprobs(out.token_ids, out.logprobs, request.top_logprobs or 0)
+            check_finished_without_error(out.finish_reason, out.stop_reason)
+            message, finish_reason = reply_message(request, out.text, out.finish_reason)
             choices.append(
                 ChatCompletionResponseChoice(
                     index=out.index,
-                    message=ChatMessage(role="assistant", content=out.text),
+                    message=message,
                     logprobs=logprobs,
-                    finish_reason=out.finish_reason,
+                    finish_reason=finish_reason,
                     stop_reason=out.stop_reason,
                 )
             )
@@ -227,6 +253,8 @@ class OpenAIServingChat(OpenAIServing):
                                                           choices=choices, usage=usage))  # fmt: skip
 
         completion_tokens = num_cached_tokens = 0
+        tool_calls = wants_tool_calls(request)
+        texts: dict[int, str] = {}  # the text of each choice so far, when it becomes tool calls
         try:
             async with contextlib.aclosing(outputs):
                 role_sent = False
@@ -243,6 +271,14 @@ class OpenAIServingChat(OpenAIServing):
                             )
                     for out in output.outputs:
                         completion_tokens += len(out.token_ids)
+                        check_finished_without_error(out.finish_reason, out.stop_reason)
+                        if tool_calls:
+                            # Tool calls are sent whole, in the choice's last chunk.
+                            texts[out.index] = texts.get(out.index, "") + out.text
+                            if out.finish_reason is not None:
+                                yield chunk([self._tool_call_choice(request, out.index, texts[out.index],
+                                                                    out.finish_reason, out.stop_reason)])  # fmt: skip
+                            continue
                         logprobs = None
                         if request.logprobs and out.logprobs:
                             logprobs = self.create_logprobs(
@@ -271,6 +307,28 @@ class OpenAIServingChat(OpenAIServing):
         except Exception as e:
             yield stream_error_event(e, request_id, "messages")
         yield SSE_DONE
+
+    @staticmethod
+    def _tool_call_choice(
+        request: ChatCompletionRequest,
+        index: int,
+        text: str,
+        finish_reason: str,
+        stop_reason: int | str | None,
+    ) -> ChatCompletionResponseStreamChoice:
+        """A stream's last chunk of a choice that called tools: every call, whole."""
+        message, finish_reason = reply_message(request, text, finish_reason)
+        deltas = None
+        if message.tool_calls is not None:
+            deltas = [
+                DeltaToolCall(id=call.id, type="function", index=i,
+                              function=DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments))
+                for i, call in enumerate(message.tool_calls)
+            ]  # fmt: skip
+        delta = DeltaMessage(content=message.content, tool_calls=deltas)
+        return ChatCompletionResponseStreamChoice(
+            index=index, delta=delta, finish_reason=finish_reason, stop_reason=stop_reason
+        )
 
     # ------------------------------------------------------------------ logprobs
 

@@ -43,11 +43,13 @@ from engine.entrypoints.openai.serving_engine import (
     OpenAIServing,
     StreamChunks,
     bad_request_from_value_error,
+    check_finished_without_error,
     merge_async_iterators,
     random_uuid,
     sse_event,
     stream_error_event,
 )
+from engine.entrypoints.openai.structured_outputs import structured_outputs_of
 from engine.frontend.detokenizer import IncrementalDetokenizer, backend_tokenizer
 from engine.frontend.outputs import CompletionOutput, LogprobsDict, RequestOutput
 from engine.frontend.request_tracing import RequestTrace, start_request_trace
@@ -77,6 +79,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_engine_alive()
         self.check_unsupported(request)
         max_tokens = self.resolve_max_tokens(request.max_tokens)
+        structured_outputs, renames = structured_outputs_of(request)
         # Tokenizing a long prompt takes a while: off the event loop, so other requests stream on.
         tokenize_ns = time.time_ns()
         prompts = await asyncio.to_thread(self.render_prompts, request.prompt, "prompt")
@@ -84,13 +87,13 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = f"cmpl-{random_uuid()}"
         process_inputs = self.engine.input_processor.process_inputs
         try:
-            params = request.to_sampling_params(max_tokens, self.default_sampling_params)
+            params = request.to_sampling_params(max_tokens, self.default_sampling_params, structured_outputs)
             engine_requests = [
                 process_inputs(f"{request_id}-{i}", {"prompt_token_ids": ids}, params)
                 for i, (_, ids) in enumerate(prompts)
             ]
         except ValueError as e:
-            raise bad_request_from_value_error(e, "prompt") from None
+            raise bad_request_from_value_error(e, "prompt", renames) from None
 
         rtrace = start_request_trace(request_id, headers, arrived_ns, "/v1/completions")
         rtrace.record_inputs(tokenize_ns, tokenized_ns)
@@ -214,6 +217,7 @@ class OpenAIServingCompletion(OpenAIServing):
             num_cached_tokens += final.num_cached_tokens
             for out in final.outputs:
                 completion_tokens += len(out.token_ids)
+                check_finished_without_error(out.finish_reason, out.stop_reason)
                 text, _, logprobs = self._choice_output(
                     request, out, 0, echoes[i], prompt_ids, final.prompt_logprobs
                 )
@@ -259,6 +263,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     for out in output.outputs:
                         i = p * n + out.index
                         completion_tokens += len(out.token_ids)
+                        check_finished_without_error(out.finish_reason, out.stop_reason)
                         echo, echoes[i] = echoes[i], None
                         text, token_ids, logprobs = self._choice_output(
                             request, out, shift[i], echo, prompts[p][1], prompt_logprobs[p]

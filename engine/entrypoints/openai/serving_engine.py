@@ -141,17 +141,41 @@ def bad_request_from_value_error(
 ) -> OpenAIError:
     """A ``ValueError`` from ``SamplingParams`` / ``PoolingParams`` or the input processor → a 400.
 
-    Both params classes start their messages with the field's name; that name (renamed to the
-    request's own field through ``renames``) becomes ``param``. Other messages (a bad
-    prompt) blame ``default_param``.
+    Both params classes (``SamplingParams``, ``PoolingParams``) start their messages with the field's
+    name; that name (renamed to the
+    request's own field through ``renames``) becomes ``param``; so does a constraint's
+    ``structured_outputs.<kind>:`` (the input processor's compile check). Other messages (a
+    bad prompt) blame ``default_param``.
     """
     message = str(e)
     first_word = message.split(" ", 1)[0]
+    if first_word.startswith("structured_outputs.") and first_word.endswith(":"):
+        # A constraint that does not compile: "structured_outputs.json: <why>", named after the
+        # request field it came from (response_format.json_schema.schema, tools[i]...).
+        field = first_word[:-1]
+        param = (renames or {}).get(field, field)
+        message = f"{param}: {message.split(' ', 1)[1] if ' ' in message else ''}"
+        return OpenAIError(message, param=param)
     if first_word in _PARAMS_FIELDS:
         param = (renames or {}).get(first_word, first_word)
     else:
         param = default_param
     return OpenAIError(message, param=param)
+
+
+def check_finished_without_error(finish_reason: str | None, stop_reason: int | str | None) -> None:
+    """A choice the engine ended with ``error`` (a structured-output grammar that failed in
+    the engine, or that no token could follow; ``stop_reason`` says which) is a 400: the
+    constraint is the request's.
+
+    Raises:
+        OpenAIError: (400) naming ``structured_outputs``.
+    """
+    if finish_reason == "error":
+        raise OpenAIError(
+            f"The engine could not follow the request's output constraint: {stop_reason}",
+            param="structured_outputs",
+        )
 
 
 def random_uuid() -> str:

@@ -41,6 +41,10 @@ _MAX_GROUP = 64  # query heads per KV head the kernel accepts (its fixed-size ar
 
 _lib: ctypes.CDLL | None = None
 _lock = threading.Lock()
+# Decodes per thread from which one task takes all of a request's KV heads (the AVX-512
+# path's task shape): set from ``choose_task_shape``'s verdict by the worker; None: the
+# kernel's default (2).
+all_heads_from: int | None = None
 
 
 def _compiler() -> str:
@@ -143,6 +147,7 @@ def open_kernel(so: Path) -> ctypes.CDLL:
         ctypes.c_float,  # scale
         p,  # out
         i32,  # num_threads
+        i32,  # all_heads_from: decodes per thread from which a task takes all KV heads (0: default)
     ]
     fn.restype = i32
     return lib
@@ -174,6 +179,7 @@ def paged_decode_attention_cpu(
     scale: float,
     sliding_window: int | None = None,
     kernel: ctypes.CDLL | None = None,
+    task_shape: int | None = None,
 ) -> torch.Tensor:
     """One query token per request, attending to K/V read in place from the paged cache.
 
@@ -191,6 +197,9 @@ def paged_decode_attention_cpu(
         sliding_window: when set, a request sees only its last ``sliding_window`` keys.
         kernel: another build of the kernel (``build_kernel`` + ``open_kernel``: a benchmark
             comparing two versions of the source); by default the cached one (``load_kernel``).
+        task_shape: decodes per thread from which one task takes all of a request's KV heads
+            (the AVX-512 path); by default this process's ``all_heads_from`` (the worker's
+            measured verdict), else the kernel's own default, 2.
 
     Returns ``(num_decodes, num_heads, head_dim)`` in ``q``'s dtype. Scores, softmax and the
     weighted sum are float32; a bfloat16 output is rounded to nearest, ties to even.
@@ -231,6 +240,7 @@ def paged_decode_attention_cpu(
         float(scale),
         out.data_ptr(),
         torch.get_num_threads(),
+        task_shape if task_shape is not None else (all_heads_from or 0),
     )
     if rc == -2:
         raise ValueError(
@@ -304,3 +314,99 @@ def _check(
         )
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"paged_decode_attention_cpu: sliding_window must be positive; got {sliding_window}")
+
+
+# --------------------------------------------------------------------------- task shape
+
+# Decodes per thread timed, and the context each decode attends to (tokens).
+TASK_SHAPE_DECODES_PER_THREAD = (1, 2, 4, 8)
+TASK_SHAPE_CONTEXT = 512
+# All heads per task must be at least this much faster to be taken from a count on.
+TASK_SHAPE_MIN_GAIN = 1.05
+NEVER = 1 << 20  # an all_heads_from no batch reaches: one KV head per task always
+
+
+def _time_task_shapes(
+    num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int, threads: int
+) -> dict[int, dict[str, float]]:
+    """Median seconds of the kernel on a synthetic cache at each of
+    ``TASK_SHAPE_DECODES_PER_THREAD`` × ``threads`` decodes of ``TASK_SHAPE_CONTEXT`` keys,
+    one KV head per task (``per_head``) against all of a request's (``all_heads``)."""
+    from engine.model.cpu.measured_choice import time_candidates
+
+    blocks_per_req = -(-TASK_SHAPE_CONTEXT // block_size)
+    most = max(TASK_SHAPE_DECODES_PER_THREAD) * threads
+    cache_shape = (most * blocks_per_req + 1, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(cache_shape).to(dtype)
+    v_cache = torch.randn(cache_shape).to(dtype)
+    perm = (
+        torch.randperm(most * blocks_per_req, generator=torch.Generator().manual_seed(0)) + 1
+    )  # scattered pages
+    table = perm.view(most, blocks_per_req).to(torch.int32)
+    scale = head_dim**-0.5
+    out: dict[int, dict[str, float]] = {}
+    for per_thread in TASK_SHAPE_DECODES_PER_THREAD:
+        nd = per_thread * threads
+        q = torch.randn(nd, num_heads, head_dim).to(dtype)
+        lens = torch.full((nd,), TASK_SHAPE_CONTEXT, dtype=torch.int32)
+        tbl = table[:nd].contiguous()
+
+        def run(shape: int, q=q, lens=lens, tbl=tbl) -> None:
+            paged_decode_attention_cpu(q, k_cache, v_cache, tbl, lens, scale, task_shape=shape)
+
+        out[per_thread] = time_candidates(
+            {"per_head": lambda r=run: r(NEVER), "all_heads": lambda r=run: r(1)}, rounds=7
+        )
+    return out
+
+
+def choose_task_shape(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    block_size: int,
+    threads: int,
+    time_shapes=None,
+):
+    """From how many decodes per thread the kernel's tasks take all of a request's KV heads
+    (contiguous reads of each page) rather than one (more tasks to share out), by timing both
+    on this CPU at the model's heads (``measured_choice.py``: cached per CPU, heads, dtype,
+    threads).
+
+    Returns:
+        A ``Verdict`` whose ``data["all_heads_from"]`` is the smallest timed count from which
+        all heads per task is ``TASK_SHAPE_MIN_GAIN``× faster there and at every larger count
+        (``NEVER`` where it never is). ``time_shapes``: tests pass a fake ``_time_task_shapes``.
+    """
+    from engine.model.cpu.measured_choice import Verdict, measured
+
+    if num_kv_heads == 1:
+        return Verdict("attention_task_shape", "one KV head: one shape", "the only candidate",
+                       data={"all_heads_from": None})  # fmt: skip
+    timer = time_shapes or _time_task_shapes
+
+    def measure() -> tuple[str, str, dict]:
+        t = timer(num_heads, num_kv_heads, head_dim, dtype, block_size, threads)
+        start = NEVER
+        for per_thread in sorted(t, reverse=True):  # from the largest down, while all heads win
+            if t[per_thread]["per_head"] >= TASK_SHAPE_MIN_GAIN * t[per_thread]["all_heads"]:
+                start = per_thread
+            else:
+                break
+        detail = "; ".join(
+            f"{n * threads} decodes: one KV head per task {1e3 * v['per_head']:.3f} ms, "
+            f"all {1e3 * v['all_heads']:.3f} ms"
+            for n, v in sorted(t.items())
+        )
+        choice = (
+            "one KV head per task"
+            if start == NEVER
+            else f"all KV heads per task from {start} decodes per thread"
+        )
+        return choice, detail, {"all_heads_from": start}
+
+    key = {"heads": [num_heads, num_kv_heads, head_dim], "dtype": str(dtype), "block_size": block_size,
+           "threads": threads, "context": TASK_SHAPE_CONTEXT, "per_thread": TASK_SHAPE_DECODES_PER_THREAD,
+           "min_gain": TASK_SHAPE_MIN_GAIN, "kernel": kernel_path().name}  # fmt: skip
+    return measured("attention_task_shape", key, measure)

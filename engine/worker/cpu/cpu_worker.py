@@ -63,8 +63,15 @@ class CPUWorker(Worker):
         self._thread_plan = plan
         info = self.cpu_threads_info()
         governor = None
-        if envs.GLASSBOX_CPU_ADAPTIVE_THREADS and plan.num_threads is not None and plan.num_threads >= 2:
-            governor = CpuThreadGovernor(plan.num_threads, plan.cpus or tuple(sorted(_usable_cpus())),
+        # In the caller's process (auto) torch's count is left as the caller set it, and the
+        # governor follows the load below it all the same: Glassbox's own parallel work runs
+        # inside op_threads(), which puts the caller's count back after each op. Without it, a
+        # busy machine held a 2-thread team waiting on a starved thread at every matmul
+        # (libgomp's own long spin there too): 26 against 201 tok/s with one thread.
+        most = plan.num_threads if plan.num_threads is not None else (
+            get_op_threads() if plan.why.startswith("auto") else None)  # fmt: skip
+        if envs.GLASSBOX_CPU_ADAPTIVE_THREADS and most is not None and most >= 2:
+            governor = CpuThreadGovernor(most, plan.cpus or tuple(sorted(_usable_cpus())),
                                          name=f"Worker rank {self.rank} on CPUs {info['cpus']}")  # fmt: skip
         self._governor = governor if governor is not None and governor.enabled else None
         logger.info(
@@ -98,9 +105,11 @@ class CPUWorker(Worker):
             return compiled
         from engine.worker.cpu.step_choices import forward_has_collectives, tune_step
 
+        runner = self.model_runner
         if forward_has_collectives(self.config):
+            self._tune_attention_task_shape()  # the kernel alone: no collective in it
             return compiled
-        plan, runner = self._thread_plan, self.model_runner
+        plan = self._thread_plan
         share = plan.num_threads or get_op_threads()
         verdicts = tune_step(runner, share, plan.cpus or tuple(sorted(_usable_cpus())),
                              threads_fixed=_threads_fixed(plan), compile_fixed=self._compile_fixed())  # fmt: skip
@@ -112,9 +121,27 @@ class CPUWorker(Worker):
             self._governor.max_threads = self._governor.num_threads = threads
             if not self._governor.enabled:  # one thread: nothing left to govern
                 self._governor = None
+        self._tune_attention_task_shape()
         if runner.compiled is None and compiled["mode"] != "eager":
             compiled = {"mode": "eager", "graphs": 0, "cache": "off", "seconds": 0.0}
         return compiled
+
+    def _tune_attention_task_shape(self) -> None:
+        """With the C++ decode kernel (``CPU_PAGED_CPP``): time its task shapes at this model's
+        heads and thread count (``paged_attention_cpu.choose_task_shape``) and use the verdict."""
+        runner = self.model_runner
+        if runner.attention_backend != "CPU_PAGED_CPP" or not runner.attention_layers:
+            return
+        from engine.model.cpu import paged_attention_cpu
+        from engine.model.cpu.op_threads import op_threads
+
+        layer = runner.attention_layers[0]
+        with op_threads():
+            verdict = paged_attention_cpu.choose_task_shape(layer.num_heads, layer.num_kv_heads, layer.head_dim,
+                                                            runner.dtype, runner.block_size, get_op_threads())  # fmt: skip
+        paged_attention_cpu.all_heads_from = verdict.data["all_heads_from"]
+        logger.info("%s", verdict.text())
+        runner.model.measured_choices = [*getattr(runner.model, "measured_choices", []), verdict]
 
     def _compile_fixed(self) -> str | None:
         """What fixed compiled-or-eager (``--enforce-eager``, ``GLASSBOX_TORCH_COMPILE=1``), or

@@ -61,11 +61,25 @@ def forward_has_collectives(config: Any) -> bool:
     return pc.world_size > 1 or bool(getattr(pc, "enable_expert_parallel", False))
 
 
-def step_shapes(max_num_reqs: int, max_num_tokens: int, max_model_len: int) -> dict[str, list[int]]:
+# The prefill chunk timed: 256 tokens for a model of up to 25 M parameters, fewer for a larger
+# one (a 0.5 B model's 256-token chunk takes seconds on 2 cores; timed 20 times at start-up
+# that would be most of the start), at least 16.
+PREFILL_TOKENS, PREFILL_PARAMS = 256, 25_000_000
+
+
+def step_shapes(
+    max_num_reqs: int, max_num_tokens: int, max_model_len: int, num_params: int = 0
+) -> dict[str, list[int]]:
     """The dummy steps timed, as ``ModelRunner._dummy_step`` query lengths: a decode batch of
-    up to 16 requests and one prefill chunk of up to 256 tokens."""
+    up to 16 requests and one prefill chunk of up to 256 tokens (fewer for a model of more
+    than ``PREFILL_PARAMS`` parameters)."""
     decodes = max(1, min(16, max_num_reqs, max_num_tokens))
-    prefill = max(1, min(256, max_num_tokens, max_model_len))
+    chunk = (
+        PREFILL_TOKENS
+        if num_params <= PREFILL_PARAMS
+        else max(16, PREFILL_TOKENS * PREFILL_PARAMS // num_params)
+    )
+    prefill = max(1, min(chunk, max_num_tokens, max_model_len))
     return {f"{decodes} decodes": [1] * decodes, f"a {prefill}-token prefill": [prefill]}
 
 
@@ -207,7 +221,9 @@ def tune_step(
 
     Returns the verdicts (forced ones included), for ``model.measured_choices``.
     """
-    shapes = step_shapes(runner.max_num_reqs, runner.max_num_tokens, runner.max_model_len)
+    shapes = step_shapes(
+        runner.max_num_reqs, runner.max_num_tokens, runner.max_model_len, runner.model_num_params
+    )
     hf = runner.model_config.hf_config
     key = {"model": {k: hf[k] for k in MODEL_SHAPE_KEYS if k in hf}, "dtype": str(runner.dtype),
            "share": share, "attention": runner.attention_backend,

@@ -34,6 +34,9 @@ def _cli(*args: str, timeout: float = 120, env: dict[str, str] | None = None) ->
         ({"tensor_parallel_size": 0}, "--tensor-parallel-size"),
         ({"num_gpu_blocks_override": 1}, "--num-gpu-blocks-override"),
         ({"model": "/nonexistent/model"}, "--model"),
+        ({"structured_outputs_config": {"backend": "xgrammar"}}, "--structured-outputs-config"),
+        ({"structured_outputs_config": {"bakend": "guidance"}}, "--structured-outputs-config"),
+        ({"structured_outputs_config": {"disable_any_whitespace": "yes"}}, "--structured-outputs-config"),
     ],
 )
 def test_config_error_names_the_flag(kwargs, flag):
@@ -41,6 +44,15 @@ def test_config_error_names_the_flag(kwargs, flag):
         EngineArgs(**kwargs).create_engine_config()
     assert err.value.flag == flag
     assert str(err.value).startswith(flag)
+
+
+def test_structured_outputs_config_takes_vllms_keys():
+    config = EngineArgs(
+        structured_outputs_config={"backend": "guidance", "disable_any_whitespace": True}
+    ).create_engine_config()
+    assert config.structured_outputs_config.backend == "guidance"
+    assert config.structured_outputs_config.disable_any_whitespace is True
+    assert EngineArgs().create_engine_config().structured_outputs_config.backend == "auto"
 
 
 def test_unsupported_architecture(tmp_path):

@@ -93,12 +93,14 @@ def test_the_chat_request_carries_the_limit_the_sampling_fields_and_text_format(
         ["."],
         True,
     )
-    assert chat.response_format == {
+    assert chat.response_format.model_dump(by_alias=True, exclude_none=True) == {
         "type": "json_schema",
         "json_schema": {"name": "n", "schema": schema, "strict": True},
     }
     json_object = ResponsesRequest.model_validate({"input": "x", "text": {"format": {"type": "json_object"}}})
-    assert to_chat_completion_request(json_object, USER_X).response_format == {"type": "json_object"}
+    assert to_chat_completion_request(json_object, USER_X).response_format.model_dump(exclude_none=True) == {
+        "type": "json_object"
+    }
     text = ResponsesRequest.model_validate({"input": "x", "text": {"format": {"type": "text"}}})
     assert to_chat_completion_request(text, USER_X).response_format is None
 
@@ -200,7 +202,9 @@ def test_output_config_format_becomes_chats_response_format() -> None:
     schema = {"type": "object"}
     request = _anthropic(messages=[{"role": "user", "content": "x"}],
                          output_config={"format": {"type": "json_schema", "schema": schema}})  # fmt: skip
-    assert anthropic.to_chat_completion_request(request).response_format == {
+    assert anthropic.to_chat_completion_request(request).response_format.model_dump(
+        by_alias=True, exclude_none=True
+    ) == {
         "type": "json_schema", "json_schema": {"name": "json_schema", "schema": schema}}  # fmt: skip
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine.model.attention import Attention, AttentionMetadata
+from engine.model.cpu import paged_attention_cpu
 from engine.model.cpu.paged_attention_cpu import (
     cpp_kernel_unavailable,
     kernel_path,
@@ -152,3 +153,43 @@ def test_one_openmp_runtime_and_cached_build():
     with open("/proc/self/maps") as maps:
         gomps = {line.split()[-1] for line in maps if "libgomp" in line}
     assert len(gomps) == 1, f"two OpenMP runtimes loaded: {gomps}"
+
+
+@pytest.mark.parametrize("task_shape", [1, paged_attention_cpu.NEVER], ids=["all-heads", "one-head"])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_either_task_shape_gives_the_same_attention(task_shape, dtype, tol, two_threads):
+    q, k_cache, v_cache, meta = _case(len(LENS_13), LENS_13, 8, 2, dtype)
+    reference = Attention(8, DIM, 2, DIM**-0.5)
+    with torch.inference_mode():
+        expected = reference.impl.forward_decode(q, (k_cache, v_cache), meta)
+        got = paged_decode_attention_cpu(
+            q, k_cache, v_cache, meta.block_table, meta.seq_lens, DIM**-0.5, task_shape=task_shape
+        )
+    assert (got.float() - expected.float()).abs().max().item() < tol
+
+
+@pytest.mark.parametrize(
+    ("faster_from", "expect"), [(None, paged_attention_cpu.NEVER), (1, 1), (4, 4), (8, 8)]
+)
+def test_the_task_shape_follows_the_measurement(faster_from, expect, tmp_path, monkeypatch):
+    from engine.model.cpu import measured_choice
+
+    class Quiet:
+        def others(self):
+            return 0.0
+
+    monkeypatch.setenv("GLASSBOX_CACHE_ROOT", str(tmp_path))
+    monkeypatch.setattr(measured_choice, "load_meter", Quiet)
+    calls = []
+
+    def fake(heads, kv_heads, head_dim, dtype, block_size, threads):
+        calls.append(threads)
+        return {n: {"per_head": 2.0 if faster_from and n >= faster_from else 1.0, "all_heads": 1.5}
+                for n in paged_attention_cpu.TASK_SHAPE_DECODES_PER_THREAD}  # fmt: skip
+
+    v = paged_attention_cpu.choose_task_shape(8, 2, 64, torch.float32, 16, 2, time_shapes=fake)
+    assert v.data == {"all_heads_from": expect} and v.source == "measured"
+    again = paged_attention_cpu.choose_task_shape(8, 2, 64, torch.float32, 16, 2, time_shapes=fake)
+    assert again.source == "cached" and again.data == v.data and calls == [2]
+    one = paged_attention_cpu.choose_task_shape(8, 1, 64, torch.float32, 16, 2, time_shapes=fake)
+    assert one.source == "the only candidate"  # one KV head: both shapes are the same

@@ -39,6 +39,7 @@ from tracing.telemetry.events import (
     GAUGE_PREFIX_HIT_RATE,
     GAUGE_RUNNING,
     GAUGE_WAITING,
+    GAUGE_WAITING_FOR_FSM,
     GAUGE_WORKER_THREADS,
     GAUGE_WORKER_THREADS_MAX,
     OpenStageInfo,
@@ -540,6 +541,23 @@ def test_the_step_delay_stands_apart_from_the_steps_own_time():
     row = line_of(text, "4413")
     assert " 14.2 " in row and " 200 " in row  # its own 14.2 ms, then the 200 ms pause
     assert "+delay" not in render(views.render_steps(make_state(), engine=0))  # no flag: no column
+
+
+def test_structured_output_steps_show_grammar_rows_and_waiting_grammars():
+    state = make_state()
+    assert "grammar" not in render(views.render_steps(state, engine=0))  # no grammar in view: no column
+    state.steps[0].append(step(0, 4413, decode=5, prefill=0, num_structured_reqs=4, num_waiting_for_fsm=2,
+                               bitmask_ms=1.3))  # fmt: skip
+    text = render(views.render_steps(state, engine=0, bar_width=24))
+    assert "grammar" in text.splitlines()[0]
+    assert "4/2 · 1.3" in line_of(text, "4413")  # 4 sampled under a grammar, 2 wait for theirs, 1.3 ms
+    assert " 0/0 " in line_of(text, "4411")
+    assert "4/2" in line_of(render(views.render_steps(state, engine=0, compact=True)), "4413")
+    # The queues panel has a "waiting grammar" row once a request waited so, not before.
+    assert "waiting grammar" not in render(views.render_queues(state))
+    state.processes["EngineCore_DP0"].gauges[GAUGE_WAITING_FOR_FSM] = 2
+    assert " 2 " in line_of(render(views.render_queues(state)), "waiting grammar")
+    assert "'grammar' S/F · M" in render(views.render_help(), width=500)  # the help says how to read it
 
 
 def test_steps_of_all_engines_carry_the_engine_column():

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -33,7 +34,7 @@ from engine.model.sampler import Sampler, SamplingMetadata, apply_penalties, app
 from engine.outputs import ModelRunnerOutput
 from engine.sampling_params import SamplingParams
 from engine.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-from engine.worker.model_runner import ModelRunner
+from engine.worker.model_runner import ModelRunner, apply_grammar_bitmask
 from tests.tiny_models import build_tiny_checkpoint, hf_greedy, hf_logits
 
 pytestmark = pytest.mark.usefixtures("eager")
@@ -122,7 +123,8 @@ class Driver:
     def add(self, req_id, prompt_ids, params=GREEDY, cached_blocks=(), num_cached=0):
         self.reqs[req_id] = _Req(prompt_ids, params, cached_blocks, num_cached)
 
-    def step(self, plan: dict[str, int]) -> ModelRunnerOutput:
+    def step(self, plan: dict[str, int], allowed: dict[str, list[int]] | None = None) -> ModelRunnerOutput:
+        """``allowed``: structured outputs, request → the only tokens its grammar allows."""
         new_reqs, cached = [], CachedRequestData()
         for req_id, n in plan.items():
             req = self.reqs[req_id]
@@ -158,6 +160,9 @@ class Driver:
             total_num_scheduled_tokens=sum(plan.values()),
             finished_req_ids=self.finished,
         )
+        if allowed:
+            so.structured_output_request_ids = list(allowed)
+            so.grammar_bitmask = bitmask_of(list(allowed.values()), VOCAB).tobytes()
         self.finished = set()
         out = self.runner.execute_model(so)
         assert sorted(out.req_ids) == sorted(plan)
@@ -184,6 +189,14 @@ class Driver:
     def finish(self, req_id) -> None:
         self.free = self.reqs.pop(req_id).blocks + self.free
         self.finished.add(req_id)
+
+
+def bitmask_of(rows: list[list[int]], vocab: int) -> np.ndarray:
+    """The int32 bitmask a grammar would send: row i allows exactly ``rows[i]``."""
+    bits = np.zeros((len(rows), -(-vocab // 32) * 32), dtype=np.uint8)
+    for i, tokens in enumerate(rows):
+        bits[i, tokens] = 1
+    return np.packbits(bits, axis=1, bitorder="little").view(np.int32)
 
 
 def assert_matches_hf(path: str, driver: Driver, req_ids) -> None:
@@ -387,6 +400,36 @@ def test_logprobs_and_prompt_logprobs_match_transformers(checkpoints):
     assert lp.logprobs[0][0] == pytest.approx(reference[-1, sampled].item(), abs=1e-4)
     assert lp.logprob_token_ids[0][1:] == reference[-1].topk(3).indices.tolist()
     assert lp.ranks == [1]  # greedy picks the best token
+
+
+def test_grammar_bitmask_masks_only_its_own_rows_before_sampling(checkpoints):
+    # Two greedy requests; the grammar of "so" allows two tokens, neither its greedy pick:
+    # it samples the better of the two, and "free" samples what transformers does.
+    path = checkpoints["llama"]
+    driver = Driver(make_runner(path))
+    ids = prompt(1, 12)
+    logits = hf_logits(path, ids)[-1]  # (vocab,) the last position's
+    best = int(logits.argmax())
+    ranked = [int(t) for t in logits.argsort(descending=True)]
+    allowed = [ranked[5], ranked[9]]
+    driver.add("so", ids)
+    driver.add("free", prompt(2, 9))
+    driver.step({"so": 12, "free": 9}, allowed={"so": allowed})
+    assert driver.reqs["so"].output == [ranked[5]] != [best]
+    assert_matches_hf(path, driver, ["free"])
+
+
+def test_apply_grammar_bitmask_on_hand_made_logits():
+    vocab = 40  # not a multiple of 32: the row has two words, the last one partly past the vocabulary
+    logits = torch.arange(3 * vocab, dtype=torch.float32).reshape(3, vocab)
+    so = SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData(),
+                         num_scheduled_tokens={}, total_num_scheduled_tokens=0, finished_req_ids=set(),
+                         structured_output_request_ids=["b", "a"],
+                         grammar_bitmask=bitmask_of([[3, 33], [0, 39]], vocab).tobytes())  # fmt: skip
+    apply_grammar_bitmask(so, ["a", "plain", "b"], logits)
+    finite = [sorted(torch.isfinite(row).nonzero().flatten().tolist()) for row in logits]
+    assert finite == [[0, 39], list(range(vocab)), [3, 33]]
+    assert logits[2, 33] == 2 * vocab + 33  # allowed logits are left as they were
 
 
 def _meta(params, outputs=None, prompts=None, generators=None, vocab=6):

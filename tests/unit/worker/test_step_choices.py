@@ -115,3 +115,9 @@ def test_a_forward_with_collectives_is_never_timed_alone():
 def test_the_timed_steps_fit_the_scheduler_limits():
     assert step_choices.step_shapes(256, 4096, 1024) == {"16 decodes": [1] * 16, "a 256-token prefill": [256]}
     assert step_choices.step_shapes(4, 64, 128) == {"4 decodes": [1] * 4, "a 64-token prefill": [64]}
+    # a larger model times a shorter chunk: a 0.5 B model's 256 tokens take seconds on 2 cores
+    assert step_choices.step_shapes(256, 4096, 1024, 372_000_000)["a 17-token prefill"] == [17]
+    assert step_choices.step_shapes(256, 4096, 1024, 10**10) == {
+        "16 decodes": [1] * 16,
+        "a 16-token prefill": [16],
+    }

@@ -24,6 +24,9 @@ updates it (``in_progress``, then ``completed`` / ``incomplete`` / ``failed``) a
 stops (``cancelled``; the engine request is aborted). A background response pushed out of
 the store is cancelled too: nobody could fetch its answer.
 
+``text.format`` (``json_object``, ``json_schema``) becomes chat's ``response_format``: the
+output is held to it by the engine's structured outputs.
+
 Left out (a 400 naming the field): tools and tool calls, reasoning, ``include``, logprobs
 (``top_logprobs``), ``truncation: auto``, streamed background runs and ``GET ...?stream=true``
 (vLLM's event store), the harmony path (gpt-oss), ``prompt`` (stored prompts).
@@ -74,6 +77,10 @@ RENAMES = {
     "messages": "input",
     "max_completion_tokens": "max_output_tokens",
     "max_tokens": "max_output_tokens",
+    # A schema that does not compile names the field it is in (structured_outputs.py's names);
+    # the specific names first, before "response_format" renames their start.
+    "response_format.json_schema.schema": "text.format.schema",
+    "response_format.json_schema": "text.format",
     "response_format": "text.format",
 }
 ROUTE = "/v1/responses"

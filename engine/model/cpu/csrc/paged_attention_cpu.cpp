@@ -347,7 +347,7 @@ void paged_decode_attention_avx512(const scalar_t* q, const scalar_t* k_cache,
                                    int64_t block_table_stride, const int32_t* seq_lens,
                                    int num_decodes, int num_heads, int num_kv_heads,
                                    int block_size, int sliding_window, float scale,
-                                   scalar_t* out, int num_threads) {
+                                   scalar_t* out, int num_threads, int all_heads_from) {
   static_assert(HEAD_DIM % 16 == 0, "the AVX-512 path takes whole registers");
   constexpr int NV = HEAD_DIM / 16;               // registers per row
   constexpr int GC = NV >= 8 ? 16 / NV : 4;       // query heads per value pass (<= 16 registers)
@@ -355,9 +355,11 @@ void paged_decode_attention_avx512(const scalar_t* q, const scalar_t* k_cache,
   const int64_t token_stride = static_cast<int64_t>(num_kv_heads) * HEAD_DIM;
   const int64_t block_stride = block_size * token_stride;
   // A task: one request and `kv_per_task` of its KV heads — all of them when there are at
-  // least two requests per thread (contiguous reads, enough tasks to share), else one (so
-  // a few long requests still spread over every thread).
-  const int kv_per_task = num_decodes >= 2 * num_threads ? num_kv_heads : 1;
+  // least `all_heads_from` requests per thread (contiguous reads, enough tasks to share),
+  // else one (so a few long requests still spread over every thread). Where the break-even
+  // lies depends on the CPU and the model's heads: the caller measures it (2 when not given).
+  const int from = all_heads_from > 0 ? all_heads_from : 2;
+  const int kv_per_task = num_decodes >= from * num_threads ? num_kv_heads : 1;
   const int tasks_per_request = num_kv_heads / kv_per_task;
   const int heads_per_task = kv_per_task * group;
 
@@ -471,13 +473,14 @@ void dispatch_head_dim(const scalar_t* q, const scalar_t* k_cache, const scalar_
                        const int32_t* block_table, int64_t block_table_stride,
                        const int32_t* seq_lens, int num_decodes, int num_heads, int num_kv_heads,
                        int head_dim, int block_size, int sliding_window, float scale,
-                       scalar_t* out, int num_threads) {
+                       scalar_t* out, int num_threads, int all_heads_from) {
 #ifdef __AVX512F__
 #define GLASSBOX_CALL(D)                                                                        \
   paged_decode_attention_avx512<scalar_t, D>(q, k_cache, v_cache, block_table,                  \
                                              block_table_stride, seq_lens, num_decodes,         \
                                              num_heads, num_kv_heads, block_size,               \
-                                             sliding_window, scale, out, num_threads)
+                                             sliding_window, scale, out, num_threads,       \
+                                             all_heads_from)
 #else
 #define GLASSBOX_CALL(D)                                                                      \
   paged_decode_attention<scalar_t, D>(q, k_cache, v_cache, block_table, block_table_stride,   \
@@ -508,6 +511,8 @@ extern "C" {
 
 // dtype: 0 = float32, 1 = bfloat16 (stored as uint16). sliding_window: 0 for none.
 // num_blocks: blocks in each cache; block_table_width: entries in a block-table row.
+// all_heads_from: decodes per thread from which one task takes all of a request's KV heads
+// (the AVX-512 path; 0 for the default, 2).
 // Returns 0; -1 when a size or the dtype is out of the kernel's range; -2 when a request
 // would read past its block-table row or a block id is not in the cache (nothing is read).
 int glassbox_paged_decode_attention(int dtype, const void* q, const void* k_cache,
@@ -516,7 +521,7 @@ int glassbox_paged_decode_attention(int dtype, const void* q, const void* k_cach
                                     int num_blocks, const int32_t* seq_lens,
                                     int num_decodes, int num_heads, int num_kv_heads,
                                     int head_dim, int block_size, int sliding_window,
-                                    float scale, void* out, int num_threads) {
+                                    float scale, void* out, int num_threads, int all_heads_from) {
   if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > 64 ||
       head_dim <= 0 || block_size <= 0 || num_threads <= 0)
     return -1;
@@ -535,12 +540,13 @@ int glassbox_paged_decode_attention(int dtype, const void* q, const void* k_cach
     dispatch_head_dim(static_cast<const float*>(q), static_cast<const float*>(k_cache),
                       static_cast<const float*>(v_cache), block_table, block_table_stride,
                       seq_lens, num_decodes, num_heads, num_kv_heads, head_dim, block_size,
-                      sliding_window, scale, static_cast<float*>(out), num_threads);
+                      sliding_window, scale, static_cast<float*>(out), num_threads, all_heads_from);
   else if (dtype == 1)
     dispatch_head_dim(static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(k_cache),
                       static_cast<const uint16_t*>(v_cache), block_table, block_table_stride,
                       seq_lens, num_decodes, num_heads, num_kv_heads, head_dim, block_size,
-                      sliding_window, scale, static_cast<uint16_t*>(out), num_threads);
+                      sliding_window, scale, static_cast<uint16_t*>(out), num_threads,
+                      all_heads_from);
   else
     return -1;
   return 0;
