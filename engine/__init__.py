@@ -1,6 +1,6 @@
 """Glassbox: a see-through re-implementation of the vLLM V1 serving engine.
 
-``from engine import LLM, SamplingParams`` — the names are vLLM's. Importing this package
+``from engine import LLM, SamplingParams`` (``PoolingParams`` for embeddings) — the names are vLLM's. Importing this package
 is cheap (no torch): the heavy modules load when ``LLM`` is first used.
 """
 
@@ -13,10 +13,15 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "engine.entrypoints.llm",
     "SamplingParams": "engine.sampling_params",
+    "PoolingParams": "engine.pooling_params",
     "RequestOutput": "engine.frontend.outputs",
     "CompletionOutput": "engine.frontend.outputs",
     "TokensPrompt": "engine.frontend.outputs",
     "TextPrompt": "engine.frontend.outputs",
+    "PoolingOutput": "engine.frontend.outputs",
+    "PoolingRequestOutput": "engine.frontend.outputs",
+    "EmbeddingOutput": "engine.frontend.outputs",
+    "EmbeddingRequestOutput": "engine.frontend.outputs",
     "EngineArgs": "engine.engine_args",
     "EngineConfig": "engine.config",
 }

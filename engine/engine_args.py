@@ -32,6 +32,7 @@ from engine.config import (
     ModelConfig,
     ObservabilityConfig,
     ParallelConfig,
+    PoolerConfig,
     SchedulerConfig,
     StructuredOutputsConfig,
 )
@@ -109,8 +110,12 @@ REFUSED_VLLM_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag(("--revision",), True, "models are local directories: there is no revision to pick"),
     VllmFlag(("--tokenizer-revision",), True, "models are local directories: there is no revision to pick"),
     VllmFlag(("--code-revision",), True, "no remote code is ever run"),
-    VllmFlag(("--runner",), True, "only text generation is implemented", allowed=("auto", "generate")),
-    VllmFlag(("--task",), True, "only text generation is implemented", allowed=("auto", "generate")),
+    VllmFlag(
+        ("--task",),
+        True,
+        "vLLM 0.32 has no --task: use --runner generate, or --runner pooling for embeddings",
+        allowed=("auto", "generate"),
+    ),
     VllmFlag(("--limit-mm-per-prompt",), True, "multimodal inputs are left out"),
     VllmFlag(("--enable-prompt-embeds",), False, "prompt embeddings are left out"),
     VllmFlag(
@@ -253,15 +258,18 @@ class EngineArgs:
     generation_config: str = "auto"
     override_generation_config: dict[str, Any] | None = None
     chat_template: str | None = None
+    runner: str = "auto"
+    convert: str = "auto"
+    pooler_config: dict[str, Any] | PoolerConfig | None = None
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool | None = None
     kv_cache_dtype: str = "auto"
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
-    enable_chunked_prefill: bool = True
+    enable_chunked_prefill: bool | None = None
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
     tensor_parallel_size: int = 1
@@ -362,6 +370,29 @@ class EngineArgs:
             "and takes the faster; native or upcast forces one.",
         )
         g.add_argument(
+            "--runner",
+            default=d.runner,
+            choices=("auto", "generate", "pooling"),
+            help="What the model serves: generate (text: the completion, chat, responses and messages "
+            "routes, LLM.generate) or pooling (embeddings: /v1/embeddings, /pooling, LLM.embed); auto = "
+            "generate (every architecture here is a text generator).",
+        )
+        g.add_argument(
+            "--convert",
+            default=d.convert,
+            choices=("auto", "none", "embed"),
+            help="Adapt the model to the runner: embed turns a decoder into an embedding model (its LM "
+            "head dropped, its final hidden states pooled); auto = embed under --runner pooling.",
+        )
+        g.add_argument(
+            "--pooler-config",
+            type=_json_object,
+            default=None,
+            help='JSON object: how --runner pooling pools, e.g. \'{"pooling_type": "MEAN"}\' (LAST, the '
+            'default, MEAN or CLS), "use_activation": false (no normalisation), "dimensions" (a '
+            "Matryoshka model's default length).",
+        )
+        g.add_argument(
             "--trust-remote-code",
             action="store_true",
             help="Accepted for vLLM compatibility: no code from a model directory is ever run.",
@@ -422,7 +453,8 @@ class EngineArgs:
             "--enable-prefix-caching",
             action=argparse.BooleanOptionalAction,
             default=d.enable_prefix_caching,
-            help="Reuse KV blocks of shared prompt prefixes.",
+            help="Reuse KV blocks of shared prompt prefixes (default: on; off under --runner pooling with "
+            "MEAN or CLS pooling, which need every prompt token computed).",
         )
         g.add_argument(
             "--kv-cache-dtype",
@@ -446,7 +478,8 @@ class EngineArgs:
             "--enable-chunked-prefill",
             action=argparse.BooleanOptionalAction,
             default=d.enable_chunked_prefill,
-            help="Split long prompts across steps (on by default, as in vLLM V1).",
+            help="Split long prompts across steps (default: on, as in vLLM V1; off under --runner pooling "
+            "with MEAN or CLS pooling, which take each prompt whole).",
         )
         g.add_argument(
             "--long-prefill-token-threshold",
@@ -668,14 +701,22 @@ class EngineArgs:
             generation_config_source=self.generation_config,
             override_generation_config=self.override_generation_config,
             chat_template=self.chat_template,
+            runner=self.runner,
+            convert=self.convert,
+            pooler_config=PoolerConfig.from_json(self.pooler_config)
+            if isinstance(self.pooler_config, dict)
+            else self.pooler_config,
         )
-        model_config.check_tokenizer_files()  # the frontend needs it; found before anything starts
+        model_config.check_tokenizer_files()
+        enable_chunked_prefill, enable_prefix_caching = self._chunked_prefill_and_prefix_caching(
+            model_config
+        )  # the frontend needs it; found before anything starts
         cache_config = CacheConfig(
             block_size=self.block_size,
             gpu_memory_utilization=self.gpu_memory_utilization,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
-            enable_prefix_caching=self.enable_prefix_caching,
+            enable_prefix_caching=enable_prefix_caching,
             cache_dtype=self.kv_cache_dtype,
         )
         parallel_config = ParallelConfig(
@@ -700,7 +741,7 @@ class EngineArgs:
         batched = self.max_num_batched_tokens
         if batched is None:
             batched = DEFAULT_MAX_NUM_BATCHED_TOKENS[usage_context]
-            if not self.enable_chunked_prefill:
+            if not enable_chunked_prefill:
                 batched = max(batched, max_len)
         scheduler_config = SchedulerConfig(
             max_num_batched_tokens=batched,
@@ -708,7 +749,7 @@ class EngineArgs:
             if self.max_num_seqs is not None
             else DEFAULT_MAX_NUM_SEQS[usage_context],
             max_model_len=max_len,
-            enable_chunked_prefill=self.enable_chunked_prefill,
+            enable_chunked_prefill=enable_chunked_prefill,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             policy=self.scheduling_policy,
         )
@@ -733,6 +774,33 @@ class EngineArgs:
         )
         check_fixed_kv_budget(config)
         return config
+
+    def _chunked_prefill_and_prefix_caching(self, model_config: ModelConfig) -> tuple[bool, bool]:
+        """``--enable-chunked-prefill`` and ``--enable-prefix-caching`` as given, else what the
+        model supports (vLLM's ``_set_default_chunked_prefill_and_prefix_caching_args``: both on,
+        but off for MEAN and CLS pooling).
+
+        Deliberate deviation: vLLM only warns when either is forced on for MEAN or CLS pooling
+        (and a chunked prompt then fails in the pooler, a cached prefix pools wrong); Glassbox
+        refuses the flag, as it refuses ``--long-prefill-token-threshold``, which splits
+        prompts too.
+
+        Raises:
+            ConfigError: one of the three flags splits or skips prompts MEAN/CLS pooling needs whole.
+        """
+        supported = model_config.is_chunked_prefill_supported  # the same rule for prefix caching
+        chunked = supported if self.enable_chunked_prefill is None else self.enable_chunked_prefill
+        caching = supported if self.enable_prefix_caching is None else self.enable_prefix_caching
+        if not supported:
+            pooling = model_config.pooler_config.seq_pooling_type
+            why = f"{pooling} pooling needs every prompt token computed in one step (--runner pooling)"
+            if chunked:
+                raise ConfigError("--enable-chunked-prefill", True, why)
+            if caching:
+                raise ConfigError("--enable-prefix-caching", True, why)
+            if self.long_prefill_token_threshold:
+                raise ConfigError("--long-prefill-token-threshold", self.long_prefill_token_threshold, why)
+        return chunked, caching
 
     def _structured_outputs_config(self) -> StructuredOutputsConfig:
         """``--structured-outputs-config``'s JSON as a ``StructuredOutputsConfig``."""

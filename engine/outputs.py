@@ -3,6 +3,9 @@
 - ``ModelRunnerOutput``: worker → engine core, one per step (vLLM
   ``vllm/v1/outputs.py``).
 - ``LogprobsLists``: top-N logprobs rows, plain lists so they cross processes cheaply.
+- ``Float32Tensor``: a pooled vector (or any float tensor) as shape and raw float32 bytes,
+  typed for msgpack: vLLM's encoder sends a tensor as its dtype, shape and buffer; ours
+  fixes the dtype and the byte order, so the frontend reads it with numpy (no torch).
 
 The per-request outputs that reach users (``RequestOutput``, ``CompletionOutput``) live in
 ``engine/frontend/outputs.py``; the engine-core → frontend messages in
@@ -11,7 +14,10 @@ The per-request outputs that reach users (``RequestOutput``, ``CompletionOutput`
 
 from __future__ import annotations
 
+import sys
+
 import msgspec
+import numpy as np
 
 
 class LogprobsLists(msgspec.Struct, kw_only=True, array_like=True, gc=False):
@@ -30,6 +36,29 @@ class LogprobsLists(msgspec.Struct, kw_only=True, array_like=True, gc=False):
     ranks: list[int]
 
 
+class Float32Tensor(msgspec.Struct, array_like=True, gc=False):
+    """A float tensor on a process boundary: ``shape`` and ``data``, its values as
+    little-endian float32 bytes in C order (``4 × prod(shape)`` bytes). A pooled embedding
+    of a 1024-wide model is 4 KiB: no list of floats, no pickle.
+
+    The worker makes one with ``from_numpy`` (of ``tensor.float().cpu().numpy()``); the
+    frontend reads it with ``numpy``, which needs no torch.
+    """
+
+    shape: list[int]
+    data: bytes
+
+    @classmethod
+    def from_numpy(cls, array: np.ndarray) -> Float32Tensor:
+        return cls(shape=list(array.shape), data=np.ascontiguousarray(array, dtype="<f4").tobytes())
+
+    def numpy(self) -> np.ndarray:
+        """The values as a float32 array of ``shape`` in this machine's byte order (read-only
+        when no conversion was needed: it views ``data``)."""
+        array = np.frombuffer(self.data, dtype="<f4").reshape(self.shape)
+        return array if sys.byteorder == "little" else array.astype(np.float32)
+
+
 class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     """One step's results from the model runner.
 
@@ -42,6 +71,9 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     - ``prompt_logprobs_dict[req_id]``: rows for the prompt positions computed this step
       (a chunk at a time), only for requests that asked; position 0 has no logprob and is
       never included.
+    - ``pooler_output[i]``: a pooling model's vector for ``req_ids[i]`` once its whole prompt
+      is computed, None for a chunk that leaves part of it for later; empty for a generation
+      model (whose ``sampled_token_ids`` are then all empty lists).
     """
 
     req_ids: list[str]
@@ -49,6 +81,7 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     sampled_token_ids: list[list[int]]
     logprobs: dict[str, LogprobsLists] = msgspec.field(default_factory=dict)
     prompt_logprobs_dict: dict[str, LogprobsLists] = msgspec.field(default_factory=dict)
+    pooler_output: list[Float32Tensor | None] = msgspec.field(default_factory=list)
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

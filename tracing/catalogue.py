@@ -598,6 +598,13 @@ MODEL_RUNNER_SAMPLE = _span(
     (KIND_WORKER,),
     "Logits to next tokens for one step: the sampler (--collect-detailed-traces model|worker|all).",
 )
+MODEL_RUNNER_POOL = _span(
+    "model_runner.pool",
+    STEP,
+    (KIND_WORKER,),
+    "Hidden states to one vector per finished prompt, a pooling model's step: the pooler, in place "
+    "of the sampler (--runner pooling; --collect-detailed-traces model|worker|all).",
+)
 ATTR_MOE_LAYER = _attr(
     "glassbox.moe.layer", "int", "The MoE layer's decoder-layer index on this pipeline stage."
 )

@@ -703,7 +703,8 @@ def render_scheduled(state: LiveState, engine: int | None, max_rows: int | None 
         shown = rows if max_rows is None else rows[: max(1, max_rows)]
         for as_, r in shown:
             after = r.num_computed_tokens + r.num_scheduled_tokens
-            table.add_row(r.req_id, as_, str(r.num_scheduled_tokens), "prefill" if r.prefill else "decode",
+            kind = "pooling" if r.pooling else "prefill" if r.prefill else "decode"  # pooling: all prefill
+            table.add_row(r.req_id, as_, str(r.num_scheduled_tokens), kind,
                           f"{r.num_computed_tokens} → {after}", str(r.num_new_blocks) if r.num_new_blocks else "·",
                           style="blue" if r.prefill else "green")  # fmt: skip
         parts.append(table)

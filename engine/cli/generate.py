@@ -101,6 +101,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             config = engine_args.create_engine_config()
         except ConfigError as e:
             parser.error(str(e))
+        if config.model_config.runner_type != "generate":  # before any engine starts
+            parser.error(f"--runner {config.model_config.runner_type}: glassbox generate generates text; "
+                         "embed with LLM.embed or glassbox serve --runner pooling")  # fmt: skip
         from engine.sampling_params import SamplingParams
 
         sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,

@@ -10,6 +10,7 @@ module              classes                     vLLM 0.32
 ``device.py``       ``DeviceConfig``            ``vllm/config/device.py``
 ``load.py``         ``LoadConfig``              ``vllm/config/load.py``
 ``observability.py`` ``ObservabilityConfig``    ``vllm/config/observability.py``
+``pooler.py``       ``PoolerConfig``            ``vllm/config/pooler.py``
 ``structured_outputs.py`` ``StructuredOutputsConfig``  ``vllm/config/structured_outputs.py``
 ``vllm.py``         ``EngineConfig``            ``VllmConfig``, ``vllm/config/vllm.py``
 ``utils.py``        ``ConfigError``             ``vllm/config/utils.py``
@@ -54,6 +55,7 @@ from engine.config.parallel import (
     check_ray_address,
     ray_is_installed,
 )
+from engine.config.pooler import SEQ_POOLING_TYPES, PoolerConfig
 from engine.config.scheduler import SCHEDULING_POLICIES, SchedulerConfig
 from engine.config.structured_outputs import STRUCTURED_OUTPUT_BACKENDS, StructuredOutputsConfig
 from engine.config.utils import ConfigError
@@ -78,6 +80,7 @@ __all__ = [
     "KV_CACHE_DTYPES",
     "RAY_INSTALL_HINT",
     "SCHEDULING_POLICIES",
+    "SEQ_POOLING_TYPES",
     "SUPPORTED_ARCHITECTURES",
     "TOKENIZER_MODES",
     "CacheConfig",
@@ -88,6 +91,7 @@ __all__ = [
     "ModelConfig",
     "ObservabilityConfig",
     "ParallelConfig",
+    "PoolerConfig",
     "SchedulerConfig",
     "check_ray_address",
     "load_chat_template",

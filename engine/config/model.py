@@ -4,8 +4,15 @@ vLLM's counterpart is ``vllm/config/model.py``. Nothing here imports torch: ``dt
 is resolved by the worker, and ``config.json`` / ``generation_config.json`` are read as plain
 JSON.
 
+The runner (``--runner``, ``--convert``, ``--pooler-config``): every architecture here is a
+text generator, so ``--runner auto`` is ``generate``; ``--runner pooling`` (or ``--convert
+embed``) serves the same checkpoint as an embedding model (vLLM's ``as_embedding_model``:
+the LM head dropped, a pooler on the final hidden states, ``PoolerConfig``).
+
 Left out: Hugging Face Hub downloads (the model is a local directory), remote code
-(``--trust-remote-code`` changes nothing), pooling and multimodal models.
+(``--trust-remote-code`` changes nothing), multimodal models, native pooling architectures
+and Sentence Transformers directories (``modules.json`` is not read: ``--runner auto`` never
+picks pooling), ``--runner draft`` and ``--convert classify``.
 """
 
 from __future__ import annotations
@@ -16,8 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.config.pooler import PoolerConfig
 from engine.config.utils import ConfigError, check_positive_int
 from engine.logger import init_logger
+from engine.tasks import SupportedTask
 
 logger = init_logger(__name__)
 
@@ -46,6 +55,10 @@ ATTENTION_BACKENDS = ("TORCH_SDPA", "PAGED_INDUCTOR", "CPU_PAGED_CPP")
 # --cpu-bf16-linear / --cpu-bf16-attention: how a bfloat16 model's linears and prefill
 # attention run on a CPU (engine/model/cpu/linear.py, prefill_attention.py).
 CPU_BF16_MODES = ("auto", "native", "upcast")
+# --runner and --convert (vLLM 0.32's RunnerOption, ConvertOption): what each runner may be
+# converted with; draft (speculative decoding) and classify are left out.
+RUNNER_OPTIONS = ("auto", "generate", "pooling")
+CONVERT_OPTIONS = ("auto", "none", "embed")
 TOKENIZER_MODES = ("auto", "hf")  # both load the fast tokenizer (tokenizer.json); the only kind here
 # vLLM's default --max-logprobs (the OpenAI API's limit of top logprobs per token).
 DEFAULT_MAX_LOGPROBS = 20
@@ -128,10 +141,15 @@ class ModelConfig:
     get are ``get_diff_sampling_param()``. ``chat_template`` holds the template text (the
     ``--chat-template`` file read, or the inline template), which replaces the tokenizer's.
 
+    ``runner`` / ``convert`` are the flags; ``runner_type`` (``generate`` or ``pooling``) and
+    ``convert_type`` (``none`` or ``embed``) what they resolve to (vLLM's names). A pooling
+    model always has a ``pooler_config``, its ``seq_pooling_type`` filled in (``LAST``).
+
     Raises:
         ConfigError: missing directory or ``config.json``, unsupported architecture,
             bad dtype, ``max_model_len`` above the model's position limit, a bad
-            ``--generation-config`` / ``--chat-template`` / ``--max-logprobs``.
+            ``--generation-config`` / ``--chat-template`` / ``--max-logprobs`` /
+            ``--runner`` / ``--convert`` / ``--pooler-config``.
     """
 
     model: str = DEFAULT_MODEL
@@ -150,6 +168,9 @@ class ModelConfig:
     generation_config_source: str = "auto"
     override_generation_config: dict[str, Any] | None = None
     chat_template: str | None = field(default=None, repr=False)
+    runner: str = "auto"
+    convert: str = "auto"
+    pooler_config: PoolerConfig | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
     generation_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -182,6 +203,7 @@ class ModelConfig:
             )
         if self.dtype not in DTYPES:
             raise ConfigError("--dtype", self.dtype, f"allowed: {', '.join(DTYPES)}")
+        self._resolve_runner()
         # None: the worker chooses, knowing its device (CPU_PAGED_CPP on a CPU where the
         # kernel builds, else TORCH_SDPA; ModelRunner._choose_attention_backend).
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
@@ -240,6 +262,74 @@ class ModelConfig:
                 "--trust-remote-code is accepted for vLLM compatibility and changes nothing: Glassbox "
                 f"never runs code from a model directory (only its own {archs} code)"
             )
+
+    def _resolve_runner(self) -> None:
+        """``runner_type`` and ``convert_type`` from ``--runner`` / ``--convert`` (vLLM's
+        ``_get_runner_type`` / ``_get_convert_type``), and the pooling model's pooler config."""
+        if self.runner not in RUNNER_OPTIONS:
+            why = " (draft models for speculative decoding are left out)" if self.runner == "draft" else ""
+            raise ConfigError("--runner", self.runner, f"allowed: {', '.join(RUNNER_OPTIONS)}{why}")
+        if self.convert not in CONVERT_OPTIONS:
+            why = " (classification models are left out)" if self.convert == "classify" else ""
+            raise ConfigError("--convert", self.convert, f"allowed: {', '.join(CONVERT_OPTIONS)}{why}")
+        if self.runner != "auto":
+            self.runner_type = self.runner
+        else:  # every architecture here generates text; a conversion asks for pooling
+            self.runner_type = "pooling" if self.convert == "embed" else "generate"
+        if self.runner_type == "generate" and self.convert == "embed":
+            raise ConfigError("--convert", self.convert, "embed converts the model for --runner pooling, "
+                              "not --runner generate")  # fmt: skip
+        if self.runner_type == "pooling" and self.convert == "none":
+            raise ConfigError("--convert", self.convert, f"{self.architecture} is not a pooling model: "
+                              "--runner pooling needs --convert embed (or auto)")  # fmt: skip
+        self.convert_type = "embed" if self.runner_type == "pooling" else "none"
+        if self.runner_type != "pooling":
+            if self.pooler_config is not None:
+                raise ConfigError("--pooler-config", self.pooler_config, "applies to --runner pooling only")
+            return
+        if self.pooler_config is None:
+            self.pooler_config = PoolerConfig()
+        if self.pooler_config.seq_pooling_type is None:
+            self.pooler_config.seq_pooling_type = "LAST"  # vLLM's default for a converted decoder
+        self._log_once(
+            f"--runner pooling: {self.architecture} converted to an embedding model (--convert embed), "
+            f"{self.pooler_config.seq_pooling_type} pooling"
+            + ("" if self.pooler_config.use_activation is False else ", normalised")
+        )
+
+    @property
+    def supported_tasks(self) -> tuple[SupportedTask, ...]:
+        """What this engine serves: ``("generate",)`` or ``("embed",)`` (vLLM asks the
+        model runner, ``get_supported_tasks``; one runner here means one answer)."""
+        return ("embed",) if self.runner_type == "pooling" else ("generate",)
+
+    @property
+    def embedding_size(self) -> int:
+        """The length of a pooled vector: ``hidden_size`` (no projection layers are read)."""
+        return self.hidden_size
+
+    @property
+    def is_matryoshka(self) -> bool:
+        """Whether the model says its embeddings may be cut short (``matryoshka_dimensions``
+        or ``is_matryoshka`` in config.json): only then may a request set ``dimensions``."""
+        return bool(self.hf_config.get("matryoshka_dimensions")) or bool(self.hf_config.get("is_matryoshka"))
+
+    @property
+    def matryoshka_dimensions(self) -> list[int] | None:
+        """The lengths config.json allows (None: any length up to ``embedding_size``)."""
+        return self.hf_config.get("matryoshka_dimensions") or None
+
+    @property
+    def is_chunked_prefill_supported(self) -> bool:
+        """vLLM's rule: a causal model's LAST pooling reads the last chunk's last token, but
+        MEAN and CLS pooling need the whole prompt in one step."""
+        return self.pooler_config is None or self.pooler_config.seq_pooling_type == "LAST"
+
+    @property
+    def is_prefix_caching_supported(self) -> bool:
+        """vLLM's rule, as for chunked prefill: a prefix-cache hit leaves the cached tokens'
+        hidden states uncomputed, which MEAN and CLS pooling need."""
+        return self.is_chunked_prefill_supported
 
     def check_tokenizer_files(self) -> None:
         """The frontend loads ``tokenizer.json`` (fast tokenizers only): refuse a directory

@@ -196,6 +196,7 @@ class EngineCore:
             priority=request.priority,
             client_index=request.client_index,
             block_hasher=self.block_hasher,
+            pooling_params=request.pooling_params,
         )
         self.structured_output_manager.grammar_init(core_request, request.trace_headers)
         self.scheduler.add_request(core_request)

@@ -52,7 +52,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from engine.outputs import LogprobsLists
+from engine.outputs import Float32Tensor, LogprobsLists
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.utils.wire import ErrorKind, ProtocolError, decode, error_kind
 
@@ -92,11 +93,15 @@ class EngineCoreRequestType(enum.Enum):
 
 
 class EngineCoreRequest(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True, gc=False):
-    """A tokenized, validated request on its way to the scheduler."""
+    """A tokenized, validated request on its way to the scheduler.
+
+    A generation request carries ``sampling_params``, a pooling one (``--runner pooling``)
+    ``pooling_params`` and no sampling params (vLLM's rule: exactly one of the two).
+    """
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | None
     eos_token_id: int | None
     arrival_time: float
     data_parallel_rank: int | None = None
@@ -104,6 +109,7 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, array_like=True, omit_defa
     current_wave: int = 0
     priority: int = 0
     trace_headers: dict[str, str] | None = None
+    pooling_params: PoolingParams | None = None
 
 
 class EngineCoreEventType(enum.IntEnum):
@@ -126,7 +132,8 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, array_like=True, omit_defau
     """New tokens (and maybe a finish) for one request, from one engine step.
 
     ``events``: what happened to the request in the engine since its previous output
-    (queued, scheduled, preempted, with times), or None.
+    (queued, scheduled, preempted, with times), or None. ``pooling_output``: a pooling
+    request's vector (it comes once, with the finish: ``stop``), as float32 bytes.
     """
 
     request_id: str
@@ -137,6 +144,7 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, array_like=True, omit_defau
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     events: list[EngineCoreEvent] | None = None
+    pooling_output: Float32Tensor | None = None
 
     @property
     def finished(self) -> bool:

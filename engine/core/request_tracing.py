@@ -16,6 +16,9 @@ the engine core adds, as its children:
 - ``request.decode``: first token → last, over ``glassbox.request.num_steps`` steps, linked
   to its first and last step, with the finish reason.
 
+A pooling request (``--runner pooling``) is all prefill: its ``request.prefill`` ends with the
+step that brought its vector, and it has no ``request.decode``.
+
 An abort ends the phase the request is in at that moment, with finish reason ``abort``.
 
 Kept cheap: nothing is tracked unless this process records spans and the request came with
@@ -29,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -155,10 +158,11 @@ class RequestPhaseTracer(StepObserver):
         span = step_span.span if step_span is not None else None
         step_context = span.get_span_context() if span is not None else None
         produced = [o for eco in outputs.values() for o in eco.outputs]
+        pooled = [o.request_id for o in produced if o.pooling_output is not None]
         self.step(scheduler_output, prefill_ids, step_context,
-                  [o.request_id for o in produced if o.new_token_ids],
+                  [o.request_id for o in produced if o.new_token_ids] + pooled,
                   {o.request_id: str(o.finish_reason) for o in produced if o.finished},
-                  int(record.started_at * 1e9))  # fmt: skip
+                  int(record.started_at * 1e9), pooled)  # fmt: skip
 
     def add(self, request_id: str, trace_headers: dict[str, str] | None) -> None:
         if trace_headers and is_recording():
@@ -199,12 +203,14 @@ class RequestPhaseTracer(StepObserver):
         token_ids: list[str],
         finished: dict[str, str],
         step_started_ns: int,
+        pooled: Sequence[str] = (),
     ) -> None:
         """One engine step: ``prefill_ids`` computed prompt tokens in it (the rest of the
         scheduled requests decoded); ``token_ids`` got new tokens (the first one ends the
         prefill); ``finished``: request id → finish reason (``stop``, ``length``) of those
         that finished. ``step_started_ns``: when the step (its scheduling) began — a request
-        first scheduled in it stopped waiting then."""
+        first scheduled in it stopped waiting then. ``pooled``: pooling requests whose vector
+        came (listed in ``token_ids`` too: it ends their prefill); they have no decode."""
         if not self._phases:
             return
         now = time.time_ns()
@@ -238,7 +244,7 @@ class RequestPhaseTracer(StepObserver):
                                     catalogue.ATTR_NUM_CHUNKS: phases.num_chunks})  # fmt: skip
         for request_id, finish_reason in finished.items():
             phases = self._phases.pop(request_id, None)
-            if phases is None or phases.first_token_ns is None:
+            if phases is None or phases.first_token_ns is None or request_id in pooled:
                 continue
             record_span(catalogue.REQUEST_DECODE, start_ns=phases.first_token_ns, end_ns=now,
                         parent=phases.context, links=phases.decode_links,

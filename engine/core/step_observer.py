@@ -160,7 +160,8 @@ class StepTracer:
         """Right after ``schedule()``, in its span: ``on_schedule`` for every observer."""
         self._scheduler_output = scheduler_output
         self._batch, prefill_ids = self._classify_batch(scheduler_output)
-        self._batch.update(self._scheduled_requests(scheduler_output, prefill_ids))
+        pooling_ids = {r for r in scheduler_output.num_scheduled_tokens if self._is_pooling(r)}
+        self._batch.update(self._scheduled_requests(scheduler_output, prefill_ids, pooling_ids))
         for observer in self.observers:
             observer.on_schedule(scheduler_output, prefill_ids, self._step_span, self._phase_span)
 
@@ -214,11 +215,18 @@ class StepTracer:
             bitmask_ms=self._bitmask_ms,
         )
 
+    def _is_pooling(self, req_id: str) -> bool:
+        request = self.scheduler.requests.get(req_id)
+        return request is not None and request.pooling_params is not None
+
     @staticmethod
-    def _scheduled_requests(so: SchedulerOutput, prefill_ids: set[str]) -> dict[str, Any]:
+    def _scheduled_requests(
+        so: SchedulerOutput, prefill_ids: set[str], pooling_ids: set[str]
+    ) -> dict[str, Any]:
         """The step's ``SchedulerOutput`` request by request (``ScheduledRequest``): its new
         requests, its cached ones (running on or resumed), at most ``MAX_STEP_REQUESTS`` in
-        all, and the finished ids it hands to the workers."""
+        all, and the finished ids it hands to the workers. ``pooling_ids``: the pooling
+        requests among them (all prefill)."""
         new = [
             ScheduledRequest(
                 req_id=r.req_id,
@@ -226,6 +234,7 @@ class StepTracer:
                 num_computed_tokens=r.num_computed_tokens,
                 num_new_blocks=len(r.block_ids[0]) if r.block_ids else 0,
                 prefill=r.req_id in prefill_ids,
+                pooling=r.req_id in pooling_ids,
             )  # fmt: skip
             for r in so.scheduled_new_reqs[:MAX_STEP_REQUESTS]
         ]
@@ -241,6 +250,7 @@ class StepTracer:
                     num_new_blocks=len(blocks[0]) if blocks else 0,
                     prefill=req_id in prefill_ids,
                     resumed=cached_data.resumed_from_preemption[i],
+                    pooling=req_id in pooling_ids,
                 )  # fmt: skip
             )
         return {

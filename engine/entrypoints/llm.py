@@ -12,6 +12,10 @@ Example::
     llm = LLM()                       # the bundled tiny model
     out = llm.generate(["Once upon a time"], SamplingParams(max_tokens=32))
     print(out[0].outputs[0].text)
+
+A model run with ``runner="pooling"`` embeds instead (``embed``, ``encode``; vLLM 0.32's
+``LLM`` methods): ``LLM(runner="pooling").embed(["Once upon a time"])[0].outputs.embedding``.
+Each method refuses the other runner's model, naming the runner it needs.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import msgspec
+
 from engine import envs
 from engine.config import ConfigError
 from engine.distributed import topology
@@ -30,10 +36,12 @@ from engine.engine_args import EngineArgs, drop_vllm_compat_kwargs
 from engine.frontend.core_client import EngineCoreClient, InprocClient
 from engine.frontend.input_processor import InputProcessor
 from engine.frontend.output_processor import OutputProcessor, ParentRequest
-from engine.frontend.outputs import PromptType, RequestOutput
+from engine.frontend.outputs import EmbeddingRequestOutput, PoolingRequestOutput, PromptType, RequestOutput
 from engine.frontend.tokenizer import apply_chat_template, get_tokenizer
 from engine.logger import init_logger
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
+from engine.tasks import PoolingTask
 from engine.utils import run_dir as run_dirs
 from engine.utils.process_harness import Observability, ProcessSpec, start_observability
 from tracing import catalogue, get_handle, stage
@@ -138,7 +146,8 @@ class LLM:
         )
         self.request_counter = itertools.count()
         # Logs, once, the sampling defaults taken from the model's generation_config.json.
-        self.config.model_config.get_diff_sampling_param()
+        if self.config.model_config.runner_type == "generate":
+            self.config.model_config.get_diff_sampling_param()
 
     # ----------------------------------------------------------------- public API
 
@@ -170,6 +179,12 @@ class LLM:
                 mismatched number of sampling params; nothing is queued in that case.
         """
         self._check_open()
+        runner_type = self.config.model_config.runner_type
+        if runner_type != "generate":
+            raise ValueError(
+                "LLM.generate() is only supported for generative models. This one runs with --runner "
+                f"{runner_type}: pass runner='generate' to use it as a generative model."
+            )
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -186,6 +201,82 @@ class LLM:
             raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities")
         request_ids = self._add_requests(prompts, params_list, priority)
         return self._run_engine(request_ids, use_tqdm)
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        use_tqdm: bool | Callable[[int, int], None] = True,
+        pooling_task: PoolingTask | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """Pool each prompt's hidden states (vLLM's ``LLM.encode``): one
+        ``PoolingRequestOutput`` per prompt, in order, its ``outputs.data`` a float32 vector.
+
+        Args:
+            prompts: a string, ``{"prompt": str}``, ``{"prompt_token_ids": [...]}``, or a list.
+            pooling_params: one for all prompts or one per prompt (default: ``PoolingParams()``,
+                the engine's ``PoolerConfig`` filling in what it leaves unset).
+            use_tqdm: show a progress bar on a terminal; or a callable ``(done, total)``.
+            pooling_task: the task, required as in vLLM (``"embed"``, the one served here).
+
+        Raises:
+            ValueError: the model runs with ``--runner generate``; no ``pooling_task``, or one the
+                model does not serve; a prompt longer than ``max_model_len`` (a pooling prompt
+                may fill it) or with a bad token id; bad pooling params; a mismatched number of
+                params. Nothing is queued in that case.
+        """
+        self._check_open()
+        runner_type = self.config.model_config.runner_type
+        if runner_type != "pooling":
+            raise ValueError(
+                "LLM.encode() is only supported for pooling models. This one runs with --runner "
+                f"{runner_type}: pass runner='pooling' to use it as a pooling model."
+            )
+        if pooling_task is None:
+            raise ValueError(
+                "pooling_task required for LLM.encode: use LLM.embed(...) or pooling_task='embed'."
+            )
+        supported = self.config.model_config.supported_tasks
+        if pooling_task not in supported:
+            raise ValueError(f"Unsupported task: {pooling_task!r}. Supported tasks: {supported}")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if pooling_params is None:
+            pooling_params = PoolingParams()
+        params_list = (
+            [pooling_params] * len(prompts)
+            if isinstance(pooling_params, PoolingParams)
+            else list(pooling_params)
+        )
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} pooling params")
+        for params in params_list:
+            if params.task is not None and params.task != pooling_task:
+                raise ValueError(
+                    f"task {params.task!r} of the pooling params differs from pooling_task {pooling_task!r}"
+                )
+        params_list = [msgspec.structs.replace(p, task=pooling_task) for p in params_list]
+        request_ids = self._add_requests(prompts, params_list, None)
+        return self._run_engine(request_ids, use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        *,
+        use_tqdm: bool | Callable[[int, int], None] = True,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """An embedding vector for each prompt (vLLM's ``LLM.embed``): ``encode`` with the
+        ``embed`` task, each output's ``outputs.embedding`` a list of floats (unit length
+        unless ``use_activation=False``).
+
+        Raises:
+            ValueError: as ``encode``.
+        """
+        outputs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, pooling_task="embed")
+        return [EmbeddingRequestOutput.from_base(output) for output in outputs]
 
     def chat(
         self,
@@ -242,7 +333,10 @@ class LLM:
             raise RuntimeError("this LLM was shut down")
 
     def _add_requests(
-        self, prompts: list[PromptType], params_list: list[SamplingParams], priority: Sequence[int] | None
+        self,
+        prompts: list[PromptType],
+        params_list: list[SamplingParams] | list[PoolingParams],
+        priority: Sequence[int] | None,
     ) -> list[str]:
         # Validate every prompt before queueing any, so a bad one loses nothing.
         prepared = []
@@ -250,7 +344,7 @@ class LLM:
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):
             request_id = str(next(self.request_counter))
             prio = priority[i] if priority is not None else 0
-            if params.n == 1:
+            if isinstance(params, PoolingParams) or params.n == 1:
                 req = self.input_processor.process_inputs(request_id, prompt, params, arrival, prio)
                 prepared.append((request_id, [(req, None, 0)]))
                 continue
@@ -286,8 +380,8 @@ class LLM:
 
     def _run_engine(
         self, request_ids: list[str], use_tqdm: bool | Callable[[int, int], None]
-    ) -> list[RequestOutput]:
-        finished: dict[str, RequestOutput] = {}
+    ) -> list[RequestOutput] | list[PoolingRequestOutput]:
+        finished: dict[str, RequestOutput | PoolingRequestOutput] = {}
         total = len(request_ids)
         progress = _Progress(total, use_tqdm)
         idle_steps = 0

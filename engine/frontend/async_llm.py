@@ -7,6 +7,10 @@ Mirrors vLLM's ``vllm/v1/engine/async_llm.py``. It holds the same three pieces a
 (detokenize, stop strings, ``n`` fan-in) and hands each ``RequestOutput`` to the queue of the
 ``generate()`` call waiting for it.
 
+``encode()`` is ``generate()``'s twin for a pooling model (``--runner pooling``): the same
+path with ``PoolingParams``, one ``PoolingRequestOutput`` at the end (vLLM's
+``AsyncLLM.encode``).
+
 Imports no torch: the engine core and workers, in their own processes, hold the model.
 
 Errors: ``generate()`` raises ``ValueError`` for a bad prompt (too long, bad token ids) before
@@ -30,11 +34,12 @@ from engine.frontend.core_client import AsyncMPClient
 from engine.frontend.engine_stats import EngineStatsTable
 from engine.frontend.input_processor import InputProcessor
 from engine.frontend.output_processor import OutputProcessor, ParentRequest
-from engine.frontend.outputs import PromptType, RequestOutput
+from engine.frontend.outputs import PoolingRequestOutput, PromptType, RequestOutput
 from engine.frontend.request_tracing import LiveRequests
 from engine.frontend.request_tracing import abort_reason as abort_reason  # re-exported: its old home
 from engine.frontend.tokenizer import get_tokenizer
 from engine.logger import init_logger
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.utils.processes import EngineDeadError
 from tracing.propagation import attached_trace_context
@@ -80,7 +85,7 @@ class AsyncLLM:
         self.engine_core = AsyncMPClient(
             config, run_dir, client_index=client_index, num_clients=num_clients, engines=engines
         )
-        self.queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self.queues: dict[str, asyncio.Queue[RequestOutput | PoolingRequestOutput | BaseException]] = {}
         # The requests' live-telemetry events, and those waiting for the engine's first output.
         self.live_requests = LiveRequests()
         self.output_handler: asyncio.Task | None = None
@@ -125,20 +130,70 @@ class AsyncLLM:
             ValueError: bad prompt or parameters (nothing was queued).
             EngineDeadError: the engine is dead, or died while this request ran.
         """
+        request, text = self._check_and_process(request_id, prompt, sampling_params, priority, trace_headers)
+        parent, requests = None, [request]
+        if request.sampling_params.n > 1:
+            parent, requests = self._fan_out(request_id, request)
+        async for output in self._run_requests(request_id, requests, text, parent, sampling_params):
+            yield output
+
+    async def encode(
+        self,
+        prompt: EngineCoreRequest | PromptType,
+        pooling_params: PoolingParams,
+        request_id: str,
+        priority: int = 0,
+        trace_headers: dict[str, str] | None = None,
+    ) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """Pool one prompt (a ``--runner pooling`` model): yields its one
+        ``PoolingRequestOutput`` when the engine finished it (vLLM's ``AsyncLLM.encode``).
+
+        ``prompt`` as for ``generate``: a prompt, or the engine request the caller built with
+        ``InputProcessor.process_inputs`` and these ``pooling_params``. Closing the generator
+        early aborts the request in the engine.
+
+        Raises:
+            ValueError: bad prompt or parameters, or a model that does not pool (nothing was
+                queued).
+            EngineDeadError: the engine is dead, or died while this request ran.
+        """
+        request, text = self._check_and_process(request_id, prompt, pooling_params, priority, trace_headers)
+        async for output in self._run_requests(request_id, [request], text, None, pooling_params):
+            yield output
+
+    def _check_and_process(
+        self,
+        request_id: str,
+        prompt: EngineCoreRequest | PromptType,
+        params: SamplingParams | PoolingParams,
+        priority: int,
+        trace_headers: dict[str, str] | None,
+    ) -> tuple[EngineCoreRequest, str | None]:
+        """Refuse a request when the engine is dead or shutting down; else its engine
+        request (built here unless the caller built it) and its prompt text."""
         if self.dead_error is not None:
             raise self.dead_error
         if self.refuse_error is not None:
             raise copy.copy(self.refuse_error)
         self._ensure_output_handler()
-        request, text = prompt, None
-        if not isinstance(prompt, EngineCoreRequest):
-            request, text = self._process_inputs(request_id, prompt, sampling_params, priority, trace_headers)
-        parent, requests = None, [request]
-        if request.sampling_params.n > 1:
-            parent, requests = self._fan_out(request_id, request)
+        if isinstance(prompt, EngineCoreRequest):
+            return prompt, None
+        return self._process_inputs(request_id, prompt, params, priority, trace_headers)
+
+    async def _run_requests(
+        self,
+        request_id: str,
+        requests: list[EngineCoreRequest],
+        text: str | None,
+        parent: ParentRequest | None,
+        params: SamplingParams | PoolingParams,
+    ) -> AsyncGenerator[RequestOutput | PoolingRequestOutput, None]:
+        """Send ``requests`` (one, or ``n`` children of ``parent``) to the engine and yield the
+        outputs that come back under ``request_id`` until the last; an early close aborts."""
+        request = requests[0]
         if self.log_requests:
-            self._log_request(request_id, text, request.prompt_token_ids, sampling_params)
-        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+            self._log_request(request_id, text, request.prompt_token_ids, params)
+        queue: asyncio.Queue[RequestOutput | PoolingRequestOutput | BaseException] = asyncio.Queue()
         self.queues[request_id] = queue
         finished = False
         try:
@@ -165,14 +220,14 @@ class AsyncLLM:
         self,
         request_id: str,
         prompt: PromptType,
-        sampling_params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         priority: int,
         trace_headers: dict[str, str] | None,
     ) -> tuple[EngineCoreRequest, str | None]:
-        """The engine request for a prompt ``generate()`` was given (the input processor's),
-        and the prompt's text for the outputs (None for token ids)."""
+        """The engine request for a prompt ``generate()`` or ``encode()`` was given (the input
+        processor's), and the prompt's text for the outputs (None for token ids)."""
         request = self.input_processor.process_inputs(
-            request_id, prompt, sampling_params, None, priority, trace_headers
+            request_id, prompt, params, None, priority, trace_headers
         )
         return request, prompt if isinstance(prompt, str) else prompt.get("prompt")
 
@@ -189,11 +244,15 @@ class AsyncLLM:
         ]
 
     def _log_request(
-        self, request_id: str, text: str | None, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        text: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams | PoolingParams,
     ) -> None:
         """``--enable-log-requests``: one line per request (vLLM's ``RequestLogger``), with the
         prompt cut to ``--max-log-len`` characters / token ids. Params show only the fields
-        that differ from ``SamplingParams()``'s defaults."""
+        that differ from their defaults (``SamplingParams()``'s or ``PoolingParams()``'s)."""
         limit = self.config.observability_config.max_log_len
         ids = prompt_token_ids if limit is None else prompt_token_ids[:limit]
         if text is None:  # token ids only (chat prompts, rendered by the server): show them as text

@@ -14,7 +14,13 @@ stop strings that are not valid Unicode; copy the params and fill in what the en
 extra EOS ids from ``generation_config.json``.
 
 ``logprobs`` / ``prompt_logprobs`` above ``--max-logprobs`` are refused here too
-(``validate_params``). The API server builds its engine requests here, before a stream
+(``validate_params``).
+
+A pooling request (``PoolingParams``, ``--runner pooling``) takes the same path with the
+pooling rule for its prompt — up to ``max_model_len`` tokens, since no output token follows
+(vLLM lets embeddings use the whole context) — and ``PoolingParams.verify`` for its params;
+a generation request on a pooling model, or the reverse, is refused ("This model does not
+support generation" / "pooling", vLLM's words). The API server builds its engine requests here, before a stream
 answers 200, so a bad request is a plain 400 and every rule is checked once.
 
 Structured outputs: a request's constraint is compile-checked here with the engine's
@@ -34,29 +40,41 @@ from engine.config import ModelConfig, StructuredOutputsConfig
 from engine.core.messages import EngineCoreRequest
 from engine.frontend.outputs import PromptType
 from engine.frontend.tokenizer import encode
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 
-def validate_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: int) -> None:
+def validate_prompt(
+    prompt_token_ids: list[int], max_model_len: int, vocab_size: int, pooling: bool = False
+) -> None:
     """The one rule every prompt meets, from ``LLM`` and the API server alike.
 
     A generation needs ``len(prompt) < max_model_len``: the prompt plus at least one output
     token must fit (vLLM's ``_validate_model_input`` and its serving layer's
-    ``_validate_input`` refuse a prompt of exactly ``max_model_len`` the same way). The
-    length is checked before the ids, so a huge prompt costs no scan.
+    ``_validate_input`` refuse a prompt of exactly ``max_model_len`` the same way). A pooling
+    request (``pooling``) makes no output token: its prompt may fill the context,
+    ``len(prompt) <= max_model_len`` (vLLM's rule for embeddings). The length is checked
+    before the ids, so a huge prompt costs no scan.
 
     Args:
         prompt_token_ids: the prompt, in tokens.
         max_model_len: the context length, in tokens (prompt + output).
         vocab_size: token ids must lie in ``[0, vocab_size)``.
+        pooling: the pooling rule instead of the generation rule.
 
     Raises:
-        ValueError: the prompt is empty, leaves no room for output (vLLM's "maximum context
-            length" wording), or holds an id outside the vocabulary.
+        ValueError: the prompt is empty, leaves no room for output or (pooling) is longer
+            than the context (vLLM's "maximum context length" wording), or holds an id
+            outside the vocabulary.
     """
     if not prompt_token_ids:
         raise ValueError("The decoder prompt cannot be empty.")
-    if len(prompt_token_ids) >= max_model_len:
+    if pooling and len(prompt_token_ids) > max_model_len:
+        raise ValueError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"request has {len(prompt_token_ids)} input tokens. Please reduce the length of the input."
+        )
+    if not pooling and len(prompt_token_ids) >= max_model_len:
         raise ValueError(
             f"This model's maximum context length is {max_model_len} tokens. However, your "
             f"request has {len(prompt_token_ids)} input tokens, which leaves no room for output. "
@@ -113,7 +131,7 @@ class InputProcessor:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         priority: int = 0,
         trace_headers: dict[str, str] | None = None,
@@ -125,7 +143,8 @@ class InputProcessor:
         Args:
             request_id: unique id of the request.
             prompt: a string, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``.
-            params: the user's sampling params; never modified (a copy is filled in).
+            params: the user's sampling params, or a pooling request's ``PoolingParams``;
+                never modified (a copy is filled in).
             arrival_time: wall-clock seconds (``time.time()``); now when None.
             priority: lower runs first under the priority scheduling policy.
             trace_headers: W3C trace context to carry to the engine.
@@ -143,14 +162,33 @@ class InputProcessor:
                 ``validate_prompt`` (empty, no room for output, an id outside the vocabulary);
                 ``stop`` strings are asked for with ``detokenize=False`` or are not valid
                 Unicode (a lone surrogate); a ``stop_token_ids`` id is outside the vocabulary;
-                ``data_parallel_rank`` is not one of the engines.
+                ``data_parallel_rank`` is not one of the engines; params of a kind the model
+                does not serve; bad pooling params (``PoolingParams.verify``).
         """
         if data_parallel_rank is not None and not 0 <= data_parallel_rank < self.data_parallel_size:
             raise ValueError(
                 f"data_parallel_rank {data_parallel_rank} is out of range [0, {self.data_parallel_size})."
             )
+        self._validate_supported_task(params)
         prompt_token_ids = self._tokenize(prompt, tokenization_kwargs or {})
-        validate_prompt(prompt_token_ids, self.model_config.max_model_len, self.model_config.vocab_size)
+        pooling = isinstance(params, PoolingParams)
+        validate_prompt(
+            prompt_token_ids, self.model_config.max_model_len, self.model_config.vocab_size, pooling
+        )
+        if pooling:
+            params = params.clone()
+            params.verify(self.model_config)
+            return EngineCoreRequest(
+                request_id=request_id,
+                prompt_token_ids=prompt_token_ids,
+                sampling_params=None,
+                pooling_params=params,
+                eos_token_id=self.eos_token_id,
+                arrival_time=arrival_time if arrival_time is not None else time.time(),
+                priority=priority,
+                trace_headers=trace_headers,
+                data_parallel_rank=data_parallel_rank,
+            )
         self.validate_params(params)
 
         params = params.clone()
@@ -170,6 +208,24 @@ class InputProcessor:
             trace_headers=trace_headers,
             data_parallel_rank=data_parallel_rank,
         )
+
+    def _validate_supported_task(self, params: SamplingParams | PoolingParams) -> None:
+        """A generation request needs a generating model, a pooling request a pooling one
+        (vLLM's ``_validate_params``).
+
+        Raises:
+            ValueError: the other kind, naming the runner that would serve it.
+            TypeError: ``params`` is neither.
+        """
+        tasks = self.model_config.supported_tasks
+        if isinstance(params, SamplingParams):
+            if "generate" not in tasks:
+                raise ValueError("This model does not support generation: it runs with --runner pooling.")
+        elif isinstance(params, PoolingParams):
+            if "embed" not in tasks:
+                raise ValueError("This model does not support pooling: it runs with --runner generate.")
+        else:
+            raise TypeError(f"params must be SamplingParams or PoolingParams, got {type(params).__name__}")
 
     def _tokenize(self, prompt: PromptType, tokenization_kwargs: dict[str, Any]) -> list[int]:
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:

@@ -32,8 +32,12 @@ set (the API server's ``StatLoggerManager``: Prometheus and the periodic log lin
 finished request's figures also go on its ``llm_request`` span (``gen_ai.*`` attributes), which
 ``request_tracing.do_tracing`` makes.
 
+A pooling request (``pooling_params``, ``--runner pooling``) has no detokenizer and no
+logprobs: its one output carries the pooled vector (``EngineCoreOutput.pooling_output``), and
+becomes a ``PoolingRequestOutput`` (vLLM's ``make_request_output`` with a pooling output).
+
 Left out: per-request asyncio queues (the caller routes ``request_outputs`` by
-``request_id``), LoRA, pooling.
+``request_id``), LoRA.
 """
 
 from __future__ import annotations
@@ -44,11 +48,19 @@ from dataclasses import dataclass
 
 from engine.core.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from engine.frontend.detokenizer import IncrementalDetokenizer, backend_tokenizer
-from engine.frontend.outputs import CompletionOutput, Logprob, LogprobsDict, RequestOutput
+from engine.frontend.outputs import (
+    CompletionOutput,
+    Logprob,
+    LogprobsDict,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+)
 from engine.frontend.request_tracing import do_tracing
 from engine.metrics import stats as metrics_stats
 from engine.metrics.stats import RequestStateStats
-from engine.outputs import LogprobsLists
+from engine.outputs import Float32Tensor, LogprobsLists
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -162,7 +174,8 @@ class ParentRequest:
 
 
 class RequestState:
-    """The frontend's state of one engine request (one child when ``n`` > 1)."""
+    """The frontend's state of one engine request (one child when ``n`` > 1): for a pooling
+    request ``sampling_params``, ``detokenizer`` and the logprobs are None."""
 
     def __init__(
         self,
@@ -179,14 +192,21 @@ class RequestState:
         self.prompt_token_ids = request.prompt_token_ids
         self.parent_req = parent_req
         self.request_index = request_index
-        self.output_kind = params.output_kind
-        self.detokenizer = IncrementalDetokenizer.from_new_request(tokenizer, request)
-        self.logprobs: list[LogprobsDict] | None = [] if params.logprobs is not None else None
-        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
-        # Position 0 has no logprob: nothing comes before the first prompt token.
-        self.prompt_logprobs: list[LogprobsDict | None] | None = (
-            [None] if params.prompt_logprobs is not None else None
-        )
+        self.pooling_params: PoolingParams | None = request.pooling_params
+        self.logprobs: list[LogprobsDict] | None = None
+        self.cumulative_logprob: float | None = None
+        self.prompt_logprobs: list[LogprobsDict | None] | None = None
+        if params is None:  # pooling: one output, no text
+            self.output_kind = RequestOutputKind.FINAL_ONLY
+            self.detokenizer: IncrementalDetokenizer | None = None
+        else:
+            self.output_kind = params.output_kind
+            self.detokenizer = IncrementalDetokenizer.from_new_request(tokenizer, request)
+            if params.logprobs is not None:
+                self.logprobs, self.cumulative_logprob = [], 0.0
+            # Position 0 has no logprob: nothing comes before the first prompt token.
+            if params.prompt_logprobs is not None:
+                self.prompt_logprobs = [None]
         self.num_cached_tokens = 0
         # The request's one stats object (a few floats), always kept: the stat loggers and
         # the llm_request span read it; RequestOutput.metrics shows it only with log_stats.
@@ -194,6 +214,17 @@ class RequestState:
         self.metrics = self.stats if log_stats else None
         self.sampling_params = params
         self.trace_headers = request.trace_headers
+
+    def make_pooling_output(self, pooling_output: Float32Tensor) -> PoolingRequestOutput:
+        """A pooling request's one output, holding its vector (read as numpy: no torch here)."""
+        return PoolingRequestOutput(
+            request_id=self.request_id,
+            outputs=PoolingOutput(data=pooling_output.numpy()),
+            prompt_token_ids=self.prompt_token_ids,
+            num_cached_tokens=self.num_cached_tokens,
+            finished=True,
+            metrics=self.metrics,
+        )
 
     def make_request_output(
         self, new_token_ids: list[int], finish_reason: FinishReason | None, stop_reason: int | str | None
@@ -261,11 +292,11 @@ class OutputProcessorOutput:
     """What one ``process_outputs`` call produced.
 
     ``request_outputs``: one per user request that has something to show (a parent's id
-    for ``n`` > 1). ``reqs_to_abort``: engine request ids a stop string finished; the
+    for ``n`` > 1; a ``PoolingRequestOutput`` for a pooling request). ``reqs_to_abort``: engine request ids a stop string finished; the
     caller must abort them in the engine core, which has not seen the stop.
     """
 
-    request_outputs: list[RequestOutput]
+    request_outputs: list[RequestOutput | PoolingRequestOutput]
     reqs_to_abort: list[str]
 
 
@@ -358,7 +389,7 @@ class OutputProcessor:
         Outputs for ids no longer tracked (aborted, or stopped by a stop string while the
         engine was already computing the next step) are ignored.
         """
-        request_outputs: list[RequestOutput] = []
+        request_outputs: list[RequestOutput | PoolingRequestOutput] = []
         reqs_to_abort: list[str] = []
         now = time.time()
         iteration = metrics_stats.IterationStats(now)
@@ -373,6 +404,16 @@ class OutputProcessor:
             iteration.update_from_output(output, len(state.prompt_token_ids), state.stats, token_ts)
             finish_reason, stop_reason = output.finish_reason, output.stop_reason
             state.num_cached_tokens = output.num_cached_tokens
+
+            if state.detokenizer is None:  # pooling: its vector comes with its finish
+                if output.pooling_output is not None:
+                    request_outputs.append(state.make_pooling_output(output.pooling_output))
+                if finish_reason is not None:
+                    del self.request_states[output.request_id]
+                    iteration.finished_requests.append(
+                        self._update_stats_from_finished(state, finish_reason, now)
+                    )
+                continue
 
             # 2) Text, and stop strings. The engine core matches no stop strings: a "stop"
             #    from it is EOS or a stop token id, on the last token.
@@ -421,7 +462,7 @@ class OutputProcessor:
         """The figures of ``state``'s request, finished (or aborted) at ``now`` (wall-clock s);
         its ``llm_request`` span ends with them (vLLM's ``_update_stats_from_finished``)."""
         state.stats.finished_time = now
-        max_tokens = state.sampling_params.max_tokens
+        max_tokens = state.sampling_params.max_tokens if state.sampling_params is not None else None
         done = metrics_stats.finished_request_stats(
             state.stats, str(finish_reason), len(state.prompt_token_ids), max_tokens, now
         )

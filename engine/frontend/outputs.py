@@ -1,20 +1,28 @@
-"""What a user gets back: ``RequestOutput`` and its ``CompletionOutput``s, and prompt types.
+"""What a user gets back: ``RequestOutput`` and its ``CompletionOutput``s, ``PoolingRequestOutput``
+(a pooling model's vector) and ``EmbeddingRequestOutput``, and prompt types.
 
-Mirrors vLLM's ``vllm/outputs.py`` (``RequestOutput``, ``CompletionOutput``),
+Mirrors vLLM's ``vllm/outputs.py`` (``RequestOutput``, ``CompletionOutput``,
+``PoolingRequestOutput``, ``PoolingOutput``, ``EmbeddingRequestOutput``, ``EmbeddingOutput``),
 ``vllm/logprobs.py`` (``Logprob``), ``vllm/inputs/data.py`` (``TextPrompt``,
 ``TokensPrompt``, ``PromptType``), with the same names and fields. ``RequestOutput.metrics``
 is the request's ``RequestStateStats`` (``engine/metrics/stats.py``). Plain dataclasses:
 these objects live in the user's (or the API server's) process only and never cross a
 process boundary.
 
-Left out: pooling outputs, LoRA, multimodal fields, KV-transfer params, encoder-decoder
-prompts.
+Deliberate deviation: ``PoolingOutput.data`` is a numpy float32 array, where vLLM's is a
+torch tensor: this module lives in the API server, which never imports torch (``tolist()``
+and ``shape`` read the same).
+
+Left out: classification and scoring outputs, LoRA, multimodal fields, KV-transfer params,
+encoder-decoder prompts.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, Generic, TypedDict, TypeVar
+
+import numpy as np
 
 if TYPE_CHECKING:
     from engine.metrics.stats import RequestStateStats
@@ -153,3 +161,72 @@ class RequestOutput:
                 old.finish_reason = new.finish_reason
                 old.stop_reason = new.stop_reason
         self.outputs.sort(key=lambda c: c.index)
+
+
+@dataclass
+class PoolingOutput:
+    """What a pooling model made of one prompt (vLLM's ``PoolingOutput``).
+
+    Attributes:
+        data: the pooled vector, float32 ``(embedding_size,)`` or ``(dimensions,)``;
+            normalised unless the request's ``use_activation`` was false.
+    """
+
+    data: np.ndarray
+
+
+@dataclass
+class EmbeddingOutput:
+    """One prompt's embedding as a list of floats (vLLM's ``EmbeddingOutput``)."""
+
+    embedding: list[float]
+
+    @staticmethod
+    def from_base(pooling_output: PoolingOutput) -> EmbeddingOutput:
+        """Raises ValueError: the pooled data is not one vector."""
+        if pooling_output.data.ndim != 1:
+            raise ValueError("pooled_data should be a 1-D embedding vector")
+        return EmbeddingOutput(pooling_output.data.tolist())
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+_O = TypeVar("_O", PoolingOutput, EmbeddingOutput)
+
+
+@dataclass
+class PoolingRequestOutput(Generic[_O]):
+    """A pooling request's result (vLLM's ``PoolingRequestOutput``): one output, at the end.
+
+    Attributes:
+        request_id: the id the user's request carries.
+        outputs: its ``PoolingOutput`` (an ``EmbeddingOutput`` for ``EmbeddingRequestOutput``).
+        prompt_token_ids: the prompt as the engine saw it.
+        num_cached_tokens: prompt tokens served from the prefix cache.
+        finished: always True (a pooling request has no partial output).
+        metrics: the request's ``RequestStateStats``, when the output processor keeps them.
+    """
+
+    request_id: str
+    outputs: _O
+    prompt_token_ids: list[int]
+    num_cached_tokens: int
+    finished: bool
+    metrics: RequestStateStats | None = None
+
+
+class EmbeddingRequestOutput(PoolingRequestOutput[EmbeddingOutput]):
+    """``LLM.embed``'s result: the embedding as a list of floats (vLLM's name)."""
+
+    @staticmethod
+    def from_base(request_output: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return EmbeddingRequestOutput(
+            request_id=request_output.request_id,
+            outputs=EmbeddingOutput.from_base(request_output.outputs),
+            prompt_token_ids=request_output.prompt_token_ids,
+            num_cached_tokens=request_output.num_cached_tokens,
+            finished=request_output.finished,
+            metrics=request_output.metrics,
+        )

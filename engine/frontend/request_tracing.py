@@ -42,7 +42,7 @@ from tracing.telemetry.publisher import telemetry
 
 if TYPE_CHECKING:
     from engine.frontend.output_processor import RequestState
-    from engine.frontend.outputs import RequestOutput
+    from engine.frontend.outputs import PoolingRequestOutput, RequestOutput
     from engine.metrics.stats import FinishedRequestStats
 
 
@@ -156,14 +156,15 @@ def do_tracing(state: RequestState, done: FinishedRequestStats, model_name: str 
         catalogue.ATTR_REQUEST_NUM_CACHED_TOKENS: state.num_cached_tokens,
         catalogue.ATTR_GEN_AI_RESPONSE_FINISH_REASONS: [done.finish_reason],
         catalogue.ATTR_GEN_AI_LATENCY_E2E: done.e2e_latency,
-        catalogue.ATTR_GEN_AI_REQUEST_MAX_TOKENS: params.max_tokens,
-        catalogue.ATTR_GEN_AI_REQUEST_TEMPERATURE: params.temperature,
-        catalogue.ATTR_GEN_AI_REQUEST_TOP_P: params.top_p,
-        catalogue.ATTR_GEN_AI_REQUEST_N: params.n,
     }
+    if params is not None:  # a pooling request has no sampling params
+        attributes[catalogue.ATTR_GEN_AI_REQUEST_MAX_TOKENS] = params.max_tokens
+        attributes[catalogue.ATTR_GEN_AI_REQUEST_TEMPERATURE] = params.temperature
+        attributes[catalogue.ATTR_GEN_AI_REQUEST_TOP_P] = params.top_p
+        attributes[catalogue.ATTR_GEN_AI_REQUEST_N] = params.n
     if req.scheduled_ts:
         attributes[catalogue.ATTR_GEN_AI_LATENCY_TIME_IN_QUEUE] = done.queued_time
-    if req.num_generation_tokens:
+    if req.num_generation_tokens or req.first_token_ts:
         attributes[catalogue.ATTR_GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN] = req.first_token_latency
         if req.scheduled_ts:
             attributes[catalogue.ATTR_GEN_AI_LATENCY_TIME_IN_MODEL_PREFILL] = done.prefill_time
@@ -231,12 +232,14 @@ class LiveRequest:
         self.request_id = request_id
         self.finished = False
 
-    def output(self, output: RequestOutput) -> None:
+    def output(self, output: RequestOutput | PoolingRequestOutput) -> None:
         self.finished = output.finished
         if self.request_id in self.requests.waiting_for_engine:
             self.requests.waiting_for_engine.discard(self.request_id)
             n_prompt = len(output.prompt_token_ids)  # a first token: its whole prompt was computed
+            # A pooling request's vector stands for its first token (and has no output tokens).
+            outputs = output.outputs if isinstance(output.outputs, list) else []
             telemetry().publish_request_event(
                 self.request_id, "first_token", num_prompt_tokens=n_prompt, num_computed_tokens=n_prompt,
-                num_output_tokens=sum(len(o.token_ids) for o in output.outputs),
+                num_output_tokens=sum(len(o.token_ids) for o in outputs),
             )  # fmt: skip

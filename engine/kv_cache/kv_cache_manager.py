@@ -104,8 +104,9 @@ class KVCacheManager:
         """The longest run of the request's leading full blocks already in the cache.
 
         The hit never covers the whole request: at most ``num_tokens - 1`` tokens, because
-        the last token must be computed to get logits to sample from. A request that asks
-        for prompt logprobs gets no hit (those need every prompt position computed).
+        the last token must be computed to get logits to sample from (or, pooling, the
+        last hidden state). A request that asks for prompt logprobs gets no hit (those need
+        every prompt position computed: ``Request.skip_reading_prefix_cache``).
 
         A lookup only: it counts nothing in the prefix-cache stats (the scheduler calls
         ``record_prefix_cache_stats`` once the request is admitted).
@@ -113,7 +114,7 @@ class KVCacheManager:
         Returns:
             (the hit blocks, the number of hit tokens — a multiple of ``block_size``).
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        if not self.enable_caching or request.skip_reading_prefix_cache:
             return KVCacheBlocks.new_empty(), 0
 
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
@@ -139,7 +140,7 @@ class KVCacheManager:
         """
         if self.prefix_cache_stats is None:
             return
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        if not self.enable_caching or request.skip_reading_prefix_cache:
             return
         self.prefix_cache_stats.record(request.num_tokens, num_hits, preempted=request.num_preemptions > 0)
 

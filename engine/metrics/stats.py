@@ -23,6 +23,10 @@ The phases of one request, as vLLM defines them::
 A preemption (the request's KV blocks freed, recomputed later) is counted, but the first
 SCHEDULED stays the start of inference: the recomputation is part of inference, as in vLLM.
 
+A pooling request's vector stands for its first token, as in vLLM (its prefill is done): its
+prompt tokens are counted and a time to first token observed then; it has no generation
+tokens and no decode time.
+
 Kept cheap: a few float assignments per output; lists only for the batch being processed.
 """
 
@@ -132,6 +136,17 @@ class IterationStats:
             self.update_from_events(output.events, stats)
         if output.new_token_ids:
             self.update_from_tokens(len(output.new_token_ids), prompt_len, stats, token_ts)
+        elif output.pooling_output is not None:
+            self.update_from_pooling(prompt_len, stats, token_ts)
+
+    def update_from_pooling(self, prompt_len: int, stats: RequestStateStats, token_ts: float) -> None:
+        """A pooling request's vector arrived in this batch (made at ``token_ts``, wall-clock s):
+        its prefill is done, so its prompt tokens count and its time to first token is now."""
+        self.num_prompt_tokens += prompt_len
+        latency = self.iteration_timestamp - stats.arrival_time
+        stats.first_token_latency = latency
+        self.time_to_first_tokens_iter.append(latency)
+        stats.first_token_ts = stats.last_token_ts = token_ts
 
     def update_from_events(self, events: Iterable[EngineCoreEvent], stats: RequestStateStats) -> None:
         """Take a request's engine-core events: queued, first scheduled, preemptions."""

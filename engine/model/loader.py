@@ -29,6 +29,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.config import ConfigError, ModelConfig
+from engine.model.adapters import as_embedding_model
 from engine.model.cpu.linear import pack_linear_weights
 from engine.model.cpu.prefill_attention import tune_prefill_attention
 from engine.model.registry import get_model_class
@@ -170,8 +171,13 @@ def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dty
     )
 
     model_class = get_model_class(model_config.architecture)
+    kwargs = {}
+    if model_config.convert_type == "embed":  # --runner pooling: a pooler in place of the LM head
+        model_class, kwargs = as_embedding_model(model_class), {"pooler_config": model_config.pooler_config}
     with torch.device(device), _default_dtype(dtype):
-        model = model_class(model_config.hf_config)  # this PP stage's layers, sized for this TP rank
+        model = model_class(
+            model_config.hf_config, **kwargs
+        )  # this PP stage's layers, sized for this TP rank
     # Lazy: a TP rank reads only its slices, a PP stage only its own layers' tensors, an EP
     # rank only its own experts'.
     lazy = (

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import msgspec
 
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 
@@ -21,15 +22,17 @@ class NewRequestData(msgspec.Struct, kw_only=True):
 
     ``block_ids`` is one list per KV-cache group (we have one group: full attention).
     ``num_computed_tokens`` is the prefix-cache hit, in tokens: those positions already sit
-    in the KV cache and are not recomputed.
+    in the KV cache and are not recomputed. A pooling request carries ``pooling_params``
+    and no ``sampling_params``.
     """
 
     req_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | None
     eos_token_id: int | None
     block_ids: tuple[list[int], ...]
     num_computed_tokens: int
+    pooling_params: PoolingParams | None = None
 
     @classmethod
     def from_request(cls, request, block_ids: tuple[list[int], ...]) -> NewRequestData:
@@ -40,6 +43,7 @@ class NewRequestData(msgspec.Struct, kw_only=True):
             eos_token_id=request.eos_token_id,
             block_ids=block_ids,
             num_computed_tokens=request.num_computed_tokens,
+            pooling_params=request.pooling_params,
         )
 
 

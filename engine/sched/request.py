@@ -6,7 +6,9 @@ scheduler and KV cache manager are tested without torch.
 A request's life: WAITING → RUNNING → (PREEMPTED → RUNNING)* → FINISHED_*. Its
 ``num_computed_tokens`` catches up with ``num_tokens`` step by step; there is no separate
 prefill or decode phase. A request with structured outputs starts as WAITING_FOR_FSM, and
-becomes WAITING once its grammar is compiled (``structured_output_request``).
+becomes WAITING once its grammar is compiled (``structured_output_request``). A pooling request
+(``pooling_params``, no sampling params) is all prefill: it finishes (FINISHED_STOPPED) when its
+pooled vector arrives, with no output token.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING
 # A wire enum: it lives with the client ↔ engine-core messages; re-exported here.
 from engine.core.messages import EngineCoreEvent, EngineCoreEventType, FinishReason
 from engine.core.structured_output.request import StructuredOutputRequest
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -63,38 +66,49 @@ class Request:
     Args:
         request_id: unique id (a child of an ``n`` > 1 request has its own id).
         prompt_token_ids: the prompt, as token ids.
-        sampling_params: validated ``SamplingParams``; ``max_tokens`` must be set.
+        sampling_params: validated ``SamplingParams``; ``max_tokens`` must be set. None for
+            a pooling request.
         eos_token_id: the model's primary EOS id, or None.
         arrival_time: wall-clock seconds (``time.time()``) when the request arrived.
         priority: lower values are scheduled first under the priority policy.
         block_hasher: given the request, returns the hashes of its full blocks that are
             not hashed yet (``kv_cache_utils.get_request_block_hasher``); None disables
             prefix caching for this request.
+        pooling_params: a pooling request's verified ``PoolingParams`` (then
+            ``sampling_params`` is None): ``max_tokens`` is 1, as vLLM's, though none is made.
     """
 
     def __init__(
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
+        sampling_params: SamplingParams | None,
         eos_token_id: int | None,
         arrival_time: float | None = None,
         priority: int = 0,
         client_index: int = 0,
         block_hasher: Callable[[Request], list[BlockHash]] | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.client_index = client_index
         self.priority = priority
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.sampling_params = sampling_params
+        self.pooling_params = pooling_params
         self.eos_token_id = eos_token_id
         # The constraint and its grammar (None without structured outputs).
         self.structured_output_request = StructuredOutputRequest.from_sampling_params(sampling_params)
         self.status = RequestStatus.WAITING_FOR_FSM if self.use_structured_output else RequestStatus.WAITING
         self.stop_reason: int | str | None = None
-        assert sampling_params.max_tokens is not None, "max_tokens is set by the input processor"
-        self.max_tokens: int = sampling_params.max_tokens
+        if pooling_params is not None:
+            assert sampling_params is None, "a request pools or samples, not both"
+            self.max_tokens = 1
+        else:
+            assert sampling_params is not None and sampling_params.max_tokens is not None, (
+                "max_tokens is set by the input processor"
+            )
+            self.max_tokens = sampling_params.max_tokens
 
         self.prompt_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
@@ -126,6 +140,13 @@ class Request:
     @property
     def use_structured_output(self) -> bool:
         return self.structured_output_request is not None
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """True when no prefix-cache hit may be used: prompt logprobs need every prompt
+        position computed (vLLM's property; its pooling tasks that need every position are
+        left out here, and MEAN/CLS pooling run with prefix caching off)."""
+        return self.sampling_params is not None and self.sampling_params.prompt_logprobs is not None
 
     @property
     def num_tokens(self) -> int:

@@ -25,12 +25,17 @@ One step, ``schedule()``:
 ``update_from_output()`` then appends each sampled token, checks stop conditions, frees
 finished requests, and returns the per-client ``EngineCoreOutputs``.
 
+Pooling requests (``--runner pooling``) go the same way with nothing to sample: all prefill,
+chunked like any prompt (only LAST pooling allows it: the config turns chunked prefill and
+prefix caching off for MEAN and CLS, so their prompts are scheduled whole), and finished
+(FINISHED_STOPPED, its blocks freed) by the step whose ``pooler_output`` carries their vector.
+
 Mirrors vLLM's ``vllm/v1/core/sched/scheduler.py`` (vLLM 0.32, the one version Glassbox
 mirrors). Structured outputs: the scheduler lists the step's structured requests that sample
 (``structured_output_request_ids``), ``get_grammar_bitmask`` asks the
 ``StructuredOutputManager`` for their bitmask, and ``update_from_output`` advances their
 grammars. Left out: speculative decoding, async scheduling, encoder inputs
-and multimodal, LoRA, KV connectors (disaggregated prefill), KV events, pooling models,
+and multimodal, LoRA, KV connectors (disaggregated prefill), KV events,
 cascade attention (``num_common_prefix_blocks`` is always 0).
 
 Pure Python: no torch, no ZMQ, no HTTP.
@@ -424,8 +429,9 @@ class Scheduler:
 
         For each scheduled request still known: append its sampled tokens (none for a
         prefill chunk that left part of the prompt), running ``check_stop`` after each one
-        and dropping any after a stop. An ``EngineCoreOutput`` is emitted when there are
-        new tokens, prompt logprobs, or a finish.
+        and dropping any after a stop; a pooling request whose vector came finishes
+        (vLLM: "pooling stops as soon as there is output"). An ``EngineCoreOutput`` is
+        emitted when there are new tokens, prompt logprobs, a vector, or a finish.
 
         Returns:
             ``{client_index: EngineCoreOutputs}``. With ``log_stats``, client 0's entry
@@ -442,8 +448,13 @@ class Scheduler:
                 continue  # aborted while the step ran
             req_index = model_runner_output.req_id_to_index[request_id]
             new_token_ids = model_runner_output.sampled_token_ids[req_index]
+            pooler_outputs = model_runner_output.pooler_output
+            pooler_output = pooler_outputs[req_index] if pooler_outputs else None
 
             stopped = False
+            if request.pooling_params is not None and pooler_output is not None:
+                request.status = RequestStatus.FINISHED_STOPPED
+                stopped = True
             for num_new, token_id in enumerate(new_token_ids, 1):
                 request.append_output_token_ids(token_id)
                 stopped = check_stop(request, self.max_model_len)
@@ -473,6 +484,7 @@ class Scheduler:
                         stop_reason=request.stop_reason,
                         num_cached_tokens=max(request.num_cached_tokens, 0),
                         events=request.take_events(),
+                        pooling_output=pooler_output,
                     )
                 )
 

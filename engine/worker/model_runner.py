@@ -16,6 +16,12 @@ Mirrors vLLM's ``vllm/v1/worker/gpu_model_runner.py`` (``GPUModelRunner``). Each
    prompt for later samples nothing), compute logits and sample;
 4. append the sampled tokens to the mirror and return ``ModelRunnerOutput``.
 
+Pooling models (``--runner pooling``): step 3 hands the final hidden states to the model's
+pooler (``engine/model/pooler.py``) instead of the LM head and the sampler: one vector per
+request whose whole prompt is computed after this step (a chunk that leaves part of the
+prompt for later gets None), returned as float32 bytes in ``ModelRunnerOutput.pooler_output``
+(vLLM's ``_pool``). Nothing is sampled and no token is appended.
+
 Pipeline parallelism: a stage other than the first takes the previous stage's hidden states
 (``intermediate_tensors``, received by the worker) instead of looking up token ids, and a
 stage other than the last returns ``IntermediateTensors`` instead of sampling. Those stages
@@ -27,7 +33,7 @@ Structured outputs: the ``SchedulerOutput`` carries the grammar bitmask the engi
 to -inf before the sampler runs.
 
 Left out: the persistent ``InputBatch`` (we rebuild small arrays each step), CUDA graphs,
-async scheduling, speculative decoding, multimodal inputs, pooling.
+async scheduling, speculative decoding, multimodal inputs, token-wise pooling.
 """
 
 from __future__ import annotations
@@ -50,9 +56,11 @@ from engine.model.cpu.op_threads import op_threads
 from engine.model.forward_context import set_forward_context
 from engine.model.loader import load_model
 from engine.model.moe import FusedMoE
+from engine.model.pooler import PoolingMetadata
 from engine.model.sampler import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
 from engine.model.utils import IntermediateTensors
-from engine.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput
+from engine.outputs import EMPTY_MODEL_RUNNER_OUTPUT, Float32Tensor, LogprobsLists, ModelRunnerOutput
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.sched.output import SchedulerOutput
 from tracing import catalogue, faults, stage
@@ -68,18 +76,20 @@ class CachedRequestState:
     ``output_token_ids`` grows by the token sampled each step. ``generator`` exists only
     for a seeded request and is advanced by every draw, so a seed replays exactly.
     ``num_prompt_logprobs_done`` counts prompt positions whose logprobs were already
-    returned (a resumed request does not report them twice).
+    returned (a resumed request does not report them twice). A pooling request has
+    ``pooling_params`` and no ``sampling_params``.
     """
 
     req_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | None
     eos_token_id: int | None
     block_ids: list[int]
     num_computed_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     num_prompt_logprobs_done: int = 0
+    pooling_params: PoolingParams | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -208,6 +218,8 @@ class ModelRunner:
         self.vocab_size = config.model_config.vocab_size
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
+        # --runner pooling: the model's pooler runs where the LM head and sampler would.
+        self.is_pooling_model = config.model_config.runner_type == "pooling"
         # --collect-detailed-traces: forward and sampling spans in each step's trace.
         self.collect_model_spans = config.observability_config.collect_model_forward_time
         self.model: torch.nn.Module | None = None
@@ -327,7 +339,9 @@ class ModelRunner:
         input_ids = torch.zeros(total, dtype=torch.int64, device=self.device)
         meta = AttentionMetadata.for_profile(seq_lens, self.device)
         hidden = self.model(input_ids, positions, meta, None, self._dummy_intermediate(total))
-        if self.is_last_stage:  # (total, hidden)
+        if self.is_last_stage and self.is_pooling_model:
+            self._dummy_pool(hidden, seq_lens)
+        elif self.is_last_stage:  # (total, hidden)
             num_rows = min(self.max_num_reqs, total)
             self._dummy_sample(self.model.compute_logits(hidden[-num_rows:]))
         self._synchronize()
@@ -505,6 +519,9 @@ class ModelRunner:
             )
         if not self.is_last_stage:
             return hidden  # IntermediateTensors, for the next stage
+        if self.is_pooling_model:
+            with self._detail(catalogue.MODEL_RUNNER_POOL), op_threads():
+                return self._pool(batch, hidden)
 
         with self._detail(catalogue.MODEL_RUNNER_SAMPLE), op_threads():
             sampled_lists, logprobs = self._sample(batch, hidden, scheduler_output)
@@ -562,12 +579,38 @@ class ModelRunner:
         tensors = out.logprobs_tensors
         return sampled_lists, (self._logprobs_lists(tensors, states) if tensors is not None else {})
 
+    def _pool(self, batch: _Batch, hidden: torch.Tensor) -> ModelRunnerOutput:
+        """The pooler over this step's hidden states ``(num_tokens, hidden)``: one float32
+        vector per request whose prompt is complete after this step, None for a chunk that
+        leaves part of it for later (vLLM's ``_pool``; every request of a pooling model's
+        batch pools)."""
+        meta = batch.attn_metadata
+        states = [self.requests[req_id] for req_id in batch.req_ids]
+        starts = meta.query_start_loc_cpu
+        num_scheduled = [end - start for start, end in zip(starts, starts[1:])]
+        metadata = PoolingMetadata(
+            prompt_lens=[s.num_prompt_tokens for s in states],
+            pooling_params=[s.pooling_params for s in states],
+        )
+        metadata.build_pooling_cursor(num_scheduled, meta.seq_lens_cpu, self.device)
+        pooled = self.model.pooler(hidden[: starts[-1]], metadata)  # one (dims,) float32 per request
+        finished = metadata.get_pooling_cursor().get_finished_mask()
+        return ModelRunnerOutput(
+            req_ids=batch.req_ids,
+            req_id_to_index={rid: i for i, rid in enumerate(batch.req_ids)},
+            sampled_token_ids=[[] for _ in batch.req_ids],
+            pooler_output=[
+                Float32Tensor.from_numpy(vector.cpu().numpy()) if done else None
+                for vector, done in zip(pooled, finished)
+            ],
+        )
+
     def _update_states(self, so: SchedulerOutput) -> None:
         """Apply the scheduler's news to the request mirror (see ``engine/sched/output.py``)."""
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
         for new in so.scheduled_new_reqs:
-            seed = new.sampling_params.seed
+            seed = new.sampling_params.seed if new.sampling_params is not None else None
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id,
                 prompt_token_ids=list(new.prompt_token_ids),
@@ -576,6 +619,7 @@ class ModelRunner:
                 block_ids=list(new.block_ids[0]),
                 num_computed_tokens=new.num_computed_tokens,
                 generator=None if seed is None else torch.Generator(self.device).manual_seed(seed),
+                pooling_params=new.pooling_params,
             )
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -614,7 +658,7 @@ class ModelRunner:
             block_table[i, : len(state.block_ids)] = state.block_ids
             if end >= state.num_tokens:
                 sample_rows.append(i)
-            if state.sampling_params.prompt_logprobs is not None:
+            if state.sampling_params is not None and state.sampling_params.prompt_logprobs is not None:
                 prompt_logprob_rows.append(i)
 
         # Per token: which request it belongs to, its position in that request, its KV slot.
@@ -724,8 +768,8 @@ class ModelRunner:
         self._dummy_step([1])
 
     def _dummy_step(self, query_lens: list[int], sample: bool = True) -> None:
-        """A forward and (``sample``) a sampler run over fresh dummy requests writing into the
-        null block."""
+        """A forward and (``sample``) a sampler run — a pooling model's pooler — over fresh
+        dummy requests writing into the null block."""
         num_reqs = len(query_lens)
         starts = [0]
         for n in query_lens:
@@ -753,9 +797,21 @@ class ModelRunner:
         )
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         hidden = self._run_model(input_ids, positions, meta, self._dummy_intermediate(num_tokens))
-        if self.is_last_stage and sample:
+        if self.is_last_stage and sample and self.is_pooling_model:
+            self._dummy_pool(hidden, query_lens)
+        elif self.is_last_stage and sample:
             last = torch.tensor(starts[1:], device=self.device) - 1
             self._dummy_sample(self.model.compute_logits(hidden[last]))
+
+    def _dummy_pool(self, hidden: torch.Tensor, query_lens: list[int]) -> None:
+        """Run the pooler over dummy requests of ``query_lens`` tokens (vLLM's
+        ``_dummy_pooler_run``): whole prompts, so MEAN and CLS pooling run too."""
+        metadata = PoolingMetadata(
+            prompt_lens=list(query_lens),
+            pooling_params=[PoolingParams(task="embed", use_activation=True)] * len(query_lens),
+        )
+        metadata.build_pooling_cursor(query_lens, query_lens, self.device)
+        self.model.pooler(hidden[: sum(query_lens)], metadata)
 
     def _dummy_sample(self, logits: torch.Tensor) -> None:
         """Run the sampler's heaviest path (random rows with top-k, top-p and logprobs)."""

@@ -184,9 +184,11 @@ class Worker:
                 detailed = self.config.observability_config.collect_model_forward_time
                 self.moe_telemetry = MoETelemetry(self.model_runner.moe_layers, detailed)
             st.set(catalogue.ATTR_MODEL_NAME, self.config.model_config.served_model_name)
+            model_config = self.config.model_config
             logger.info(
-                "Loaded %s: %s",
-                self.config.model_config.architecture,
+                "Loaded %s%s: %s",
+                model_config.architecture,
+                " as an embedding model (--convert embed)" if model_config.convert_type == "embed" else "",
                 self.model_runner.describe_model_memory(),
             )
 

@@ -1,14 +1,15 @@
 """Fuzzing the API server's front door: no input gets a 5xx, and the server stays healthy.
 
 One ``glassbox serve`` (bundled tiny model, ``max_model_len`` 64 so any generation is short,
-no API key) is shared by the module:
+no API key) is shared by the module, and a second one with ``--runner pooling`` for the
+pooling routes (``/v1/embeddings``, ``/pooling``), which only a pooling model serves:
 
-- schemathesis runs against the server's own ``/openapi.json`` with a fixed seed, a bounded
+- schemathesis runs against each server's own ``/openapi.json`` with a fixed seed, a bounded
   number of cases per operation and a time budget, checking only ``not_a_server_error``;
 - a hand-made, table-driven family (huge, nested, wrong types, ``NaN`` / ``Infinity``,
   out-of-vocabulary ids, nul bytes, invalid UTF-8, odd content types, HTTP/1.0, pipelining
   over a raw socket) where each case expects a 4xx or a 200 — and after every case
-  ``/health`` answers 200 and a normal completion works.
+  ``/health`` answers 200 and a normal completion (an embedding) works.
 """
 
 from __future__ import annotations
@@ -35,12 +36,26 @@ SEED = 20261130
 # inside its 15 minutes on 2 cores; every operation still gets its 25 examples first.
 MAX_EXAMPLES = 25
 MAX_TIME_S = 40
+# The pooling server has the pooling routes and the shared ones (tokenize, models, health...).
+POOLING_MAX_TIME_S = 20
 
 
 @pytest.fixture(scope="module")
 def server():
     base = Path(tempfile.mkdtemp(prefix="gbx", dir="/tmp"))  # short: ipc paths ≤ 107 chars
     srv = start_server(base, "--max-model-len", str(MAX_MODEL_LEN), "--uvicorn-log-level", "warning")
+    try:
+        yield srv
+    finally:
+        srv.kill_group()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def pooling_server():
+    base = Path(tempfile.mkdtemp(prefix="gbx", dir="/tmp"))
+    srv = start_server(base, "--runner", "pooling", "--max-model-len", str(MAX_MODEL_LEN),
+                       "--uvicorn-log-level", "warning")  # fmt: skip
     try:
         yield srv
     finally:
@@ -109,10 +124,15 @@ def _log_tail(server: Server) -> str:
     return "\n".join(lines[-60:])
 
 
-def assert_healthy(server: Server) -> None:
-    """``/health`` is 200 and a normal completion works."""
+def assert_healthy(server: Server, pooling: bool = False) -> None:
+    """``/health`` is 200 and a normal completion (``pooling``: an embedding) works."""
     assert server.proc.poll() is None, f"the server exited:\n{_log_tail(server)}"
     assert httpx.get(server.base_url + "/health", timeout=30).status_code == 200
+    if pooling:
+        r = httpx.post(server.base_url + "/v1/embeddings", json={"input": "Hello"}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert len(r.json()["data"][0]["embedding"]) > 0
+        return
     r = httpx.post(server.base_url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 3}, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] >= 1
@@ -121,15 +141,17 @@ def assert_healthy(server: Server) -> None:
 # ---------------------------------------------------------------------------- schemathesis
 
 
-def test_schemathesis_finds_no_server_error(server: Server, tmp_path: Path) -> None:
+def _schemathesis(server: Server, tmp_path: Path, max_time_s: int) -> str:
+    """Run schemathesis against ``server``'s own OpenAPI document; returns its JUnit report
+    (a test case per operation it ran)."""
     st = Path(sys.executable).with_name("st")
     command = [str(st) if st.exists() else "st", "run", server.base_url + "/openapi.json",
                "--checks", "not_a_server_error", "--max-examples", str(MAX_EXAMPLES), "--seed", str(SEED),
-               "--max-time", str(MAX_TIME_S), "--workers", "1", "--request-timeout", "60",
+               "--max-time", str(max_time_s), "--workers", "1", "--request-timeout", "60",
                "--phases", "examples,coverage,fuzzing", "--suppress-health-check", "all",
                "--report", "junit", "--report-dir", str(tmp_path)]  # fmt: skip
     started = time.monotonic()
-    run = subprocess.run(command, capture_output=True, text=True, timeout=MAX_TIME_S + 120, cwd=tmp_path)
+    run = subprocess.run(command, capture_output=True, text=True, timeout=max_time_s + 120, cwd=tmp_path)
     elapsed = time.monotonic() - started
     summary = run.stdout[-5000:] + run.stderr[-2000:]
     assert run.returncode == 0, (
@@ -137,7 +159,20 @@ def test_schemathesis_finds_no_server_error(server: Server, tmp_path: Path) -> N
     )
     assert "passed" in run.stdout and "generated" in run.stdout, summary
     assert "Exception in ASGI application" not in server.log()
+    return "".join(path.read_text() for path in tmp_path.glob("junit-*.xml"))
+
+
+def test_schemathesis_finds_no_server_error(server: Server, tmp_path: Path) -> None:
+    _schemathesis(server, tmp_path, MAX_TIME_S)
     assert_healthy(server)
+
+
+def test_schemathesis_finds_no_server_error_on_the_pooling_routes(
+    pooling_server: Server, tmp_path: Path
+) -> None:
+    report = _schemathesis(pooling_server, tmp_path, POOLING_MAX_TIME_S)
+    assert 'name="POST /v1/embeddings"' in report and 'name="POST /pooling"' in report, report[-3000:]
+    assert_healthy(pooling_server, pooling=True)
 
 
 # ---------------------------------------------------------------------------- hand-made family
@@ -228,6 +263,25 @@ CASES = [
     ("text/plain to messages", "/v1/messages", b"{}", "text/plain", {400}),
     ("unknown route", "/v1/nope", b"{}", "application/json", {404}),
     ("wrong method", "/v1/models", b"{}", "application/json", {405}),
+    ("a pooling route", "/v1/embeddings", b'{"input": "x"}', "application/json", {404}),
+]
+# The pooling server's routes (``pooling_server``).
+POOLING_CASES = [
+    ("nested list to embeddings", "/v1/embeddings", NESTED, "application/json", {400}),
+    ("nested object to pooling", "/pooling", DEEP_OBJECT, "application/json", {400}),
+    ("huge input", "/v1/embeddings", json.dumps({"input": BIG_TEXT}).encode(), "application/json", {400}),
+    ("huge token list", "/pooling", json.dumps({"input": [1] * 300_000}).encode(), "application/json", {400}),
+    ("many inputs", "/v1/embeddings", json.dumps({"input": ["x"] * 300}).encode(), "application/json", {200}),
+    ("wrong type: input number", "/v1/embeddings", b'{"input": 5}', "application/json", {400}),
+    ("wrong type: dimensions huge", "/v1/embeddings", b'{"input": "x", "dimensions": 1e300}', "application/json",
+     {400}),
+    ("NaN dimensions", "/pooling", b'{"input": "x", "dimensions": NaN}', "application/json", {400}),
+    ("out-of-vocabulary id", "/v1/embeddings", b'{"input": [[1], [99999999]]}', "application/json", {400}),
+    ("negative id", "/pooling", b'{"input": [-1]}', "application/json", {400}),
+    ("invalid UTF-8", "/v1/embeddings", b'{"input": "\xff\xfe"}', "application/json", {400}),
+    ("lone surrogate", "/pooling", b'{"input": "\\ud800"}', "application/json", {400}),
+    ("text/plain", "/v1/embeddings", b'{"input": "x"}', "text/plain", {400}),
+    ("a generation route", "/v1/completions", b'{"prompt": "x"}', "application/json", {404}),
 ]
 # fmt: on
 
@@ -249,6 +303,22 @@ def test_a_hostile_request_gets_a_4xx_or_200_and_the_server_stays_healthy(
         # The same keep-alive connection still serves.
         assert client.get(server.base_url + "/health").status_code == 200
     assert_healthy(server)
+
+
+@pytest.mark.parametrize(
+    "name, path, body, content_type, allowed", POOLING_CASES, ids=[c[0] for c in POOLING_CASES]
+)
+def test_a_hostile_pooling_request_gets_a_4xx_or_200_and_the_server_stays_healthy(
+    pooling_server: Server, name: str, path: str, body: bytes, content_type: str | None, allowed: set[int]
+) -> None:
+    headers = {} if content_type is None else {"Content-Type": content_type}
+    with httpx.Client(timeout=120) as client:
+        r = client.post(pooling_server.base_url + path, content=body, headers=headers)
+        assert r.status_code in allowed, f"{name}: {r.status_code} {r.text[:300]}"
+        if r.status_code >= 400:
+            error = r.json()["error"]
+            assert error["code"] == r.status_code and error["message"], r.text
+    assert_healthy(pooling_server, pooling=True)
 
 
 def test_http_1_0_requests_are_served_and_the_connection_closes(server: Server) -> None:

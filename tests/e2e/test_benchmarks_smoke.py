@@ -5,8 +5,8 @@ process, its own session), on the settings it is run with (the compiled step unl
 environment says otherwise), with a workload of a few tokens; the test checks that it exits
 0 and that its table's header line is in its output. No figure is asserted. A benchmark
 that no longer runs fails here instead of on the next person who reaches for it.
-``vs_vllm.py`` and ``serve_vs_vllm.py`` run without ``--vllm-python``: Glassbox alone, with
-the recorded vLLM figures beside it.
+``vs_vllm.py``, ``serve_vs_vllm.py`` and ``embed_vs_vllm.py`` run without ``--vllm-python``:
+Glassbox alone (the first two with the recorded vLLM figures beside it).
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ CASES = {
     "broadcast_latency": (["--iterations", "20", "--gap-ms", "0"], r"readers\s+measure\s+median µs\s+p99 µs"),
     "cpu_contention": (["--repeats", "1", "--only", "after", *TINY], r"variant\s+quiet tok/s\s+contended\s+ratio"),
     "cpu_fma_peak": ([], r"one core, best of 3"),
+    "embed_vs_vllm": (["--num-prompts", "2", "--input-len", "8", "16", "--runs", "1"],
+                      r"\| engine \| float32 embeddings/s \(prompt tok/s\) \|"),
     "data_parallel": (["--dp", "2", "--repeats", "1", *TINY], r"dp\s+thr/wkr\s+start-up s\s+generate s\s+out tok/s"),
     "expert_parallel": (["--repeats", "1", *TINY],
                         r"config\s+workers\s+thr/wkr\s+start-up s\s+generate s\s+out tok/s\s+router %"),

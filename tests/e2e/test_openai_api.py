@@ -205,6 +205,15 @@ def test_models_retrieve_and_head_health(server: Server) -> None:
     assert httpx.head(server.url + "/health", timeout=10).status_code == 200
 
 
+def test_the_pooling_routes_name_the_runner_they_need(server: Server) -> None:
+    for path in ("/v1/embeddings", "/pooling"):
+        error = assert_error(server.post(path, {"model": MODEL, "input": "hi"}), 404, None, "NotFoundError")
+        assert (
+            "this server runs the model with --runner generate, and the route needs --runner pooling"
+            in (error["message"])
+        )
+
+
 def test_health_ping_version_metrics_need_no_key(server: Server) -> None:
     from engine import __version__
 

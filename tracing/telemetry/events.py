@@ -217,7 +217,8 @@ class ScheduledRequest(msgspec.Struct, kw_only=True, array_like=True):
     blocks for them (a new or resumed request: its whole block table, prefix-cache hits
     included). ``prefill``: prompt tokens (or a recomputation after preemption), not one
     decode token. ``resumed``: back after a preemption (one of ``scheduled_cached_reqs``
-    whose block table is replaced)."""
+    whose block table is replaced). ``pooling``: a pooling model's request (``--runner
+    pooling``): all prefill, pooled when its prompt is complete."""
 
     req_id: str
     num_scheduled_tokens: int
@@ -225,6 +226,7 @@ class ScheduledRequest(msgspec.Struct, kw_only=True, array_like=True):
     num_new_blocks: int
     prefill: bool = False
     resumed: bool = False
+    pooling: bool = False
 
 
 # A step record lists at most this many requests of its SchedulerOutput (its counts are whole).

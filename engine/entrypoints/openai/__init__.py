@@ -11,7 +11,8 @@ Mirrors vLLM's ``vllm/entrypoints/openai/`` package, one concept per module:
   ``serving_tokenization.py`` (``/tokenize``, ``/detokenize``).
 - ``responses/``: the Responses API (``/v1/responses``, retrieve, cancel), run through the chat
   flow, and its bounded store (vLLM 0.32's ``vllm/entrypoints/openai/responses/``). Anthropic's
-  Messages API (``/v1/messages``) is its sibling package ``engine/entrypoints/anthropic/``.
+  Messages API (``/v1/messages``) is its sibling package ``engine/entrypoints/anthropic/``, and
+  the pooling routes (``/v1/embeddings``, ``/pooling``) ``engine/entrypoints/pooling/``.
 - ``app.py``: ``build_app`` — the FastAPI app with its routes, middleware, error handlers,
   health and Prometheus metrics.
 

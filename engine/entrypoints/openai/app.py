@@ -6,12 +6,16 @@ Mirrors the app half of vLLM's ``vllm/entrypoints/openai/api_server.py`` (``buil
 ``vllm/v1/metrics/loggers.py``. ``api_server.py`` builds the engine, then this app, then
 serves it.
 
-Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
-``POST /v1/responses``, ``GET /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``
-(``responses/``), ``POST /v1/messages``, ``POST /v1/messages/count_tokens``
-(``engine/entrypoints/anthropic/``), ``POST /tokenize``, ``POST /detokenize``,
-``GET /health``, ``GET|POST /ping``, ``GET /version``, ``GET /metrics``. The route table, with
-vLLM's counterparts and what each leaves out, is in ``docs/architecture.md``.
+Routes, on every server: ``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize``,
+``GET /health``, ``GET|POST /ping``, ``GET /version``, ``GET /metrics``. Then the routes of the
+model's runner, as vLLM registers a router per supported task: with ``--runner generate``
+``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses``,
+``GET /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel`` (``responses/``),
+``POST /v1/messages``, ``POST /v1/messages/count_tokens`` (``engine/entrypoints/anthropic/``);
+with ``--runner pooling`` ``POST /v1/embeddings`` and ``POST /pooling``
+(``engine/entrypoints/pooling/``). A route of the other runner is a 404 that names the runner
+serving it (vLLM's is a bare "Not Found"). The route table, with vLLM's counterparts and what
+each leaves out, is in ``docs/architecture.md``.
 
 Errors: every error body is OpenAI's ``{"error": {"message", "type", "param", "code"}}``, but
 under ``/v1/messages``, where it is Anthropic's ``{"type": "error", "error": {"type",
@@ -47,8 +51,8 @@ every API server in multiprocess mode), the scheduler gauges from the client's
 ``EngineStatsTable`` (one ``engine="<DP rank>"`` series per engine) and the span exporters'
 health. A scrape asks the engine nothing.
 
-Left out: ``/load``, embeddings/pooling/score/rerank, audio, LoRA and dev routes,
-``X-Request-Id`` middleware.
+Left out: ``/load``, score/rerank/classify, audio, LoRA and dev routes, ``X-Request-Id``
+middleware.
 """
 
 from __future__ import annotations
@@ -110,6 +114,13 @@ from engine.entrypoints.openai.serving_engine import (
 )
 from engine.entrypoints.openai.serving_models import OpenAIServingModels
 from engine.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from engine.entrypoints.pooling.protocol import (
+    EmbeddingCompletionRequest,
+    EmbeddingResponse,
+    PoolingCompletionRequest,
+    PoolingResponse,
+)
+from engine.entrypoints.pooling.serving import ServingEmbedding, ServingPooling
 from engine.frontend.async_llm import AsyncLLM
 from engine.logger import get_process_role, init_logger
 from engine.metrics.loggers import StatLoggerManager, attach
@@ -125,7 +136,11 @@ API_KEY_SCOPES = ("v1", "all")
 # Status for a request whose client left before the answer (nginx's "client closed request").
 CLIENT_CLOSED_REQUEST = 499
 
+# The routes every server has, and those of each runner (``--runner``).
 router = APIRouter()
+generate_router = APIRouter()
+pooling_router = APIRouter()
+RUNNER_ROUTERS = {"generate": generate_router, "pooling": pooling_router}
 
 
 def build_app(
@@ -174,19 +189,28 @@ def build_app(
     if api_key_scope not in API_KEY_SCOPES:
         raise ValueError(f"api_key_scope must be one of {API_KEY_SCOPES}, got {api_key_scope!r}")
     app = FastAPI(title="Glassbox OpenAI-compatible API", version=__version__)
+    runner_type = engine.model_config.runner_type
     app.include_router(router)
-    app.openapi = partial(_openapi, app)
+    app.include_router(RUNNER_ROUTERS[runner_type])
+    app.openapi = partial(_openapi, app, _BODY_MODELS[runner_type])
     state = app.state
     state.engine = engine
+    state.runner_type = runner_type
     state.serving_models = OpenAIServingModels(engine, served_model_name)
-    state.serving_completion = OpenAIServingCompletion(
-        engine, served_model_name, enable_prompt_tokens_details
-    )
-    state.serving_chat = OpenAIServingChat(engine, served_model_name, enable_prompt_tokens_details)
-    state.serving_responses = OpenAIServingResponses(
-        engine, served_model_name, enable_prompt_tokens_details, responses_store_size
-    )
-    state.serving_messages = AnthropicServingMessages(engine, served_model_name, enable_prompt_tokens_details)
+    if runner_type == "generate":
+        state.serving_completion = OpenAIServingCompletion(
+            engine, served_model_name, enable_prompt_tokens_details
+        )
+        state.serving_chat = OpenAIServingChat(engine, served_model_name, enable_prompt_tokens_details)
+        state.serving_responses = OpenAIServingResponses(
+            engine, served_model_name, enable_prompt_tokens_details, responses_store_size
+        )
+        state.serving_messages = AnthropicServingMessages(
+            engine, served_model_name, enable_prompt_tokens_details
+        )
+    else:
+        state.serving_embedding = ServingEmbedding(engine, served_model_name, enable_prompt_tokens_details)
+        state.serving_pooling = ServingPooling(engine, served_model_name, enable_prompt_tokens_details)
     state.serving_tokenization = OpenAIServingTokenization(engine, served_model_name)
     state.stat_loggers = StatLoggerManager(
         served_model_name,
@@ -228,13 +252,13 @@ def build_app(
 # ---------------------------------------------------------------------------- routes
 
 
-def _openapi(app: FastAPI) -> dict[str, Any]:
+def _openapi(app: FastAPI, body_models: tuple[type[BaseModel], ...]) -> dict[str, Any]:
     """FastAPI's OpenAPI document, plus the schemas of the request bodies the routes parse
-    themselves (``_request_body``)."""
+    themselves (``_request_body``): ``body_models``, those of the routes this app serves."""
     if app.openapi_schema is None:
         schema = FastAPI.openapi(app)
         _, defs = models_json_schema(
-            [(model, "validation") for model in _BODY_MODELS], ref_template=_SCHEMA_REFS + "{model}"
+            [(model, "validation") for model in body_models], ref_template=_SCHEMA_REFS + "{model}"
         )
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         for name, definition in defs.get("$defs", {}).items():
@@ -260,9 +284,13 @@ def _request_body(*models: type[BaseModel]) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
-# The request models named by ``_request_body``: added to the OpenAPI document's components.
-_BODY_MODELS = (CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequest, TokenizeChatRequest,
-                DetokenizeRequest, ResponsesRequest, AnthropicMessagesRequest, AnthropicCountTokensRequest)  # fmt: skip
+# The request models named by ``_request_body``, by runner: added to the OpenAPI document's components.
+_COMMON_BODY_MODELS = (TokenizeCompletionRequest, TokenizeChatRequest, DetokenizeRequest)
+_BODY_MODELS = {
+    "generate": (CompletionRequest, ChatCompletionRequest, *_COMMON_BODY_MODELS, ResponsesRequest,
+                 AnthropicMessagesRequest, AnthropicCountTokensRequest),
+    "pooling": (EmbeddingCompletionRequest, PoolingCompletionRequest, *_COMMON_BODY_MODELS),
+}  # fmt: skip
 
 
 @router.get("/health", operation_id="health")
@@ -312,7 +340,7 @@ async def retrieve_model(model_id: str, raw_request: Request) -> Response:
     raise OpenAIError(f"The model `{model_id}` does not exist.", HTTPStatus.NOT_FOUND, param="model")
 
 
-@router.post("/v1/completions", operation_id="create_completion", openapi_extra=_request_body(CompletionRequest),
+@generate_router.post("/v1/completions", operation_id="create_completion", openapi_extra=_request_body(CompletionRequest),
              responses={200: {"model": CompletionResponse, "content": _SSE}, **_ERRORS})  # fmt: skip
 async def create_completion(raw_request: Request) -> Response:
     request = await parse_json_body(raw_request, partial(_validate, CompletionRequest))
@@ -320,7 +348,7 @@ async def create_completion(raw_request: Request) -> Response:
     return await _respond(raw_request, handler.create_completion(request, dict(raw_request.headers)))
 
 
-@router.post("/v1/chat/completions", operation_id="create_chat_completion",
+@generate_router.post("/v1/chat/completions", operation_id="create_chat_completion",
              openapi_extra=_request_body(ChatCompletionRequest),
              responses={200: {"model": ChatCompletionResponse, "content": _SSE}, **_ERRORS})  # fmt: skip
 async def create_chat_completion(raw_request: Request) -> Response:
@@ -329,7 +357,7 @@ async def create_chat_completion(raw_request: Request) -> Response:
     return await _respond(raw_request, handler.create_chat_completion(request, dict(raw_request.headers)))
 
 
-@router.post("/v1/responses", operation_id="create_response", openapi_extra=_request_body(ResponsesRequest),
+@generate_router.post("/v1/responses", operation_id="create_response", openapi_extra=_request_body(ResponsesRequest),
              responses={200: {"model": ResponsesResponse, "content": _SSE}, **_ERRORS})  # fmt: skip
 async def create_responses(raw_request: Request) -> Response:
     """OpenAI's Responses API, text only (``responses/serving.py``)."""
@@ -338,7 +366,7 @@ async def create_responses(raw_request: Request) -> Response:
     return await _respond(raw_request, handler.create_responses(request, dict(raw_request.headers)))
 
 
-@router.get("/v1/responses/{response_id}", operation_id="retrieve_response", response_model=ResponsesResponse,
+@generate_router.get("/v1/responses/{response_id}", operation_id="retrieve_response", response_model=ResponsesResponse,
             responses=_ERRORS)  # fmt: skip
 async def retrieve_responses(response_id: str, raw_request: Request, stream: bool = False) -> Response:
     """A stored response as it stands; 404 once the store no longer holds it. ``stream=true``
@@ -348,14 +376,14 @@ async def retrieve_responses(response_id: str, raw_request: Request, stream: boo
     return _json(raw_request.app.state.serving_responses.retrieve_responses(response_id))
 
 
-@router.post("/v1/responses/{response_id}/cancel", operation_id="cancel_response", response_model=ResponsesResponse,
+@generate_router.post("/v1/responses/{response_id}/cancel", operation_id="cancel_response", response_model=ResponsesResponse,
              responses=_ERRORS)  # fmt: skip
 async def cancel_responses(response_id: str, raw_request: Request) -> Response:
     """Stop a background response still queued or in progress (400 for any other)."""
     return _json(await raw_request.app.state.serving_responses.cancel_responses(response_id))
 
 
-@router.post("/v1/messages", operation_id="create_message", openapi_extra=_request_body(AnthropicMessagesRequest),
+@generate_router.post("/v1/messages", operation_id="create_message", openapi_extra=_request_body(AnthropicMessagesRequest),
              responses={200: {"model": AnthropicMessagesResponse, "content": _SSE}, **_ANTHROPIC_ERRORS})  # fmt: skip
 async def create_messages(raw_request: Request) -> Response:
     """Anthropic's Messages API, text only (``engine/entrypoints/anthropic/serving.py``)."""
@@ -364,7 +392,7 @@ async def create_messages(raw_request: Request) -> Response:
     return await _respond(raw_request, handler.create_messages(request, dict(raw_request.headers)))
 
 
-@router.post("/v1/messages/count_tokens", operation_id="count_message_tokens",
+@generate_router.post("/v1/messages/count_tokens", operation_id="count_message_tokens",
              openapi_extra=_request_body(AnthropicCountTokensRequest),
              responses={200: {"model": AnthropicCountTokensResponse}, **_ANTHROPIC_ERRORS})  # fmt: skip
 async def count_message_tokens(raw_request: Request) -> Response:
@@ -373,6 +401,35 @@ async def count_message_tokens(raw_request: Request) -> Response:
     request = await parse_json_body(raw_request, partial(_validate, AnthropicCountTokensRequest))
     handler: AnthropicServingMessages = raw_request.app.state.serving_messages
     return await _respond(raw_request, handler.count_tokens(request))
+
+
+@pooling_router.post("/v1/embeddings", operation_id="create_embedding",
+                     openapi_extra=_request_body(EmbeddingCompletionRequest),
+                     responses={200: {"model": EmbeddingResponse}, **_ERRORS})  # fmt: skip
+async def create_embedding(raw_request: Request) -> Response:
+    """OpenAI's embeddings API on a ``--runner pooling`` server (``engine/entrypoints/pooling/``)."""
+    request = await parse_json_body(raw_request, partial(_validate_pooling, EmbeddingCompletionRequest))
+    handler: ServingEmbedding = raw_request.app.state.serving_embedding
+    return await _respond(raw_request, handler.create_embedding(request, dict(raw_request.headers)))
+
+
+@pooling_router.post("/pooling", operation_id="create_pooling", openapi_extra=_request_body(PoolingCompletionRequest),
+                     responses={200: {"model": PoolingResponse}, **_ERRORS})  # fmt: skip
+async def create_pooling(raw_request: Request) -> Response:
+    """vLLM's ``/pooling``: each prompt's pooled vector (the raw hidden state with
+    ``use_activation: false``)."""
+    request = await parse_json_body(raw_request, partial(_validate_pooling, PoolingCompletionRequest))
+    handler: ServingPooling = raw_request.app.state.serving_pooling
+    return await _respond(raw_request, handler.create_pooling(request, dict(raw_request.headers)))
+
+
+def _validate_pooling(model: type[BaseModel], body: Any) -> Any:
+    """A pooling route's body: chat-style ``messages`` are left out (a 400 naming them, before
+    the schema would only say ``input`` is missing)."""
+    if isinstance(body, dict) and "messages" in body and "input" not in body:
+        raise OpenAIError("Chat-style pooling requests (messages) are not supported (left out): send input.",
+                          param="messages")  # fmt: skip
+    return _validate(model, body)
 
 
 def _tokenize_request(body: Any) -> TokenizeCompletionRequest | TokenizeChatRequest:
@@ -490,7 +547,8 @@ async def _respond_failed(raw_request: Request, task: asyncio.Future) -> Respons
 
 
 # The field a route's bad input (a ``ValueError``) is blamed on when it names none.
-_BLAMED_FIELD = {"/v1/chat/completions": "messages", "/v1/messages": "messages", "/v1/responses": "input"}
+_BLAMED_FIELD = {"/v1/chat/completions": "messages", "/v1/messages": "messages", "/v1/responses": "input",
+                 "/v1/embeddings": "input", "/pooling": "input"}  # fmt: skip
 
 
 async def _wait_for_disconnect(raw_request: Request) -> None:
@@ -533,11 +591,25 @@ async def _validation_error_handler(request: Request, exc: RequestValidationErro
 
 
 async def _http_error_handler(request: Request, exc: StarletteHTTPException) -> Response:
-    """Starlette's own errors (unknown route 404, wrong method 405) in the OpenAI shape."""
-    response = _error(exc.status_code, str(exc.detail), path=request.url.path)
+    """Starlette's own errors (unknown route 404, wrong method 405) in the OpenAI shape; a
+    route of the other runner is a 404 that names the runner serving it."""
+    message = str(exc.detail)
+    if exc.status_code == HTTPStatus.NOT_FOUND:
+        message = _other_runners_route(request) or message
+    response = _error(exc.status_code, message, path=request.url.path)
     for name, value in (exc.headers or {}).items():
         response.headers[name] = value
     return response
+
+
+def _other_runners_route(request: Request) -> str | None:
+    """What to say of a request for a route this server's runner does not serve, or None."""
+    path, runner_type = request.url.path, getattr(request.app.state, "runner_type", None)
+    for other, other_router in RUNNER_ROUTERS.items():
+        if other != runner_type and any(route.path_regex.match(path) for route in other_router.routes):
+            return (f"{request.method} {path} is not served here: this server runs the model with "
+                    f"--runner {runner_type}, and the route needs --runner {other}.")  # fmt: skip
+    return None
 
 
 async def _openai_error_handler(request: Request, exc: OpenAIError) -> Response:

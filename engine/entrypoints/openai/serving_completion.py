@@ -53,7 +53,6 @@ from engine.entrypoints.openai.structured_outputs import structured_outputs_of
 from engine.frontend.detokenizer import IncrementalDetokenizer, backend_tokenizer
 from engine.frontend.outputs import CompletionOutput, LogprobsDict, RequestOutput
 from engine.frontend.request_tracing import RequestTrace, start_request_trace
-from engine.frontend.tokenizer import encode
 from engine.logger import init_logger
 
 logger = init_logger(__name__)
@@ -83,7 +82,7 @@ class OpenAIServingCompletion(OpenAIServing):
         structured_outputs, renames = structured_outputs_of(request)
         # Tokenizing a long prompt takes a while: off the event loop, so other requests stream on.
         tokenize_ns = time.time_ns()
-        prompts = await asyncio.to_thread(self._render_prompts, request.prompt)
+        prompts = await asyncio.to_thread(self.render_prompts, request.prompt, "prompt")
         tokenized_ns = time.time_ns()
         request_id = f"cmpl-{random_uuid()}"
         process_inputs = self.engine.input_processor.process_inputs
@@ -133,28 +132,6 @@ class OpenAIServingCompletion(OpenAIServing):
         # An echo replays the prompt through a detokenizer, logprobs make a dict per token:
         # off the event loop.
         return await asyncio.to_thread(self._full_response, request, request_id, prompts, finals)
-
-    def _render_prompts(
-        self, prompt: str | list[str] | list[int] | list[list[int]]
-    ) -> list[tuple[str | None, list[int]]]:
-        """The request's prompt field → one (text or None, token ids) per prompt.
-
-        Raises:
-            OpenAIError: a text too long to fit the context whatever it says, refused before
-                it is tokenized (``check_text_fits``).
-        """
-        if isinstance(prompt, str):
-            prompt = [prompt]
-        elif not prompt or isinstance(prompt[0], int):
-            return [(None, list(prompt))]
-        rendered: list[tuple[str | None, list[int]]] = []
-        for p in prompt:
-            if isinstance(p, str):
-                self.check_text_fits(p, "prompt")
-                rendered.append((p, encode(self.tokenizer, p)))
-            else:
-                rendered.append((None, list(p)))
-        return rendered
 
     def _echo(self, text: str | None, token_ids: list[int], with_offsets: bool) -> tuple[str, list[int]]:
         """The prompt as echoed, and (``with_offsets``) each prompt token's offset in it.

@@ -44,6 +44,7 @@ from engine.entrypoints.openai.protocol import (
 from engine.frontend.async_llm import AsyncLLM
 from engine.frontend.tokenizer import apply_chat_template, encode
 from engine.logger import init_logger
+from engine.pooling_params import POOLING_FIELDS
 from engine.sampling_params import SamplingParams
 from engine.utils.processes import EngineDeadError
 
@@ -64,7 +65,8 @@ ERROR_TYPES = {
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
-_SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
+# The fields a params error may name first (``SamplingParams``' and ``PoolingParams``' checks).
+_PARAMS_FIELDS = frozenset(SamplingParams.__struct_fields__) | frozenset(POOLING_FIELDS)
 # Fields declared (so that using them is not silently ignored) but not implemented: the 400
 # each gets when given a value (``OpenAIServing.check_unsupported``).
 UNSUPPORTED_FIELDS = {
@@ -137,9 +139,10 @@ def error_body(path: str, status_code: int, message: str, param: str | None = No
 def bad_request_from_value_error(
     e: ValueError, default_param: str | None, renames: dict[str, str] | None = None
 ) -> OpenAIError:
-    """A ``ValueError`` from ``SamplingParams`` or the input processor → a 400.
+    """A ``ValueError`` from ``SamplingParams`` / ``PoolingParams`` or the input processor → a 400.
 
-    ``SamplingParams`` starts its messages with the field's name; that name (renamed to the
+    Both params classes (``SamplingParams``, ``PoolingParams``) start their messages with the field's
+    name; that name (renamed to the
     request's own field through ``renames``) becomes ``param``; so does a constraint's
     ``structured_outputs.<kind>:`` (the input processor's compile check). Other messages (a
     bad prompt) blame ``default_param``.
@@ -153,7 +156,7 @@ def bad_request_from_value_error(
         param = (renames or {}).get(field, field)
         message = f"{param}: {message.split(' ', 1)[1] if ' ' in message else ''}"
         return OpenAIError(message, param=param)
-    if first_word in _SAMPLING_FIELDS:
+    if first_word in _PARAMS_FIELDS:
         param = (renames or {}).get(first_word, first_word)
     else:
         param = default_param
@@ -306,10 +309,13 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.max_model_len: int = engine.model_config.max_model_len
         self.vocab_size: int = engine.model_config.vocab_size
-        self.default_sampling_params = engine.get_default_sampling_params()
-        # The model's max_new_tokens (--generation-config): it caps max_tokens as in vLLM's
-        # get_max_tokens.
-        self.default_max_tokens: int | None = engine.model_config.get_diff_sampling_param().get("max_tokens")
+        self.default_sampling_params: SamplingParams | None = None
+        self.default_max_tokens: int | None = None
+        if engine.model_config.runner_type == "generate":  # a pooling model samples nothing
+            self.default_sampling_params = engine.get_default_sampling_params()
+            # The model's max_new_tokens (--generation-config): it caps max_tokens as in vLLM's
+            # get_max_tokens.
+            self.default_max_tokens = engine.model_config.get_diff_sampling_param().get("max_tokens")
         self.max_chars_per_token = max_chars_per_token(self.tokenizer)
 
     def make_usage(self, prompt_tokens: int, completion_tokens: int, num_cached_tokens: int) -> UsageInfo:
@@ -346,10 +352,12 @@ class OpenAIServing:
         if bound is None or len(text) <= self.max_model_len * bound:
             return
         at_least = -(-len(text) // bound)
+        pooling = self.engine.model_config.runner_type == "pooling"  # no output token follows
         raise OpenAIError(
             f"This model's maximum context length is {self.max_model_len} tokens. However, your "
-            f"request has at least {at_least} input tokens ({len(text)} characters), which leaves no "
-            f"room for output. Please reduce the length of the input {param}.",
+            f"request has at least {at_least} input tokens ({len(text)} characters)"
+            f"{'' if pooling else ', which leaves no room for output'}. Please reduce the length of "
+            f"the input {param}.",
             param=param,
         )
 
@@ -399,6 +407,33 @@ class OpenAIServing:
             logger.warning("The request's field(s) %s are not known and were ignored", ignored)
 
     # ------------------------------------------------------------------ prompts
+
+    def render_prompts(
+        self,
+        prompt: str | list[str] | list[int] | list[list[int]],
+        param: str,
+        add_special_tokens: bool = True,
+    ) -> list[tuple[str | None, list[int]]]:
+        """A request's prompt field (completions' ``prompt``, embeddings' ``input``) → one
+        (text or None, token ids) per prompt: a string, a list of strings, a list of token ids
+        or a list of token-id lists. CPU-heavy: callers run it in a worker thread.
+
+        Raises:
+            OpenAIError: a text too long to fit the context whatever it says, refused before
+                it is tokenized (``check_text_fits``, blaming ``param``).
+        """
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        elif not prompt or isinstance(prompt[0], int):
+            return [(None, list(prompt))]
+        rendered: list[tuple[str | None, list[int]]] = []
+        for p in prompt:
+            if isinstance(p, str):
+                self.check_text_fits(p, param)
+                rendered.append((p, encode(self.tokenizer, p, add_special_tokens=add_special_tokens)))
+            else:
+                rendered.append((None, list(p)))
+        return rendered
 
     def render_chat(
         self, messages: list[ChatMessageParam], add_generation_prompt: bool = True, check_length: bool = False

@@ -13,7 +13,9 @@ so a test knows every token the engine core must hand out, in order, even across
 preemption (the recomputed request picks up at its next position). It can also be told to
 sample a request's EOS at a chosen position, to fail at a chosen step, or to pause inside a
 chosen step until the test lets it go on (to act while a request is mid-flight, without a
-sleep). Each KV block costs ``bytes_per_block`` of a one-layer float32 page; the budget it
+sleep). A pooling request (``pooling_params``) samples nothing: the step that completes its
+prompt returns its "vector", ``[sum of its prompt ids, prompt length]``, as a pooler output.
+Each KV block costs ``bytes_per_block`` of a one-layer float32 page; the budget it
 reports holds ``NUM_BLOCKS`` blocks (``--num-gpu-blocks-override`` sets a smaller one).
 """
 
@@ -25,7 +27,7 @@ from typing import Any
 
 from engine.executor.abstract import Executor
 from engine.kv_cache.kv_cache_interface import FullAttentionSpec, KVCacheConfig
-from engine.outputs import ModelRunnerOutput
+from engine.outputs import Float32Tensor, ModelRunnerOutput
 from engine.sched.output import SchedulerOutput
 
 NUM_BLOCKS = 128  # what the fake worker's KV budget holds, unless the config overrides it
@@ -65,6 +67,7 @@ class FakeExecutor(Executor):
         self.requests: dict[str, list[int]] = {}
         self._prompt_lens: dict[str, int] = {}
         self._eos_token_ids: dict[str, int | None] = {}
+        self._pooling: set[str] = set()
         self.shut_down = False
         self.failure_callback: Callable[[BaseException], None] | None = None
         self.spec = FullAttentionSpec(
@@ -99,7 +102,10 @@ class FakeExecutor(Executor):
         for req_id in scheduler_output.finished_req_ids:  # the worker forgets them
             for state in (self.requests, self._prompt_lens, self._eos_token_ids):
                 state.pop(req_id, None)
+            self._pooling.discard(req_id)
         for new in scheduler_output.scheduled_new_reqs:
+            if new.pooling_params is not None:
+                self._pooling.add(new.req_id)
             self.requests[new.req_id] = list(new.prompt_token_ids)
             self._prompt_lens[new.req_id] = len(new.prompt_token_ids)
             self._eos_token_ids[new.req_id] = new.eos_token_id
@@ -111,10 +117,13 @@ class FakeExecutor(Executor):
             computed[req_id] = cached.num_computed_tokens[i]
         req_ids = list(scheduler_output.num_scheduled_tokens)
         sampled: list[list[int]] = []
+        pooled: list[Float32Tensor | None] = []
         for req_id in req_ids:
             tokens = self.requests[req_id]  # a KeyError: the engine core lost a request's state
-            if computed[req_id] + scheduler_output.num_scheduled_tokens[req_id] < len(tokens):
-                sampled.append([])  # a prefill chunk that leaves part of the prompt for later
+            done = computed[req_id] + scheduler_output.num_scheduled_tokens[req_id] >= len(tokens)
+            pooled.append(_vector(tokens) if done and req_id in self._pooling else None)
+            if not done or req_id in self._pooling:
+                sampled.append([])  # a prefill chunk that leaves part of the prompt for later, or pooling
                 continue
             position = len(tokens) - self._prompt_lens[req_id]
             if self.eos_at.get(req_id) == position:
@@ -124,8 +133,9 @@ class FakeExecutor(Executor):
             tokens.append(token)
             sampled.append([token])
         return ModelRunnerOutput(
-            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled
-        )
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled,
+            pooler_output=pooled if self._pooling else [],
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ the other worker calls
 
@@ -154,3 +164,10 @@ class FakeExecutor(Executor):
 
     def shutdown(self) -> None:
         self.shut_down = True
+
+
+def _vector(prompt: list[int]) -> Float32Tensor:
+    """The fake pooler's vector of a prompt: its ids' sum and its length."""
+    import numpy as np
+
+    return Float32Tensor.from_numpy(np.array([sum(prompt), len(prompt)], dtype=np.float32))

@@ -23,6 +23,7 @@ import threading
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 import zmq
 from fake_executor import NUM_BLOCKS, FakeExecutor, default_token
@@ -50,6 +51,7 @@ from engine.core.messages import (
 from engine.core.step_observer import StepObserver
 from engine.engine_args import EngineArgs
 from engine.frontend.engine_launcher import client_input_address, client_output_address
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 BLOCK_SIZE = 8
@@ -267,6 +269,29 @@ def test_the_step_record_lists_each_steps_scheduler_output_request_by_request(ma
     # --step-delay-ms is on every record, apart from the step's own time
     assert all(r.step_delay_ms == 1 for r in records.records)
     assert engine.last_step_delay_ns[1] - engine.last_step_delay_ns[0] >= 1_000_000
+
+
+def test_a_pooling_request_is_all_prefill_and_finishes_with_its_vector(make_engine):
+    engine = make_engine(runner="pooling", max_num_batched_tokens=16)
+    records = RecordSteps()
+    engine.step_observers.append(records)
+    request = make_request("p", prompt_len=20)
+    request = msgspec.structs.replace(
+        request, sampling_params=None, pooling_params=PoolingParams(task="embed")
+    )
+    engine.add_request(request)
+    outputs = [o for _ in range(3) for eco in engine.step()[0].values() for o in eco.outputs]
+    # Two steps: 16 prompt tokens, then the last 4; the second brings the vector and the finish.
+    assert [(r.num_prefill_tokens, r.num_decode_tokens) for r in records.records] == [(16, 0), (4, 0), (0, 0)]
+    scheduled = [q for r in records.records for q in r.scheduled_new_reqs + r.scheduled_cached_reqs]
+    assert [(q.num_scheduled_tokens, q.prefill, q.pooling) for q in scheduled] == [
+        (16, True, True),
+        (4, True, True),
+    ]
+    [out] = outputs
+    assert out.finish_reason == FinishReason.STOP and out.new_token_ids == []
+    assert out.pooling_output.numpy().tolist() == [float(sum(request.prompt_token_ids)), 20.0]
+    assert_every_block_free(engine)
 
 
 # ---------------------------------------------------------------------------- EngineCoreProc

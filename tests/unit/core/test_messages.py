@@ -15,6 +15,7 @@ import json
 import pickle
 
 import msgspec
+import numpy as np
 import pytest
 
 import tracing
@@ -36,7 +37,8 @@ from engine.core.messages import (
 from engine.executor import messages as worker_msgs
 from engine.executor.messages import WorkerError, WorkerReady, WorkerReply, WorkerRPC, WorkerSpawnPayload
 from engine.executor.shm_broadcast import MessageQueueHandle
-from engine.outputs import ModelRunnerOutput
+from engine.outputs import Float32Tensor, ModelRunnerOutput
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from engine.utils.wire import ErrorKind, ProtocolError
@@ -209,6 +211,26 @@ def test_a_worker_rpc_carries_the_callers_span():
         ),  # fmt: skip
         EngineCoreOutputs(
             outputs=[EngineCoreOutput(request_id="r", new_token_ids=[3], finish_reason=FinishReason.LENGTH)]
+        ),  # fmt: skip
+        # A pooling request: PoolingParams in place of SamplingParams, and its vector back as
+        # float32 bytes with their shape.
+        EngineCoreRequest(
+            request_id="p",
+            prompt_token_ids=[1, 2],
+            sampling_params=None,
+            pooling_params=PoolingParams(task="embed", use_activation=False, dimensions=4),
+            eos_token_id=None,
+            arrival_time=1.0,
+        ),  # fmt: skip
+        EngineCoreOutputs(
+            outputs=[
+                EngineCoreOutput(
+                    request_id="p",
+                    new_token_ids=[],
+                    finish_reason=FinishReason.STOP,
+                    pooling_output=Float32Tensor.from_numpy(np.arange(4, dtype=np.float32)),
+                )
+            ]
         ),  # fmt: skip
     ],
     ids=lambda m: type(m).__name__ + (f"-{m.kind}" if isinstance(m, EngineHandshake) else ""),

@@ -523,6 +523,15 @@ def test_the_scheduled_panel_shows_each_requests_tokens_and_new_blocks():
     assert "… 126 more scheduled" in text  # 129 requests, 3 listed
 
 
+def test_a_pooling_request_shows_as_pooling_in_the_scheduled_panel():
+    state = make_state()
+    pooled = ScheduledRequest(req_id="embd-9", num_scheduled_tokens=40, num_computed_tokens=0, num_new_blocks=3,
+                              prefill=True, pooling=True)  # fmt: skip
+    state.steps[0].append(step(0, 4413, decode=0, prefill=40, scheduled_new_reqs=[pooled]))
+    row = line_of(render(views.panel("scheduled", state, views.ViewOptions(engine=0)), width=200), "embd-9")
+    assert " new " in row and " 40 " in row and "pooling" in row and "prefill" not in row
+
+
 def test_an_empty_step_says_it_only_hands_finished_ids_to_the_workers():
     state = make_state()
     state.steps[0].append(step(0, 4413, decode=0, prefill=0, num_running=0, finished_req_ids=["cmpl-a1"]))
