@@ -298,9 +298,9 @@ def test_serve_ep_answers_transformers_text_and_shows_experts_spans_and_memory(e
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_engine_top_in_tmux_shows_each_ranks_experts_and_all_to_all_time(ep_server):
-    """engine-top in a real terminal (tmux) attached to the expert-parallel server: the queues
-    panel's rows of each rank's expert rows and all-to-all time, and ``e`` pressed until the
-    experts panel fills the screen."""
+    """engine-top in a real terminal (tmux) attached to the expert-parallel server: ``e`` pressed
+    until the experts panel fills the screen, which shows each rank's experts, their shares of
+    its rows and its time in the all-to-alls."""
     import os
     import re
     import shlex
@@ -337,11 +337,11 @@ def test_engine_top_in_tmux_shows_each_ranks_experts_and_all_to_all_time(ep_serv
     try:
         tmux("new-session", "-d", "-s", session, "-x", "200", "-y", "60", command)
         tmux("resize-window", "-t", session, "-x", "200", "-y", "60")
-        wait_screen(lambda s: re.search(r"expert rows \(0-1 of 4\)\s+\d+", s) and "expert rows (2-3 of 4)" in s
-                    and "all-to-all ms" in s, "each rank's expert rows and all-to-all time")  # fmt: skip
-        for _ in range(views_index_of_experts()):
+        wait_screen(lambda s: re.search(r"Worker_DP1_PP0_TP0\s+\d+\s+running", s), "the tree running")
+        for _ in range(views_index_of_experts()):  # e, e, ...: the experts panel fills the screen
             tmux("send-keys", "-t", session, "e")
-        screen = wait_screen(lambda s: "rows by expert" in s, "the experts panel expanded", 20)
+        screen = wait_screen(lambda s: "rows by expert" in s and re.search(r"\d+\.\d+ · \d+%", s),
+                             "the experts panel expanded, with the all-to-all times")  # fmt: skip
         assert re.search(r"Worker_DP0_PP0_TP0\s+0-1 of 4\s+e0 \d+%\s+e1 \d+%", screen), screen
         assert re.search(r"Worker_DP1_PP0_TP0\s+2-3 of 4\s+e2 \d+%\s+e3 \d+%", screen), screen
         tmux("send-keys", "-t", session, "q")
