@@ -326,10 +326,11 @@ def _title(proc: psutil.Process) -> str | None:
 def runs_as_text(runs_as: dict[str, str]) -> str:
     """A worker's ``ProcessStatus.runs_as`` in one line: ``cpu bfloat16, compiled (inductor,
     1 graph), attention CPU_PAGED_CPP, 2 of 2 CPU threads, bfloat16 linears native
-    (measured)``; "" when it recorded none.
+    (measured), step threads 2 (cached), compiled or eager: compiled (measured)``; "" when it
+    recorded none.
     ``graphs_after_warm_up`` (a count for scripts) is already in ``compile``'s text."""
     order = ("device", "dtype", "compile", "attention", "cpu_threads", "bf16_linear", "bf16_attention",
-             "graphs_after_warm_up")  # fmt: skip
+             "step_threads", "compiled_step", "attention_task_shape", "graphs_after_warm_up")  # fmt: skip
     parts = []
     head = " ".join(runs_as[k] for k in ("device", "dtype") if runs_as.get(k))
     if head:
@@ -344,6 +345,12 @@ def runs_as_text(runs_as: dict[str, str]) -> str:
         parts.append(f"bfloat16 linears {runs_as['bf16_linear']}")
     if runs_as.get("bf16_attention"):
         parts.append(f"bfloat16 prefill attention {runs_as['bf16_attention']}")
+    if runs_as.get("step_threads"):
+        parts.append(f"step threads {runs_as['step_threads']}")
+    if runs_as.get("compiled_step"):
+        parts.append(f"compiled or eager: {runs_as['compiled_step']}")
+    if runs_as.get("attention_task_shape"):
+        parts.append(f"decode attention tasks: {runs_as['attention_task_shape']}")
     parts += [f"{k} {v}" for k, v in sorted(runs_as.items()) if k not in order]
     return ", ".join(parts)
 
