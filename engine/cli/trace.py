@@ -13,6 +13,8 @@ This command groups those lines by trace id and:
   its lane, with its duration; the span with the most *own time* (its duration less the time
   its children cover, in any process) is marked as the slowest stage.
 - ``--request ID``: the same for one request (``gen_ai.request.id``, or a trace-id prefix).
+- ``--steps``: the engine steps that scheduled prompt tokens and each request's time to first
+  token split into before the engine, waiting and prefill (``engine/cli/trace_steps.py``).
 - ``--json``: the selected trace's span tree (or the list) as JSON.
 
 The kind of a trace is read off its root span's level in the span catalogue
@@ -765,6 +767,12 @@ def add_subparser(sub: argparse._SubParsersAction) -> None:
         help="Draw the latest start-up trace (or --trace-id's) as a waterfall.",
     )
     what.add_argument(
+        "--steps",
+        action="store_true",
+        help="List the engine steps that scheduled prompt tokens (--all: every step) and split each "
+        "request's time to first token into before the engine, waiting and prefill.",
+    )
+    what.add_argument(
         "--request",
         metavar="ID",
         default=None,
@@ -786,7 +794,9 @@ def add_subparser(sub: argparse._SubParsersAction) -> None:
         metavar="COLUMNS",
         help="Columns of the bar area (default: what the terminal width leaves).",
     )
-    p.add_argument("--all", action="store_true", help="With --list, list every step trace too.")
+    p.add_argument(
+        "--all", action="store_true", help="With --list, list every step trace too; with --steps, every step."
+    )
     p.set_defaults(func=run)
 
 
@@ -805,8 +815,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except OSError as e:
         parser.error(f"{path}: {e.strerror or e}")
 
-    drawing = args.startup or args.request is not None or (args.trace_id is not None and not args.list)
     console = Console(file=sys.stdout, highlight=False)
+    if args.steps:
+        from engine.cli.trace_steps import render_steps
+
+        render_steps([s for t in span_file.traces for s in t.spans], console, show_all=args.all)
+        return 0
+    drawing = args.startup or args.request is not None or (args.trace_id is not None and not args.list)
     if not drawing:
         if args.json:
             print(json.dumps(file_to_json(span_file), indent=2))

@@ -412,3 +412,54 @@ def test_a_real_generate_run_draws_every_process(tmp_path):
     assert len(marked) == 1, out
     slowest = marked[0].split()[0]
     assert f"◀ slowest stage: {slowest} (" in " ".join(out.split())
+
+
+def serving_wave(tmp_path: Path) -> Path:
+    """A serving wave as the spans show it: one request's lone 128-token prefill step, then 15
+    prefills in one step while it decodes, then decode steps; and the requests' TTFT parts."""
+    core = ("EngineCore_DP0", 200, 0)
+    lines, t = [], 0.0
+    steps = [(40.0, 128, 1, 0), (240.0, 1921, 15, 1)] + [(18.0, 16, 0, 16)] * 3
+    for i, (ms, tokens, new, cached) in enumerate(steps):
+        attrs = {cat.ATTR_STEP_NUM_SCHEDULED_TOKENS: tokens, cat.ATTR_STEP_NUM_NEW_REQS: new,
+                 cat.ATTR_STEP_NUM_CACHED_REQS: cached}  # fmt: skip
+        lines.append(span("engine_core.step", f"{i:032x}", f"s{i}", None, t, t + ms, core, attrs=attrs))
+        t += ms + 2.0
+    api = ("APIServer_0", 100, None)
+    for i in range(16):
+        late = i > 0  # the 15 that came in during the lone step: it ran first, then their prefill
+        attrs = {cat.ATTR_GEN_AI_REQUEST_ID: f"cmpl-{i:02d}",
+                 cat.ATTR_GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN: 0.3 if late else 0.05,
+                 cat.ATTR_GEN_AI_LATENCY_TIME_IN_QUEUE: 0.002,
+                 cat.ATTR_GEN_AI_LATENCY_TIME_IN_MODEL_PREFILL: 0.24 if late else 0.04}  # fmt: skip
+        lines.append(span("llm_request", f"{100 + i:032x}", f"r{i}", None, 0.0, 400.0, api, attrs=attrs))
+    path = tmp_path / "wave.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def test_steps_lists_the_prompt_steps_and_splits_the_ttft_tail(tmp_path):
+    done = subprocess.run([*CLI, "trace", str(serving_wave(tmp_path)), "--steps"], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "COLUMNS": "80"})  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert (
+        lines[0] == "5 engine steps in 0.3 s, 2 with prompt tokens; the steps that scheduled prompt tokens:"
+    )
+    assert lines[2].split() == ["0.000", "40.0", "128", "1", "0", "EngineCore_DP0"]
+    assert lines[3].split() == ["0.042", "240.0", "1921", "15", "1", "EngineCore_DP0"]
+    assert "(the other 3 steps decode only: median 18.0 ms)" in done.stdout
+    assert (
+        "time to first token of 16 requests: median 300 ms, p90 300 ms, p99 300 ms, max 300 ms" in done.stdout
+    )
+    # the slowest: 300 ms = 58 before the scheduler (the lone step's time, in the input queue) + 2 + 240
+    slowest = [ln for ln in lines if ln.strip().startswith("cmpl-")]
+    assert len(slowest) == 5 and slowest[0].split()[1:] == ["300", "ms", "=", "58", "+", "2", "+", "240"]
+
+
+def test_steps_of_a_file_without_steps_says_so(tmp_path):
+    path = tmp_path / "startup.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in startup_spans()))
+    done = subprocess.run([*CLI, "trace", str(path), "--steps"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "no engine_core.step spans in this file (the engine core's step traces)"
