@@ -40,7 +40,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -50,8 +49,6 @@ sys.path[:0] = [str(REPO), str(Path(__file__).resolve().parent)]
 
 from offline_throughput import MODEL_SIZES, build_small_model, describe_model  # noqa: E402
 from vs_vllm import (  # noqa: E402
-    _LIVE,
-    _kill,
     check_vllm_python,
     cpu_model,
     load_average,
@@ -59,6 +56,7 @@ from vs_vllm import (  # noqa: E402
     parse_settings,
     parse_variant,
     positive_int,
+    run_child_script,
 )
 
 RESULT = "BATCH_SWEEP_RESULT "
@@ -118,30 +116,11 @@ if __name__ == "__main__":
 
 def run_child(engine, dtype: str, tag: str, work: Path, common: dict, timeout: float, extra: dict) -> dict:
     """One fresh process of ``engine`` over every batch size; its JSON result."""
-    job_path = work / f"{tag}.job.json"
     job = {**common, "engine": "vllm" if engine.is_vllm else "glassbox", "dtype": dtype,
            "llm_kwargs": {**engine.kwargs, **extra}}  # fmt: skip
-    job_path.write_text(json.dumps(job))
-    out_path, err_path = work / f"{tag}.stdout", work / f"{tag}.stderr"
-    with open(out_path, "w") as out, open(err_path, "w") as err:
-        proc = subprocess.Popen([engine.python, str(work / "child.py"), str(job_path)], stdout=out, stderr=err,
-                                env={**os.environ, **engine.env}, cwd=work, start_new_session=True)  # fmt: skip
-        _LIVE.add(proc)
-        try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            code = f"none: killed after --timeout {timeout:.0f} s"
-        finally:
-            _kill(proc)
-    lines = [ln for ln in out_path.read_text(errors="replace").splitlines() if ln.startswith(RESULT)]
-    if not lines:
-        tail = (out_path.read_text(errors="replace") + err_path.read_text(errors="replace")).splitlines()[
-            -40:
-        ]
-        raise SystemExit(
-            f"{engine.name} ({dtype}) gave no result (exit code {code}); last lines:\n" + "\n".join(tail)
-        )
-    return json.loads(lines[-1][len(RESULT) :])
+    return run_child_script(
+        engine.python, job, tag, work, engine.env, timeout, RESULT, f"{engine.name} ({dtype})"
+    )[0]
 
 
 # --- phases from the engine's own spans ----------------------------------------------------------

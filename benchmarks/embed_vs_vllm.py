@@ -36,7 +36,6 @@ import os
 import random
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -45,10 +44,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parent)]
 
 from offline_throughput import MODEL_SIZES, SMALL, build_small_model, describe_model  # noqa: E402
 from vs_vllm import (  # noqa: E402
-    _LIVE,
     REPO,
     VLLM_DEFAULT_ENV,
-    _kill,
     _sigterm,
     check_vllm_python,
     cpu_model,
@@ -56,6 +53,7 @@ from vs_vllm import (  # noqa: E402
     fmt_range,
     load_average,
     positive_int,
+    run_child_script,
     run_main,
 )
 
@@ -123,30 +121,9 @@ def make_prompts(n: int, seed: int, in_range: tuple[int, int]) -> list[list[int]
 def run_child(engine: str, python: str, env: dict, dtype: str, tag: str, work: Path, common: dict,
               timeout: float) -> dict:  # fmt: skip
     """One fresh process of ``engine``; its JSON result plus its vectors."""
-    job_path, vectors_path = work / f"{tag}.job.json", work / f"{tag}.vectors.json"
-    job_path.write_text(
-        json.dumps({**common, "engine": engine, "dtype": dtype, "vectors_path": str(vectors_path)})
-    )
-    out_path, err_path = work / f"{tag}.stdout", work / f"{tag}.stderr"
-    with open(out_path, "w") as out, open(err_path, "w") as err:
-        proc = subprocess.Popen([python, str(work / "child.py"), str(job_path)], stdout=out, stderr=err,
-                                env={**os.environ, **env}, cwd=work, start_new_session=True)  # fmt: skip
-        _LIVE.add(proc)
-        try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            code = f"none: killed after --timeout {timeout:.0f} s"
-        finally:
-            _kill(proc)
-    lines = [ln for ln in out_path.read_text(errors="replace").splitlines() if ln.startswith(RESULT)]
-    if not lines:
-        tail = (out_path.read_text(errors="replace") + err_path.read_text(errors="replace")).splitlines()[
-            -40:
-        ]
-        raise SystemExit(
-            f"{engine} ({dtype}) gave no result (exit code {code}); last lines:\n" + "\n".join(tail)
-        )
-    result = json.loads(lines[-1][len(RESULT) :])
+    vectors_path = work / f"{tag}.vectors.json"
+    job = {**common, "engine": engine, "dtype": dtype, "vectors_path": str(vectors_path)}
+    result = run_child_script(python, job, tag, work, env, timeout, RESULT, f"{engine} ({dtype})")[0]
     result["vectors"] = json.loads(vectors_path.read_text())
     vectors_path.unlink()
     return result

@@ -288,18 +288,19 @@ def make_engines(args, cores: list[int]) -> list[Engine]:
     return engines
 
 
-def run_child(engine: Engine, dtype: str, tag: str, work: Path, common: dict, timeout: float) -> dict:
-    """One fresh process of ``engine`` on the workload; its JSON result plus ``spawn_to_ready_s``."""
-    job_path, tokens_path = work / f"{tag}.job.json", work / f"{tag}.tokens.json"
-    job = {**common, "engine": "vllm" if engine.is_vllm else "glassbox", "dtype": dtype,
-           "llm_kwargs": engine.kwargs, "tokens_path": str(tokens_path)}  # fmt: skip
+def run_child_script(python: str, job: dict, tag: str, work: Path, env: dict, timeout: float, result: str,
+                     what: str) -> tuple[dict, object]:  # fmt: skip
+    """Run ``work/child.py`` with ``python`` on ``job`` (written to ``work/<tag>.job.json``) in a
+    session of its own, its output kept in ``work/<tag>.stdout``/``.stderr``; returns the JSON
+    of its last line that starts with ``result`` and its exit code. ``what`` names it in the
+    error when it printed none (SystemExit with its last 40 lines). Shared by the benchmarks
+    that run each engine in a fresh process (``batch_sweep.py``, ``embed_vs_vllm.py``)."""
+    job_path = work / f"{tag}.job.json"
     job_path.write_text(json.dumps(job))
     out_path, err_path = work / f"{tag}.stdout", work / f"{tag}.stderr"
-    env = {**os.environ, **engine.env}
     with open(out_path, "w") as out, open(err_path, "w") as err:
-        spawned = time.time()
-        proc = subprocess.Popen([engine.python, str(work / "child.py"), str(job_path)], stdout=out,
-                                stderr=err, env=env, cwd=work, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen([python, str(work / "child.py"), str(job_path)], stdout=out, stderr=err,
+                                env={**os.environ, **env}, cwd=work, start_new_session=True)  # fmt: skip
         _LIVE.add(proc)
         try:
             code = proc.wait(timeout=timeout)
@@ -307,13 +308,25 @@ def run_child(engine: Engine, dtype: str, tag: str, work: Path, common: dict, ti
             code = f"none: killed after --timeout {timeout:.0f} s"  # its result may be printed already
         finally:
             _kill(proc)  # and anything it left in its process group
-    lines = [ln for ln in out_path.read_text(errors="replace").splitlines() if ln.startswith(RESULT)]
+    lines = [ln for ln in out_path.read_text(errors="replace").splitlines() if ln.startswith(result)]
     if not lines:
-        output = out_path.read_text(errors="replace") + err_path.read_text(errors="replace")
-        tail = output.splitlines()[-40:]
-        raise SystemExit(f"{engine.name} ({dtype}) gave no result (exit code {code}); "
-                         f"last lines of its output:\n" + "\n".join(tail))  # fmt: skip
-    result = json.loads(lines[-1][len(RESULT) :])
+        tail = (out_path.read_text(errors="replace") + err_path.read_text(errors="replace")).splitlines()[
+            -40:
+        ]
+        raise SystemExit(
+            f"{what} gave no result (exit code {code}); last lines of its output:\n" + "\n".join(tail)
+        )
+    return json.loads(lines[-1][len(result) :]), code
+
+
+def run_child(engine: Engine, dtype: str, tag: str, work: Path, common: dict, timeout: float) -> dict:
+    """One fresh process of ``engine`` on the workload; its JSON result plus ``spawn_to_ready_s``."""
+    tokens_path = work / f"{tag}.tokens.json"
+    job = {**common, "engine": "vllm" if engine.is_vllm else "glassbox", "dtype": dtype,
+           "llm_kwargs": engine.kwargs, "tokens_path": str(tokens_path)}  # fmt: skip
+    spawned = time.time()
+    result, code = run_child_script(engine.python, job, tag, work, engine.env, timeout, RESULT,
+                                    f"{engine.name} ({dtype})")  # fmt: skip
     if code != 0:
         print(f"  note: {engine.name} printed its result, then exit code {code}", flush=True)
     result["spawn_to_ready_s"] = result.pop("ready_wall") - spawned
