@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -230,16 +231,20 @@ def drop_vllm_compat_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return kept
 
 
-def _json_object(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(
-            f"not JSON ({e}); give an object, e.g. '{{\"temperature\": 0.5}}'"
-        ) from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"temperature\": 0.5}'")
-    return value
+def _json_object(example: str) -> Callable[[str], dict[str, Any]]:
+    """The argparse ``type`` of a JSON-object flag; its errors show ``example``, one of this
+    flag's own values."""
+
+    def parse(text: str) -> dict[str, Any]:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not JSON ({e}); give an object, e.g. '{example}'") from None
+        if not isinstance(value, dict):
+            raise argparse.ArgumentTypeError(f"must be a JSON object, e.g. '{example}'")
+        return value
+
+    return parse
 
 
 @dataclass
@@ -386,7 +391,7 @@ class EngineArgs:
         )
         g.add_argument(
             "--pooler-config",
-            type=_json_object,
+            type=_json_object('{"pooling_type": "MEAN"}'),
             default=None,
             help='JSON object: how --runner pooling pools, e.g. \'{"pooling_type": "MEAN"}\' (LAST, the '
             'default, MEAN or CLS), "use_activation": false (no normalisation), "dimensions" (a '
@@ -419,7 +424,7 @@ class EngineArgs:
         )
         g.add_argument(
             "--override-generation-config",
-            type=_json_object,
+            type=_json_object('{"temperature": 0.5}'),
             default=None,
             help="JSON object of default sampling params laid over the generation config, e.g. '{\"temperature\": 0.5}'.",
         )
@@ -582,7 +587,7 @@ class EngineArgs:
         g = parser.add_argument_group("StructuredOutputsConfig")
         g.add_argument(
             "--structured-outputs-config",
-            type=_json_object,
+            type=_json_object('{"backend": "guidance"}'),
             default=None,
             metavar="JSON",
             help='The grammar backend and its options, e.g. \'{"backend": "guidance", '

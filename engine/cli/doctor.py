@@ -359,7 +359,7 @@ def diagnose(report: Report) -> None:
             verdict = {"failed": "dead", "waited_on": "stuck", "held": "stuck"}.get(
                 culprit.verdict, culprit.verdict
             )
-            hint = {"dead": hints.DEAD, "failed": hints.DEAD,
+            hint = {"dead": hints.DEAD + ".", "failed": hints.DEAD + ".",
                     "stopped": hints.STOPPED.replace("<pid>", str(rep.pid)) + ".",
                     "frozen": hints.FROZEN.replace("<pid>", str(rep.pid)) + "."}.get(culprit.verdict, "")  # fmt: skip
             if stage:

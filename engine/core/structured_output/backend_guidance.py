@@ -11,7 +11,8 @@ the engine uses), and it computes masks on the CPU.
 
 Glassbox's addition is the budget-aware completion (``completion.py``): once a request's
 remaining ``max_tokens`` gets short, the grammar plans the shortest way to an accepting state
-and the mask allows only that way, so the output always parses.
+and the mask allows only that way, so the output always parses (given ``max_tokens`` of at
+least the grammar's shortest whole output).
 
 Left out: the structural tag, reasoning parsers, speculative decoding (rollback, draft
 tokens), Mistral tokenizers.

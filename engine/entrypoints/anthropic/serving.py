@@ -75,11 +75,14 @@ def _text_of_blocks(blocks: list[AnthropicContentBlock], param: str) -> list[str
     """The texts of text blocks.
 
     Raises:
-        OpenAIError: (400, ``param``) a block that is not text.
+        OpenAIError: (400, ``param``) a block that is not text, or a text block without its
+            ``text``.
     """
     texts = []
     for block in blocks:
-        if block.type != "text" or block.text is None:
+        if block.type == "text" and block.text is None:
+            raise OpenAIError("A text content block needs its 'text' field (a string).", param=param)
+        if block.type != "text":
             raise OpenAIError(
                 f"Only text content blocks are supported, got a {block.type!r} block "
                 "(images, documents, tool use and thinking are left out).",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -135,6 +136,24 @@ def test_cli_bad_value_exits_2_naming_the_flag(args, flag):
     last = proc.stderr.strip().splitlines()[-1]
     assert re.match(rf"glassbox generate: error: (argument )?{flag}\b", last), last
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "flag, example",
+    [
+        ("--pooler-config", '{"pooling_type": "MEAN"}'),
+        ("--override-generation-config", '{"temperature": 0.5}'),
+        ("--structured-outputs-config", '{"backend": "guidance"}'),
+    ],
+)
+@pytest.mark.parametrize("value", ["{bad", "[1]"])
+def test_a_json_flags_error_gives_an_example_of_that_flag(flag, example, value, capsys):
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser(prog="glassbox serve"), serving=True)
+    with pytest.raises(SystemExit) as exit_:
+        parser.parse_args([flag, value])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert (exit_.value.code, last.startswith(f"glassbox serve: error: argument {flag}: ")) == (2, True), last
+    assert last.endswith(f"e.g. '{example}'"), last
 
 
 def test_model_dir_without_weights_is_refused_before_anything_starts(tmp_path, default_model_dir):

@@ -221,6 +221,17 @@ def test_a_block_that_is_not_text_is_a_400_naming_where_it_is(body: dict, param:
     assert (err.value.param, "left out" in err.value.message) == (param, True)
 
 
+@pytest.mark.parametrize("where", ["messages", "system"])
+def test_a_text_block_without_its_text_is_a_400_saying_so(where: str) -> None:
+    blocks = [{"type": "text"}]
+    body = {"messages": [{"role": "user", "content": blocks}]} if where == "messages" else {
+        "system": blocks, "messages": [{"role": "user", "content": "x"}]}  # fmt: skip
+    with pytest.raises(OpenAIError) as err:
+        anthropic.to_chat_completion_request(_anthropic(**body))
+    assert (err.value.param, err.value.message) == (
+        where, "A text content block needs its 'text' field (a string).")  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "body, param",
     [
