@@ -133,7 +133,7 @@ def settled(state: LiveState) -> bool:
     what ``--once`` waits for, a couple of seconds at most."""
     if not state.processes:
         return False
-    return all(p.heartbeat_at is not None or p.state == "dead" for p in state.processes.values())
+    return all(p.heartbeat_at is not None or p.gone for p in state.processes.values())
 
 
 def first_snapshot(collector: Any, wait_s: float = 2.0) -> LiveState:

@@ -73,6 +73,7 @@ from tracing.telemetry.state import (
     GAUGE_MQ_LAG,
     HEARTBEAT_STALE_S,
     IDLE_POLL_WAIT_S,
+    INSTANCE_GONE,
     TERMINAL_REQUEST_STATES,
     LiveState,
     ProcessLive,
@@ -247,6 +248,9 @@ BUSY_WITHIN_S = 1.0
 
 
 def _stage_text(state: LiveState, p: ProcessLive) -> Text:
+    if p.state == "exited":  # a clean stop
+        return Text("stopped with the instance" if p.exit_description == INSTANCE_GONE else
+                    f"✓ {p.exit_description}", style="dim")  # fmt: skip
     if p.state == "dead":
         t = Text(f"✗ {p.exit_description or 'exited'}", style="bold red")
         if p.stage:
@@ -276,7 +280,7 @@ def _wait_text(state: LiveState, p: ProcessLive) -> Text | None:
     """The innermost bounded wait, for a row of its own under the process."""
     # Short waits are idle polls repeated by design (a worker between steps): not news.
     waits = [w for w in p.waits if w.timeout_s >= IDLE_POLL_WAIT_S]
-    if not waits or p.state == "dead":
+    if not waits or p.gone:
         return None
     w = waits[-1]
     waited = fmt_age(state.now - w.started_at)
@@ -291,6 +295,7 @@ _STATE_STYLE = {
     "running": "green",
     "stale": "bold yellow",
     "dead": "bold red",
+    "exited": "dim",
 }
 
 
@@ -300,7 +305,7 @@ _OS_STATES_SHOWN = ("stopped", "tracing-stop", "zombie", "disk-sleep")
 
 def _state_text(p: ProcessLive, state_name: str, stale: bool) -> Text:
     t = Text(state_name + (" ⚠" if stale else ""), style=_STATE_STYLE.get(state_name, ""))
-    if p.os_state in _OS_STATES_SHOWN and p.state != "dead":
+    if p.os_state in _OS_STATES_SHOWN and not p.gone:
         t.append(f" ({p.os_state})", style="bold yellow")
     return t
 
@@ -332,24 +337,24 @@ def render_processes(
     for depth, p in shown:
         stale = _is_stale(state, p)
         state_name = "stale" if stale else p.state
-        hb_age = None if p.heartbeat_at is None or p.state == "dead" else state.now - p.heartbeat_at
+        hb_age = None if p.heartbeat_at is None or p.gone else state.now - p.heartbeat_at
         hb = Text(fmt_age(hb_age))
         if stale:
             hb.append("!", style="bold yellow")
             hb.stylize("bold yellow")
         step_age = Text(fmt_age(None if p.last_step_at is None else state.now - p.last_step_at))
         role = Text(("  └ " if depth else "") + p.role, style="bold" if p.kind == "engine_core" else "")
-        row_style = "grey50" if stale or p.state in ("planned", "dead") else ""
+        row_style = "grey50" if stale or p.state == "planned" or p.gone else ""
         cells: list[Any] = [
             role,
             str(p.pid) if p.pid else "—",
             _state_text(p, state_name, stale),
             _stage_text(state, p),
-            "—" if p.cpu_percent is None or p.state == "dead" else f"{p.cpu_percent:.0f}",
+            "—" if p.cpu_percent is None or p.gone else f"{p.cpu_percent:.0f}",
         ]
         if not compact:
-            cells.append("—" if p.state == "dead" else fmt_bytes(p.rss_bytes))
-            cells.append("—" if p.num_threads is None or p.state == "dead" else str(p.num_threads))
+            cells.append("—" if p.gone else fmt_bytes(p.rss_bytes))
+            cells.append("—" if p.num_threads is None or p.gone else str(p.num_threads))
         items.append((cells + [hb, step_age], row_style))
         placed = placement_text(p.placement)
         if placed:  # a Ray actor: where Ray put it
@@ -1154,7 +1159,7 @@ def render_alerts(state: LiveState, max_rows: int | None = None) -> RenderableTy
 def _links_summary(state: LiveState) -> Text:
     counts: dict[str, int] = {}
     for p in state.processes.values():
-        if p.state in ("planned", "dead"):
+        if p.state == "planned" or p.gone:
             continue
         counts[p.link] = counts.get(p.link, 0) + 1
     if not counts:
@@ -1292,9 +1297,14 @@ def _header_lines(state: LiveState, opts: ViewOptions) -> list[Text]:
     """Lines under the header: the instance gone, a replay's progress, the app's notice."""
     lines = []
     if state.status == "gone":
-        lines.append(
-            Text(f"✗ {state.message or 'the instance is gone'} — last state shown", style="bold red")
-        )
+        ended = [p for p in state.processes.values() if p.state != "planned"]
+        if ended and all(p.state == "exited" for p in ended):  # a clean stop: nothing went wrong
+            lines.append(Text(f"✓ {state.message or 'the instance is gone'}: it stopped cleanly — last state shown",
+                              style="green"))  # fmt: skip
+        else:
+            lines.append(
+                Text(f"✗ {state.message or 'the instance is gone'} — last state shown", style="bold red")
+            )
     elif state.status in ("replaying", "replay_done") and state.message:
         lines.append(Text(state.message, style="cyan"))
     if opts.notice:

@@ -233,6 +233,10 @@ def run_process(spec: ProcessSpec) -> int:
             cleanup()
     if crashed is not None:  # no last words: the traceback, as an uncaught exception's
         traceback.print_exception(type(crashed), crashed, crashed.__traceback__)
+    if code == 0 and publisher is not None:
+        # Its own last heartbeat says it stopped cleanly: engine-top shows it exited, not dead,
+        # even when its parent's word of it is lost in the tree's stop.
+        publisher.note_child_exit(spec.role, processes.describe_exit(0))
     return code
 
 

@@ -52,6 +52,8 @@ from typing import Any
 
 import msgspec
 
+from tracing.telemetry.state import CLEAN_EXIT
+
 _LEN = struct.Struct("<Q")
 
 
@@ -364,6 +366,8 @@ def describe_exit(returncode: int | None) -> str:
         return f"killed by {name} (exit status {returncode})"
     if returncode == EXIT_TERMINATED_FROM_OUTSIDE:
         return f"terminated by SIGTERM from outside the tree (exit status {returncode})"
+    if returncode == 0:
+        return CLEAN_EXIT  # "exited with code 0": engine-top's word for a clean stop
     return f"exited with code {returncode}"
 
 

@@ -109,6 +109,8 @@ def compute_alerts(
     alerts: list[Alert] = [state.root_cause] if state.root_cause is not None else []
     starting = False
     for role, proc in state.processes.items():
+        if proc.state == "exited":
+            continue  # a clean stop: nothing to look at
         if proc.state == "dead":
             pid = f" (pid {proc.pid})" if proc.pid else ""
             hint = "its crash report (<role>.crash.json) says why; the rest of the tree stops with it"
@@ -175,7 +177,7 @@ def compute_alerts(
             msg = f"no engine step for {_age(now - proc.last_step_at)} with {running:.0f} requests running"
             hint = "the busy loop stopped while the heartbeat goes on: see the stage it is in"
             alerts.append(Alert("error", role, msg, hint))
-        if proc.last_error and proc.state != "dead":
+        if proc.last_error and not proc.gone:
             alerts.append(Alert("warning", role, f"{proc.last_error}", "a stage failed (it raised)"))
         if recent_refusals is not None:
             prev = recent_refusals.get(f"{role}#n", 0.0)
@@ -511,13 +513,12 @@ class Collector:
             status = "gone"
             message = f"the instance in {self._attached} is gone; {message}"
             if gone_dir is not None:
+                # A tree that ended after a failure kept its post-mortem first
+                # (tracing.run_dir.keep_post_mortem); one that stopped cleanly kept none.
+                kept = run_dirs.find_post_mortem(gone_dir, run_dirs.post_mortem_root())
                 with self._lock:
-                    words = {
-                        r: "exited: the instance is gone"
-                        for r, p in self._state.processes.items()
-                        if p.state != "dead"
-                    }
-                    self._state.apply_liveness(words, 0)
+                    self._state.found_count = 0
+                    self._state.instance_ended(clean=kept is None)
         if run_dir is not None:
             if self._sub is None:
                 self._sub = _Subscription(run_dir)

@@ -382,7 +382,8 @@ class TelemetryPublisher:
 
     def note_child_exit(self, role: str, description: str) -> None:
         """A child process this process reaped ended (``describe_exit(code)``: "killed by
-        SIGKILL (exit status -9)"); every later heartbeat carries it in ``exited``, which is
+        SIGKILL (exit status -9)") — or this process itself is about to exit (its own role:
+        "exited with code 0"); every later heartbeat carries it in ``exited``, which is
         where a collector learns a dead process's exit status or signal. A heartbeat goes out
         at once: this process may itself be about to stop."""
         self._exited[role] = description

@@ -61,7 +61,11 @@ DEAD_OS_STATES = ("exited", "zombie")
 FROZEN_OS_STATES = ("stopped", "tracing-stop")
 TERMINAL_REQUEST_STATES = ("finished", "aborted")
 
-ProcessState = Literal["planned", "starting", "running", "stale", "dead"]
+ProcessState = Literal["planned", "starting", "running", "stale", "dead", "exited"]
+# A process gone after a clean stop reads "exited", not "dead": it (its last heartbeat) or its
+# parent reported exit status 0, or it stopped with its instance, which ended cleanly.
+CLEAN_EXIT = "exited with code 0"
+INSTANCE_GONE = "the instance is gone"  # a collector's note for the processes of a run directory removed
 LinkState = Literal["connecting", "live", "stale", "lost"]
 
 
@@ -80,7 +84,8 @@ class ProcessLive:
 
     ``state``: planned (no sign of it yet), starting (alive, in start-up stages), running,
     stale (alive but its heartbeat is older than ``HEARTBEAT_STALE_S``), dead (with
-    ``exit_description``, e.g. "killed by SIGKILL (exit status -9)"). ``link``: the telemetry
+    ``exit_description``, e.g. "killed by SIGKILL (exit status -9)"), exited (gone after a
+    clean stop: ``CLEAN_EXIT``, or the instance ended with no root cause). ``link``: the telemetry
     subscription's state. ``stage``/``stage_entered_at``: the innermost open stage.
     """
 
@@ -131,6 +136,8 @@ class ProcessLive:
     # full socket, or failed): ``Dropped.counts`` minus the sampled.
     sampled_events: int = 0
     lost_events: int = 0
+    # clean_end: it stopped with its instance, which ended cleanly (``LiveState.instance_ended``).
+    clean_end: bool = False
 
     def copy(self) -> ProcessLive:
         return dataclasses.replace(
@@ -146,7 +153,12 @@ class ProcessLive:
 
     @property
     def alive(self) -> bool:
-        return self.state not in ("dead", "planned")
+        return self.state not in ("dead", "exited", "planned")
+
+    @property
+    def gone(self) -> bool:
+        """Dead or exited: no longer running, whichever way it ended."""
+        return self.state in ("dead", "exited")
 
     @property
     def stage(self) -> str | None:
@@ -325,7 +337,7 @@ class LiveState:
         for role, description in ev.exited.items():
             child = self._process(role)
             child.exit_description = description
-            child.state, child.link = "dead", "lost"
+            child.state, child.link = self._end_state(child), "lost"
 
     def _on_gauges(self, proc: ProcessLive, ev: Gauges) -> None:
         self._set_gauges(proc, ev.values, sample=True)
@@ -518,7 +530,7 @@ class LiveState:
         for proc in self.processes.values():
             stale_s = max(stale_after_s, 2.5 * proc.heartbeat_interval_s)
             if proc.exit_description is not None or proc.os_state in DEAD_OS_STATES:
-                proc.state, proc.link = "dead", "lost"
+                proc.state, proc.link = self._end_state(proc), "lost"
                 continue
             if proc.last_event_at is None:
                 proc.link = "connecting"
@@ -538,6 +550,28 @@ class LiveState:
             else:
                 proc.state = "running"
         self.prune(now)
+
+    @staticmethod
+    def _end_state(proc: ProcessLive) -> ProcessState:
+        """How a process that is gone ended: ``exited`` after a clean stop (``CLEAN_EXIT``, as
+        it or its parent reported it, or ``clean_end``), else ``dead``."""
+        return "exited" if proc.exit_description == CLEAN_EXIT or proc.clean_end else "dead"
+
+    def instance_ended(self, clean: bool) -> None:
+        """The instance's run directory is gone. Every process not known gone is noted
+        ``INSTANCE_GONE``; when the tree ended ``clean`` (no post-mortem kept, no root cause),
+        those with no other account of their end (the owner, or a process whose last words
+        were lost) stopped with it cleanly."""
+        for proc in self.processes.values():
+            if proc.exit_description is None and not proc.gone:
+                proc.exit_description = INSTANCE_GONE
+            if (
+                clean
+                and self.root_cause is None
+                and proc.exit_description == INSTANCE_GONE
+                and not proc.last_error
+            ):
+                proc.clean_end = True
 
     def prune(self, now: float) -> None:
         """Forget requests finished more than ``FINISHED_KEEP_S`` ago; keep at most ``MAX_REQUESTS``."""

@@ -567,3 +567,58 @@ def test_a_process_the_os_shows_stopped_is_stopped_to_engine_tops_blame_at_once(
     assert known["Worker_DP0_PP0_TP1"].stopped == "stopped by a signal (os state stopped)"
     state.apply_liveness({"Worker_DP0_PP0_TP1": "running"}, 1)
     assert _known_troubles(state) == {}  # running, beating: nothing to say
+
+
+def _running_state(*roles: str):
+    from tracing.telemetry.state import LiveState
+
+    state = LiveState()
+    state.now = time.time()
+    for i, role in enumerate(roles):
+        proc = state._process(role)
+        proc.state, proc.heartbeat_at, proc.pid = "running", state.now - 0.2, 1000 + i
+    return state
+
+
+def test_a_process_that_reports_its_own_clean_exit_reads_exited_not_dead_and_raises_no_alert():
+    from tracing.telemetry.collector import compute_alerts
+    from tracing.telemetry.events import Heartbeat
+
+    state = _running_state("EngineCore_DP0", "Worker_DP0_PP0_TP0")
+    # the worker's own last heartbeat (the harness, exit status 0), then its parent's word
+    state.apply(Heartbeat(role="Worker_DP0_PP0_TP0", pid=1001, seq=5, t=state.now, cpu_percent=0.0,
+                          rss_bytes=0, num_threads=1, exited={"Worker_DP0_PP0_TP0": "exited with code 0"}))  # fmt: skip
+    state.derive(state.now + 0.1)
+    worker = state.processes["Worker_DP0_PP0_TP0"]
+    assert (worker.state, worker.exit_description) == ("exited", "exited with code 0")
+    assert not worker.alive and worker.gone
+    assert [a for a in compute_alerts(state) if a.role == "Worker_DP0_PP0_TP0"] == []
+
+
+def test_a_clean_end_of_the_instance_reads_exited_but_a_killed_process_stays_dead():
+    from tracing.telemetry.collector import compute_alerts
+
+    state = _running_state("APIServer_0", "EngineCore_DP0", "Worker_DP0_PP0_TP0")
+    state.processes["Worker_DP0_PP0_TP0"].exit_description = "killed by SIGKILL (exit status -9)"
+    state.instance_ended(clean=True)  # its run directory removed, no post-mortem kept
+    state.derive(state.now + 0.1)
+    assert state.processes["APIServer_0"].state == "exited"  # the owner: stopped with the instance
+    assert state.processes["EngineCore_DP0"].state == "exited"
+    assert state.processes["Worker_DP0_PP0_TP0"].state == "dead"  # its parent said how it died
+    alerts = compute_alerts(state)
+    assert [(a.severity, a.role) for a in alerts if "is dead" in a.message] == [
+        ("error", "Worker_DP0_PP0_TP0")
+    ]
+
+
+def test_an_instance_that_ended_after_a_failure_leaves_its_processes_dead():
+    from tracing.telemetry.collector import compute_alerts
+
+    state = _running_state("APIServer_0", "EngineCore_DP0")
+    state.instance_ended(clean=False)  # a post-mortem was kept: the tree ended after a failure
+    state.derive(state.now + 0.1)
+    assert {p.state for p in state.processes.values()} == {"dead"}
+    assert sorted(a.role for a in compute_alerts(state) if "is dead" in a.message) == [
+        "APIServer_0",
+        "EngineCore_DP0",
+    ]

@@ -1238,6 +1238,28 @@ def test_waiting_and_gone_screens():
     app.poll()
     text = render(app.render(120, 50), width=120)
     assert "is gone (its owner exited) — last state shown" in text and "Worker_DP0_PP0_TP1" in text
+    assert "✗ the instance in /x is gone" in text  # its processes did not all stop cleanly
+
+
+def test_an_instance_that_stopped_cleanly_reads_exited_with_no_alert():
+    from tracing.telemetry.collector import compute_alerts
+
+    # SIGTERM to the server: every process exited 0 (the children said so in their last
+    # heartbeats), the owner stopped with the instance. Nothing is red, nothing alerts.
+    stopped = make_state()
+    stopped.status, stopped.message = "gone", "the instance in /x is gone"
+    for p in stopped.processes.values():
+        if p.state != "planned":
+            p.exit_description = "exited with code 0"
+    stopped.instance_ended(clean=True)
+    stopped.derive(stopped.now)
+    stopped.alerts = compute_alerts(stopped)
+    app = App(open_live=lambda run_dir, base: FakeCollector(stopped))
+    app.poll()
+    text = render(app.render(160, 50), width=160)
+    assert "✓ the instance in /x is gone: it stopped cleanly — last state shown" in text
+    assert "✓ exited with code 0" in text and "✗" not in text and "is dead" not in text
+    assert stopped.alerts == []
 
 
 def test_a_collector_that_cannot_open_is_retried_not_fatal():
