@@ -60,7 +60,9 @@ def test_start_up_stages_in_order_with_parents_and_step_phases(monkeypatch):
     warm_up = one[catalogue.WORKER_COMPILE_OR_WARM_UP_MODEL].attributes
     assert warm_up[catalogue.ATTR_COMPILE_MODE] == "inductor"
     assert warm_up[catalogue.ATTR_COMPILE_NUM_GRAPHS] == 1 and warm_up[catalogue.ATTR_COMPILE_SECONDS] > 0
-    assert warm_up[catalogue.ATTR_COMPILE_CACHE] in ("hit", "miss")  # a warm or a cold start
+    # A warm start, a cold one, or both (AOTAutograd's cache missed on this process's config
+    # while Inductor's held the graph another test compiled): never "off" on the default.
+    assert warm_up[catalogue.ATTR_COMPILE_CACHE] in ("hit", "miss", "mixed")
     kv = one[catalogue.ENGINE_CORE_INITIALIZE_KV_CACHE].attributes
     assert kv[catalogue.ATTR_KV_NUM_BLOCKS] > 1 and kv[catalogue.ATTR_KV_BLOCK_SIZE] == 16
     # One block's bytes and the numbers they are made of (the bundled model: 4 layers, 4 KV heads of 32, float32).
