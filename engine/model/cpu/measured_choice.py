@@ -41,7 +41,10 @@ from engine.utils.cpu_load import OthersLoad
 
 logger = init_logger(__name__)
 
-VERSION = 1  # bump when a measurement's method changes: old verdicts are then ignored
+# Bump when a measurement's method changes: old verdicts are then ignored. 2: a busy
+# measurement keeps the choice's default (``busy_default``); version 1's step_threads verdicts
+# timed under load said "1 thread" for good on a 2-core machine that is faster with 2 when quiet.
+VERSION = 2
 
 # The instruction sets that decide which kernel is fastest (the rest of /proc/cpuinfo's flags
 # change nothing a choice here depends on, and would make the key differ between VMs).
@@ -133,7 +136,8 @@ def cache_path(name: str, key: Mapping[str, Any]) -> Path:
 
 # Other processes taking this many CPUs or more while a choice was measured make its verdict
 # provisional: a later start measures again (at most ``REMEASURE_BUSY`` times), so one busy
-# moment does not decide for good.
+# moment does not decide for good; a choice that load itself tilts (how many threads, a
+# one-thread compiled step against a multi-threaded eager one) keeps its default meanwhile.
 BUSY_CPUS = 0.5
 REMEASURE_BUSY = 2
 # What measures the other processes' load during a measurement (tests put a fixed one).
@@ -144,6 +148,7 @@ def measured(
     name: str,
     key: Mapping[str, Any],
     measure: Callable[[], tuple[str, str, dict[str, Any]]],
+    busy_default: tuple[str, dict[str, Any]] | None = None,
 ) -> Verdict:
     """The cached verdict for ``(name, key)`` on this machine, else ``measure()``'s —
     ``(choice, detail, data)`` — timed and written to the cache (atomically: two workers
@@ -151,7 +156,13 @@ def measured(
     file is measured again; an unwritable cache directory only costs the next start a new
     measurement (logged). How busy the machine was meanwhile (other processes' CPUs,
     ``engine/utils/cpu_load.py``) is said in the detail; a verdict measured while they took
-    ``BUSY_CPUS`` or more is measured again at the next start, up to ``REMEASURE_BUSY`` times."""
+    ``BUSY_CPUS`` or more is measured again at the next start, up to ``REMEASURE_BUSY`` times.
+
+    ``busy_default``: ``(choice, data)`` to use instead of a busy measurement's winner, for a
+    choice the load itself tilts: timed while another process holds a core, fewer threads
+    always win (the thread count is then the live governor's business, not a verdict's).
+    Such a verdict says so in its detail and is what the cache keeps, so a machine busy at
+    every try ends with the default, never with a choice made by someone else's load."""
     path = cache_path(name, key)
     remeasured = 0
     try:
@@ -168,6 +179,9 @@ def measured(
     others = load.others()
     if others is not None and others >= 0.05:
         detail += f" (other processes took {others:.1f} CPU meanwhile)"
+    if busy_default is not None and others is not None and others >= BUSY_CPUS and choice != busy_default[0]:
+        detail = f"the default kept, the machine was busy while timed ({choice} measured faster: {detail})"
+        choice, data = busy_default
     verdict = Verdict(name, choice, "measured", detail, data, seconds=time.perf_counter() - start)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -126,7 +126,9 @@ def choose_step_threads(
 
     Returns:
         A ``Verdict`` whose ``data["threads"]`` is the count with the least total time, if it
-        beats the whole share by ``FEWER_THREADS_MIN_GAIN`` — else the whole share.
+        beats the whole share by ``FEWER_THREADS_MIN_GAIN`` — else the whole share. Timed
+        while other processes held a CPU (``measured_choice.BUSY_CPUS``), the whole share:
+        fewer threads always win then, and the governor already lowers the count under load.
     """
     share = candidates[0]
     if len(candidates) == 1:
@@ -144,7 +146,8 @@ def choose_step_threads(
         )
         return str(best), detail, {"threads": best}
 
-    return measured("step_threads", {**key, "candidates": list(candidates), "rounds": ROUNDS}, measure)
+    return measured("step_threads", {**key, "candidates": list(candidates), "rounds": ROUNDS}, measure,
+                    busy_default=(str(share), {"threads": share}))  # fmt: skip
 
 
 def choose_compiled_step(
@@ -161,7 +164,7 @@ def choose_compiled_step(
 
     Returns:
         A ``Verdict`` whose ``data["compiled"]`` is False only where eager measured at least
-        ``EAGER_MIN_GAIN``× faster at every timed shape.
+        ``EAGER_MIN_GAIN``× faster at every timed shape, and not timed while the machine was busy.
     """
 
     def measure() -> tuple[str, str, dict]:
@@ -173,7 +176,8 @@ def choose_compiled_step(
         )
         return ("eager" if eager_wins else "compiled"), detail, {"compiled": not eager_wins}
 
-    return measured("compiled_step", {**key, "rounds": ROUNDS, "min_gain": EAGER_MIN_GAIN}, measure)
+    return measured("compiled_step", {**key, "rounds": ROUNDS, "min_gain": EAGER_MIN_GAIN}, measure,
+                    busy_default=("compiled", {"compiled": True}))  # fmt: skip
 
 
 # The parts of the checkpoint's config.json that change a step's cost.

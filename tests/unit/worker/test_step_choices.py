@@ -64,6 +64,29 @@ def test_the_thread_count_follows_the_measurement_and_a_tie_keeps_the_share(ms, 
     assert again.source == "cached" and again.data == v.data and len(calls) == 1
 
 
+def test_timed_while_another_process_holds_a_core_the_share_is_kept_until_a_quiet_start_decides(monkeypatch):
+    # Under load one thread always wins (the other core is taken); that verdict, cached, made
+    # a 2-core machine run its quiet steps on one thread for good.
+    class Busy:
+        def others(self) -> float:
+            return 1.0
+
+    monkeypatch.setattr(measured_choice, "load_meter", Busy)
+    calls = []
+    one_faster = fake_threads({2: (22.0, 43.0), 1: (9.8, 25.0)}, calls)
+    v = step_choices.choose_step_threads([2, 1], SHAPES, one_faster, {"model": "m"})
+    assert (v.choice, v.data) == ("2", {"threads": 2})
+    assert "the default kept, the machine was busy" in v.detail and "1 measured faster" in v.detail
+    busy_compiled = step_choices.choose_compiled_step(
+        SHAPES, lambda: {"compiled": dict.fromkeys(SHAPES, 0.03), "eager": dict.fromkeys(SHAPES, 0.01)}, {}
+    )
+    assert busy_compiled.data == {"compiled": True}
+    # The next start is quiet: it measures again, and now the measurement decides.
+    monkeypatch.setattr(measured_choice, "load_meter", Quiet)
+    v = step_choices.choose_step_threads([2, 1], SHAPES, one_faster, {"model": "m"})
+    assert (v.source, v.data, len(calls)) == ("measured", {"threads": 1}, 2)
+
+
 def test_one_candidate_is_not_timed():
     v = step_choices.choose_step_threads([1], SHAPES, lambda: pytest.fail("timed"), {})
     assert (v.choice, v.source) == ("1", "the only candidate")
