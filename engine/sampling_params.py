@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import json
 import math
 from typing import Any
 
@@ -85,7 +86,8 @@ class RequestOutputKind(enum.IntEnum):
 class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """One output constraint (vLLM's ``StructuredOutputsParams``): exactly one of
 
-    - ``json``: a JSON schema (a dict, or its JSON text) the output must validate against;
+    - ``json``: a JSON schema (a dict, or its JSON text; a dict is kept as its text) the
+      output must validate against;
     - ``json_object``: any JSON object;
     - ``regex``: a regular expression (Rust ``regex`` syntax, as llguidance reads it) the
       whole output must match;
@@ -121,6 +123,11 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             )
         if self.choice is not None and (not self.choice or any(not isinstance(c, str) for c in self.choice)):
             raise ValueError("structured_outputs.choice must be a non-empty list of strings.")
+        if isinstance(self.json, dict):
+            # A schema travels to the engine core as its JSON text: msgpack holds no integer
+            # beyond 64 bits, and a schema may ("minimum": -1e26 written as an integer) —
+            # as a dict it failed the request's encoding with a 500 instead of compiling.
+            self.json = json.dumps(self.json)
 
     @property
     def kind(self) -> str:

@@ -14,6 +14,7 @@ import json
 import random
 
 import jsonschema
+import msgspec
 import numpy as np
 import pytest
 
@@ -201,6 +202,19 @@ def test_validation_names_the_field_and_says_why(params, field):
     with pytest.raises(ValueError) as e:
         validate_guidance_grammar(params)
     assert str(e.value).startswith(f"{field}: ") and len(str(e.value)) > len(field) + 2
+
+
+def test_a_schema_with_an_integer_beyond_64_bits_crosses_the_wire_and_compiles():
+    # Found by schemathesis on /v1/responses: a schema holding -116304161851260587078582272
+    # could not be msgpack-encoded for the engine core, and the request was a 500.
+    schema = {"type": "string", "examples": [-116304161851260587078582272]}
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(json=schema))
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams)
+    assert json.loads(wire.structured_outputs.json) == schema
+    validate_guidance_grammar(wire.structured_outputs)
+    # Where the grammar cannot take the number, the grammar says so: a 400 naming the field.
+    with pytest.raises(ValueError, match=r"^structured_outputs\.json: .*integer"):
+        validate_guidance_grammar(StructuredOutputsParams(json={"type": "integer", "minimum": -(2**90)}))
 
 
 def test_params_carry_exactly_one_constraint():
