@@ -329,30 +329,27 @@ def runs_as_text(runs_as: dict[str, str]) -> str:
     (measured), step threads 2 (cached), compiled or eager: compiled (measured)``; "" when it
     recorded none.
     ``graphs_after_warm_up`` (a count for scripts) is already in ``compile``'s text."""
-    order = ("device", "dtype", "compile", "attention", "cpu_threads", "bf16_linear", "bf16_attention",
-             "step_threads", "compiled_step", "attention_task_shape", "graphs_after_warm_up")  # fmt: skip
+    worded = {"device", "dtype", "graphs_after_warm_up", *(key for key, _ in _RUNS_AS_WORDS)}
     parts = []
     head = " ".join(runs_as[k] for k in ("device", "dtype") if runs_as.get(k))
     if head:
         parts.append(head)
-    if runs_as.get("compile"):
-        parts.append(runs_as["compile"])
-    if runs_as.get("attention"):
-        parts.append(f"attention {runs_as['attention']}")
-    if runs_as.get("cpu_threads"):
-        parts.append(f"{runs_as['cpu_threads']} CPU threads")
-    if runs_as.get("bf16_linear"):
-        parts.append(f"bfloat16 linears {runs_as['bf16_linear']}")
-    if runs_as.get("bf16_attention"):
-        parts.append(f"bfloat16 prefill attention {runs_as['bf16_attention']}")
-    if runs_as.get("step_threads"):
-        parts.append(f"step threads {runs_as['step_threads']}")
-    if runs_as.get("compiled_step"):
-        parts.append(f"compiled or eager: {runs_as['compiled_step']}")
-    if runs_as.get("attention_task_shape"):
-        parts.append(f"decode attention tasks: {runs_as['attention_task_shape']}")
-    parts += [f"{k} {v}" for k, v in sorted(runs_as.items()) if k not in order]
+    parts += [template.format(runs_as[key]) for key, template in _RUNS_AS_WORDS if runs_as.get(key)]
+    parts += [f"{k} {v}" for k, v in sorted(runs_as.items()) if k not in worded]
     return ", ".join(parts)
+
+
+# How runs_as_text words each of a worker's ``runs_as`` entries after its device and dtype, in order.
+_RUNS_AS_WORDS = (
+    ("compile", "{}"),
+    ("attention", "attention {}"),
+    ("cpu_threads", "{} CPU threads"),
+    ("bf16_linear", "bfloat16 linears {}"),
+    ("bf16_attention", "bfloat16 prefill attention {}"),
+    ("step_threads", "step threads {}"),
+    ("compiled_step", "compiled or eager: {}"),
+    ("attention_task_shape", "decode attention tasks: {}"),
+)
 
 
 def placement_text(placement: dict[str, str]) -> str:
