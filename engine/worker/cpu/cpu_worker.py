@@ -182,7 +182,8 @@ class CPUWorker(Worker):
         gauges = super().telemetry_gauges()
         if self.device is not None and self.device.type == "cpu":
             gauges[events.GAUGE_WORKER_THREADS] = get_op_threads()
-            most = self._governor.max_threads if self._governor is not None else get_op_threads()
+            governor = self._governor  # read once: the step thread may set it to None meanwhile
+            most = governor.max_threads if governor is not None else get_op_threads()
             gauges[events.GAUGE_WORKER_THREADS_MAX] = most
         return gauges
 
