@@ -45,6 +45,30 @@ def test_a_process_builds_more_engines_than_dynamos_default_recompile_limit():
         assert compiled.num_graphs == 1
 
 
+class Scaler(torch.nn.Module):
+    """Multiplies by the sum of its ``size`` ones: ``size`` itself."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.ones = torch.nn.Parameter(torch.ones(size), requires_grad=False)
+
+    def forward(self, input_ids, positions, kv_caches, meta, intermediate_tensors):
+        return input_ids * self.ones.sum()
+
+
+def test_models_of_one_process_each_run_their_own_graph():
+    """The compiled forward keeps no guard on the model (its parameters' shapes go unchecked at
+    each call), so each ``CompiledModel`` keeps its own graphs: a second model of another shape
+    in the same process (``GLASSBOX_ENABLE_MULTIPROCESSING=0``, a notebook) must not run the
+    first one's graph — it would multiply by 2 where it should by 5."""
+    ids = torch.arange(4, dtype=torch.float32)
+    two, five = CompiledModel(Scaler(2)), CompiledModel(Scaler(5))
+    assert two(ids, ids).tolist() == [0.0, 2.0, 4.0, 6.0]
+    assert five(ids, ids).tolist() == [0.0, 5.0, 10.0, 15.0]
+    assert two(ids, ids).tolist() == [0.0, 2.0, 4.0, 6.0]
+    assert (two.num_graphs, five.num_graphs) == (1, 1)
+
+
 def test_a_cold_start_compiles_and_a_warm_one_loads_from_the_cache(tmp_path, monkeypatch):
     """The first compile in an empty cache directory is a miss (compiled, then written); the
     next model of the same code, as the next server start, loads its graph: a hit. The
