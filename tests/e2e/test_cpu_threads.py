@@ -287,10 +287,14 @@ def test_an_engine_in_the_callers_process_keeps_the_callers_threads_and_follows_
     monkeypatch.setenv("GLASSBOX_ENABLE_MULTIPROCESSING", "0")
     monkeypatch.delenv(BIND, raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    from engine.model.cpu.op_threads import get_op_threads, set_op_threads
+
     before = torch.get_num_threads()
+    set_op_threads(1)  # what an earlier engine of this process chose: not the caller's count
     with LLM(str(tiny), max_model_len=128, enforce_eager=True) as llm:
         llm.generate([{"prompt_token_ids": [7, 8, 9]}], SamplingParams(temperature=0, max_tokens=2))
     assert torch.get_num_threads() == before  # the caller's count, untouched
+    assert get_op_threads() == before  # and no choice of this engine's left behind for the next one
     if before >= 2:
         assert (
             "in the caller's process: left as they are, fewer while other processes take CPUs" in caplog.text

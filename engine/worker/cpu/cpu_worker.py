@@ -16,7 +16,7 @@ import os
 from typing import Any
 
 from engine import envs
-from engine.model.cpu.op_threads import get_op_threads
+from engine.model.cpu.op_threads import get_op_threads, set_op_threads
 from engine.outputs import ModelRunnerOutput
 from engine.sched.output import SchedulerOutput
 from engine.worker.cpu.cpu_thread_governor import CpuThreadGovernor
@@ -51,6 +51,8 @@ class CPUWorker(Worker):
         from engine.logger import get_process_role
 
         pc = self.config.parallel_config
+        if get_process_role() == "Main":  # the caller's process: its count, not what an earlier engine chose
+            set_op_threads(None)
         plan = plan_cpu_threads(
             envs.GLASSBOX_CPU_OMP_THREADS_BIND,
             worker_index=pc.data_parallel_rank * pc.world_size + self.rank,
@@ -175,6 +177,13 @@ class CPUWorker(Worker):
         if self._governor.changes != changes:
             set_runs_as({"cpu_threads": self._threads_text()})
         return output
+
+    def shutdown(self) -> None:
+        """``Worker.shutdown``, and the step's thread count (process-wide, ``op_threads.py``)
+        back to torch's: an engine in the caller's process leaves its choice behind for no
+        one, and the next engine there starts from the caller's count."""
+        super().shutdown()
+        set_op_threads(None)
 
     def telemetry_gauges(self) -> dict[str, float]:
         """``Worker.telemetry_gauges`` and, on a CPU, the step's thread count now and the most
