@@ -51,7 +51,12 @@ from engine.config import EngineConfig
 from engine.kv_cache.kv_cache_interface import FullAttentionSpec, KVCacheConfig, kv_cache_spec
 from engine.model.attention import AttentionMetadata, KVCache
 from engine.model.attention_selector import set_attention_backend
-from engine.model.cpu.compile import CompiledModel, missing_cxx_compiler, use_compile_cache_dir
+from engine.model.cpu.compile import (
+    CompiledModel,
+    missing_cxx_compiler,
+    prefetch_compiler,
+    use_compile_cache_dir,
+)
 from engine.model.cpu.op_threads import op_threads
 from engine.model.forward_context import set_forward_context
 from engine.model.loader import load_model
@@ -233,6 +238,8 @@ class ModelRunner:
         self.model_expert_bytes = 0  # the routed experts' share of model_weight_bytes (MoE)
         self.kv_caches: list[KVCache] = []
         self.compiled: CompiledModel | None = None  # set by warm_up unless the model runs eagerly
+        if self._why_eager() is None:
+            prefetch_compiler()  # its imports overlap the weights' load and the KV cache's sizing
         self.attention_layers: list = []  # this stage's Attention modules, by local layer index
         self.moe_layers: dict[int, FusedMoE] = {}  # this stage's MoE layers' experts, by local layer index
         self.attention_backend = self.model_config.attention_backend  # resolved by warm_up
