@@ -17,6 +17,7 @@ from typing import Any
 from engine.config import (
     BLOCK_SIZES,
     CPU_BF16_MODES,
+    CPU_F32_LINEAR_MODES,
     DEFAULT_DP_RPC_PORT,
     DEFAULT_MAX_LOGPROBS,
     DEFAULT_MODEL,
@@ -291,6 +292,7 @@ class EngineArgs:
     attention_backend: str | None = None
     cpu_bf16_linear: str = "auto"
     cpu_bf16_attention: str = "auto"
+    cpu_f32_linear: str = "auto"
     device: str = "auto"
     load_format: str = "safetensors"
     otlp_traces_endpoint: str | None = None
@@ -373,6 +375,15 @@ class EngineArgs:
             help="How a bfloat16 model's prefill attention runs on a CPU: auto (the default) times "
             "torch's SDPA in bfloat16 against float32 at the model's heads, once per CPU (cached), "
             "and takes the faster; native or upcast forces one.",
+        )
+        g.add_argument(
+            "--cpu-f32-linear",
+            default=d.cpu_f32_linear,
+            choices=CPU_F32_LINEAR_MODES,
+            help="How a float32 model's linears run on a CPU at a few rows (a small decode batch): "
+            "auto (the default) times torch's plain matmul against oneDNN's pre-packed one at the "
+            "model's shapes at 1, 2 and 4 rows, once per CPU (cached), and runs the plain one up "
+            "to the row count where it is faster; packed or plain forces one at every row count.",
         )
         g.add_argument(
             "--runner",
@@ -699,6 +710,7 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             cpu_bf16_linear=self.cpu_bf16_linear,
             cpu_bf16_attention=self.cpu_bf16_attention,
+            cpu_f32_linear=self.cpu_f32_linear,
             served_model_name=self.served_model_name,
             trust_remote_code=self.trust_remote_code,
             tokenizer_mode=self.tokenizer_mode,

@@ -345,6 +345,7 @@ _RUNS_AS_WORDS = (
     ("attention", "attention {}"),
     ("cpu_threads", "{} CPU threads"),
     ("bf16_linear", "bfloat16 linears {}"),
+    ("f32_linear", "float32 linears {}"),
     ("bf16_attention", "bfloat16 prefill attention {}"),
     ("step_threads", "step threads {}"),
     ("compiled_step", "compiled or eager: {}"),

@@ -55,6 +55,9 @@ ATTENTION_BACKENDS = ("TORCH_SDPA", "PAGED_INDUCTOR", "CPU_PAGED_CPP")
 # --cpu-bf16-linear / --cpu-bf16-attention: how a bfloat16 model's linears and prefill
 # attention run on a CPU (engine/model/cpu/linear.py, prefill_attention.py).
 CPU_BF16_MODES = ("auto", "native", "upcast")
+# --cpu-f32-linear: whether a float32 model's linears at a few rows run through torch's plain
+# matmul instead of oneDNN's packed one (engine/model/cpu/linear.py).
+CPU_F32_LINEAR_MODES = ("auto", "packed", "plain")
 # --runner and --convert (vLLM 0.32's RunnerOption, ConvertOption): what each runner may be
 # converted with; draft (speculative decoding) and classify are left out.
 RUNNER_OPTIONS = ("auto", "generate", "pooling")
@@ -161,6 +164,7 @@ class ModelConfig:
     attention_backend: str | None = None
     cpu_bf16_linear: str = "auto"
     cpu_bf16_attention: str = "auto"
+    cpu_f32_linear: str = "auto"
     served_model_name: str | None = None
     trust_remote_code: bool = False
     tokenizer_mode: str = "auto"
@@ -221,6 +225,9 @@ class ModelConfig:
                             ("--cpu-bf16-attention", self.cpu_bf16_attention)):  # fmt: skip
             if value not in CPU_BF16_MODES:
                 raise ConfigError(flag, value, f"allowed: {', '.join(CPU_BF16_MODES)}")
+        if self.cpu_f32_linear not in CPU_F32_LINEAR_MODES:
+            raise ConfigError("--cpu-f32-linear", self.cpu_f32_linear,
+                              f"allowed: {', '.join(CPU_F32_LINEAR_MODES)}")  # fmt: skip
         if not isinstance(self.seed, int):
             raise ConfigError("--seed", self.seed, "must be an integer")
         limit = self.max_position_embeddings

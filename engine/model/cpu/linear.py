@@ -21,6 +21,13 @@ four times the bfloat16 weight's size, so not where those copies would take more
 quarter of the memory available (``F32_COPIES_MAX_SHARE``). ``--cpu-bf16-linear
 native|upcast`` forces either side.
 
+float32 at a few rows: a decode batch of one or two multiplies each weight by a vector or
+two, where torch's plain matmul (``F.linear`` on the unpacked weight) can beat oneDNN's packed
+call (on the AMX Xeon the small model's 33 linears at one row: 5.2 against 6.8 ms; from four
+rows the packed call wins). ``choose_f32_linear`` times a pass over the model's linears both
+ways at ``F32_TIMING_ROWS`` and steps up to the measured row count run the plain one (the
+weight is kept anyway: no memory); ``--cpu-f32-linear packed|plain`` forces either side.
+
 Under ``torch.compile`` a packed linear is one opaque op, ``glassbox::onednn_linear``:
 Inductor's own oneDNN lowering wants the weights frozen into the graph, which would rule out
 the on-disk compile cache (``compile.py``).
@@ -35,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config.model import CPU_BF16_MODES
+from engine.config.model import CPU_BF16_MODES, CPU_F32_LINEAR_MODES
 from engine.logger import init_logger
 from engine.model.cpu.measured_choice import Verdict, measured, time_candidates
 from engine.model.cpu.op_threads import get_op_threads, op_threads
@@ -52,6 +59,17 @@ logger = init_logger(__name__)
 # the verdict of ``choose_bf16_linear``, set by ``pack_linear_weights``. Read per call by
 # ``_onednn_linear`` (inside the compiled graph too: the packed op is opaque to Inductor).
 _bf16_as_f32_min_rows: int | None = None
+
+# Rows of input up to which this process's float32 linears run through torch's plain matmul
+# (None: never): the verdict of ``choose_f32_linear``, set by ``pack_linear_weights``.
+_f32_plain_max_rows: int | None = None
+
+# The row counts a float32 linear is timed at for the plain matmul (small decode batches).
+F32_TIMING_ROWS = (1, 2, 4)
+# The plain matmul must be at least this much faster to be chosen (a tie keeps the packed one).
+F32_PLAIN_MIN_GAIN = 1.1
+# --cpu-f32-linear plain: every row count.
+_EVERY_ROW_COUNT = 2**31
 
 # The row counts a bfloat16 linear is timed at (decode batches to a prefill chunk's size).
 BF16_TIMING_ROWS = (16, 64, 256)
@@ -102,6 +120,8 @@ def _onednn_linear(
     if rows == 0:
         return F.linear(x, weight, bias)
     with op_threads():  # the worker's thread count of the moment (engine/model/cpu/op_threads.py)
+        if _f32_plain_max_rows is not None and rows <= _f32_plain_max_rows and x.dtype == torch.float32:
+            return F.linear(x, weight, bias)  # a few rows: torch's plain matmul measured faster
         if packed_f32 is not None and _bf16_as_f32_min_rows is not None and rows >= _bf16_as_f32_min_rows:
             # Exactly the bfloat16 matmul's math (bfloat16 operands, float32 products and sums,
             # one rounding of the result), on the CPU's faster float32 units.
@@ -248,7 +268,86 @@ def choose_bf16_linear(
     return measured("bf16_linear", key, measure)
 
 
-def pack_linear_weights(model: nn.Module, bf16_linear: str = "auto") -> int:
+def _time_f32_linears(
+    layers: list[tuple[torch.Tensor, torch.Tensor]], rows: int, timer: Callable[[], float]
+) -> dict[str, float]:
+    """Median seconds of one pass over the model's float32 linears (``(weight, packed)`` each,
+    in model order) at ``rows`` rows of input: oneDNN's packed call (``packed``) against
+    torch's plain matmul on the weight as it is (``plain``). The whole model, not one weight
+    of each shape: a weight timed alone stays in the cache between calls, which flattered the
+    plain matmul at four rows (faster alone, 7 % slower in a real step)."""
+    inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=torch.float32) for w, _ in layers}
+
+    def packed_pass() -> None:
+        for w, packed in layers:
+            torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], packed, None, "none", [], "")
+
+    def plain_pass() -> None:
+        for w, _ in layers:
+            F.linear(inputs[w.shape[1]], w)
+
+    with torch.inference_mode(), op_threads():
+        return time_candidates({"packed": packed_pass, "plain": plain_pass}, rounds=5, timer=timer)
+
+
+def choose_f32_linear(
+    layers: list[tuple[torch.Tensor, torch.Tensor]],
+    mode: str = "auto",
+    time_linears: Callable[[list[tuple[torch.Tensor, torch.Tensor]], int], dict[str, float]] | None = None,
+) -> Verdict:
+    """Up to how many rows this model's float32 linears run through torch's plain matmul
+    rather than oneDNN's packed one: by measurement on this CPU.
+
+    Args:
+        layers: the model's float32 linears as ``(weight (out, in), packed weight)``, in model
+            order; a pass over all of them is timed at each of ``F32_TIMING_ROWS``.
+        mode: ``--cpu-f32-linear``: ``auto`` (measure, or read an earlier start's verdict),
+            ``packed`` or ``plain`` (forced, at every row count).
+        time_linears: ``(layers, rows) -> {"packed": s, "plain": s}``; tests pass a fake.
+
+    Returns:
+        A ``Verdict`` whose ``data["max_rows"]`` is the largest of ``F32_TIMING_ROWS`` up to
+        which the plain matmul is at least ``F32_PLAIN_MIN_GAIN``× faster at that row count
+        and every smaller one, or None (packed always).
+
+    Raises:
+        ValueError: ``mode`` is not one of ``CPU_F32_LINEAR_MODES``.
+    """
+    if mode not in CPU_F32_LINEAR_MODES:
+        raise ValueError(f"--cpu-f32-linear {mode!r}: allowed: {', '.join(CPU_F32_LINEAR_MODES)}")
+    if mode == "packed":
+        return Verdict("f32_linear", "packed", "forced by --cpu-f32-linear", data={"max_rows": None})
+    if mode == "plain":
+        return Verdict(
+            "f32_linear", "plain", "forced by --cpu-f32-linear", data={"max_rows": _EVERY_ROW_COUNT}
+        )
+    timer = time.perf_counter
+    time_pass = time_linears or (lambda layers, rows: _time_f32_linears(layers, rows, timer))
+
+    def measure() -> tuple[str, str, dict]:
+        totals = {rows: time_pass(layers, rows) for rows in F32_TIMING_ROWS}
+        max_rows = None
+        for rows in F32_TIMING_ROWS:  # from one row up, while the plain matmul wins
+            if totals[rows]["packed"] >= F32_PLAIN_MIN_GAIN * totals[rows]["plain"]:
+                max_rows = rows
+            else:
+                break
+        detail = "; ".join(
+            f"{rows} rows: packed {1e3 * t['packed']:.2f} ms, plain {1e3 * t['plain']:.2f} ms"
+            for rows, t in totals.items()
+        )
+        choice = "packed" if max_rows is None else f"plain up to {max_rows} rows"
+        return choice, f"the model's linears, {detail}", {"max_rows": max_rows}
+
+    shapes: dict[tuple[int, int], int] = {}
+    for w, _ in layers:
+        shapes[(int(w.shape[0]), int(w.shape[1]))] = shapes.get((int(w.shape[0]), int(w.shape[1])), 0) + 1
+    key = {"shapes": sorted(shapes.items()), "threads": get_op_threads(), "rows": F32_TIMING_ROWS,
+           "min_gain": F32_PLAIN_MIN_GAIN, "timed": "a pass over every layer"}  # fmt: skip
+    return measured("f32_linear", key, measure)
+
+
+def pack_linear_weights(model: nn.Module, bf16_linear: str = "auto", f32_linear: str = "auto") -> int:
     """Put ``CPUPackedLinearMethod`` on every linear of ``model`` (and its ``lm_head``) whose
     weight oneDNN can take, and pack it; returns how many were packed (0 off the CPU). Call
     once, after ``load_weights`` (vLLM: ``process_weights_after_loading``).
@@ -258,8 +357,10 @@ def pack_linear_weights(model: nn.Module, bf16_linear: str = "auto") -> int:
     float32 matmuls of upcast weights (``packed_weight_f32``, twice the bytes) — unless those
     copies would take more than ``F32_COPIES_MAX_SHARE`` of the memory available now (a big
     model on a small machine): then the bfloat16 kernel serves every step, and a log line
-    says so. The verdict is kept as ``model.measured_choices`` (the worker's status shows it)."""
-    global _bf16_as_f32_min_rows
+    says so. For float32 weights, ``choose_f32_linear`` decides (``f32_linear``:
+    ``--cpu-f32-linear``) up to how many rows torch's plain matmul serves instead. The verdicts
+    are kept as ``model.measured_choices`` (the worker's status shows them)."""
+    global _bf16_as_f32_min_rows, _f32_plain_max_rows
     targets = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
     head = getattr(model, "lm_head", None)
     if isinstance(head, VocabParallelEmbedding):  # ParallelLMHead, or the tied embedding table
@@ -284,6 +385,17 @@ def pack_linear_weights(model: nn.Module, bf16_linear: str = "auto") -> int:
         if module.packed_weight is not None:
             module.linear_method = method
             packed += 1
+    f32 = [
+        (m.weight, m.packed_weight)
+        for m in targets
+        if m.weight.dtype == torch.float32 and m.packed_weight is not None
+    ]
+    _f32_plain_max_rows = None
+    if f32:
+        verdict = choose_f32_linear(f32, f32_linear)
+        logger.info("%s", verdict.text())
+        _f32_plain_max_rows = verdict.data.get("max_rows")
+        model.measured_choices = [*getattr(model, "measured_choices", []), verdict]
     return packed
 
 

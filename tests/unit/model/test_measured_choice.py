@@ -10,7 +10,7 @@ import torch
 
 from engine.model.cpu import linear as cpu_linear
 from engine.model.cpu import measured_choice
-from engine.model.cpu.linear import choose_bf16_linear
+from engine.model.cpu.linear import choose_bf16_linear, choose_f32_linear
 from engine.model.cpu.measured_choice import time_candidates
 
 
@@ -249,3 +249,88 @@ def test_a_verdict_measured_while_the_machine_was_busy_is_measured_again_a_bound
     FixedLoad.cpus = 0.1
     measured_choice.measured("demo", {"k": 2}, measure)
     assert measured_choice.measured("demo", {"k": 2}, measure).source == "cached"
+
+
+# ------------------------------------------------------------------ float32 linears at a few rows
+
+
+def f32_timing(plain_faster_up_to: int | None, log: list | None = None):
+    """(layers, rows) -> times: the plain matmul twice as fast up to ``plain_faster_up_to`` rows."""
+
+    def time_linears(layers, rows):
+        if log is not None:
+            log.append((len(layers), rows))
+        work = rows * sum(w.numel() for w, _ in layers) * 1e-9
+        fast = plain_faster_up_to is not None and rows <= plain_faster_up_to
+        return {"packed": work, "plain": work / 2 if fast else work * 2}
+
+    return time_linears
+
+
+def f32_layers(shapes):
+    return [(torch.zeros(o, i), torch.zeros(o, i)) for o, i in shapes]
+
+
+@pytest.mark.parametrize(("faster_up_to", "expect"), [(None, None), (1, 1), (2, 2), (4, 4), (64, 4)])
+def test_the_f32_choice_follows_the_measurement(faster_up_to, expect):
+    log = []
+    v = choose_f32_linear(
+        f32_layers([(64, 32)] * 3 + [(128, 32)]), "auto", time_linears=f32_timing(faster_up_to, log)
+    )
+    assert v.source == "measured" and v.data == {"max_rows": expect}
+    assert v.choice == ("packed" if expect is None else f"plain up to {expect} rows")
+    assert "1 rows: packed" in v.detail and "4 rows: packed" in v.detail
+    # a pass over every layer (a weight timed alone stays in the cache), once per row count
+    assert log == [(4, rows) for rows in cpu_linear.F32_TIMING_ROWS]
+
+
+def test_the_plain_matmul_must_win_at_every_smaller_row_count_and_by_a_margin():
+    def time_linears(layers, rows):  # plain wins at 2 rows only, and at 1 row by 5 %: not enough
+        return {1: {"packed": 1.05, "plain": 1.0}, 2: {"packed": 2.0, "plain": 1.0},
+                4: {"packed": 1.0, "plain": 2.0}}[rows]  # fmt: skip
+
+    v = choose_f32_linear(f32_layers([(8, 8)]), "auto", time_linears=time_linears)
+    assert v.data == {"max_rows": None} and v.choice == "packed"
+
+
+@pytest.mark.parametrize(("mode", "max_rows"), [("packed", None), ("plain", cpu_linear._EVERY_ROW_COUNT)])
+def test_the_f32_flag_forces_a_side_without_measuring(mode, max_rows, tmp_path):
+    def never(layers, rows):
+        raise AssertionError("a forced choice measures nothing")
+
+    v = choose_f32_linear(f32_layers([(8, 8)]), mode, time_linears=never)
+    assert (v.choice, v.source, v.data) == (mode, "forced by --cpu-f32-linear", {"max_rows": max_rows})
+    with pytest.raises(ValueError, match="--cpu-f32-linear 'fast'.*auto, packed, plain"):
+        choose_f32_linear(f32_layers([(8, 8)]), "fast")
+    from engine.config import ConfigError, ModelConfig
+    from tests.tiny_models import build_tiny_checkpoint
+
+    path = build_tiny_checkpoint(tmp_path / "m", "llama")
+    with pytest.raises(ConfigError, match="--cpu-f32-linear.*allowed: auto, packed, plain"):
+        ModelConfig(model=str(path), cpu_f32_linear="fast")
+
+
+@pytest.mark.parametrize("mode", ["packed", "plain"])
+def test_a_f32_linear_gives_the_same_numbers_either_way_and_runs_as_told(mode, monkeypatch):
+    """Either side computes the same float32 product (to float32 rounding); ``plain`` runs
+    torch's matmul on the weight as it is, ``packed`` oneDNN's call — at one row and at 64."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch")
+    from torch import nn
+
+    from engine.model.layers import ColumnParallelLinear
+
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.a = ColumnParallelLinear(64, 96, bias=True)
+    assert cpu_linear.pack_linear_weights(model, f32_linear=mode) == 1
+    assert [v.name for v in model.measured_choices] == ["f32_linear"]
+    calls = []
+    real_pointwise = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(cpu_linear.torch.ops.mkldnn, "_linear_pointwise",
+                        lambda *a: calls.append("packed") or real_pointwise(*a), raising=False)  # fmt: skip
+    with torch.inference_mode():
+        for rows in (1, 64):
+            x = torch.randn(rows, 64)
+            torch.testing.assert_close(model.a(x), x @ model.a.weight.T + model.a.bias, rtol=1e-5, atol=1e-5)
+    assert calls == ([] if mode == "plain" else ["packed", "packed"])
