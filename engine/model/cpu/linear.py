@@ -44,7 +44,7 @@ from torch import nn
 
 from engine.config.model import CPU_BF16_MODES, CPU_F32_LINEAR_MODES
 from engine.logger import init_logger
-from engine.model.cpu.measured_choice import Verdict, measured, time_candidates
+from engine.model.cpu.measured_choice import Verdict, last_of_winning_run, measured, time_candidates
 from engine.model.cpu.op_threads import get_op_threads, op_threads
 from engine.model.layers import (
     ColumnParallelLinear,
@@ -250,12 +250,10 @@ def choose_bf16_linear(
                 per["native"] += counts[shape] * t["native"]
                 per["upcast"] += counts[shape] * t["upcast"]
             totals[rows] = per
-        min_rows = None
-        for rows in reversed(BF16_TIMING_ROWS):  # from the largest down, while upcast wins
-            if totals[rows]["native"] >= BF16_UPCAST_MIN_GAIN * totals[rows]["upcast"]:
-                min_rows = rows
-            else:
-                break
+        # from the largest row count down, while upcast wins
+        min_rows = last_of_winning_run(
+            reversed(BF16_TIMING_ROWS), totals, "upcast", "native", BF16_UPCAST_MIN_GAIN
+        )
         detail = "; ".join(
             f"{rows} rows: native {1e3 * t['native']:.2f} ms, upcast {1e3 * t['upcast']:.2f} ms"
             for rows, t in totals.items()
@@ -326,12 +324,8 @@ def choose_f32_linear(
 
     def measure() -> tuple[str, str, dict]:
         totals = {rows: time_pass(layers, rows) for rows in F32_TIMING_ROWS}
-        max_rows = None
-        for rows in F32_TIMING_ROWS:  # from one row up, while the plain matmul wins
-            if totals[rows]["packed"] >= F32_PLAIN_MIN_GAIN * totals[rows]["plain"]:
-                max_rows = rows
-            else:
-                break
+        # from one row up, while the plain matmul wins
+        max_rows = last_of_winning_run(F32_TIMING_ROWS, totals, "plain", "packed", F32_PLAIN_MIN_GAIN)
         detail = "; ".join(
             f"{rows} rows: packed {1e3 * t['packed']:.2f} ms, plain {1e3 * t['plain']:.2f} ms"
             for rows, t in totals.items()

@@ -29,7 +29,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -119,6 +119,26 @@ def time_candidates(
             fn()
             times[name].append(timer() - start)
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def last_of_winning_run(
+    order: Iterable[Any], times: Mapping[Any, Mapping[str, float]], faster: str, than: str, min_gain: float
+) -> Any | None:
+    """How far a candidate wins, as the measured choices put it: walking ``order`` (row counts,
+    decodes per thread ...), the last key of the unbroken run from the first one where
+    ``faster`` took at most ``1 / min_gain`` of ``than``'s time (``times[key][name]``:
+    seconds); None when it does not win at the first key.
+
+    >>> last_of_winning_run([1, 2, 4], {1: {"a": 1, "b": 2}, 2: {"a": 1, "b": 2}, 4: {"a": 2, "b": 1}}, "a", "b", 1.1)
+    2
+    """
+    last = None
+    for key in order:
+        if times[key][than] >= min_gain * times[key][faster]:
+            last = key
+        else:
+            break
+    return last
 
 
 def cache_dir() -> Path:

@@ -379,7 +379,7 @@ def choose_task_shape(
         all heads per task is ``TASK_SHAPE_MIN_GAIN``× faster there and at every larger count
         (``NEVER`` where it never is). ``time_shapes``: tests pass a fake ``_time_task_shapes``.
     """
-    from engine.model.cpu.measured_choice import Verdict, measured
+    from engine.model.cpu.measured_choice import Verdict, last_of_winning_run, measured
 
     if num_kv_heads == 1:
         return Verdict("attention_task_shape", "one KV head: one shape", "the only candidate",
@@ -388,12 +388,9 @@ def choose_task_shape(
 
     def measure() -> tuple[str, str, dict]:
         t = timer(num_heads, num_kv_heads, head_dim, dtype, block_size, threads)
-        start = NEVER
-        for per_thread in sorted(t, reverse=True):  # from the largest down, while all heads win
-            if t[per_thread]["per_head"] >= TASK_SHAPE_MIN_GAIN * t[per_thread]["all_heads"]:
-                start = per_thread
-            else:
-                break
+        # from the most decodes per thread down, while all heads per task win
+        start = last_of_winning_run(sorted(t, reverse=True), t, "all_heads", "per_head", TASK_SHAPE_MIN_GAIN)
+        start = NEVER if start is None else start
         detail = "; ".join(
             f"{n * threads} decodes: one KV head per task {1e3 * v['per_head']:.3f} ms, "
             f"all {1e3 * v['all_heads']:.3f} ms"
