@@ -1,16 +1,17 @@
 """The thread count of a step's parallel work, set apart from torch's global count.
 
 A CPU worker's thread governor (``engine/worker/cpu/cpu_thread_governor.py``) lowers the number
-of threads while other processes take the worker's CPUs. It cannot simply call
-``torch.set_num_threads``: a compiled forward is guarded on torch's thread count (Dynamo's
-global-state guard, "GLOBAL_STATE changed: num_threads"), and a new count would compile a
-second graph in the middle of serving — a second or more, paid by a request. So the count
-is kept here, and the work that runs in parallel sets it around itself:
+of threads while other processes take the worker's CPUs. It does not simply call
+``torch.set_num_threads``: an engine in the caller's process would change the caller's own
+count, and while the compiled forward kept Dynamo's guard on the global state ("GLOBAL_STATE
+changed: num_threads"; it keeps only its inputs' guards now, ``compile.py``) a new count
+compiled a second graph in the middle of serving. So the count is kept here, and the work that
+runs in parallel sets it around itself:
 
 - in a compiled step, the opaque ops where the parallel work is — the oneDNN linears
   (``glassbox::onednn_linear``) and attention (``glassbox::attention``) — enter
   ``op_threads()``; Inductor's own kernels run on one thread anyway
-  (``engine/model/cpu/compile.py``), and the guard still sees the count the graph was made with;
+  (``engine/model/cpu/compile.py``);
 - an eager step and the sampler run whole inside ``op_threads()``.
 
 ``op_threads()`` sets torch's count for the block and puts it back after (0.14 µs a call).

@@ -266,9 +266,9 @@ def test_chunked_prefill_alongside_decodes(checkpoints, arch, backend, compiled,
 
 
 def test_a_new_thread_count_mid_run_makes_no_second_graph(checkpoints, monkeypatch):
-    """The CPU thread governor lowers the threads while other processes take CPUs. Through
-    ``set_op_threads``, not torch's global count: the compiled graph is guarded on that, and
-    a change would compile a second graph in the middle of serving. Tokens stay
+    """The CPU thread governor lowers the threads while other processes take CPUs, through
+    ``set_op_threads``: a second graph in the middle of serving (a compile, paid by a request)
+    is never made for it, and torch's own count is put back after every op. Tokens stay
     transformers'."""
     from engine.model.cpu.op_threads import get_op_threads, set_op_threads
 
