@@ -121,9 +121,9 @@ def prefetch_compiler() -> None:
     """Start importing Dynamo and Inductor on a background thread, so that the first compile
     finds them loaded: 2.8 s of imports on the AMX Xeon, which the rest of a worker's start-up
     (loading the weights, sizing and allocating the KV cache: mostly torch ops that release
-    the GIL) now overlaps. Measured ``LLM()`` to ready, three interleaved pairs: 8.8 → 8.2 s.
-    ``CompiledModel`` waits for it before importing anything itself, so the two threads never
-    import Dynamo's modules at once. Not in vLLM."""
+    the GIL) now overlaps. Measured ``LLM()`` to ready, medians of three interleaved pairs:
+    9.6 → 8.6 s. ``CompiledModel`` waits for it before importing anything itself, so the two
+    threads never import Dynamo's modules at once. Not in vLLM."""
     global _prefetch
     if _prefetch is None:
         _prefetch = threading.Thread(target=_import_compiler, name="compiler-import", daemon=True)
