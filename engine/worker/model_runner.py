@@ -54,7 +54,6 @@ from engine.model.attention_selector import set_attention_backend
 from engine.model.cpu.compile import (
     CompiledModel,
     missing_cxx_compiler,
-    prefetch_compiler,
     use_compile_cache_dir,
 )
 from engine.model.cpu.op_threads import op_threads
@@ -238,8 +237,6 @@ class ModelRunner:
         self.model_expert_bytes = 0  # the routed experts' share of model_weight_bytes (MoE)
         self.kv_caches: list[KVCache] = []
         self.compiled: CompiledModel | None = None  # set by warm_up unless the model runs eagerly
-        if self._why_eager() is None:
-            prefetch_compiler()  # its imports overlap the weights' load and the KV cache's sizing
         self.attention_layers: list = []  # this stage's Attention modules, by local layer index
         self.moe_layers: dict[int, FusedMoE] = {}  # this stage's MoE layers' experts, by local layer index
         self.attention_backend = self.model_config.attention_backend  # resolved by warm_up

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import os
 import re
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -114,27 +113,6 @@ def missing_cxx_compiler(device: torch.device) -> str | None:
     return f"no C++ compiler ({', '.join(compilers)}) on PATH"
 
 
-_prefetch: threading.Thread | None = None
-
-
-def prefetch_compiler() -> None:
-    """Start importing Dynamo and Inductor on a background thread, so that the first compile
-    finds them loaded: 2.8 s of imports on the AMX Xeon, which the rest of a worker's start-up
-    (loading the weights, sizing and allocating the KV cache: mostly torch ops that release
-    the GIL) now overlaps. Measured ``LLM()`` to ready, medians of three interleaved pairs:
-    9.6 → 8.6 s. ``CompiledModel`` waits for it before importing anything itself, so the two
-    threads never import Dynamo's modules at once. Not in vLLM."""
-    global _prefetch
-    if _prefetch is None:
-        _prefetch = threading.Thread(target=_import_compiler, name="compiler-import", daemon=True)
-        _prefetch.start()
-
-
-def _import_compiler() -> None:
-    import torch._dynamo  # noqa: F401
-    import torch._inductor.compile_fx  # noqa: F401
-
-
 def _input_guards_only(guards: list) -> list[bool]:
     """``guard_filter_fn`` keeping the guards on the forward's arguments (``input_ids``,
     ``positions``, ``intermediate_tensors``: their dtype, rank, None or not) and none on the
@@ -163,8 +141,6 @@ class CompiledModel:
     """
 
     def __init__(self, model: nn.Module) -> None:
-        if _prefetch is not None:
-            _prefetch.join()  # a failed import raises again below, in this thread
         import torch._inductor.config as inductor_config
         import torch.fx.experimental._config as fx_config
 

@@ -323,6 +323,9 @@ def test_a_f32_linear_gives_the_same_numbers_either_way_and_runs_as_told(mode, m
     torch.manual_seed(0)
     model = nn.Module()
     model.a = ColumnParallelLinear(64, 96, bias=True)
+    with torch.no_grad():  # the layer's own tensors are left uninitialised (a loader fills them)
+        model.a.weight.copy_(torch.randn(96, 64))
+        model.a.bias.copy_(torch.randn(96))
     assert cpu_linear.pack_linear_weights(model, f32_linear=mode) == 1
     assert [v.name for v in model.measured_choices] == ["f32_linear"]
     calls = []
