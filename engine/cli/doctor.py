@@ -40,6 +40,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from engine.cli.help_formatter import DefaultsHelpFormatter
 from engine.cli.ps import collect_instance
 from engine.utils import processes
@@ -152,6 +154,16 @@ def _live_state(run_dir: Path, inst: InstanceInfo, watch_s: float):
     return state
 
 
+def _os_state_now(pid: int | None) -> str | None:
+    """psutil's word for ``pid``'s state now, or None when it cannot be read."""
+    if pid is None:
+        return None
+    try:
+        return psutil.Process(pid).status()
+    except psutil.Error:
+        return None
+
+
 def _gather(run_dir: Path, watch_s: float, want_stacks: bool, stack_timeout_s: float) -> Report:
     inst = collect_instance(run_dir)
     live = None
@@ -209,7 +221,10 @@ def _gather(run_dir: Path, watch_s: float, want_stacks: bool, stack_timeout_s: f
         elif p.state in STOPPED_STATES:
             rep.state = "stopped"
         elif lp is not None and lp.state == "stale":
-            rep.state = "frozen"
+            # The OS state above was read before the live watch: a process that stopped during
+            # the watch reads as stale there. A fresh look decides between stopped and frozen.
+            rep.os_state = _os_state_now(p.pid) or rep.os_state
+            rep.state = "stopped" if rep.os_state in STOPPED_STATES else "frozen"
         elif rep.stage and (lp is None or lp.state == "starting" or _is_lifecycle(rep.stage)):
             rep.state = "starting"
         else:

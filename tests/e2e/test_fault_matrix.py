@@ -104,12 +104,15 @@ class Tree:
         return found
 
     def wait_struck(self, role: str, timeout: float = 120.0) -> contract.StruckFault:
-        """The fault once ``role``'s status file says it struck (polling at 20 Hz)."""
+        """The fault once ``role``'s status file says it struck and, for a freeze, the OS shows
+        the process stopped (polling at 20 Hz)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             status = self.statuses().get(role)
             if status is not None and status.faults:
-                return status.faults[-1]
+                fault = status.faults[-1]
+                if fault.kind != "freeze" or _os_stopped(status.pid):
+                    return fault  # a freeze records first, then stops the process
             assert self.proc.poll() is None, (
                 f"exited {self.proc.returncode} before the fault:\n{self.log()[-3000:]}"
             )
@@ -155,6 +158,15 @@ def _engine_top(tree: Tree) -> dict:
 def _doctor(tree: Tree, *args: str) -> tuple[int, dict]:
     out = tree.cli(*CLI, "doctor", "--json", *args)
     return out.returncode, json.loads(out.stdout)
+
+
+def _os_stopped(pid: int | None) -> bool:
+    if pid is None:
+        return False
+    try:
+        return psutil.Process(pid).status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+    except psutil.Error:
+        return False
 
 
 def _seen_by_both(tree: Tree, role: str, stage: str, kind: str, struck_at: float) -> dict:
