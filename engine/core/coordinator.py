@@ -131,7 +131,12 @@ class DPCoordinator:
 
     def start_wave(self, message: StartWave) -> None:
         """An idle engine got a request: run wave ``message.wave`` unless it runs already (vLLM:
-        ``start_wave`` handling and ``_send_start_wave``)."""
+        ``start_wave`` handling and ``_send_start_wave``). The engine's load comes with it: until
+        then its counts may read zero, and another engine's zero would end the wave at once."""
+        counts = (message.num_waiting, message.num_running)
+        if self.counts[message.engine_index] != counts:
+            self.counts[message.engine_index] = counts
+            self.dirty = True
         if message.wave > self.current_wave or (
             message.wave == self.current_wave and not self.engines_running
         ):

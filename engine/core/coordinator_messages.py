@@ -55,11 +55,16 @@ class EngineLoad(msgspec.Struct, kw_only=True, array_like=True, tag="load"):
 class StartWave(msgspec.Struct, kw_only=True, array_like=True, tag="start_wave"):
     """Engine ``engine_index`` got a request while its engines were idle: start wave ``wave``
     (vLLM: ``EngineCoreOutputs(start_wave=...)`` to the coordinator). ``trace_headers``: the
-    span of the request that started it (W3C): the wave's span joins that request's trace."""
+    span of the request that started it (W3C): the wave's span joins that request's trace.
+    ``num_waiting``, ``num_running``: the engine's load as it sends this (its ``EngineLoad``
+    comes with it): the coordinator must not end the new wave on another engine's zero counts
+    before this engine's own load has arrived."""
 
     engine_index: int
     wave: int
     trace_headers: dict[str, str] | None = None
+    num_waiting: int = 0
+    num_running: int = 0
 
 
 class WaveComplete(msgspec.Struct, kw_only=True, array_like=True, tag="wave_complete"):

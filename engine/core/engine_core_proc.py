@@ -396,7 +396,7 @@ class EngineCoreProc(EngineCore):
         """Push (waiting, running) to the DP coordinator when they changed (data parallelism:
         ``coordinator_socket`` is set)."""
         self._flush_coordinator_backlog()
-        load = (len(self.scheduler.waiting), len(self.scheduler.running))
+        load = self._load()
         if load == self.load_sent:
             return
         message = EngineLoad(engine_index=self.data_parallel_rank, num_waiting=load[0], num_running=load[1])
@@ -405,6 +405,10 @@ class EngineCoreProc(EngineCore):
             self.load_sent = load
         except zmq.Again:  # the coordinator is slow or gone; the next change tries again
             pass
+
+    def _load(self) -> tuple[int, int]:
+        """(waiting, running): what the coordinator's table holds for this engine."""
+        return len(self.scheduler.waiting), len(self.scheduler.running)
 
     def _flush_coordinator_backlog(self) -> None:
         """Send wave starts that could not go out at once (they must not be lost)."""
@@ -423,9 +427,11 @@ class EngineCoreProc(EngineCore):
         if self.engines_running:
             return
         self.engines_running = True
-        start = StartWave(
-            engine_index=self.data_parallel_rank, wave=self.current_wave, trace_headers=trace_headers
-        )
+        # The load goes with the start: sent apart, another engine's zero counts could reach
+        # the coordinator between the two and end the wave at once (seen on a loaded machine).
+        self.load_sent = self._load()
+        start = StartWave(engine_index=self.data_parallel_rank, wave=self.current_wave, trace_headers=trace_headers,
+                          num_waiting=self.load_sent[0], num_running=self.load_sent[1])  # fmt: skip
         self._coordinator_backlog.append(encode_coordinator(start))
         self._flush_coordinator_backlog()
 

@@ -98,6 +98,7 @@ class _Engine:
     _lockstep_turn = EngineCoreProc._lockstep_turn
     _report_load = EngineCoreProc._report_load
     _flush_coordinator_backlog = EngineCoreProc._flush_coordinator_backlog
+    _load = EngineCoreProc._load
     wave_sync_steps = SYNC_STEPS
 
     def __init__(self, rank: int, outbox: list[bytes], group: _DPGroup) -> None:

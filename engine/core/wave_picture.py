@@ -81,6 +81,7 @@ class _Engine:
     _on_wave = EngineCoreProc._on_wave
     _report_load = EngineCoreProc._report_load
     _flush_coordinator_backlog = EngineCoreProc._flush_coordinator_backlog
+    _load = EngineCoreProc._load
     dp_group = None  # no expert parallelism: the coordinator ends the wave
 
     def __init__(self, rank: int, outbox: list[bytes]) -> None:

@@ -143,6 +143,26 @@ def test_coordinator_runs_a_wave_from_the_first_request_until_every_engine_is_at
         coordinator.close()
 
 
+def test_a_new_wave_is_not_ended_by_an_idle_engine_before_the_starter_reports_its_load(tmp_path):
+    """On a loaded machine the idle engine's first (0, 0) could reach the coordinator between
+    the starter's StartWave and its EngineLoad, and end the wave at once: one request, two
+    waves. The start carries the starter's load."""
+    engines_to_coordinator, to_clients = coordinator_addresses(tmp_path)
+    coordinator = DPCoordinator(CoordinatorSpawnPayload(input_address=engines_to_coordinator, publish_address=to_clients,
+                                                        data_parallel_size=2, wave_address=wave_address(tmp_path)))  # fmt: skip
+    sent: list[DPWave] = []
+    coordinator._send_wave = sent.append
+    try:
+        coordinator.handle(StartWave(engine_index=0, wave=0, num_waiting=1))
+        coordinator.handle(EngineLoad(engine_index=1, num_waiting=0, num_running=0))  # the idle engine's first report
+        assert coordinator.engines_running and sent == [DPWave(wave=0, running=True, exclude_engine=0)]
+        assert coordinator.counts == [(1, 0), (0, 0)]
+        coordinator.handle(EngineLoad(engine_index=0, num_waiting=0, num_running=0))  # its request finished
+        assert not coordinator.engines_running and sent[-1] == DPWave(wave=1, running=False)
+    finally:
+        coordinator.close()
+
+
 def test_an_engine_starts_a_wave_once_and_restarts_one_that_ended_under_its_requests():
     """The engine side of waves, without a process: ``_maybe_start_wave`` and ``_on_wave``."""
     from engine.core.engine_core_proc import EngineCoreProc
@@ -153,11 +173,15 @@ def test_an_engine_starts_a_wave_once_and_restarts_one_that_ended_under_its_requ
     sent: list[bytes] = []
     engine.coordinator_socket = types.SimpleNamespace(send=lambda data, flags=0: sent.append(data))
     unfinished = [0]
-    engine.scheduler = types.SimpleNamespace(has_unfinished_requests=lambda: unfinished[0] > 0)
+    engine.scheduler = types.SimpleNamespace(has_unfinished_requests=lambda: unfinished[0] > 0,
+                                             waiting=["a request"], running=[])  # fmt: skip
 
     engine._maybe_start_wave()
     engine._maybe_start_wave()  # running already: one StartWave only
-    assert [decode_as(EngineToCoordinator, m) for m in sent] == [StartWave(engine_index=1, wave=0)]
+    # the engine's load goes with the start, and counts as sent
+    assert [decode_as(EngineToCoordinator, m) for m in sent] == [StartWave(engine_index=1, wave=0, num_waiting=1)]
+    assert engine.load_sent == (1, 0)
+    engine.scheduler.waiting = []
     engine._on_wave(DPWave(wave=0, running=True, exclude_engine=1))
     assert engine.engines_running and engine.current_wave == 0
     # The wave ends while a request that came late is still here: the engine starts the next.
@@ -165,6 +189,7 @@ def test_an_engine_starts_a_wave_once_and_restarts_one_that_ended_under_its_requ
     engine._on_wave(DPWave(wave=1, running=False))
     assert engine.engines_running and engine.current_wave == 1
     assert decode_as(EngineToCoordinator, sent[-1]) == StartWave(engine_index=1, wave=1)
+    assert engine.load_sent == (0, 0)
     # Another engine's wave: follow it; its end, with nothing here: stop.
     unfinished[0] = 0
     engine._on_wave(DPWave(wave=1, running=False))  # not newer: ignored
