@@ -154,7 +154,9 @@ def test_a_new_wave_is_not_ended_by_an_idle_engine_before_the_starter_reports_it
     coordinator._send_wave = sent.append
     try:
         coordinator.handle(StartWave(engine_index=0, wave=0, num_waiting=1))
-        coordinator.handle(EngineLoad(engine_index=1, num_waiting=0, num_running=0))  # the idle engine's first report
+        coordinator.handle(
+            EngineLoad(engine_index=1, num_waiting=0, num_running=0)
+        )  # the idle engine's first report
         assert coordinator.engines_running and sent == [DPWave(wave=0, running=True, exclude_engine=0)]
         assert coordinator.counts == [(1, 0), (0, 0)]
         coordinator.handle(EngineLoad(engine_index=0, num_waiting=0, num_running=0))  # its request finished
@@ -179,7 +181,9 @@ def test_an_engine_starts_a_wave_once_and_restarts_one_that_ended_under_its_requ
     engine._maybe_start_wave()
     engine._maybe_start_wave()  # running already: one StartWave only
     # the engine's load goes with the start, and counts as sent
-    assert [decode_as(EngineToCoordinator, m) for m in sent] == [StartWave(engine_index=1, wave=0, num_waiting=1)]
+    assert [decode_as(EngineToCoordinator, m) for m in sent] == [
+        StartWave(engine_index=1, wave=0, num_waiting=1)
+    ]
     assert engine.load_sent == (1, 0)
     engine.scheduler.waiting = []
     engine._on_wave(DPWave(wave=0, running=True, exclude_engine=1))
