@@ -18,6 +18,7 @@ from engine.config import (
     BLOCK_SIZES,
     CPU_BF16_MODES,
     CPU_F32_LINEAR_MODES,
+    CPU_LINEAR_KERNEL_MODES,
     DEFAULT_DP_RPC_PORT,
     DEFAULT_MAX_LOGPROBS,
     DEFAULT_MODEL,
@@ -293,6 +294,7 @@ class EngineArgs:
     cpu_bf16_linear: str = "auto"
     cpu_bf16_attention: str = "auto"
     cpu_f32_linear: str = "auto"
+    cpu_linear_kernel: str = "auto"
     device: str = "auto"
     load_format: str = "safetensors"
     otlp_traces_endpoint: str | None = None
@@ -384,6 +386,16 @@ class EngineArgs:
             "auto (the default) times torch's plain matmul against oneDNN's pre-packed one at the "
             "model's shapes at 1, 2 and 4 rows, once per CPU (cached), and runs the plain one up "
             "to the row count where it is faster; packed or plain forces one at every row count.",
+        )
+        g.add_argument(
+            "--cpu-linear-kernel",
+            default=d.cpu_linear_kernel,
+            choices=CPU_LINEAR_KERNEL_MODES,
+            help="Whether linears at one to four rows (decode batches of 1 to 4) run through "
+            "Glassbox's own C++ matrix-vector kernel (float32 on CPUs with AVX-512, bfloat16 with "
+            "AVX512-BF16; built with the C++ compiler on first use): auto (the default) times it "
+            "against the library path at the model's shapes at 1, 2 and 4 rows, once per CPU "
+            "(cached), and uses it up to the row count where it is faster; on or off forces it.",
         )
         g.add_argument(
             "--runner",
@@ -711,6 +723,7 @@ class EngineArgs:
             cpu_bf16_linear=self.cpu_bf16_linear,
             cpu_bf16_attention=self.cpu_bf16_attention,
             cpu_f32_linear=self.cpu_f32_linear,
+            cpu_linear_kernel=self.cpu_linear_kernel,
             served_model_name=self.served_model_name,
             trust_remote_code=self.trust_remote_code,
             tokenizer_mode=self.tokenizer_mode,

@@ -28,6 +28,12 @@ rows the packed call wins). ``choose_f32_linear`` times a pass over the model's 
 ways at ``F32_TIMING_ROWS`` and steps up to the measured row count run the plain one (the
 weight is kept anyway: no memory); ``--cpu-f32-linear packed|plain`` forces either side.
 
+Glassbox's own kernel at one to four rows (``small_linear_cpu.py``): a matrix-vector product
+that streams each weight once. ``choose_linear_kernel`` times a pass over the model's linears
+through it against the path chosen above, at ``KERNEL_TIMING_ROWS``, and steps up to the
+measured row count use it (on the AMX Xeon, bfloat16 at one row: 2.2-2.6 against 3.0-3.9 ms
+for the small model's linears); ``--cpu-linear-kernel on|off`` forces it.
+
 Under ``torch.compile`` a packed linear is one opaque op, ``glassbox::onednn_linear``:
 Inductor's own oneDNN lowering wants the weights frozen into the graph, which would rule out
 the on-disk compile cache (``compile.py``).
@@ -42,8 +48,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config.model import CPU_BF16_MODES, CPU_F32_LINEAR_MODES
+from engine.config.model import CPU_BF16_MODES, CPU_F32_LINEAR_MODES, CPU_LINEAR_KERNEL_MODES
 from engine.logger import init_logger
+from engine.model.cpu import small_linear_cpu
 from engine.model.cpu.measured_choice import Verdict, last_of_winning_run, measured, time_candidates
 from engine.model.cpu.op_threads import get_op_threads, op_threads
 from engine.model.layers import (
@@ -63,6 +70,16 @@ _bf16_as_f32_min_rows: int | None = None
 # Rows of input up to which this process's float32 linears run through torch's plain matmul
 # (None: never): the verdict of ``choose_f32_linear``, set by ``pack_linear_weights``.
 _f32_plain_max_rows: int | None = None
+
+# Rows of input up to which this process's linears of each dtype run through Glassbox's own
+# kernel (``small_linear_cpu.py``; a dtype absent: never): the verdict of
+# ``choose_linear_kernel``, set by ``pack_linear_weights``.
+_kernel_max_rows: dict[torch.dtype, int] = {}
+
+# The row counts the kernel is timed at against the library path (decode batches of 1 to 4).
+KERNEL_TIMING_ROWS = (1, 2, 4)
+# The kernel must be at least this much faster to be chosen (a tie keeps the library).
+KERNEL_MIN_GAIN = 1.1
 
 # The row counts a float32 linear is timed at for the plain matmul (small decode batches).
 F32_TIMING_ROWS = (1, 2, 4)
@@ -120,6 +137,8 @@ def _onednn_linear(
     if rows == 0:
         return F.linear(x, weight, bias)
     with op_threads():  # the worker's thread count of the moment (engine/model/cpu/op_threads.py)
+        if rows <= _kernel_max_rows.get(x.dtype, 0) and x.is_contiguous() and weight.is_contiguous():
+            return small_linear_cpu.small_linear(x, weight, bias)  # a few rows: our kernel measured faster
         if _f32_plain_max_rows is not None and rows <= _f32_plain_max_rows and x.dtype == torch.float32:
             return F.linear(x, weight, bias)  # a few rows: torch's plain matmul measured faster
         if packed_f32 is not None and _bf16_as_f32_min_rows is not None and rows >= _bf16_as_f32_min_rows:
@@ -341,7 +360,101 @@ def choose_f32_linear(
     return measured("f32_linear", key, measure)
 
 
-def pack_linear_weights(model: nn.Module, bf16_linear: str = "auto", f32_linear: str = "auto") -> int:
+def _time_kernel_linears(
+    layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+    rows: int,
+    timer: Callable[[], float],
+) -> dict[str, float]:
+    """Median seconds of one pass over the model's linears (``(weight, packed, packed_f32)``
+    each, in model order) at ``rows`` rows of input: the library path this process's other
+    verdicts chose (``library``: ``_onednn_linear`` as a step calls it) against Glassbox's
+    kernel (``kernel``)."""
+    inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w, _, _ in layers}
+
+    def library_pass() -> None:
+        for w, packed, packed_f32 in layers:
+            _onednn_linear(inputs[w.shape[1]], w, None, packed, packed_f32)
+
+    def kernel_pass() -> None:
+        for w, _, _ in layers:
+            small_linear_cpu.small_linear(inputs[w.shape[1]], w)
+
+    with torch.inference_mode(), op_threads():
+        return time_candidates({"library": library_pass, "kernel": kernel_pass}, rounds=5, timer=timer)
+
+
+def choose_linear_kernel(
+    layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+    mode: str = "auto",
+    time_linears: Callable[[list, int], dict[str, float]] | None = None,
+    unavailable: Callable[[torch.dtype], str | None] = small_linear_cpu.kernel_unavailable,
+) -> Verdict:
+    """Up to how many rows (at most ``small_linear_cpu.MAX_ROWS``) this model's linears run
+    through Glassbox's own kernel rather than the library path: by measurement on this CPU.
+
+    Args:
+        layers: the model's packed linears of one dtype as ``(weight (out, in), packed weight,
+            packed float32 copy or None)``, in model order; a pass over all of them is timed
+            at each of ``KERNEL_TIMING_ROWS``, against the path the other verdicts chose.
+        mode: ``--cpu-linear-kernel``: ``auto`` (measure, or read an earlier start's verdict),
+            ``on`` (up to ``MAX_ROWS`` rows) or ``off``.
+        time_linears: ``(layers, rows) -> {"library": s, "kernel": s}``; tests pass a fake.
+        unavailable: why the kernel cannot run the dtype here, or None
+            (``small_linear_cpu.kernel_unavailable``); tests pass their own.
+
+    Returns:
+        A ``Verdict`` whose ``data["max_rows"]`` is the largest of ``KERNEL_TIMING_ROWS`` up
+        to which the kernel is at least ``KERNEL_MIN_GAIN``× faster at that row count and
+        every smaller one, or None (the library always; also where the kernel cannot run:
+        no compiler, or a CPU without AVX-512 / AVX512-BF16, said in the verdict).
+
+    Raises:
+        ValueError: ``mode`` is not one of ``CPU_LINEAR_KERNEL_MODES``.
+    """
+    if mode not in CPU_LINEAR_KERNEL_MODES:
+        raise ValueError(f"--cpu-linear-kernel {mode!r}: allowed: {', '.join(CPU_LINEAR_KERNEL_MODES)}")
+    if mode == "off":
+        return Verdict("linear_kernel", "off", "forced by --cpu-linear-kernel", data={"max_rows": None})
+    why = unavailable(layers[0][0].dtype)
+    if why:
+        return Verdict("linear_kernel", "off", f"unavailable: {why}", data={"max_rows": None})
+    if mode == "on":
+        max_rows = small_linear_cpu.MAX_ROWS
+        return Verdict("linear_kernel", f"up to {max_rows} rows", "forced by --cpu-linear-kernel",
+                       data={"max_rows": max_rows})  # fmt: skip
+    timer = time.perf_counter
+    time_pass = time_linears or (lambda layers, rows: _time_kernel_linears(layers, rows, timer))
+
+    def measure() -> tuple[str, str, dict]:
+        totals = {rows: time_pass(layers, rows) for rows in KERNEL_TIMING_ROWS}
+        # from one row up, while the kernel wins
+        max_rows = last_of_winning_run(KERNEL_TIMING_ROWS, totals, "kernel", "library", KERNEL_MIN_GAIN)
+        detail = "; ".join(
+            f"{rows} rows: library {1e3 * t['library']:.2f} ms, kernel {1e3 * t['kernel']:.2f} ms"
+            for rows, t in totals.items()
+        )
+        choice = "off" if max_rows is None else f"up to {max_rows} rows"
+        return choice, f"the model's linears, {detail}", {"max_rows": max_rows}
+
+    shapes: dict[tuple[int, int], int] = {}
+    for w, _, _ in layers:
+        shapes[(int(w.shape[0]), int(w.shape[1]))] = shapes.get((int(w.shape[0]), int(w.shape[1])), 0) + 1
+    key = {"shapes": sorted(shapes.items()), "dtype": str(layers[0][0].dtype), "threads": get_op_threads(),
+           "rows": KERNEL_TIMING_ROWS, "min_gain": KERNEL_MIN_GAIN,
+           "library": [_f32_plain_max_rows, _bf16_as_f32_min_rows],  # what the kernel is timed against
+           "kernel": _kernel_source_digest()}  # fmt: skip
+    return measured("linear_kernel", key, measure)
+
+
+def _kernel_source_digest() -> str:
+    """A digest of the kernel's source: an edited kernel is measured again."""
+    import hashlib
+
+    return hashlib.sha256(small_linear_cpu.SOURCE.read_bytes()).hexdigest()[:16]
+
+
+def pack_linear_weights(model: nn.Module, bf16_linear: str = "auto", f32_linear: str = "auto",
+                        linear_kernel: str = "auto") -> int:  # fmt: skip
     """Put ``CPUPackedLinearMethod`` on every linear of ``model`` (and its ``lm_head``) whose
     weight oneDNN can take, and pack it; returns how many were packed (0 off the CPU). Call
     once, after ``load_weights`` (vLLM: ``process_weights_after_loading``).
@@ -352,8 +465,10 @@ def pack_linear_weights(model: nn.Module, bf16_linear: str = "auto", f32_linear:
     copies would take more than ``F32_COPIES_MAX_SHARE`` of the memory available now (a big
     model on a small machine): then the bfloat16 kernel serves every step, and a log line
     says so. For float32 weights, ``choose_f32_linear`` decides (``f32_linear``:
-    ``--cpu-f32-linear``) up to how many rows torch's plain matmul serves instead. The verdicts
-    are kept as ``model.measured_choices`` (the worker's status shows them)."""
+    ``--cpu-f32-linear``) up to how many rows torch's plain matmul serves instead. Then, for
+    each dtype, ``choose_linear_kernel`` decides (``linear_kernel``: ``--cpu-linear-kernel``)
+    up to how many rows Glassbox's own kernel serves instead of all that. The verdicts are
+    kept as ``model.measured_choices`` (the worker's status shows them)."""
     global _bf16_as_f32_min_rows, _f32_plain_max_rows
     targets = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
     head = getattr(model, "lm_head", None)
@@ -389,6 +504,17 @@ def pack_linear_weights(model: nn.Module, bf16_linear: str = "auto", f32_linear:
         verdict = choose_f32_linear(f32, f32_linear)
         logger.info("%s", verdict.text())
         _f32_plain_max_rows = verdict.data.get("max_rows")
+        model.measured_choices = [*getattr(model, "measured_choices", []), verdict]
+    _kernel_max_rows.clear()
+    packed_layers = [(m.weight, m.packed_weight, m.packed_weight_f32) for m in targets
+                     if m.packed_weight is not None and m.weight.is_contiguous()]  # fmt: skip
+    for dtype in dict.fromkeys(w.dtype for w, _, _ in packed_layers):
+        verdict = choose_linear_kernel(
+            [layer for layer in packed_layers if layer[0].dtype == dtype], linear_kernel
+        )
+        logger.info("%s", verdict.text())
+        if verdict.data.get("max_rows") is not None:
+            _kernel_max_rows[dtype] = verdict.data["max_rows"]
         model.measured_choices = [*getattr(model, "measured_choices", []), verdict]
     return packed
 

@@ -4,38 +4,25 @@ vLLM counterpart: ``paged_attention_v1`` (``csrc/cpu/attention.cpp`` in its CPU 
 ``csrc/attention/attention_kernels.cu`` on GPUs), reached through ``torch.ops._C``.
 
 The kernel is ``csrc/paged_attention_cpu.cpp``: plain C++ with C linkage and no torch
-headers. It is built here on first use with ``$CXX`` (else ``g++``)::
-
-    g++ -O3 -march=native -fopenmp -shared -fPIC paged_attention_cpu.cpp -o <so>
-
-into ``<GLASSBOX_CACHE_ROOT>/kernels/paged_attention_cpu-<hash>.so`` (the hash covers the
-source, the compiler, the flags and the CPU's instruction sets, so an edit makes a new file
-and an old one is never loaded by mistake), and called through ``ctypes`` with the tensors' data pointers. Building
-takes a second or two; ``CPUPagedCppBackend.prepare`` (``attention_backends.py``) does it
-at start-up.
-
-OpenMP: torch ships ``libgomp.so.1`` and has loaded it before this module runs, so the
-kernel (linked against ``libgomp.so.1`` by ``-fopenmp``) shares torch's runtime and its
-thread pool rather than loading a second one. Each call runs ``torch.get_num_threads()``
-threads, as torch's own ops do.
+headers, built on first use into ``<GLASSBOX_CACHE_ROOT>/kernels/paged_attention_cpu-<hash>.so``
+(``kernel_build.py``: ``g++ -O3 -march=native -fopenmp``, the hash covering the source, the
+compiler, the flags and the CPU's instruction sets) and called through ``ctypes`` with the
+tensors' data pointers. Building takes a second or two; ``CPUPagedCppBackend.prepare``
+(``attention_backends.py``) does it at start-up. The kernel shares torch's OpenMP runtime;
+each call runs ``torch.get_num_threads()`` threads, as torch's own ops do.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 
+from engine.model.cpu.kernel_build import build, kernel_file, missing_compiler
+
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention_cpu.cpp"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's `dtype` argument
 _MAX_GROUP = 64  # query heads per KV head the kernel accepts (its fixed-size arrays)
 
@@ -47,79 +34,28 @@ _lock = threading.Lock()
 all_heads_from: int | None = None
 
 
-def _compiler() -> str:
-    return os.environ.get("CXX") or "g++"
-
-
 def cpp_kernel_unavailable() -> str | None:
     """Why the kernel cannot be used here (not built yet, and no C++ compiler on PATH), or
     None. Builds nothing."""
     if _lib is not None or kernel_path().exists():
         return None
-    return _missing_compiler()
-
-
-def _missing_compiler() -> str | None:
-    """Why nothing can be built here (no C++ compiler on PATH), or None."""
-    cxx = _compiler()
-    if shutil.which(cxx) is None:
-        return (
-            f"no C++ compiler ({cxx}{'' if os.environ.get('CXX') else '; set $CXX to use another'}) on PATH"
-        )
-    return None
-
-
-def _cpu_flags() -> str:
-    """The instruction sets of this CPU (Linux's /proc/cpuinfo), else its platform name."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return platform.machine() + platform.processor()
+    return missing_compiler()
 
 
 def kernel_path() -> Path:
-    """Where the built kernel lives (or will): ``<cache>/kernels/paged_attention_cpu-<hash>.so``."""
-    from engine import envs
-
-    digest = hashlib.sha256(SOURCE.read_bytes())
-    # -march=native: a kernel built on one CPU may not run on another (a cache directory
-    # shared between machines), so the CPU's instruction sets are part of the name too.
-    digest.update("\0".join((_compiler(), *FLAGS, _cpu_flags())).encode())
-    return (
-        Path(envs.GLASSBOX_CACHE_ROOT).expanduser()
-        / "kernels"
-        / f"paged_attention_cpu-{digest.hexdigest()[:16]}.so"
-    )
+    """Where the built kernel lives (or will): ``<cache>/kernels/paged_attention_cpu-<hash>.so``
+    (``kernel_build.kernel_file``)."""
+    return kernel_file(SOURCE)
 
 
 def build_kernel(source: Path, so: Path) -> None:
-    """Compile ``source`` into the shared library ``so`` with ``$CXX`` and ``FLAGS``.
-
-    Builds into a temporary file of ``so``'s directory, then renames it: two processes
-    building at once each write their own file, and the rename is atomic.
+    """Compile ``source`` into the shared library ``so`` (``kernel_build.build``).
 
     Raises:
         RuntimeError: no C++ compiler, or the build failed (the message holds the command
             and the compiler's stderr).
     """
-    why = _missing_compiler()
-    if why:
-        raise RuntimeError(f"cannot build the CPU_PAGED_CPP attention kernel: {why}")
-    so.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=so.stem + "-", suffix=".so.tmp", dir=so.parent)
-    os.close(fd)
-    cmd = [_compiler(), *FLAGS, str(source), "-o", tmp]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            raise RuntimeError(
-                f"building the CPU_PAGED_CPP attention kernel failed: {' '.join(cmd)}\n{done.stderr.strip()}"
-            )
-        os.replace(tmp, so)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    build(source, so, "the CPU_PAGED_CPP attention kernel")
 
 
 def open_kernel(so: Path) -> ctypes.CDLL:

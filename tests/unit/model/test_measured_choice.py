@@ -161,9 +161,14 @@ def test_on_this_cpu_the_real_measurement_is_quick_and_drives_the_linears(tmp_pa
     model.a = ColumnParallelLinear(256, 512, bias=False)
     model.a.weight.data = model.a.weight.data.bfloat16()
     assert cpu_linear.pack_linear_weights(model) == 1
-    (verdict,) = model.measured_choices
+    verdict, kernel = model.measured_choices
     assert verdict.source == "measured" and verdict.seconds < 10
     assert (model.a.packed_weight_f32 is not None) == (verdict.data["min_rows"] is not None)
+    # then whether our own kernel takes the few-row steps: measured too (or unavailable here)
+    assert kernel.name == "linear_kernel"
+    assert kernel.source == "measured" or kernel.source.startswith("unavailable: "), kernel.source
+    assert cpu_linear._kernel_max_rows.get(torch.bfloat16) == kernel.data["max_rows"]
+    assert kernel.seconds < 10
 
 
 @pytest.mark.parametrize(
@@ -326,8 +331,8 @@ def test_a_f32_linear_gives_the_same_numbers_either_way_and_runs_as_told(mode, m
     with torch.no_grad():  # the layer's own tensors are left uninitialised (a loader fills them)
         model.a.weight.copy_(torch.randn(96, 64))
         model.a.bias.copy_(torch.randn(96))
-    assert cpu_linear.pack_linear_weights(model, f32_linear=mode) == 1
-    assert [v.name for v in model.measured_choices] == ["f32_linear"]
+    assert cpu_linear.pack_linear_weights(model, f32_linear=mode, linear_kernel="off") == 1
+    assert [v.name for v in model.measured_choices] == ["f32_linear", "linear_kernel"]
     calls = []
     real_pointwise = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(cpu_linear.torch.ops.mkldnn, "_linear_pointwise",

@@ -1,0 +1,96 @@
+"""Building Glassbox's own C++ kernels for CPUs on first use, and where they are cached.
+
+A kernel is one C++ source file of ``engine/model/cpu/csrc`` with C linkage and no torch
+headers, compiled here with ``$CXX`` (else ``g++``)::
+
+    g++ -O3 -march=native -fopenmp -shared -fPIC <source>.cpp -o <so>
+
+into ``<GLASSBOX_CACHE_ROOT>/kernels/<source stem>-<hash>.so`` and called through
+``ctypes``. The hash covers the source, the compiler, the flags and the CPU's instruction
+sets, so an edit makes a new file and a kernel built for one CPU is never loaded on another
+(a cache directory shared between machines). Used by ``paged_attention_cpu.py`` and
+``small_linear_cpu.py``.
+
+OpenMP: torch ships ``libgomp.so.1`` and has loaded it before a kernel is opened, so a kernel
+(linked against ``libgomp.so.1`` by ``-fopenmp``) shares torch's runtime and thread pool.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+
+
+def compiler() -> str:
+    """The C++ compiler kernels are built with: ``$CXX``, else ``g++``."""
+    return os.environ.get("CXX") or "g++"
+
+
+def missing_compiler() -> str | None:
+    """Why nothing can be built here (no C++ compiler on PATH), or None."""
+    cxx = compiler()
+    if shutil.which(cxx) is None:
+        return (
+            f"no C++ compiler ({cxx}{'' if os.environ.get('CXX') else '; set $CXX to use another'}) on PATH"
+        )
+    return None
+
+
+def cpu_flags() -> str:
+    """The instruction sets of this CPU (Linux's /proc/cpuinfo ``flags`` line), else its
+    platform name."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return platform.machine() + platform.processor()
+
+
+def kernel_file(source: Path) -> Path:
+    """Where ``source``'s build lives (or will): ``<cache>/kernels/<stem>-<hash>.so``."""
+    from engine import envs
+
+    digest = hashlib.sha256(source.read_bytes())
+    # -march=native: a kernel built on one CPU may not run on another, so the CPU's
+    # instruction sets are part of the name too.
+    digest.update("\0".join((compiler(), *FLAGS, cpu_flags())).encode())
+    return (
+        Path(envs.GLASSBOX_CACHE_ROOT).expanduser()
+        / "kernels"
+        / f"{source.stem}-{digest.hexdigest()[:16]}.so"
+    )
+
+
+def build(source: Path, so: Path, what: str) -> None:
+    """Compile ``source`` into the shared library ``so`` with ``compiler()`` and ``FLAGS``.
+
+    Builds into a temporary file of ``so``'s directory, then renames it: two processes
+    building at once each write their own file, and the rename is atomic. ``what`` names the
+    kernel in errors ("the CPU_PAGED_CPP attention kernel").
+
+    Raises:
+        RuntimeError: no C++ compiler, or the build failed (the message holds the command
+            and the compiler's stderr).
+    """
+    why = missing_compiler()
+    if why:
+        raise RuntimeError(f"cannot build {what}: {why}")
+    so.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=so.stem + "-", suffix=".so.tmp", dir=so.parent)
+    os.close(fd)
+    cmd = [compiler(), *FLAGS, str(source), "-o", tmp]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"building {what} failed: {' '.join(cmd)}\n{done.stderr.strip()}")
+        os.replace(tmp, so)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
