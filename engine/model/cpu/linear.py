@@ -349,7 +349,7 @@ def choose_f32_linear(
             f"{rows} rows: packed {1e3 * t['packed']:.2f} ms, plain {1e3 * t['plain']:.2f} ms"
             for rows, t in totals.items()
         )
-        choice = "packed" if max_rows is None else f"plain up to {max_rows} rows"
+        choice = "packed" if max_rows is None else f"plain up to {_rows(max_rows)}"
         return choice, f"the model's linears, {detail}", {"max_rows": max_rows}
 
     shapes: dict[tuple[int, int], int] = {}
@@ -358,6 +358,11 @@ def choose_f32_linear(
     key = {"shapes": sorted(shapes.items()), "threads": get_op_threads(), "rows": F32_TIMING_ROWS,
            "min_gain": F32_PLAIN_MIN_GAIN, "timed": "a pass over every layer"}  # fmt: skip
     return measured("f32_linear", key, measure)
+
+
+def _rows(n: int) -> str:
+    """``"1 row"``, ``"4 rows"``."""
+    return f"{n} row" if n == 1 else f"{n} rows"
 
 
 def _time_kernel_linears(
@@ -420,7 +425,7 @@ def choose_linear_kernel(
         return Verdict("linear_kernel", "off", f"unavailable: {why}", data={"max_rows": None})
     if mode == "on":
         max_rows = small_linear_cpu.MAX_ROWS
-        return Verdict("linear_kernel", f"up to {max_rows} rows", "forced by --cpu-linear-kernel",
+        return Verdict("linear_kernel", f"up to {_rows(max_rows)}", "forced by --cpu-linear-kernel",
                        data={"max_rows": max_rows})  # fmt: skip
     timer = time.perf_counter
     time_pass = time_linears or (lambda layers, rows: _time_kernel_linears(layers, rows, timer))
@@ -433,7 +438,7 @@ def choose_linear_kernel(
             f"{rows} rows: library {1e3 * t['library']:.2f} ms, kernel {1e3 * t['kernel']:.2f} ms"
             for rows, t in totals.items()
         )
-        choice = "off" if max_rows is None else f"up to {max_rows} rows"
+        choice = "off" if max_rows is None else f"up to {_rows(max_rows)}"
         return choice, f"the model's linears, {detail}", {"max_rows": max_rows}
 
     shapes: dict[tuple[int, int], int] = {}

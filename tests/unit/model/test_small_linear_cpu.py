@@ -114,7 +114,7 @@ def test_the_choice_follows_the_measurement(faster_up_to, expect):
     v = choose_linear_kernel(layers([(64, 32)] * 3 + [(128, 32)]), "auto",
                              time_linears=kernel_timing(faster_up_to, log), unavailable=available)  # fmt: skip
     assert v.source == "measured" and v.data == {"max_rows": expect}
-    assert v.choice == ("off" if expect is None else f"up to {expect} rows")
+    assert v.choice == ("off" if expect is None else f"up to {expect} row{'s' if expect > 1 else ''}")
     assert "1 rows: library" in v.detail and "4 rows: library" in v.detail
     assert log == [(4, rows) for rows in cpu_linear.KERNEL_TIMING_ROWS]  # a pass over every layer
 
