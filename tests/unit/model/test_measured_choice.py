@@ -283,7 +283,9 @@ def test_the_f32_choice_follows_the_measurement(faster_up_to, expect):
         f32_layers([(64, 32)] * 3 + [(128, 32)]), "auto", time_linears=f32_timing(faster_up_to, log)
     )
     assert v.source == "measured" and v.data == {"max_rows": expect}
-    assert v.choice == ("packed" if expect is None else f"plain up to {expect} row{'s' if expect > 1 else ''}")
+    assert v.choice == (
+        "packed" if expect is None else f"plain up to {expect} row{'s' if expect > 1 else ''}"
+    )
     assert "1 rows: packed" in v.detail and "4 rows: packed" in v.detail
     # a pass over every layer (a weight timed alone stays in the cache), once per row count
     assert log == [(4, rows) for rows in cpu_linear.F32_TIMING_ROWS]
