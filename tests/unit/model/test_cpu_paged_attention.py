@@ -100,6 +100,38 @@ def test_other_head_sizes(head_dim, heads, kv_heads, num_decodes, two_threads):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("threads", [2, 4])
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("lens", [[128], [300], [1000], [300, 7], [129, 700, 64]], ids=str)
+def test_fewer_requests_than_threads_split_the_keys_and_match(dtype, tol, threads, window, lens):
+    """Fewer decodes than threads: each request's keys are split between tasks (all KV heads
+    each) and the partial softmaxes combined; the same numbers as the gather + SDPA, short
+    requests (fewer keys than splits need) and a sliding window included."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        q, k_cache, v_cache, meta = _case(len(lens), lens, 8, 4, dtype, seed=len(lens) * 7 + threads)
+        reference = Attention(8, DIM, 4, DIM**-0.5, sliding_window=window)
+        with torch.inference_mode():
+            expected = reference.impl.forward_decode(q, (k_cache, v_cache), meta)
+            got = paged_decode_attention_cpu(
+                q, k_cache, v_cache, meta.block_table, meta.seq_lens, DIM**-0.5, window
+            )
+            peaked = (q.float() * 60).to(dtype)  # most exp(score - max) underflow in every split
+            expected_peaked = reference.impl.forward_decode(
+                peaked.float(), (k_cache.float(), v_cache.float()), meta
+            )
+            got_peaked = paged_decode_attention_cpu(
+                peaked, k_cache, v_cache, meta.block_table, meta.seq_lens, DIM**-0.5, window
+            )
+    finally:
+        torch.set_num_threads(before)
+    assert (got.float() - expected.float()).abs().max().item() < tol
+    assert torch.isfinite(got_peaked.float()).all()
+    assert (got_peaked.float() - expected_peaked).abs().max().item() < max(tol, 1e-4)
+
+
 def test_block_table_rows_of_a_larger_table():
     # The model runner passes meta.block_table[:nd]: rows of a wider table (a row stride).
     lens = [40, 17, 3]

@@ -36,6 +36,9 @@
 
 namespace {
 
+// The fewest keys a split of one request's keys takes (the AVX-512 path, below).
+constexpr int kMinKeysPerSplit = 64;
+
 // How many keys ahead of the one being read we ask for the next row (see prefetch_row).
 constexpr int kPrefetchDistance = 8;
 
@@ -237,6 +240,8 @@ void paged_decode_attention(const scalar_t* q, const scalar_t* k_cache, const sc
 //     32 AVX-512 registers), not in memory: acc += p * v does not wait, key after key, on
 //     its own last store.
 //   - The softmax's exp is a 16-lane polynomial (below), not one libm call per score.
+//   - With fewer requests than threads, a request's keys are split between tasks, each with
+//     every KV head (contiguous reads again), and the splits' partial softmaxes combined.
 // One register holds 16 float32 lanes; a row of HEAD_DIM elements is HEAD_DIM / 16 of them.
 
 // 16 elements from memory as float32 lanes (bfloat16: zero-extend to 32 bits, shift up 16).
@@ -358,13 +363,29 @@ void paged_decode_attention_avx512(const scalar_t* q, const scalar_t* k_cache,
   // least `all_heads_from` requests per thread (contiguous reads, enough tasks to share),
   // else one (so a few long requests still spread over every thread). Where the break-even
   // lies depends on the CPU and the model's heads: the caller measures it (2 when not given).
-  const int from = all_heads_from > 0 ? all_heads_from : 2;
-  const int kv_per_task = num_decodes >= from * num_threads ? num_kv_heads : 1;
-  const int tasks_per_request = num_kv_heads / kv_per_task;
-  const int heads_per_task = kv_per_task * group;
-
+  // Fewer requests than threads (a decode batch of one on two cores): a task per KV head
+  // would read 1 / num_kv_heads of every key row, strided, from memory. Instead each task
+  // takes all the KV heads of a share of the request's keys (a "split", vLLM's
+  // paged_attention_v2, flash-decoding), reads it in contiguous runs, and keeps its partial
+  // softmax (its max score, its sum of exponentials, its unnormalised weighted sum); the
+  // splits of a request are combined at the end (step 6).
   int max_len = 0;
   for (int i = 0; i < num_decodes; ++i) max_len = seq_lens[i] > max_len ? seq_lens[i] : max_len;
+  const int from = all_heads_from > 0 ? all_heads_from : 2;
+  const int splits = num_decodes < num_threads && max_len >= 2 * kMinKeysPerSplit
+                         ? std::min((num_threads + num_decodes - 1) / num_decodes, max_len / kMinKeysPerSplit)
+                         : 1;
+  const int kv_per_task = splits > 1 || num_decodes >= from * num_threads ? num_kv_heads : 1;
+  const int tasks_per_request = num_kv_heads / kv_per_task * splits;
+  const int heads_per_task = kv_per_task * group;
+  // Each split's partial results, (request, split, head) first: max score, sum, weighted sum.
+  std::vector<float> part_max, part_sum, part_acc;
+  if (splits > 1) {
+    const size_t n = static_cast<size_t>(num_decodes) * splits * num_heads;
+    part_max.assign(n, -std::numeric_limits<float>::infinity());
+    part_sum.assign(n, 0.0f);
+    part_acc.assign(n * HEAD_DIM, 0.0f);
+  }
 
 #pragma omp parallel num_threads(num_threads)
   {
@@ -373,14 +394,25 @@ void paged_decode_attention_avx512(const scalar_t* q, const scalar_t* k_cache,
     std::vector<float> acc(static_cast<size_t>(heads_per_task) * HEAD_DIM);
     std::vector<float> max_logit(heads_per_task);
     std::vector<float> inv_sum(heads_per_task);
+    std::vector<float> sum(heads_per_task);
 
 #pragma omp for schedule(dynamic, 1)
     for (int task = 0; task < num_decodes * tasks_per_request; ++task) {
       const int i = task / tasks_per_request;
-      const int kv0 = (task % tasks_per_request) * kv_per_task;  // the task's first KV head
-      const int seq_len = seq_lens[i];
+      const int split = task % splits;
+      const int kv0 = (task % tasks_per_request) / splits * kv_per_task;  // the task's first KV head
+      int seq_len = seq_lens[i];
       int start = 0;
       if (sliding_window > 0 && seq_len > sliding_window) start = seq_len - sliding_window;
+      if (splits > 1) {  // this split's share of the visible keys, whole pages where it can
+        const int visible = seq_len - start;
+        int share = (visible + splits - 1) / splits;
+        share = (share + block_size - 1) / block_size * block_size;
+        const int end = std::min(seq_len, start + (split + 1) * share);
+        start = std::min(seq_len, start + split * share);
+        seq_len = end;
+        if (start >= seq_len) continue;  // a short request: fewer splits than tasks
+      }
       const int64_t len = seq_len - start;
       const int32_t* blocks = block_table + i * block_table_stride;
       const int64_t head_offset = static_cast<int64_t>(kv0) * HEAD_DIM;
@@ -429,7 +461,8 @@ void paged_decode_attention_avx512(const scalar_t* q, const scalar_t* k_cache,
           _mm512_mask_storeu_ps(lg + t, lanes, e);
           sum16 = _mm512_mask_add_ps(sum16, lanes, sum16, e);
         }
-        inv_sum[h] = len > 0 ? 1.0f / _mm512_reduce_add_ps(sum16) : 0.0f;
+        sum[h] = _mm512_reduce_add_ps(sum16);
+        inv_sum[h] = len > 0 ? 1.0f / sum[h] : 0.0f;
       }
 
       // 4. Weighted sum of values, page by page; in a page, KV head by KV head and up to GC
@@ -458,10 +491,44 @@ void paged_decode_attention_avx512(const scalar_t* q, const scalar_t* k_cache,
         }
       });
 
-      // 5. Normalise and write in the input's dtype.
+      // 5. Normalise and write in the input's dtype — or, for a split, keep the partials.
+      if (splits > 1) {
+        const int64_t first = (static_cast<int64_t>(i) * splits + split) * num_heads + kv0 * group;
+        for (int h = 0; h < heads_per_task; ++h) {
+          part_max[first + h] = max_logit[h];
+          part_sum[first + h] = sum[h];
+          std::copy_n(&acc[h * HEAD_DIM], HEAD_DIM, &part_acc[(first + h) * HEAD_DIM]);
+        }
+        continue;
+      }
       scalar_t* o = out + (static_cast<int64_t>(i) * num_heads + kv0 * group) * HEAD_DIM;
       for (int h = 0; h < heads_per_task; ++h)
         for (int d = 0; d < HEAD_DIM; ++d) from_float(acc[h * HEAD_DIM + d] * inv_sum[h], &o[h * HEAD_DIM + d]);
+    }
+
+    // 6. Splits: each head's softmax over all its keys from the splits' partials, rescaled to
+    //    the largest max: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s. (The omp for
+    //    above ends with a barrier: every partial is written.)
+    if (splits > 1) {
+#pragma omp for schedule(static)
+      for (int ih = 0; ih < num_decodes * num_heads; ++ih) {
+        const int i = ih / num_heads, h = ih % num_heads;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int sp = 0; sp < splits; ++sp) m = std::max(m, part_max[(static_cast<int64_t>(i) * splits + sp) * num_heads + h]);
+        float total = 0.0f;
+        float* a = acc.data();  // this thread's scratch: the combined weighted sum
+        std::fill_n(a, HEAD_DIM, 0.0f);
+        for (int sp = 0; sp < splits; ++sp) {
+          const int64_t at = (static_cast<int64_t>(i) * splits + sp) * num_heads + h;
+          if (part_sum[at] == 0.0f) continue;  // an empty split
+          const float w = std::exp(part_max[at] - m);
+          total += w * part_sum[at];
+          for (int d = 0; d < HEAD_DIM; ++d) a[d] += w * part_acc[at * HEAD_DIM + d];
+        }
+        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+        scalar_t* o = out + (static_cast<int64_t>(i) * num_heads + h) * HEAD_DIM;
+        for (int d = 0; d < HEAD_DIM; ++d) from_float(a[d] * inv, &o[d]);
+      }
     }
   }
 }
