@@ -342,22 +342,45 @@ def choose_f32_linear(
     time_pass = time_linears or (lambda layers, rows: _time_f32_linears(layers, rows, timer))
 
     def measure() -> tuple[str, str, dict]:
-        totals = {rows: time_pass(layers, rows) for rows in F32_TIMING_ROWS}
-        # from one row up, while the plain matmul wins
-        max_rows = last_of_winning_run(F32_TIMING_ROWS, totals, "plain", "packed", F32_PLAIN_MIN_GAIN)
-        detail = "; ".join(
-            f"{rows} rows: packed {1e3 * t['packed']:.2f} ms, plain {1e3 * t['plain']:.2f} ms"
-            for rows, t in totals.items()
+        max_rows, detail = _winning_rows(
+            time_pass, layers, F32_TIMING_ROWS, "plain", "packed", F32_PLAIN_MIN_GAIN
         )
         choice = "packed" if max_rows is None else f"plain up to {_rows(max_rows)}"
-        return choice, f"the model's linears, {detail}", {"max_rows": max_rows}
+        return choice, detail, {"max_rows": max_rows}
 
-    shapes: dict[tuple[int, int], int] = {}
-    for w, _ in layers:
-        shapes[(int(w.shape[0]), int(w.shape[1]))] = shapes.get((int(w.shape[0]), int(w.shape[1])), 0) + 1
-    key = {"shapes": sorted(shapes.items()), "threads": get_op_threads(), "rows": F32_TIMING_ROWS,
+    key = {"shapes": _shape_counts(w for w, _ in layers), "threads": get_op_threads(), "rows": F32_TIMING_ROWS,
            "min_gain": F32_PLAIN_MIN_GAIN, "timed": "a pass over every layer"}  # fmt: skip
     return measured("f32_linear", key, measure)
+
+
+def _winning_rows(
+    time_pass: Callable[[list, int], dict[str, float]],
+    layers: list,
+    timing_rows: tuple[int, ...],
+    candidate: str,
+    baseline: str,
+    min_gain: float,
+) -> tuple[int | None, str]:
+    """Time a pass over ``layers`` at each of ``timing_rows`` (``time_pass(layers, rows)`` ->
+    seconds per side) and return the largest row count up to which ``candidate`` beats
+    ``baseline`` by ``min_gain`` at that count and every smaller one (None: not even at the
+    first), with the timings in words for the verdict."""
+    totals = {rows: time_pass(layers, rows) for rows in timing_rows}
+    max_rows = last_of_winning_run(timing_rows, totals, candidate, baseline, min_gain)  # from one row up
+    detail = "; ".join(
+        f"{rows} rows: {baseline} {1e3 * t[baseline]:.2f} ms, {candidate} {1e3 * t[candidate]:.2f} ms"
+        for rows, t in totals.items()
+    )
+    return max_rows, f"the model's linears, {detail}"
+
+
+def _shape_counts(weights) -> list[tuple[tuple[int, int], int]]:
+    """``[((out, in), how many weights of that shape), ...]``, sorted: a verdict's cache key."""
+    counts: dict[tuple[int, int], int] = {}
+    for w in weights:
+        shape = (int(w.shape[0]), int(w.shape[1]))
+        counts[shape] = counts.get(shape, 0) + 1
+    return sorted(counts.items())
 
 
 def _rows(n: int) -> str:
@@ -431,20 +454,13 @@ def choose_linear_kernel(
     time_pass = time_linears or (lambda layers, rows: _time_kernel_linears(layers, rows, timer))
 
     def measure() -> tuple[str, str, dict]:
-        totals = {rows: time_pass(layers, rows) for rows in KERNEL_TIMING_ROWS}
-        # from one row up, while the kernel wins
-        max_rows = last_of_winning_run(KERNEL_TIMING_ROWS, totals, "kernel", "library", KERNEL_MIN_GAIN)
-        detail = "; ".join(
-            f"{rows} rows: library {1e3 * t['library']:.2f} ms, kernel {1e3 * t['kernel']:.2f} ms"
-            for rows, t in totals.items()
+        max_rows, detail = _winning_rows(
+            time_pass, layers, KERNEL_TIMING_ROWS, "kernel", "library", KERNEL_MIN_GAIN
         )
         choice = "off" if max_rows is None else f"up to {_rows(max_rows)}"
-        return choice, f"the model's linears, {detail}", {"max_rows": max_rows}
+        return choice, detail, {"max_rows": max_rows}
 
-    shapes: dict[tuple[int, int], int] = {}
-    for w, _, _ in layers:
-        shapes[(int(w.shape[0]), int(w.shape[1]))] = shapes.get((int(w.shape[0]), int(w.shape[1])), 0) + 1
-    key = {"shapes": sorted(shapes.items()), "dtype": str(layers[0][0].dtype), "threads": get_op_threads(),
+    key = {"shapes": _shape_counts(w for w, _, _ in layers), "dtype": str(layers[0][0].dtype), "threads": get_op_threads(),
            "rows": KERNEL_TIMING_ROWS, "min_gain": KERNEL_MIN_GAIN,
            "library": [_f32_plain_max_rows, _bf16_as_f32_min_rows],  # what the kernel is timed against
            "kernel": _kernel_source_digest()}  # fmt: skip
