@@ -31,8 +31,8 @@ weight is kept anyway: no memory); ``--cpu-f32-linear packed|plain`` forces eith
 Glassbox's own kernel at one to four rows (``small_linear_cpu.py``): a matrix-vector product
 that streams each weight once. ``choose_linear_kernel`` times a pass over the model's linears
 through it against the path chosen above, at ``KERNEL_TIMING_ROWS``, and steps up to the
-measured row count use it (on the AMX Xeon, bfloat16 at one row: 2.2-2.6 against 3.0-3.9 ms
-for the small model's linears); ``--cpu-linear-kernel on|off`` forces it.
+measured row count use it (on the AMX Xeon, the small model's bfloat16 linears at one row:
+3.4-3.6 against 3.7-4.2 ms); ``--cpu-linear-kernel on|off`` forces it.
 
 Under ``torch.compile`` a packed linear is one opaque op, ``glassbox::onednn_linear``:
 Inductor's own oneDNN lowering wants the weights frozen into the graph, which would rule out

@@ -3,8 +3,8 @@
 //
 // At one row a linear reads every weight once and does two flops per weight read: memory
 // bound. What decides its speed is streaming the weight at the memory's rate, with little
-// per-call overhead; a library's general matmul, tuned for big blocks, reached 14-18 GB/s
-// where this reaches 21-25 GB/s on the small benchmark model (docs/performance.md). vLLM's
+// per-call overhead. Whether this beats the library's matmul (tuned for big blocks) is
+// measured on each CPU at start-up (linear.py's choose_linear_kernel; docs/performance.md). vLLM's
 // CPU build has no such kernel: its linears go to oneDNN (onednn_mm) at every row count.
 //
 // Plain C++ with C linkage and no torch headers; engine/model/cpu/small_linear_cpu.py builds
