@@ -457,7 +457,7 @@ def format_root_cause(
         and crash.caused_by is None
         and crash.exception
         and returncode is None
-        and exit_detail is None
+        and exit_detail in (None, "still running")  # the caller's process, or a peer the rule named
     ):
         # It failed and wrote why, then was still exiting when this was written: not "running".
         gone = not run_dirs.pid_alive(pid if pid is not None else crash.pid)

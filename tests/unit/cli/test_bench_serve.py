@@ -64,6 +64,7 @@ class Peer:
         self.in_flight = 0
         self.peak = 0
         self.count = 0
+        self.gate = 0  # hold first tokens until this many requests have arrived (10 s at most)
 
     def enter(self, body: dict) -> int:
         with self.lock:
@@ -110,6 +111,9 @@ def _build_app(peer: Peer):
 
         async def stream():
             try:
+                deadline = time.monotonic() + 10
+                while peer.count < peer.gate and time.monotonic() < deadline:
+                    await asyncio.sleep(0.005)
                 await asyncio.sleep(TTFT_S)
                 if chat:
                     yield event("", {"role": "assistant", "content": ""})
@@ -421,6 +425,7 @@ def test_chat_role_chunk_times_ttft_but_is_not_a_token(peer, tmp_path, default_m
 @pytest.mark.parametrize("limit, expected_peak", [("1", 1), ("3", 3), (None, 8)])
 def test_max_concurrency_bounds_requests_in_flight(peer, tmp_path, limit, expected_peak):
     state, url = peer
+    state.gate = expected_peak  # no request finishes before the allowed ones are all in, however slow the machine
     flags = ["--num-prompts", "8", "--random-output-len", "4"]
     if limit:
         flags += ["--max-concurrency", limit]

@@ -121,6 +121,19 @@ def test_a_waited_on_rank_with_trouble_of_its_own_reads_as_a_sentence(run_dir, t
     assert culprit.reason.startswith("TP0 waits in all_reduce #1 for TP1") and culprit.reason.endswith(words)
 
 
+def test_a_peer_named_first_that_is_still_exiting_reads_as_failed_not_running(run_dir):
+    """TP1 raised in a step and wrote its crash report; TP0's all_reduce then failed and TP0
+    exited first. The root cause written on TP0's exit names TP1 with its exception, and its
+    exit as failing (still exiting), never "still running" (a fresh-clone CI run found it)."""
+    gone = _dead_pid()
+    _status(run_dir, WORKERS[1], os.getpid())  # alive: still exiting
+    _crash(run_dir, WORKERS[1], os.getpid(), 100.0, "worker.execute_model")
+    _crash(run_dir, WORKERS[0], gone, 101.0, "worker.execute_model")
+    root = processes.format_root_cause(run_dir, WORKERS[0], gone, 1, exits={WORKERS[0]: 1})
+    assert f"process:   {WORKERS[1]}" in root and "exception: RuntimeError: boom" in root, root
+    assert "exit:      failed (it wrote its crash report; it was still exiting)" in root, root
+
+
 def test_every_stage_hint_is_a_clause_its_readers_end():
     """doctor and engine-top write "STAGE: HINT." — a hint that kept its catalogue doc's full
     stop read "..": found in lesson 11's engine_core.dummy_step diagnosis."""
