@@ -425,7 +425,7 @@ def test_chat_role_chunk_times_ttft_but_is_not_a_token(peer, tmp_path, default_m
 @pytest.mark.parametrize("limit, expected_peak", [("1", 1), ("3", 3), (None, 8)])
 def test_max_concurrency_bounds_requests_in_flight(peer, tmp_path, limit, expected_peak):
     state, url = peer
-    state.gate = expected_peak  # no request finishes before the allowed ones are all in, however slow the machine
+    state.gate = expected_peak  # none finishes before the allowed ones are all in, however slow the machine
     flags = ["--num-prompts", "8", "--random-output-len", "4"]
     if limit:
         flags += ["--max-concurrency", limit]
