@@ -35,6 +35,16 @@ def _auto_bool(value: str) -> bool | str:
         raise ValueError(f"expected auto, 0 or 1, got {value!r}") from None
 
 
+FUSED_LOOP_THREADS = ("auto", "one", "all")
+
+
+def _fused_loop_threads(value: str) -> str:
+    v = value.strip().lower() or "auto"
+    if v not in FUSED_LOOP_THREADS:
+        raise ValueError(f"expected one of {', '.join(FUSED_LOOP_THREADS)}, got {value!r}")
+    return v
+
+
 def _cache_root(value: str) -> str:
     """A directory Glassbox may create and write: an existing non-directory or an existing
     directory it cannot write is refused (found in the first process, not by a worker's
@@ -201,6 +211,18 @@ ENV_VARS: dict[str, EnvVar] = {
             "GLASSBOX_CACHE_ROOT for the compile cache. auto (unset): compiled, and on a CPU "
             "timed once against the eager step on this machine, which replaces it only where it "
             "measured clearly faster (the worker's status shows the verdict as compiled_step).",
+        ),
+        EnvVar(
+            "GLASSBOX_CPU_FUSED_LOOP_THREADS",
+            _fused_loop_threads,
+            "auto",
+            "Threads for the compiled step's own fused loops (Inductor's norms, RoPE, SiLU·mul, "
+            "adds; the linears and attention always use the worker's threads). auto: a CPU "
+            "worker times its steps both ways after warm-up, once per machine and model (cached "
+            "like the other measured choices), and runs a decode step's loops, and a prefill "
+            "step's, on one thread only where one measured faster for that kind of step; where "
+            "nothing is timed (tensor, pipeline or expert parallelism), all. one / all: that, "
+            "without timing. The worker's status shows the verdict as fused_loop_threads.",
         ),
         EnvVar(
             "GLASSBOX_CACHE_ROOT",

@@ -350,6 +350,7 @@ _RUNS_AS_WORDS = (
     ("bf16_attention", "bfloat16 prefill attention {}"),
     ("step_threads", "step threads {}"),
     ("compiled_step", "compiled or eager: {}"),
+    ("fused_loop_threads", "fused loops on {}"),
     ("attention_task_shape", "decode attention tasks: {}"),
 )
 

@@ -56,7 +56,7 @@ from engine.model.cpu.compile import (
     missing_cxx_compiler,
     use_compile_cache_dir,
 )
-from engine.model.cpu.op_threads import op_threads
+from engine.model.cpu.op_threads import compiled_step_threads, op_threads
 from engine.model.forward_context import set_forward_context
 from engine.model.loader import load_model
 from engine.model.moe import FusedMoE
@@ -543,8 +543,12 @@ class ModelRunner:
         if self.compiled is None:
             with op_threads():  # the worker's thread count of the moment; no graph to guard
                 return self.model(input_ids, positions, meta, self.kv_caches, intermediate_tensors)
-        # Compiled: torch's count stays the graph's; the opaque ops set op_threads themselves.
-        with set_forward_context(meta, self.kv_caches, self.attention_layers, self.moe_layers):
+        # Compiled: torch's count is the fused loops' (all of the step's threads, or one); the
+        # opaque ops (linears, attention) set op_threads themselves.
+        with (
+            set_forward_context(meta, self.kv_caches, self.attention_layers, self.moe_layers),
+            compiled_step_threads(has_prefill=meta.num_decodes < meta.num_reqs),  # its fused loops
+        ):
             return self.compiled(input_ids, positions, intermediate_tensors)
 
     def _detail(self, name: str, num_tokens: int | None = None):

@@ -156,14 +156,18 @@ class CompiledModel:
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 1024)
         dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 4096)
         inductor_config.fx_graph_cache = True
-        # Inductor's own kernels (the fused norms, RoPE, SiLU·mul, adds) run on one thread:
-        # each would otherwise be an OpenMP parallel region, and with OMP_WAIT_POLICY=PASSIVE
-        # (then the workers' default, "One core taken" in docs/performance.md) every region
-        # put the team to sleep and woke it again. Measured in the process tree: +15-25 %
-        # output tok/s against all threads. The matrix multiplies (oneDNN) and attention,
-        # where the time is, are opaque ops and keep every thread — as many as the worker's
-        # thread governor allows at the moment (engine/model/cpu/op_threads.py).
-        inductor_config.cpp.threads = 1
+        # Inductor's own kernels (the fused norms, RoPE, SiLU·mul, adds) read the thread count
+        # when they run (OpenMP's dynamic count), not a count fixed in the C++: the worker runs
+        # them on all of the step's threads or on one, whichever it measured faster for decode
+        # steps and for prefill steps (engine/model/cpu/op_threads.py, compiled_step_threads).
+        # They once ran on one thread always: with OMP_WAIT_POLICY=PASSIVE (then the workers'
+        # default) every parallel region put the team to sleep and woke it again; with the short
+        # spin of today's default (GOMP_SPINCOUNT) both threads won at most shapes on the AMX
+        # Xeon (docs/performance.md, "The compiled step"). The graph is made for this process's
+        # thread count (the compile cache keys on it); a worker of one thread keeps plain loops.
+        threads = torch.get_num_threads()
+        inductor_config.cpp.threads = threads
+        inductor_config.cpp.dynamic_threads = threads > 1
         self.model = model
         self.num_graphs = 0
         self.compile_s = 0.0

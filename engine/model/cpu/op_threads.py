@@ -12,7 +12,12 @@ runs in parallel sets it around itself:
   (``glassbox::onednn_linear``) and attention (``glassbox::attention``) — enter
   ``op_threads()``; Inductor's own kernels run on one thread anyway
   (``engine/model/cpu/compile.py``);
-- an eager step and the sampler run whole inside ``op_threads()``.
+- an eager step and the sampler run whole inside ``op_threads()``;
+- a compiled step's own fused loops (Inductor's norms, RoPE, SiLU·mul, adds) read torch's
+  count when they run (``compile.py`` builds them with OpenMP's dynamic thread count), so
+  ``compiled_step_threads()`` sets it around the compiled call: the step's count, or one
+  thread where the worker measured one faster for that kind of step
+  (``engine/worker/cpu/step_choices.py``, ``fused_loop_threads``).
 
 ``op_threads()`` sets torch's count for the block and puts it back after (0.14 µs a call).
 vLLM has no counterpart (its CPU worker keeps one OpenMP thread per core).
@@ -26,6 +31,9 @@ from collections.abc import Iterator
 import torch
 
 _op_threads: int | None = None
+# Whether a compiled step's fused loops run on all of the step's threads (else on one), for
+# steps of decodes only and for steps with prompt tokens.
+_fused_loops_on_all = {"decode": True, "prefill": True}
 
 
 def set_op_threads(num_threads: int | None) -> None:
@@ -53,6 +61,32 @@ def op_threads() -> Iterator[None]:
         yield
         return
     saved = torch.get_num_threads()
+    if saved == wanted:
+        yield
+        return
+    torch.set_num_threads(wanted)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+def set_fused_loop_threads(decode_all: bool, prefill_all: bool) -> None:
+    """Whether a compiled step's fused loops run on all of the step's threads (True) or on one,
+    in steps of decodes only (``decode_all``) and in steps with prompt tokens (``prefill_all``)."""
+    _fused_loops_on_all["decode"], _fused_loops_on_all["prefill"] = decode_all, prefill_all
+
+
+def fused_loop_threads(has_prefill: bool) -> int:
+    """Threads for a compiled step's fused loops now: ``get_op_threads()``, or 1."""
+    return get_op_threads() if _fused_loops_on_all["prefill" if has_prefill else "decode"] else 1
+
+
+@contextlib.contextmanager
+def compiled_step_threads(has_prefill: bool) -> Iterator[None]:
+    """Run a compiled step's call with ``fused_loop_threads(has_prefill)`` as torch's count (the
+    opaque ops inside still set ``op_threads()`` themselves); put the count back after."""
+    wanted, saved = fused_loop_threads(has_prefill), torch.get_num_threads()
     if saved == wanted:
         yield
         return

@@ -99,22 +99,32 @@ class CPUWorker(Worker):
         return f"{get_op_threads()} of {self._governor.max_threads}"
 
     def _tune_after_warm_up(self, compiled: dict[str, Any]) -> dict[str, Any]:
-        """On a CPU, time the warm step's thread counts and compiled against eager
-        (``step_choices.tune_step``), apply the verdicts and add them to the model's measured
+        """On a CPU, time the warm step's thread counts, compiled against eager and the fused
+        loops' threads (``step_choices.tune_step``), apply the verdicts and add them to the model's measured
         choices; ``compiled["mode"]`` becomes ``"eager"`` where eager won. Skipped where the
         forward holds collectives (every rank would have to time the same steps)."""
         if self.device.type != "cpu" or self._thread_plan is None or self.model_runner is None:
             return compiled
-        from engine.worker.cpu.step_choices import forward_has_collectives, tune_step
+        from engine.model.cpu.op_threads import set_fused_loop_threads
+        from engine.worker.cpu.step_choices import (
+            forced_fused_loop_threads,
+            forward_has_collectives,
+            tune_step,
+        )
 
         runner = self.model_runner
         if forward_has_collectives(self.config):
+            forced = forced_fused_loop_threads(envs.GLASSBOX_CPU_FUSED_LOOP_THREADS)
+            if forced is not None and runner.compiled is not None:  # nothing timed here: all, unless forced
+                set_fused_loop_threads(forced.data["decode_all"], forced.data["prefill_all"])
+                runner.model.measured_choices = [*getattr(runner.model, "measured_choices", []), forced]
             self._tune_attention_task_shape()  # the kernel alone: no collective in it
             return compiled
         plan = self._thread_plan
         share = plan.num_threads or get_op_threads()
         verdicts = tune_step(runner, share, plan.cpus or tuple(sorted(_usable_cpus())),
-                             threads_fixed=_threads_fixed(plan), compile_fixed=self._compile_fixed())  # fmt: skip
+                             threads_fixed=_threads_fixed(plan), compile_fixed=self._compile_fixed(),
+                             loops_setting=envs.GLASSBOX_CPU_FUSED_LOOP_THREADS)  # fmt: skip
         for verdict in verdicts:
             logger.info("%s", verdict.text())
         runner.model.measured_choices = [*getattr(runner.model, "measured_choices", []), *verdicts]

@@ -1,6 +1,7 @@
-"""A CPU worker's step, tuned by timing it: how many threads, and compiled or eager.
+"""A CPU worker's step, tuned by timing it: how many threads, compiled or eager, and the
+threads of the compiled step's own loops.
 
-Two choices about a whole step depend on the machine more than on the model:
+Three choices about a whole step depend on the machine more than on the model:
 
 - **Threads.** A worker runs its step's parallel work (the oneDNN linears, the attention
   kernel) on its share of the CPUs, one thread each. Whether every thread pays off depends on
@@ -10,22 +11,29 @@ Two choices about a whole step depend on the machine more than on the model:
   physical cores where some of its CPUs are hyper-thread siblings — are timed on the worker's
   own dummy steps.
 - **Compiled or eager.** The compiled step (``engine/model/cpu/compile.py``) fuses the small
-  operations between the matmuls into C++ loops that run on one thread (a rule measured on a
-  2-core machine); on a machine with many cores the eager step's multi-threaded small ops can
-  be faster. So the compiled step is timed against the eager one, and the eager one is kept
-  only where it wins clearly, at a decode batch and at a prefill chunk alike.
+  operations between the matmuls into C++ loops; on some machines the eager step's own
+  small ops can be faster. So the compiled step is timed against the eager one, and the
+  eager one is kept only where it wins clearly, at a decode batch and at a prefill chunk alike.
+- **The fused loops' threads.** Those loops are OpenMP parallel regions over a few thousand
+  numbers in a decode step, and a prefill's hundreds of thousands: waking the team for each
+  can cost more than it saves (it did, with threads that slept while they waited), or halve
+  the loops' time. So the compiled step is timed with its loops on all of the step's threads
+  and on one, for decode steps and for prefill steps apart (``op_threads.compiled_step_threads``
+  applies the verdict); the linears and attention use all of them either way.
 
 Both are timed on the worker's own dummy steps (``ModelRunner._dummy_step``: a decode batch and
 a prefill chunk writing into the null block), interleaved, medians (``measured_choice.py``),
 once per machine, model shape, dtype and thread share: the verdict is cached beside the compile
-cache and shown in the worker's status (``runs_as``: ``step_threads``, ``compiled_step``).
+cache and shown in the worker's status (``runs_as``: ``step_threads``, ``compiled_step``,
+``fused_loop_threads``).
 Nothing is measured when the forward holds collectives (tensor or pipeline parallelism, expert
 parallelism): every rank must run the same dummy steps, and a rank that read the verdict from
 the cache while another measured would leave that one waiting in its first all-reduce.
 
 Forcing a side: ``OMP_NUM_THREADS`` (or ``GLASSBOX_CPU_OMP_THREADS_BIND``) fixes the thread
 count; ``--enforce-eager`` (or ``GLASSBOX_TORCH_COMPILE=0``) runs eagerly and
-``GLASSBOX_TORCH_COMPILE=1`` keeps the compiled step without timing it.
+``GLASSBOX_TORCH_COMPILE=1`` keeps the compiled step without timing it;
+``GLASSBOX_CPU_FUSED_LOOP_THREADS=one|all`` fixes the fused loops' threads.
 
 vLLM counterpart: none — vLLM's CPU worker binds one OpenMP thread per CPU it is given and
 always compiles (unless ``--enforce-eager``).
@@ -40,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.model.cpu.measured_choice import Verdict, measured, time_candidates
-from engine.model.cpu.op_threads import set_op_threads
+from engine.model.cpu.op_threads import set_fused_loop_threads, set_op_threads
 
 if TYPE_CHECKING:
     from engine.worker.model_runner import ModelRunner
@@ -50,6 +58,9 @@ if TYPE_CHECKING:
 EAGER_MIN_GAIN = 1.2
 # Fewer threads must be at least this much faster than the whole share to be chosen.
 FEWER_THREADS_MIN_GAIN = 1.05
+# One thread must be at least this much faster than all of the step's threads, at a kind of
+# step (decodes only, or with prompt tokens), to run that kind's fused loops on one.
+ONE_LOOP_THREAD_MIN_GAIN = 1.05
 # Rounds of the interleaved timing (each round runs every candidate once on each shape).
 ROUNDS = 5
 
@@ -180,6 +191,64 @@ def choose_compiled_step(
                     busy_default=("compiled", {"compiled": True}))  # fmt: skip
 
 
+ALL_LOOP_THREADS = {"decode_all": True, "prefill_all": True}
+
+
+def fused_loop_words(data: Mapping[str, bool]) -> str:
+    """A ``fused_loop_threads`` verdict's data in words: ``all threads``, ``one thread``, or
+    ``one thread in decode steps, all in prefill steps`` (and the other way round)."""
+    decode, prefill = data["decode_all"], data["prefill_all"]
+    if decode == prefill:
+        return "all threads" if decode else "one thread"
+    return f"{'all threads' if decode else 'one thread'} in decode steps, {'all' if prefill else 'one'} in prefill steps"
+
+
+def forced_fused_loop_threads(setting: str) -> Verdict | None:
+    """The verdict ``GLASSBOX_CPU_FUSED_LOOP_THREADS`` forces (``one`` / ``all``); None for ``auto``."""
+    if setting == "auto":
+        return None
+    data = {"decode_all": setting == "all", "prefill_all": setting == "all"}
+    return Verdict("fused_loop_threads", fused_loop_words(data),
+                   f"forced by GLASSBOX_CPU_FUSED_LOOP_THREADS={setting}", data=data)  # fmt: skip
+
+
+def choose_fused_loop_threads(
+    shapes: Mapping[str, list[int]],
+    time_settings: Callable[[], dict[str, dict[str, float]]],
+    key: Mapping[str, Any],
+) -> Verdict:
+    """Whether the compiled step's own fused loops run on all of the step's threads or on one,
+    for decode steps and for prefill steps, by measurement.
+
+    Args:
+        shapes: the timed steps by name, as query lengths (a step whose longest is 1 is a
+            decode step, any other a prefill step).
+        time_settings: ``() -> {"all": {shape: s}, "one": {shape: s}}``; tests pass a fake.
+        key: what the verdict depends on besides the CPU.
+
+    Returns:
+        A ``Verdict`` whose ``data`` says, for ``"decode_all"`` and ``"prefill_all"``, whether
+        that kind of step's loops use all threads: False only where one thread measured at
+        least ``ONE_LOOP_THREAD_MIN_GAIN``× faster at that kind's step. All threads where it
+        was timed while the machine was busy (one thread always wins then).
+    """
+
+    def measure() -> tuple[str, str, dict]:
+        t = time_settings()
+        data = dict(ALL_LOOP_THREADS)
+        for name, lens in shapes.items():
+            kind = "prefill_all" if max(lens) > 1 else "decode_all"
+            data[kind] = t["all"][name] < ONE_LOOP_THREAD_MIN_GAIN * t["one"][name]
+        detail = "; ".join(
+            f"{name}: all threads {1e3 * t['all'][name]:.2f} ms, one thread {1e3 * t['one'][name]:.2f} ms"
+            for name in shapes
+        )
+        return fused_loop_words(data), detail, data
+
+    return measured("fused_loop_threads", {**key, "rounds": ROUNDS, "min_gain": ONE_LOOP_THREAD_MIN_GAIN},
+                    measure, busy_default=(fused_loop_words(ALL_LOOP_THREADS), dict(ALL_LOOP_THREADS)))  # fmt: skip
+
+
 # The parts of the checkpoint's config.json that change a step's cost.
 MODEL_SHAPE_KEYS = ("architectures", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
@@ -212,9 +281,11 @@ def tune_step(
     cpus: Sequence[int],
     threads_fixed: str | None,
     compile_fixed: str | None,
+    loops_setting: str = "auto",
 ) -> list[Verdict]:
-    """Choose the worker's step threads and compiled-or-eager mode by timing its dummy steps,
-    and apply them (``set_op_threads``; ``runner.compiled = None`` for eager). Call after
+    """Choose the worker's step threads, compiled-or-eager mode and (compiled, several threads)
+    the fused loops' threads by timing its dummy steps, and apply them (``set_op_threads``;
+    ``runner.compiled = None`` for eager; ``set_fused_loop_threads``). Call after
     ``ModelRunner.warm_up``, on a CPU, when the forward holds no collectives.
 
     Args:
@@ -222,6 +293,8 @@ def tune_step(
         cpus: the CPUs of that share.
         threads_fixed: what fixed the thread count (``OMP_NUM_THREADS=4``), or None to choose it.
         compile_fixed: what fixed compiled-or-eager (``--enforce-eager``), or None to choose it.
+        loops_setting: ``GLASSBOX_CPU_FUSED_LOOP_THREADS`` (``auto``: choose the compiled
+            step's fused-loop threads by timing; ``one`` / ``all``: that).
 
     Returns the verdicts (forced ones included), for ``model.measured_choices``.
     """
@@ -257,22 +330,37 @@ def tune_step(
         why = compile_fixed or "no compiled step to time"
         verdicts.append(Verdict("compiled_step", mode, f"forced by {why}" if compile_fixed else why,
                                 data={"compiled": compiled is not None}))  # fmt: skip
-        return verdicts
+    else:
 
-    def set_compiled() -> None:
-        runner.compiled = compiled
-
-    def set_eager() -> None:
-        runner.compiled = None
-
-    def time_modes() -> dict[str, dict[str, float]]:
-        try:
-            return _interleaved(runner, shapes, {"compiled": set_compiled, "eager": set_eager})
-        finally:
+        def set_compiled() -> None:
             runner.compiled = compiled
 
-    verdict = choose_compiled_step(shapes, time_modes, {**key, "threads": threads})
-    if not verdict.data["compiled"]:
-        runner.compiled = None
+        def set_eager() -> None:
+            runner.compiled = None
+
+        def time_modes() -> dict[str, dict[str, float]]:
+            try:
+                return _interleaved(runner, shapes, {"compiled": set_compiled, "eager": set_eager})
+            finally:
+                runner.compiled = compiled
+
+        verdict = choose_compiled_step(shapes, time_modes, {**key, "threads": threads})
+        if not verdict.data["compiled"]:
+            runner.compiled = None
+        verdicts.append(verdict)
+    if runner.compiled is None or threads == 1:
+        return verdicts  # no fused loops, or one thread for everything: nothing to choose
+    verdict = forced_fused_loop_threads(loops_setting)
+    if verdict is None:
+
+        def time_settings() -> dict[str, dict[str, float]]:
+            try:
+                return _interleaved(runner, shapes, {"all": lambda: set_fused_loop_threads(True, True),
+                                                     "one": lambda: set_fused_loop_threads(False, False)})  # fmt: skip
+            finally:
+                set_fused_loop_threads(True, True)
+
+        verdict = choose_fused_loop_threads(shapes, time_settings, {**key, "threads": threads})
+    set_fused_loop_threads(verdict.data["decode_all"], verdict.data["prefill_all"])
     verdicts.append(verdict)
     return verdicts

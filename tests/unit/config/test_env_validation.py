@@ -27,6 +27,7 @@ BAD = {
     "_omp_threads_bind": "0-x",
     "_cache_root": "/dev/null/cache",  # under a file: neither a directory nor creatable
     "_stage_delay": "-1",
+    "_fused_loop_threads": "two",
 }
 CHECKED = [
     (name, BAD[var.parse.__name__]) for name, var in envs.ENV_VARS.items() if var.parse.__name__ in BAD

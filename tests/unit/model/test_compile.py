@@ -86,3 +86,33 @@ def test_a_cold_start_compiles_and_a_warm_one_loads_from_the_cache(tmp_path, mon
     warm = CompiledModel(Doubler())
     assert warm(ids, ids).tolist() == [0, 3, 6, 9, 12, 15]
     assert warm.cache == "hit"
+
+
+class Norm(torch.nn.Module):
+    """An RMSNorm over rows, SiLU after: a fused loop with a reduction, as the models' norms."""
+
+    def forward(self, input_ids, positions, kv_caches, meta, intermediate_tensors):
+        x = input_ids
+        return torch.nn.functional.silu(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def test_the_compiled_loops_give_the_eager_numbers_on_one_thread_and_on_all():
+    """A compiled graph's loops read the thread count when they run (OpenMP's dynamic count,
+    when the process has several threads): the same graph on one thread and on two gives the
+    eager numbers, and changing the count makes no second graph."""
+    from engine.model.cpu import op_threads
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        model = CompiledModel(Norm())
+        x = torch.randn(300, 512)
+        expected = Norm()(x, None, None, None, None)
+        for decode_all in (True, False, True):
+            op_threads.set_fused_loop_threads(decode_all, decode_all)
+            with op_threads.compiled_step_threads(has_prefill=False):
+                torch.testing.assert_close(model(x, x), expected)
+        assert model.num_graphs == 1
+    finally:
+        op_threads.set_fused_loop_threads(True, True)
+        torch.set_num_threads(saved)

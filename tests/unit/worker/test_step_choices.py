@@ -144,3 +144,60 @@ def test_the_timed_steps_fit_the_scheduler_limits():
         "16 decodes": [1] * 16,
         "a 16-token prefill": [16],
     }
+
+
+@pytest.mark.parametrize(
+    ("all_ms", "one_ms", "decode_all", "prefill_all", "words"),
+    [
+        ((10.0, 30.0), (10.0, 30.0), True, True, "all threads"),  # a tie keeps all
+        ((10.0, 30.0), (9.6, 20.0), True, False, "all threads in decode steps, one in prefill steps"),
+        ((10.0, 20.0), (9.0, 30.0), False, True, "one thread in decode steps, all in prefill steps"),
+        ((10.0, 30.0), (9.0, 27.0), False, False, "one thread"),  # one 1.11x at both: past 1.05
+    ],
+)  # fmt: skip
+def test_the_fused_loops_threads_follow_the_measurement_for_each_kind_of_step(
+    all_ms, one_ms, decode_all, prefill_all, words
+):
+    names = list(SHAPES)
+
+    def time_settings():
+        return {"all": dict(zip(names, [t / 1e3 for t in all_ms])),
+                "one": dict(zip(names, [t / 1e3 for t in one_ms]))}  # fmt: skip
+
+    v = step_choices.choose_fused_loop_threads(SHAPES, time_settings, {"case": (all_ms, one_ms)})
+    assert (v.choice, v.data) == (words, {"decode_all": decode_all, "prefill_all": prefill_all})
+    assert f"16 decodes: all threads {all_ms[0]:.2f} ms, one thread {one_ms[0]:.2f} ms" in v.detail
+
+
+def test_the_fused_loops_threads_are_forced_by_their_variable_and_a_bad_value_is_refused():
+    assert step_choices.forced_fused_loop_threads("auto") is None
+    one = step_choices.forced_fused_loop_threads("one")
+    assert (one.choice, one.source) == ("one thread", "forced by GLASSBOX_CPU_FUSED_LOOP_THREADS=one")
+    assert step_choices.forced_fused_loop_threads("all").data == {"decode_all": True, "prefill_all": True}
+    from engine import envs
+
+    with pytest.raises(ValueError, match="expected one of auto, one, all"):
+        envs._fused_loop_threads("two")
+
+
+def test_a_compiled_step_runs_its_loops_with_the_chosen_count_and_puts_torchs_back():
+    """``compiled_step_threads``: the count Inductor's loops read during the compiled call —
+    the step's threads for a kind of step whose loops use all, one thread otherwise."""
+    import torch
+
+    from engine.model.cpu import op_threads
+
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        op_threads.set_op_threads(2)
+        op_threads.set_fused_loop_threads(decode_all=False, prefill_all=True)
+        with op_threads.compiled_step_threads(has_prefill=False):
+            assert torch.get_num_threads() == 1
+        with op_threads.compiled_step_threads(has_prefill=True):
+            assert torch.get_num_threads() == 2
+        assert torch.get_num_threads() == 3
+    finally:
+        op_threads.set_op_threads(None)
+        op_threads.set_fused_loop_threads(True, True)
+        torch.set_num_threads(saved)
