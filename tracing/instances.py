@@ -335,6 +335,7 @@ def runs_as_text(runs_as: dict[str, str]) -> str:
     if head:
         parts.append(head)
     parts += [template.format(runs_as[key]) for key, template in _RUNS_AS_WORDS if runs_as.get(key)]
+    parts = ["1 CPU thread" if part == "1 CPU threads" else part for part in parts]
     parts += [f"{k} {v}" for k, v in sorted(runs_as.items()) if k not in worded]
     return ", ".join(parts)
 

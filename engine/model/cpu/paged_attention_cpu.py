@@ -335,7 +335,7 @@ def choose_task_shape(
         choice = (
             "one KV head per task"
             if start == NEVER
-            else f"all KV heads per task from {start} decodes per thread"
+            else f"all KV heads per task from {start} decode{'s' if start != 1 else ''} per thread"
         )
         return choice, detail, {"all_heads_from": start}
 

@@ -152,7 +152,10 @@ def choose_step_threads(
         if best != share and totals[share] < FEWER_THREADS_MIN_GAIN * totals[best]:
             best = share
         detail = "; ".join(
-            f"{name}: " + ", ".join(f"{n} threads {1e3 * times[n][name]:.2f} ms" for n in candidates)
+            f"{name}: "
+            + ", ".join(
+                f"{n} thread{'s' if n != 1 else ''} {1e3 * times[n][name]:.2f} ms" for n in candidates
+            )
             for name in shapes
         )
         return str(best), detail, {"threads": best}

@@ -116,3 +116,13 @@ def test_the_compiled_loops_give_the_eager_numbers_on_one_thread_and_on_all():
     finally:
         op_threads.set_fused_loop_threads(True, True)
         torch.set_num_threads(saved)
+
+
+def test_a_worker_of_one_thread_reads_in_the_singular():
+    """``glassbox ps`` said "1 CPU threads" of a DP worker (a fresh user's read of -dp 2)."""
+    assert runs_as_text({"device": "cpu", "cpu_threads": "1"}) == "cpu, 1 CPU thread"
+    assert runs_as_text({"device": "cpu", "cpu_threads": "1 of 2"}) == "cpu, 1 of 2 CPU threads"
+    assert (
+        runs_as_text({"fused_loop_threads": "all threads (measured)"})
+        == "fused loops on all threads (measured)"
+    )
