@@ -54,14 +54,10 @@ def get_op_threads() -> int:
 
 
 @contextlib.contextmanager
-def op_threads() -> Iterator[None]:
-    """Run the block with ``set_op_threads``'s count as torch's thread count."""
-    wanted = _op_threads
-    if wanted is None:
-        yield
-        return
+def _torch_threads(wanted: int | None) -> Iterator[None]:
+    """Run the block with ``wanted`` as torch's thread count (None: as it is), then put it back."""
     saved = torch.get_num_threads()
-    if saved == wanted:
+    if wanted is None or saved == wanted:
         yield
         return
     torch.set_num_threads(wanted)
@@ -69,6 +65,11 @@ def op_threads() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(saved)
+
+
+def op_threads() -> contextlib.AbstractContextManager[None]:
+    """Run the block with ``set_op_threads``'s count as torch's thread count."""
+    return _torch_threads(_op_threads)
 
 
 def set_fused_loop_threads(decode_all: bool, prefill_all: bool) -> None:
@@ -82,16 +83,7 @@ def fused_loop_threads(has_prefill: bool) -> int:
     return get_op_threads() if _fused_loops_on_all["prefill" if has_prefill else "decode"] else 1
 
 
-@contextlib.contextmanager
-def compiled_step_threads(has_prefill: bool) -> Iterator[None]:
+def compiled_step_threads(has_prefill: bool) -> contextlib.AbstractContextManager[None]:
     """Run a compiled step's call with ``fused_loop_threads(has_prefill)`` as torch's count (the
     opaque ops inside still set ``op_threads()`` themselves); put the count back after."""
-    wanted, saved = fused_loop_threads(has_prefill), torch.get_num_threads()
-    if saved == wanted:
-        yield
-        return
-    torch.set_num_threads(wanted)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
+    return _torch_threads(fused_loop_threads(has_prefill))
