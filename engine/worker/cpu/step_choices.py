@@ -21,7 +21,7 @@ Three choices about a whole step depend on the machine more than on the model:
   and on one, for decode steps and for prefill steps apart (``op_threads.compiled_step_threads``
   applies the verdict); the linears and attention use all of them either way.
 
-Both are timed on the worker's own dummy steps (``ModelRunner._dummy_step``: a decode batch and
+All three are timed on the worker's own dummy steps (``ModelRunner._dummy_step``: a decode batch and
 a prefill chunk writing into the null block), interleaved, medians (``measured_choice.py``),
 once per machine, model shape, dtype and thread share: the verdict is cached beside the compile
 cache and shown in the worker's status (``runs_as``: ``step_threads``, ``compiled_step``,
