@@ -22,6 +22,14 @@ last commit's), that source is built too and timed in the same loop, interleaved
 current one: a change to the kernel is measured against what it replaces, on the same
 machine and load.
 
+``--cold`` measures a whole decode step as the worker sees it instead: ``--layers`` (8)
+layers, each with its own K and V in a cache of ``--cache-mib`` (1024) MiB allocated as the
+worker allocates it (one buffer, ``engine/model/cpu/huge_pages.py``), every request's pages
+drawn at random from all of it, so the step's reads come from memory, not from the CPU's
+caches. It times the kernel over all layers with the cache on 2 MiB pages and on 4 KiB pages
+(``--baseline-source`` too, on 2 MiB pages), interleaved, bfloat16 (``--dtype``), and prints
+ms per step and the GB/s of K and V read.
+
 Each figure is the median of ``--repeats`` timings of ``--inner`` calls each. The load
 average (``os.getloadavg()``) is printed before and after: above the core count, the
 wall-time figures are not to be trusted.
@@ -30,6 +38,8 @@ wall-time figures are not to be trusted.
     .venv/bin/python benchmarks/paged_attention_kernel.py --repeats 50 --num-decodes 64
     git show HEAD~1:engine/model/cpu/csrc/paged_attention_cpu.cpp > /tmp/before.cpp
     .venv/bin/python benchmarks/paged_attention_kernel.py --baseline-source /tmp/before.cpp
+    .venv/bin/python benchmarks/paged_attention_kernel.py --cold --num-decodes 128 --min-len 32 \\
+        --max-len 768 --baseline-source /tmp/before.cpp
 """
 
 from __future__ import annotations
@@ -96,6 +106,61 @@ def median_seconds(fns: list, repeats: int, inner: int, clock) -> list[float]:
     return [statistics.median(series) for series in times]
 
 
+def cold_step(args: argparse.Namespace, baseline) -> None:
+    """``--cold``: the kernel over every layer of a worker-sized cache, 2 MiB against 4 KiB pages."""
+    from engine.model.cpu.huge_pages import anon_huge_bytes, zeros_on_huge_pages
+
+    dtype = getattr(torch, args.dtype)
+    item = torch.empty((), dtype=dtype).element_size()
+    block_bytes = BLOCK_SIZE * KV_HEADS * HEAD_DIM * item  # one layer's K (or V) page
+    num_blocks = args.cache_mib * 2**20 // (2 * args.layers * block_bytes)
+    g = torch.Generator().manual_seed(0)
+    nd = args.num_decodes
+    lens = torch.randint(args.min_len, args.max_len + 1, (nd,), generator=g).int()
+    width = -(-args.max_len // BLOCK_SIZE)
+    if nd * width >= num_blocks:
+        raise SystemExit(
+            f"--cache-mib {args.cache_mib} holds {num_blocks} blocks a layer: too few for the decodes"
+        )
+    table = (torch.randperm(num_blocks - 1, generator=g) + 1)[: nd * width].view(nd, width).int()
+    q = torch.randn(nd, HEADS, HEAD_DIM, generator=g).to(dtype)
+    shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    caches = {}
+    for huge in (True, False):
+        before = anon_huge_bytes() or 0
+        flat, _ = zeros_on_huge_pages(2 * args.layers, shape, dtype, huge=huge)
+        for t in flat:
+            t.normal_(generator=g)
+        got = (anon_huge_bytes() or 0) - before
+        caches[huge] = flat
+        print(f"cache on {'2 MiB' if huge else '4 KiB'} pages: {len(flat) * flat[0].numel() * item / 2**20:.0f} MiB "
+              f"({max(got, 0) / 2**20:.0f} MiB of it on huge pages per Linux)")  # fmt: skip
+
+    def step(flat, kernel=None):
+        for i in range(args.layers):
+            paged_decode_attention_cpu(
+                q, flat[2 * i], flat[2 * i + 1], table, lens, HEAD_DIM**-0.5, kernel=kernel
+            )
+
+    fns = {
+        "2 MiB pages": functools.partial(step, caches[True]),
+        "4 KiB pages": functools.partial(step, caches[False]),
+    }
+    if baseline is not None:
+        fns["baseline source, 2 MiB pages"] = functools.partial(step, caches[True], baseline)
+    read = int(lens.sum()) * KV_HEADS * HEAD_DIM * item * 2 * args.layers
+    print(f"load average before: {os.getloadavg()}  (cores: {os.cpu_count()})")
+    with torch.inference_mode():
+        times = median_seconds(list(fns.values()), args.repeats, args.inner, time.perf_counter)
+    print(f"load average after: {os.getloadavg()}")
+    print(f"\n{nd} decodes of {args.min_len}-{args.max_len} keys, {args.layers} layers, {args.dtype}, "
+          f"{torch.get_num_threads()} threads: {read / 2**20:.0f} MiB of K and V a step\n")  # fmt: skip
+    print("| kernel, cache | ms per step | GB/s of K and V |")
+    print("|---|---|---|")
+    for label, t in zip(fns, times):
+        print(f"| {label} | {t * 1e3:.2f} | {read / t / 1e9:.1f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-decodes", type=int, default=32)
@@ -108,6 +173,14 @@ def main() -> None:
         type=Path,
         help="another version of paged_attention_cpu.cpp to build and time beside the current one",
     )
+    parser.add_argument(
+        "--cold", action="store_true", help="a whole step over a worker-sized cache (see above)"
+    )
+    parser.add_argument("--layers", type=int, default=8, help="--cold: layers in the step")
+    parser.add_argument("--cache-mib", type=int, default=1024, help="--cold: the cache's size, all layers")
+    parser.add_argument(
+        "--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="--cold: the dtype"
+    )
     args = parser.parse_args()
 
     load_kernel()
@@ -117,6 +190,11 @@ def main() -> None:
         build_kernel(args.baseline_source, so)
         baseline = open_kernel(so)
         print(f"baseline kernel: built from {args.baseline_source}")
+    if args.cold:
+        if args.repeats == parser.get_default("repeats") and args.inner == parser.get_default("inner"):
+            args.repeats, args.inner = 9, 1
+        cold_step(args, baseline)
+        return
     threads = torch.get_num_threads()
     layer = Attention(HEADS, HEAD_DIM, KV_HEADS, HEAD_DIM**-0.5)
     print(f"kernel: {kernel_path()}")

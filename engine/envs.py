@@ -225,6 +225,16 @@ ENV_VARS: dict[str, EnvVar] = {
             "without timing. The worker's status shows the verdict as fused_loop_threads.",
         ),
         EnvVar(
+            "GLASSBOX_CPU_KV_HUGE_PAGES",
+            _bool,
+            "1",
+            "1: a CPU worker allocates its KV cache as one buffer advised onto 2 MiB pages "
+            "(Linux transparent huge pages, MADV_HUGEPAGE; where THP is off the cache is on "
+            "ordinary pages and nothing else changes): decode attention reads scattered KV "
+            "blocks, and on 4 KiB pages each block costs TLB misses. The worker logs how much "
+            "of the cache Linux put on huge pages. 0: ordinary 4 KiB pages.",
+        ),
+        EnvVar(
             "GLASSBOX_CACHE_ROOT",
             _cache_root,
             "~/.cache/glassbox",

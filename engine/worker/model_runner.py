@@ -370,19 +370,48 @@ class ModelRunner:
                 f"KV cache block size {spec.block_size} differs from the runner's {self.block_size}"
             )
         shape = (kv_cache_config.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(spec.num_layers)
-        ]
+        if self.device.type == "cpu":
+            # One buffer on 2 MiB pages where Linux allows (engine/model/cpu/huge_pages.py):
+            # decode attention's scattered page reads then miss the TLB far less.
+            flat = self._zeros_on_cpu(2 * spec.num_layers, shape)
+            self.kv_caches = [(flat[2 * i], flat[2 * i + 1]) for i in range(spec.num_layers)]
+        else:
+            self.kv_caches = [
+                (
+                    torch.zeros(shape, dtype=self.dtype, device=self.device),
+                    torch.zeros(shape, dtype=self.dtype, device=self.device),
+                )
+                for _ in range(spec.num_layers)
+            ]
         logger.debug(
             "KV cache: %d blocks of %d tokens (%.1f MiB)",
             kv_cache_config.num_blocks,
             spec.block_size,
             kv_cache_config.num_blocks * spec.bytes_per_block / 2**20,
         )
+
+    def _zeros_on_cpu(self, count: int, shape: tuple[int, ...]) -> list[torch.Tensor]:
+        """``count`` zeroed KV tensors of ``shape`` on the CPU, on 2 MiB pages unless
+        ``GLASSBOX_CPU_KV_HUGE_PAGES=0``; logs how much of the cache Linux put on them."""
+        from engine.model.cpu.huge_pages import anon_huge_bytes, zeros_on_huge_pages
+
+        wanted = envs.GLASSBOX_CPU_KV_HUGE_PAGES
+        before = anon_huge_bytes() if wanted else None
+        tensors, advised = zeros_on_huge_pages(count, shape, self.dtype, huge=wanted)
+        total = sum(t.numel() * t.element_size() for t in tensors)
+        if not wanted:
+            logger.info("KV cache on 4 KiB pages (GLASSBOX_CPU_KV_HUGE_PAGES=0)")
+        elif not advised:
+            logger.info("KV cache on 4 KiB pages: Linux refused MADV_HUGEPAGE (transparent huge pages off)")
+        else:
+            after = anon_huge_bytes()
+            got = None if before is None or after is None else max(0, after - before)
+            logger.info(
+                "KV cache: %s of %.0f MiB on 2 MiB pages (transparent huge pages, advised)",
+                "?" if got is None else f"{min(got, total) / 2**20:.0f} MiB",
+                total / 2**20,
+            )
+        return tensors
 
     @torch.inference_mode()
     def warm_up(self) -> dict[str, object]:

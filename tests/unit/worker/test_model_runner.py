@@ -732,3 +732,24 @@ def test_a_compiler_that_does_not_work_falls_back_to_eager_and_says_why(tiny_dir
     )
     tokens = json.loads(done.stdout.strip().splitlines()[-1])
     assert tokens == hf_greedy(path, list(range(3, 20)), 8)
+
+
+@pytest.mark.parametrize("huge", ["1", "0"])
+def test_kv_cache_on_huge_pages_or_not_is_one_cache_per_layer_and_gives_transformers_greedy(
+    checkpoints, huge, monkeypatch
+):
+    monkeypatch.setenv("GLASSBOX_CPU_KV_HUGE_PAGES", huge)
+    path = checkpoints["llama"]
+    runner = make_runner(path, attention_backend="CPU_PAGED_CPP")
+    spans = sorted(
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for kv in runner.kv_caches for t in kv
+    )
+    assert len(spans) == 2 * runner.get_kv_cache_spec().num_layers
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:])), "two layers share KV memory"
+    driver = Driver(runner)
+    lengths = {"a": 9, "b": 21}
+    for i, (req_id, n) in enumerate(lengths.items()):
+        driver.add(req_id, prompt(i, n))
+    driver.step(dict(lengths))
+    driver.decode(list(lengths), steps=8)
+    assert_matches_hf(path, driver, lengths)
