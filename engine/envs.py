@@ -232,7 +232,8 @@ ENV_VARS: dict[str, EnvVar] = {
             "(Linux transparent huge pages, MADV_HUGEPAGE; where THP is off the cache is on "
             "ordinary pages and nothing else changes): decode attention reads scattered KV "
             "blocks, and on 4 KiB pages each block costs TLB misses. The worker logs how much "
-            "of the cache Linux put on huge pages. 0: ordinary 4 KiB pages.",
+            "of the cache Linux put on huge pages, and its status (glassbox ps) shows the "
+            "pages as kv_cache_pages. 0: ordinary 4 KiB pages.",
         ),
         EnvVar(
             "GLASSBOX_CACHE_ROOT",

@@ -345,6 +345,7 @@ _RUNS_AS_WORDS = (
     ("compile", "{}"),
     ("attention", "attention {}"),
     ("cpu_threads", "{} CPU threads"),
+    ("kv_cache_pages", "KV cache on {}"),
     ("bf16_linear", "bfloat16 linears {}"),
     ("f32_linear", "float32 linears {}"),
     ("linear_kernel", "own linear kernel {}"),

@@ -236,6 +236,8 @@ class ModelRunner:
         self.model_num_params = 0
         self.model_expert_bytes = 0  # the routed experts' share of model_weight_bytes (MoE)
         self.kv_caches: list[KVCache] = []
+        # On a CPU, the pages the KV cache lies on, for the worker's runs_as ("2 MiB pages").
+        self.kv_cache_pages: str | None = None
         self.compiled: CompiledModel | None = None  # set by warm_up unless the model runs eagerly
         self.attention_layers: list = []  # this stage's Attention modules, by local layer index
         self.moe_layers: dict[int, FusedMoE] = {}  # this stage's MoE layers' experts, by local layer index
@@ -393,24 +395,34 @@ class ModelRunner:
     def _zeros_on_cpu(self, count: int, shape: tuple[int, ...]) -> list[torch.Tensor]:
         """``count`` zeroed KV tensors of ``shape`` on the CPU, on 2 MiB pages unless
         ``GLASSBOX_CPU_KV_HUGE_PAGES=0``; logs how much of the cache Linux put on them."""
-        from engine.model.cpu.huge_pages import anon_huge_bytes, zeros_on_huge_pages
+        from engine.model.cpu.huge_pages import HUGE_PAGE_BYTES, anon_huge_bytes, zeros_on_huge_pages
 
         wanted = envs.GLASSBOX_CPU_KV_HUGE_PAGES
         before = anon_huge_bytes() if wanted else None
         tensors, advised = zeros_on_huge_pages(count, shape, self.dtype, huge=wanted)
         total = sum(t.numel() * t.element_size() for t in tensors)
         if not wanted:
+            self.kv_cache_pages = "4 KiB pages (GLASSBOX_CPU_KV_HUGE_PAGES=0)"
             logger.info("KV cache on 4 KiB pages (GLASSBOX_CPU_KV_HUGE_PAGES=0)")
+        elif total < HUGE_PAGE_BYTES:
+            self.kv_cache_pages = "4 KiB pages (the cache is under 2 MiB)"
+            logger.info("KV cache on 4 KiB pages: %.1f MiB is under one 2 MiB page", total / 2**20)
         elif not advised:
+            self.kv_cache_pages = "4 KiB pages (transparent huge pages off)"
             logger.info("KV cache on 4 KiB pages: Linux refused MADV_HUGEPAGE (transparent huge pages off)")
         else:
             after = anon_huge_bytes()
-            got = None if before is None or after is None else max(0, after - before)
+            got = None if before is None or after is None else min(max(0, after - before), total)
             logger.info(
                 "KV cache: %s of %.0f MiB on 2 MiB pages (transparent huge pages, advised)",
-                "?" if got is None else f"{min(got, total) / 2**20:.0f} MiB",
+                "?" if got is None else f"{got / 2**20:.0f} MiB",
                 total / 2**20,
             )
+            if got is not None and got >= advised:  # every whole 2 MiB page of the buffer
+                self.kv_cache_pages = "2 MiB pages"
+            else:
+                amount = "?" if got is None else f"{got / 2**20:.0f}"
+                self.kv_cache_pages = f"2 MiB pages ({amount} of {total / 2**20:.0f} MiB)"
         return tensors
 
     @torch.inference_mode()

@@ -165,11 +165,14 @@ class CPUWorker(Worker):
         return None
 
     def runs_as(self, compiled: dict[str, Any]) -> dict[str, str]:
-        """``Worker.runs_as`` and, on a CPU, its threads (now / its share) and the speed
-        choices measured for its model (``bf16_linear``: ``native (measured)``)."""
+        """``Worker.runs_as`` and, on a CPU, its threads (now / its share), the pages its KV
+        cache lies on (``kv_cache_pages``: ``2 MiB pages``) and the speed choices measured for
+        its model (``bf16_linear``: ``native (measured)``)."""
         facts = super().runs_as(compiled)
         if self.device.type == "cpu":
             facts["cpu_threads"] = self._threads_text()
+            if self.model_runner is not None and self.model_runner.kv_cache_pages:
+                facts["kv_cache_pages"] = self.model_runner.kv_cache_pages
             model = self.model_runner.model if self.model_runner is not None else None
             for verdict in getattr(model, "measured_choices", ()):  # engine/model/cpu/measured_choice.py
                 facts[verdict.name] = verdict.short()

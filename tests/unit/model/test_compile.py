@@ -126,3 +126,8 @@ def test_a_worker_of_one_thread_reads_in_the_singular():
         runs_as_text({"fused_loop_threads": "all threads (measured)"})
         == "fused loops on all threads (measured)"
     )
+
+
+def test_runs_as_names_the_pages_the_kv_cache_lies_on_after_the_threads():
+    runs_as = {"device": "cpu", "dtype": "bfloat16", "cpu_threads": "2 of 2", "kv_cache_pages": "2 MiB pages"}
+    assert runs_as_text(runs_as) == "cpu bfloat16, 2 of 2 CPU threads, KV cache on 2 MiB pages"

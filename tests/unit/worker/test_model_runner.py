@@ -20,6 +20,7 @@ in the tests that turn the compiled forward on to check it against eager and tra
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -746,6 +747,17 @@ def test_kv_cache_on_huge_pages_or_not_is_one_cache_per_layer_and_gives_transfor
     )
     assert len(spans) == 2 * runner.get_kv_cache_spec().num_layers
     assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:])), "two layers share KV memory"
+    if huge == "0":
+        assert runner.kv_cache_pages == "4 KiB pages (GLASSBOX_CPU_KV_HUGE_PAGES=0)"
+    else:  # the tiny model's cache is smaller than one huge page
+        assert runner.kv_cache_pages == "4 KiB pages (the cache is under 2 MiB)"
+        thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+        if thp.exists() and ("[always]" in thp.read_text() or "[madvise]" in thp.read_text()):
+            spec = runner.get_kv_cache_spec()  # a cache of 8 MiB: Linux backs it with 2 MiB pages
+            big = KVCacheConfig(num_blocks=8 * 2**20 // spec.bytes_per_block, spec=spec)
+            runner.initialize_kv_cache(big)
+            assert runner.kv_cache_pages.startswith("2 MiB pages"), runner.kv_cache_pages
+            runner.initialize_kv_cache(KVCacheConfig(num_blocks=NUM_BLOCKS, spec=spec))
     driver = Driver(runner)
     lengths = {"a": 9, "b": 21}
     for i, (req_id, n) in enumerate(lengths.items()):
