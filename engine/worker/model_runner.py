@@ -375,7 +375,11 @@ class ModelRunner:
         if self.device.type == "cpu":
             # One buffer on 2 MiB pages where Linux allows (engine/model/cpu/huge_pages.py):
             # decode attention's scattered page reads then miss the TLB far less.
-            flat = self._zeros_on_cpu(2 * spec.num_layers, shape)
+            from engine.model.cpu.huge_pages import allocate_kv_cache
+
+            flat, self.kv_cache_pages = allocate_kv_cache(
+                2 * spec.num_layers, shape, self.dtype, envs.GLASSBOX_CPU_KV_HUGE_PAGES
+            )
             self.kv_caches = [(flat[2 * i], flat[2 * i + 1]) for i in range(spec.num_layers)]
         else:
             self.kv_caches = [
@@ -391,39 +395,6 @@ class ModelRunner:
             spec.block_size,
             kv_cache_config.num_blocks * spec.bytes_per_block / 2**20,
         )
-
-    def _zeros_on_cpu(self, count: int, shape: tuple[int, ...]) -> list[torch.Tensor]:
-        """``count`` zeroed KV tensors of ``shape`` on the CPU, on 2 MiB pages unless
-        ``GLASSBOX_CPU_KV_HUGE_PAGES=0``; logs how much of the cache Linux put on them."""
-        from engine.model.cpu.huge_pages import HUGE_PAGE_BYTES, anon_huge_bytes, zeros_on_huge_pages
-
-        wanted = envs.GLASSBOX_CPU_KV_HUGE_PAGES
-        before = anon_huge_bytes() if wanted else None
-        tensors, advised = zeros_on_huge_pages(count, shape, self.dtype, huge=wanted)
-        total = sum(t.numel() * t.element_size() for t in tensors)
-        if not wanted:
-            self.kv_cache_pages = "4 KiB pages (GLASSBOX_CPU_KV_HUGE_PAGES=0)"
-            logger.info("KV cache on 4 KiB pages (GLASSBOX_CPU_KV_HUGE_PAGES=0)")
-        elif total < HUGE_PAGE_BYTES:
-            self.kv_cache_pages = "4 KiB pages (the cache is under 2 MiB)"
-            logger.info("KV cache on 4 KiB pages: %.1f MiB is under one 2 MiB page", total / 2**20)
-        elif not advised:
-            self.kv_cache_pages = "4 KiB pages (transparent huge pages off)"
-            logger.info("KV cache on 4 KiB pages: Linux refused MADV_HUGEPAGE (transparent huge pages off)")
-        else:
-            after = anon_huge_bytes()
-            got = None if before is None or after is None else min(max(0, after - before), total)
-            logger.info(
-                "KV cache: %s of %.0f MiB on 2 MiB pages (transparent huge pages, advised)",
-                "?" if got is None else f"{got / 2**20:.0f} MiB",
-                total / 2**20,
-            )
-            if got is not None and got >= advised:  # every whole 2 MiB page of the buffer
-                self.kv_cache_pages = "2 MiB pages"
-            else:
-                amount = "?" if got is None else f"{got / 2**20:.0f}"
-                self.kv_cache_pages = f"2 MiB pages ({amount} of {total / 2**20:.0f} MiB)"
-        return tensors
 
     @torch.inference_mode()
     def warm_up(self) -> dict[str, object]:

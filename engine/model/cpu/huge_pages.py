@@ -30,6 +30,10 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.logger import init_logger
+
+logger = init_logger(__name__)
+
 HUGE_PAGE_BYTES = 2 * 2**20
 MADV_HUGEPAGE = 14  # linux/mman.h
 
@@ -77,6 +81,35 @@ def zeros_on_huge_pages(
     region.zero_()  # the first touch: Linux backs the advised range with 2 MiB pages here
     tensors = [region[i * each : (i + 1) * each].view(dtype).view(tuple(shape)) for i in range(count)]
     return tensors, advised
+
+
+def allocate_kv_cache(
+    count: int, shape: Sequence[int], dtype: torch.dtype, huge: bool
+) -> tuple[list[torch.Tensor], str]:
+    """A CPU worker's KV cache: ``zeros_on_huge_pages``, then how much of it Linux put on
+    2 MiB pages, logged and returned in words for the worker's runs-as (``glassbox ps``):
+    ``2 MiB pages``, ``2 MiB pages (x of y MiB)`` where Linux found fewer, or ``4 KiB pages
+    (why)``. ``huge``: ``GLASSBOX_CPU_KV_HUGE_PAGES``."""
+    before = anon_huge_bytes() if huge else None
+    tensors, advised = zeros_on_huge_pages(count, shape, dtype, huge=huge)
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    if not huge:
+        pages = "4 KiB pages (GLASSBOX_CPU_KV_HUGE_PAGES=0)"
+    elif total < HUGE_PAGE_BYTES:
+        pages = "4 KiB pages (the cache is under 2 MiB)"
+    elif not advised:
+        pages = "4 KiB pages (transparent huge pages off)"
+    else:
+        after = anon_huge_bytes()
+        got = None if before is None or after is None else min(max(0, after - before), total)
+        amount = "?" if got is None else f"{got / 2**20:.0f}"
+        logger.info("KV cache: %s of %.0f MiB on 2 MiB pages (transparent huge pages, advised)",
+                    amount + " MiB", total / 2**20)  # fmt: skip
+        if got is not None and got >= advised:  # every whole 2 MiB page of the buffer
+            return tensors, "2 MiB pages"
+        return tensors, f"2 MiB pages ({amount} of {total / 2**20:.0f} MiB)"
+    logger.info("KV cache on %s", pages)
+    return tensors, pages
 
 
 def anon_huge_bytes() -> int | None:
