@@ -17,6 +17,7 @@ from typing import Any
 from engine.config import (
     BLOCK_SIZES,
     CPU_BF16_MODES,
+    CPU_BRGEMM_LINEAR_MODES,
     CPU_F32_LINEAR_MODES,
     CPU_LINEAR_KERNEL_MODES,
     DEFAULT_DP_RPC_PORT,
@@ -295,6 +296,7 @@ class EngineArgs:
     cpu_bf16_attention: str = "auto"
     cpu_f32_linear: str = "auto"
     cpu_linear_kernel: str = "auto"
+    cpu_brgemm_linear: str = "auto"
     device: str = "auto"
     load_format: str = "safetensors"
     otlp_traces_endpoint: str | None = None
@@ -396,6 +398,16 @@ class EngineArgs:
             "AVX512-BF16; built with the C++ compiler on first use): auto (the default) times it "
             "against the library path at the model's shapes at 1, 2 and 4 rows, once per CPU "
             "(cached), and uses it up to the row count where it is faster; on or off forces it.",
+        )
+        g.add_argument(
+            "--cpu-brgemm-linear",
+            default=d.cpu_brgemm_linear,
+            choices=CPU_BRGEMM_LINEAR_MODES,
+            help="Whether a bfloat16 model's linears run through torch's brgemm micro-kernel "
+            "(oneDNN's ukernel, AMX where the CPU has it; one kernel for every row count, where "
+            "oneDNN's matmul compiles one per new count): auto (the default) times it against the "
+            "library path at the model's shapes at 8 to 128 rows, once per CPU (cached), and uses "
+            "it up to the row count where it is as fast; on (every row count) or off forces it.",
         )
         g.add_argument(
             "--runner",
@@ -724,6 +736,7 @@ class EngineArgs:
             cpu_bf16_attention=self.cpu_bf16_attention,
             cpu_f32_linear=self.cpu_f32_linear,
             cpu_linear_kernel=self.cpu_linear_kernel,
+            cpu_brgemm_linear=self.cpu_brgemm_linear,
             served_model_name=self.served_model_name,
             trust_remote_code=self.trust_remote_code,
             tokenizer_mode=self.tokenizer_mode,

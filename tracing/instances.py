@@ -349,6 +349,7 @@ _RUNS_AS_WORDS = (
     ("bf16_linear", "bfloat16 linears {}"),
     ("f32_linear", "float32 linears {}"),
     ("linear_kernel", "own linear kernel {}"),
+    ("brgemm_linear", "brgemm linears {}"),
     ("bf16_attention", "bfloat16 prefill attention {}"),
     ("step_threads", "step threads {}"),
     ("compiled_step", "compiled or eager: {}"),

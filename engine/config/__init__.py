@@ -34,6 +34,7 @@ from engine.config.load import LoadConfig
 from engine.config.model import (
     ATTENTION_BACKENDS,
     CPU_BF16_MODES,
+    CPU_BRGEMM_LINEAR_MODES,
     CPU_F32_LINEAR_MODES,
     CPU_LINEAR_KERNEL_MODES,
     DEFAULT_MAX_LOGPROBS,
@@ -69,6 +70,7 @@ __all__ = [
     "ATTENTION_BACKENDS",
     "BLOCK_SIZES",
     "CPU_BF16_MODES",
+    "CPU_BRGEMM_LINEAR_MODES",
     "CPU_F32_LINEAR_MODES",
     "CPU_LINEAR_KERNEL_MODES",
     "DEFAULT_DP_RPC_PORT",

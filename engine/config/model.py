@@ -61,6 +61,9 @@ CPU_F32_LINEAR_MODES = ("auto", "packed", "plain")
 # --cpu-linear-kernel: whether linears at one to four rows run through Glassbox's own C++
 # kernel (engine/model/cpu/small_linear_cpu.py) instead of the library path.
 CPU_LINEAR_KERNEL_MODES = ("auto", "on", "off")
+# --cpu-brgemm-linear: whether a bfloat16 model's linears run through torch's brgemm
+# micro-kernel (engine/model/cpu/brgemm_linear_cpu.py) instead of oneDNN's matmul primitive.
+CPU_BRGEMM_LINEAR_MODES = ("auto", "on", "off")
 # --runner and --convert (vLLM 0.32's RunnerOption, ConvertOption): what each runner may be
 # converted with; draft (speculative decoding) and classify are left out.
 RUNNER_OPTIONS = ("auto", "generate", "pooling")
@@ -169,6 +172,7 @@ class ModelConfig:
     cpu_bf16_attention: str = "auto"
     cpu_f32_linear: str = "auto"
     cpu_linear_kernel: str = "auto"
+    cpu_brgemm_linear: str = "auto"
     served_model_name: str | None = None
     trust_remote_code: bool = False
     tokenizer_mode: str = "auto"
@@ -235,6 +239,9 @@ class ModelConfig:
         if self.cpu_linear_kernel not in CPU_LINEAR_KERNEL_MODES:
             raise ConfigError("--cpu-linear-kernel", self.cpu_linear_kernel,
                               f"allowed: {', '.join(CPU_LINEAR_KERNEL_MODES)}")  # fmt: skip
+        if self.cpu_brgemm_linear not in CPU_BRGEMM_LINEAR_MODES:
+            raise ConfigError("--cpu-brgemm-linear", self.cpu_brgemm_linear,
+                              f"allowed: {', '.join(CPU_BRGEMM_LINEAR_MODES)}")  # fmt: skip
         if not isinstance(self.seed, int):
             raise ConfigError("--seed", self.seed, "must be an integer")
         limit = self.max_position_embeddings

@@ -192,9 +192,9 @@ def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dty
         raise ValueError(f"checkpoint {model_config.model} is missing {len(missing)} weight(s): {names}")
     # On a CPU: oneDNN's layout, made once (vLLM: process_weights_after_loading); for a bfloat16
     # model, its linears' and prefill attention's dtype, for a float32 one its linears at a few
-    # rows, and for both whether our own kernel takes the linears at a few rows, measured once
-    # on this CPU.
+    # rows, and for both whether our own kernel takes the linears at a few rows (for bfloat16
+    # also whether torch's brgemm micro-kernel takes them at more), measured once on this CPU.
     pack_linear_weights(model, model_config.cpu_bf16_linear, model_config.cpu_f32_linear,
-                        model_config.cpu_linear_kernel)  # fmt: skip
+                        model_config.cpu_linear_kernel, model_config.cpu_brgemm_linear)  # fmt: skip
     tune_prefill_attention(model, model_config.cpu_bf16_attention)
     return model.eval()

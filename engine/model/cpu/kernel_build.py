@@ -9,7 +9,8 @@ into ``<GLASSBOX_CACHE_ROOT>/kernels/<source stem>-<hash>.so`` and called throug
 ``ctypes``. The hash covers the source, the compiler, the flags and the CPU's instruction
 sets, so an edit makes a new file and a kernel built for one CPU is never loaded on another
 (a cache directory shared between machines). Used by ``paged_attention_cpu.py`` and
-``small_linear_cpu.py``.
+``small_linear_cpu.py``; ``brgemm_linear_cpu.py``'s kernel calls into torch's own library, so
+it is linked against it (``torch_link_flags``), and torch's version is in its hash.
 
 OpenMP: torch ships ``libgomp.so.1`` and has loaded it before a kernel is opened, so a kernel
 (linked against ``libgomp.so.1`` by ``-fopenmp``) shares torch's runtime and thread pool.
@@ -53,14 +54,26 @@ def cpu_flags() -> str:
         return platform.machine() + platform.processor()
 
 
-def kernel_file(source: Path) -> Path:
-    """Where ``source``'s build lives (or will): ``<cache>/kernels/<stem>-<hash>.so``."""
+def torch_link_flags() -> tuple[str, ...]:
+    """Flags that link a kernel against torch's ``libtorch_cpu.so`` and ``libc10.so`` (for a
+    kernel that calls torch's exported C++ functions), with torch's library folder as its run
+    path, and torch's version (a define, so it is in the kernel's hash)."""
+    import torch
+
+    lib = str(Path(torch.__file__).resolve().parent / "lib")
+    version = "".join(ch if ch.isalnum() else "_" for ch in torch.__version__)
+    return (f"-DGLASSBOX_TORCH_{version}", f"-L{lib}", f"-Wl,-rpath,{lib}", "-ltorch_cpu", "-lc10")
+
+
+def kernel_file(source: Path, link: tuple[str, ...] = ()) -> Path:
+    """Where ``source``'s build lives (or will): ``<cache>/kernels/<stem>-<hash>.so``;
+    ``link``: extra flags it is built with (``torch_link_flags()``), part of the hash."""
     from engine import envs
 
     digest = hashlib.sha256(source.read_bytes())
     # -march=native: a kernel built on one CPU may not run on another, so the CPU's
     # instruction sets are part of the name too.
-    digest.update("\0".join((compiler(), *FLAGS, cpu_flags())).encode())
+    digest.update("\0".join((compiler(), *FLAGS, *link, cpu_flags())).encode())
     return (
         Path(envs.GLASSBOX_CACHE_ROOT).expanduser()
         / "kernels"
@@ -68,8 +81,9 @@ def kernel_file(source: Path) -> Path:
     )
 
 
-def build(source: Path, so: Path, what: str) -> None:
-    """Compile ``source`` into the shared library ``so`` with ``compiler()`` and ``FLAGS``.
+def build(source: Path, so: Path, what: str, link: tuple[str, ...] = ()) -> None:
+    """Compile ``source`` into the shared library ``so`` with ``compiler()``, ``FLAGS`` and
+    ``link`` (extra flags after the output: libraries to link against).
 
     Builds into a temporary file of ``so``'s directory, then renames it: two processes
     building at once each write their own file, and the rename is atomic. ``what`` names the
@@ -85,7 +99,7 @@ def build(source: Path, so: Path, what: str) -> None:
     so.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=so.stem + "-", suffix=".so.tmp", dir=so.parent)
     os.close(fd)
-    cmd = [compiler(), *FLAGS, str(source), "-o", tmp]
+    cmd = [compiler(), *FLAGS, str(source), "-o", tmp, *link]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:

@@ -34,6 +34,13 @@ through it against the path chosen above, at ``KERNEL_TIMING_ROWS``, and steps u
 measured row count use it (on the AMX Xeon, the small model's bfloat16 linears at one row:
 3.4-3.6 against 3.7-4.2 ms); ``--cpu-linear-kernel on|off`` forces it.
 
+bfloat16 at more rows, through torch's brgemm micro-kernel (``brgemm_linear_cpu.py``): oneDNN's
+matmul primitive, as torch's packed call uses it, is compiled anew for every new row count (8-16
+ms for a layer's four linears on the AMX Xeon); the micro-kernel at most once per row count
+under 64 and weight shape. ``choose_brgemm_linear`` times a pass over the model's bfloat16
+linears through it against the library path at ``BRGEMM_TIMING_ROWS`` and steps up to the
+measured row count use it; ``--cpu-brgemm-linear auto|on|off``.
+
 Under ``torch.compile`` a packed linear is one opaque op, ``glassbox::onednn_linear``:
 Inductor's own oneDNN lowering wants the weights frozen into the graph, which would rule out
 the on-disk compile cache (``compile.py``).
@@ -41,6 +48,7 @@ the on-disk compile cache (``compile.py``).
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
 
@@ -48,9 +56,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config.model import CPU_BF16_MODES, CPU_F32_LINEAR_MODES, CPU_LINEAR_KERNEL_MODES
+from engine.config.model import (
+    CPU_BF16_MODES,
+    CPU_BRGEMM_LINEAR_MODES,
+    CPU_F32_LINEAR_MODES,
+    CPU_LINEAR_KERNEL_MODES,
+)
 from engine.logger import init_logger
-from engine.model.cpu import small_linear_cpu
+from engine.model.cpu import brgemm_linear_cpu, small_linear_cpu
 from engine.model.cpu.measured_choice import Verdict, last_of_winning_run, measured, time_candidates
 from engine.model.cpu.op_threads import get_op_threads, op_threads
 from engine.model.layers import (
@@ -75,6 +88,19 @@ _f32_plain_max_rows: int | None = None
 # kernel (``small_linear_cpu.py``; a dtype absent: never): the verdict of
 # ``choose_linear_kernel``, set by ``pack_linear_weights``.
 _kernel_max_rows: dict[torch.dtype, int] = {}
+
+# Rows of input up to which this process's bfloat16 linears run through torch's brgemm
+# micro-kernel (``brgemm_linear_cpu.py``; None: never): the verdict of ``choose_brgemm_linear``,
+# set by ``pack_linear_weights``. Fewer rows than ``_kernel_max_rows`` allows go to our kernel.
+_brgemm_max_rows: int | None = None
+
+# The row counts the brgemm micro-kernel is timed at against the library path (decode
+# batches; a prefill chunk of hundreds of rows is oneDNN's: its primitive, once compiled for
+# that count, was 1.25x faster at 2,048 rows on the AMX Xeon).
+BRGEMM_TIMING_ROWS = (8, 16, 32, 64, 128)
+# The micro-kernel must be at least this fast in the steady state to be chosen: at a tie it
+# still wins in a run, where oneDNN compiles a primitive for each new row count and it does not.
+BRGEMM_MIN_GAIN = 1.0
 
 # The row counts the kernel is timed at against the library path (decode batches of 1 to 4).
 KERNEL_TIMING_ROWS = (1, 2, 4)
@@ -121,9 +147,12 @@ class CPUPackedLinearMethod(UnquantizedLinearMethod):
         packed = getattr(layer, "packed_weight", None)
         if packed is None or x.dim() != 2 or torch.is_grad_enabled():
             return F.linear(x, layer.weight, bias)
+        brgemm = getattr(layer, "packed_weight_brgemm", None)
         if torch.compiler.is_compiling():
-            return torch.ops.glassbox.onednn_linear(x, layer.weight, bias, packed, layer.packed_weight_f32)
-        return _onednn_linear(x, layer.weight, bias, packed, layer.packed_weight_f32)
+            return torch.ops.glassbox.onednn_linear(
+                x, layer.weight, bias, packed, layer.packed_weight_f32, brgemm
+            )
+        return _onednn_linear(x, layer.weight, bias, packed, layer.packed_weight_f32, brgemm)
 
 
 def _onednn_linear(
@@ -132,6 +161,7 @@ def _onednn_linear(
     bias: torch.Tensor | None,
     packed: torch.Tensor,
     packed_f32: torch.Tensor | None,
+    packed_brgemm: torch.Tensor | None = None,
 ) -> torch.Tensor:
     rows = x.shape[0]
     if rows == 0:
@@ -141,6 +171,11 @@ def _onednn_linear(
             return small_linear_cpu.small_linear(x, weight, bias)  # a few rows: our kernel measured faster
         if _f32_plain_max_rows is not None and rows <= _f32_plain_max_rows and x.dtype == torch.float32:
             return F.linear(x, weight, bias)  # a few rows: torch's plain matmul measured faster
+        if (packed_brgemm is not None and _brgemm_max_rows is not None and rows <= _brgemm_max_rows
+                and x.dtype == torch.bfloat16 and x.is_contiguous()
+                and (bias is None or bias.dtype == torch.bfloat16)):  # fmt: skip
+            # one micro-kernel for every row count: measured faster (and no compile per new count)
+            return brgemm_linear_cpu.brgemm_linear(x, packed_brgemm, weight.shape[0], bias)
         if packed_f32 is not None and _bf16_as_f32_min_rows is not None and rows >= _bf16_as_f32_min_rows:
             # Exactly the bfloat16 matmul's math (bfloat16 operands, float32 products and sums,
             # one rounding of the result), on the CPU's faster float32 units.
@@ -157,11 +192,13 @@ def onednn_linear(
     bias: torch.Tensor | None,
     packed: torch.Tensor,
     packed_f32: torch.Tensor | None,
+    packed_brgemm: torch.Tensor | None,
 ) -> torch.Tensor:
     """``CPUPackedLinearMethod.apply`` as one op of a compiled graph: Inductor calls it as
     it is (its own lowering of oneDNN's op wants the weights frozen into the graph), and the
-    choice between ``packed`` and ``packed_f32`` is made per call, on the step's row count."""
-    return _onednn_linear(x, weight, bias, packed, packed_f32)
+    choice between the kernels and ``packed``, ``packed_f32`` and ``packed_brgemm`` is made
+    per call, on the step's row count."""
+    return _onednn_linear(x, weight, bias, packed, packed_f32, packed_brgemm)
 
 
 @onednn_linear.register_fake
@@ -171,6 +208,7 @@ def _(
     bias: torch.Tensor | None,
     packed: torch.Tensor,
     packed_f32: torch.Tensor | None,
+    packed_brgemm: torch.Tensor | None,
 ) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
 
@@ -469,13 +507,94 @@ def choose_linear_kernel(
 
 def _kernel_source_digest() -> str:
     """A digest of the kernel's source: an edited kernel is measured again."""
-    import hashlib
-
     return hashlib.sha256(small_linear_cpu.SOURCE.read_bytes()).hexdigest()[:16]
 
 
+def _time_brgemm_linears(
+    layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]],
+    rows: int,
+    timer: Callable[[], float],
+) -> dict[str, float]:
+    """Median seconds of one pass over the model's bfloat16 linears (``(weight, packed,
+    packed_f32, packed_brgemm)`` each, in model order) at ``rows`` rows: the library path the
+    other verdicts chose (``library``) against torch's brgemm micro-kernel (``brgemm``). The
+    first, untimed round compiles each side's kernels for the count: the steady state."""
+    inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w, _, _, _ in layers}
+
+    def library_pass() -> None:
+        for w, packed, packed_f32, _ in layers:
+            _onednn_linear(inputs[w.shape[1]], w, None, packed, packed_f32)
+
+    def brgemm_pass() -> None:
+        for w, _, _, packed_brgemm in layers:
+            brgemm_linear_cpu.brgemm_linear(inputs[w.shape[1]], packed_brgemm, w.shape[0])
+
+    with torch.inference_mode(), op_threads():
+        return time_candidates({"library": library_pass, "brgemm": brgemm_pass}, rounds=5, timer=timer)
+
+
+def choose_brgemm_linear(
+    layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+    mode: str = "auto",
+    time_linears: Callable[[list, int], dict[str, float]] | None = None,
+    unavailable: Callable[[torch.dtype], str | None] = brgemm_linear_cpu.kernel_unavailable,
+) -> Verdict:
+    """Up to how many rows this model's bfloat16 linears run through torch's brgemm
+    micro-kernel (``brgemm_linear_cpu.py``) rather than the library path: by measurement.
+
+    Args:
+        layers: the model's packed bfloat16 linears as ``(weight (out, in), packed weight,
+            packed float32 copy or None)``, in model order; they are packed for the
+            micro-kernel (only when measuring) and a pass over all of them is timed at each of
+            ``BRGEMM_TIMING_ROWS``, against the path the other verdicts chose.
+        mode: ``--cpu-brgemm-linear``: ``auto`` (measure, or read an earlier start's verdict),
+            ``on`` (every row count) or ``off``.
+        time_linears: ``(layers with their brgemm packs, rows) -> {"library": s, "brgemm":
+            s}``; tests pass a fake.
+        unavailable: why the micro-kernel cannot run bfloat16 here, or None
+            (``brgemm_linear_cpu.kernel_unavailable``); tests pass their own.
+
+    Returns:
+        A ``Verdict`` whose ``data["max_rows"]`` is the largest of ``BRGEMM_TIMING_ROWS`` up to
+        which the micro-kernel is at least ``BRGEMM_MIN_GAIN``× as fast at that row count and
+        every smaller one, or None (the library always; also where it cannot run here, or a
+        weight has an odd number of inputs, said in the verdict).
+
+    Raises:
+        ValueError: ``mode`` is not one of ``CPU_BRGEMM_LINEAR_MODES``.
+    """
+    if mode not in CPU_BRGEMM_LINEAR_MODES:
+        raise ValueError(f"--cpu-brgemm-linear {mode!r}: allowed: {', '.join(CPU_BRGEMM_LINEAR_MODES)}")
+    if mode == "off":
+        return Verdict("brgemm_linear", "off", "forced by --cpu-brgemm-linear", data={"max_rows": None})
+    why = unavailable(torch.bfloat16)
+    odd = next((tuple(w.shape) for w, _, _ in layers if w.shape[1] % 2), None)
+    if why or odd:
+        why = why or f"a weight of shape {odd} has an odd number of inputs"
+        return Verdict("brgemm_linear", "off", f"unavailable: {why}", data={"max_rows": None})
+    if mode == "on":
+        return Verdict("brgemm_linear", "every row count", "forced by --cpu-brgemm-linear",
+                       data={"max_rows": _EVERY_ROW_COUNT})  # fmt: skip
+    timer = time.perf_counter
+    time_pass = time_linears or (lambda layers, rows: _time_brgemm_linears(layers, rows, timer))
+
+    def measure() -> tuple[str, str, dict]:
+        with_packs = [(w, p, f, brgemm_linear_cpu.pack_weight(w)) for w, p, f in layers]
+        max_rows, detail = _winning_rows(
+            time_pass, with_packs, BRGEMM_TIMING_ROWS, "brgemm", "library", BRGEMM_MIN_GAIN
+        )
+        choice = "off" if max_rows is None else f"up to {_rows(max_rows)}"
+        return choice, detail, {"max_rows": max_rows}
+
+    key = {"shapes": _shape_counts(w for w, _, _ in layers), "threads": get_op_threads(),
+           "rows": BRGEMM_TIMING_ROWS, "min_gain": BRGEMM_MIN_GAIN,
+           "library": [_bf16_as_f32_min_rows],  # what the micro-kernel is timed against
+           "kernel": hashlib.sha256(brgemm_linear_cpu.SOURCE.read_bytes()).hexdigest()[:16]}  # fmt: skip
+    return measured("brgemm_linear", key, measure)
+
+
 def pack_linear_weights(model: nn.Module, bf16_linear: str = "auto", f32_linear: str = "auto",
-                        linear_kernel: str = "auto") -> int:  # fmt: skip
+                        linear_kernel: str = "auto", brgemm_linear: str = "auto") -> int:  # fmt: skip
     """Put ``CPUPackedLinearMethod`` on every linear of ``model`` (and its ``lm_head``) whose
     weight oneDNN can take, and pack it; returns how many were packed (0 off the CPU). Call
     once, after ``load_weights`` (vLLM: ``process_weights_after_loading``).
@@ -488,9 +607,12 @@ def pack_linear_weights(model: nn.Module, bf16_linear: str = "auto", f32_linear:
     says so. For float32 weights, ``choose_f32_linear`` decides (``f32_linear``:
     ``--cpu-f32-linear``) up to how many rows torch's plain matmul serves instead. Then, for
     each dtype, ``choose_linear_kernel`` decides (``linear_kernel``: ``--cpu-linear-kernel``)
-    up to how many rows Glassbox's own kernel serves instead of all that. The verdicts are
-    kept as ``model.measured_choices`` (the worker's status shows them)."""
-    global _bf16_as_f32_min_rows, _f32_plain_max_rows
+    up to how many rows Glassbox's own kernel serves instead of all that, and for bfloat16,
+    ``choose_brgemm_linear`` (``brgemm_linear``: ``--cpu-brgemm-linear``) up to how many rows
+    torch's brgemm micro-kernel does (each such weight then also packed for it,
+    ``packed_weight_brgemm``: its size once more). The verdicts are kept as
+    ``model.measured_choices`` (the worker's status shows them)."""
+    global _bf16_as_f32_min_rows, _f32_plain_max_rows, _brgemm_max_rows
     targets = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
     head = getattr(model, "lm_head", None)
     if isinstance(head, VocabParallelEmbedding):  # ParallelLMHead, or the tied embedding table
@@ -536,6 +658,18 @@ def pack_linear_weights(model: nn.Module, bf16_linear: str = "auto", f32_linear:
         logger.info("%s", verdict.text())
         if verdict.data.get("max_rows") is not None:
             _kernel_max_rows[dtype] = verdict.data["max_rows"]
+        model.measured_choices = [*getattr(model, "measured_choices", []), verdict]
+    _brgemm_max_rows = None
+    bf16_packed = [m for m in targets if m.packed_weight is not None and m.weight.dtype == torch.bfloat16]
+    if bf16_packed:
+        verdict = choose_brgemm_linear(
+            [(m.weight, m.packed_weight, m.packed_weight_f32) for m in bf16_packed], brgemm_linear
+        )
+        logger.info("%s", verdict.text())
+        _brgemm_max_rows = verdict.data.get("max_rows")
+        if _brgemm_max_rows is not None:
+            for m in bf16_packed:
+                m.packed_weight_brgemm = brgemm_linear_cpu.pack_weight(m.weight)
         model.measured_choices = [*getattr(model, "measured_choices", []), verdict]
     return packed
 

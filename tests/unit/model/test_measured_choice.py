@@ -161,7 +161,7 @@ def test_on_this_cpu_the_real_measurement_is_quick_and_drives_the_linears(tmp_pa
     model.a = ColumnParallelLinear(256, 512, bias=False)
     model.a.weight.data = model.a.weight.data.bfloat16()
     assert cpu_linear.pack_linear_weights(model) == 1
-    verdict, kernel = model.measured_choices
+    verdict, kernel, brgemm = model.measured_choices
     assert verdict.source == "measured" and verdict.seconds < 10
     assert (model.a.packed_weight_f32 is not None) == (verdict.data["min_rows"] is not None)
     # then whether our own kernel takes the few-row steps: measured too (or unavailable here)
@@ -169,6 +169,13 @@ def test_on_this_cpu_the_real_measurement_is_quick_and_drives_the_linears(tmp_pa
     assert kernel.source == "measured" or kernel.source.startswith("unavailable: "), kernel.source
     assert cpu_linear._kernel_max_rows.get(torch.bfloat16) == kernel.data["max_rows"]
     assert kernel.seconds < 10
+    # and whether torch's brgemm micro-kernel takes the rest: measured (or unavailable here)
+    assert brgemm.name == "brgemm_linear"
+    assert brgemm.source == "measured" or brgemm.source.startswith("unavailable: "), brgemm.source
+    assert cpu_linear._brgemm_max_rows == brgemm.data["max_rows"] and brgemm.seconds < 10
+    assert (getattr(model.a, "packed_weight_brgemm", None) is not None) == (
+        brgemm.data["max_rows"] is not None
+    )
 
 
 @pytest.mark.parametrize(

@@ -172,8 +172,9 @@ def test_a_packed_layer_runs_the_kernel_at_few_rows_only_when_told(dtype, monkey
         with torch.no_grad():  # the layer's own tensors are left uninitialised (a loader fills them)
             model.a.weight.copy_(torch.randn(96, 64))
             model.a.bias.copy_(torch.randn(96))
-        cpu_linear.pack_linear_weights(model, bf16_linear="native", f32_linear="packed", linear_kernel=mode)
-        verdict = model.measured_choices[-1]
+        cpu_linear.pack_linear_weights(model, bf16_linear="native", f32_linear="packed", linear_kernel=mode,
+                                       brgemm_linear="off")  # fmt: skip
+        verdict = next(v for v in model.measured_choices if v.name == "linear_kernel")
         assert verdict.name == "linear_kernel" and verdict.source == "forced by --cpu-linear-kernel"
         calls.clear()
         tol = {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 5e-2}
