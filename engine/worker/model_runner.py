@@ -259,12 +259,13 @@ class ModelRunner:
         self.model = load_model(self.model_config, self.device, self.dtype)
         params = list(self.model.parameters())  # a tied table once (parameters() dedups)
         weights = params + list(self.model.buffers())
-        # The CPU's oneDNN copies of the linear weights (engine/model/cpu/linear.py) count too.
+        # The CPU's oneDNN copies of the linear weights (engine/model/cpu/linear.py: for its
+        # matmul, upcast, and for the brgemm micro-kernel) count too.
         packed = [
             t
             for m in self.model.modules()
-            for t in (getattr(m, "packed_weight", None), getattr(m, "packed_weight_f32", None))
-            if t is not None
+            for name in ("packed_weight", "packed_weight_f32", "packed_weight_brgemm")
+            if (t := getattr(m, name, None)) is not None
         ]
         self.model_num_params = sum(p.numel() for p in params)
         self.model_weight_bytes = sum(t.numel() * t.element_size() for t in weights)

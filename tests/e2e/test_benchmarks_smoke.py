@@ -43,6 +43,8 @@ CASES = {
     "data_parallel": (["--dp", "2", "--repeats", "1", *TINY], r"dp\s+thr/wkr\s+start-up s\s+generate s\s+out tok/s"),
     "expert_parallel": (["--repeats", "1", *TINY],
                         r"config\s+workers\s+thr/wkr\s+start-up s\s+generate s\s+out tok/s\s+router %"),
+    "linear_kernels": (["--rows", "3", "65", "--repeats", "1"],
+                       r"\| rows \| oneDNN first ms \| brgemm first ms \| oneDNN steady ms \|"),
     "offline_throughput": (["--dtype", "float32", "--runs", "1", "--hf-batch-size", "2", *TINY],
                            r"dtype\s+transformers tok/s\s+glassbox tok/s\s+ratio\s+forward share"),
     "paged_attention_kernel": (["--num-decodes", "2", "--min-len", "16", "--max-len", "32", "--repeats", "1",
@@ -78,6 +80,14 @@ def test_benchmark_runs_at_its_smallest_settings(script):
             pytest.skip("cpu_fma_peak.py compiles its loop with g++, and there is none")
         if "avx512_bf16" not in Path("/proc/cpuinfo").read_text().split():
             pytest.skip("cpu_fma_peak.py compares vdpbf16ps with FMA; this CPU has no AVX-512 BF16")
+    if script == "linear_kernels":
+        import torch
+
+        from engine.model.cpu.brgemm_linear_cpu import kernel_unavailable
+
+        why = kernel_unavailable(torch.bfloat16)
+        if why:
+            pytest.skip(f"linear_kernels.py times torch's brgemm micro-kernel, which cannot run here: {why}")
     base = Path(tempfile.mkdtemp(prefix="gbb", dir="/tmp"))  # short: ipc paths ≤ 107 chars
     env = {**os.environ, "GLASSBOX_RUN_DIR_BASE": str(base)}
     env.pop("GLASSBOX_FAULT", None)
