@@ -62,6 +62,24 @@ def tiny_dir(tmp_path_factory, default_model_dir):
     return build
 
 
+class _QuietMachine:
+    """A load meter that sees no other process (``measured_choice.load_meter``'s shape)."""
+
+    def others(self) -> float:
+        return 0.0
+
+
+@pytest.fixture
+def measured_choices_here(tmp_path, monkeypatch):
+    """The measured choices (engine/model/cpu/measured_choice.py) of this test alone: a cache
+    of its own under ``tmp_path``, and a machine that reads as quiet while they are timed."""
+    from engine.model.cpu import measured_choice
+
+    monkeypatch.setenv("GLASSBOX_CACHE_ROOT", str(tmp_path))
+    monkeypatch.setattr(measured_choice, "load_meter", _QuietMachine)
+    return tmp_path
+
+
 @pytest.fixture
 def eager(monkeypatch):
     """Engines started by this test (and servers it spawns) run their model eagerly: for tests

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from engine.model.cpu.kernel_build import build, kernel_file, missing_compiler, torch_link_flags
+from engine.model.cpu.kernel_build import open_library, torch_link_flags, unbuildable
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "brgemm_linear_cpu.cpp"
 
@@ -49,21 +49,13 @@ def load_kernel() -> ctypes.CDLL:
     with _lock:
         if _lib is not None:
             return _lib
-        link = torch_link_flags()
-        so = kernel_file(SOURCE, link)
-        if not so.exists():
-            build(SOURCE, so, "the brgemm linear kernel", link)
-        lib = ctypes.CDLL(str(so))
         p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-        lib.glassbox_brgemm_supported.argtypes = []
-        lib.glassbox_brgemm_supported.restype = i32
-        lib.glassbox_brgemm_block_n.argtypes = []
-        lib.glassbox_brgemm_block_n.restype = i64
-        lib.glassbox_brgemm_pack.argtypes = [p, p, i64, i64, i32]
-        lib.glassbox_brgemm_pack.restype = i32
-        lib.glassbox_brgemm_linear.argtypes = [p, p, p, p, i64, i64, i64, i32]
-        lib.glassbox_brgemm_linear.restype = i32
-        _lib = lib
+        _lib = open_library(SOURCE, "the brgemm linear kernel", {
+            "glassbox_brgemm_supported": ([], i32),
+            "glassbox_brgemm_block_n": ([], i64),
+            "glassbox_brgemm_pack": ([p, p, i64, i64, i32], i32),
+            "glassbox_brgemm_linear": ([p, p, p, p, i64, i64, i64, i32], i32),
+        }, torch_link_flags())  # fmt: skip
         return _lib
 
 
@@ -73,11 +65,8 @@ def kernel_unavailable(dtype: torch.dtype) -> str | None:
     it can."""
     if dtype != torch.bfloat16:
         return f"no kernel for {dtype} (bfloat16 only)"
-    link = torch_link_flags()
-    if _lib is None and not kernel_file(SOURCE, link).exists():
-        missing = missing_compiler()
-        if missing:
-            return missing
+    if _lib is None and (why := unbuildable(SOURCE, torch_link_flags())):
+        return why
     try:
         lib = load_kernel()
     except (RuntimeError, OSError) as e:

@@ -1,7 +1,7 @@
 """Building Glassbox's own C++ kernels for CPUs on first use, and where they are cached.
 
-A kernel is one C++ source file of ``engine/model/cpu/csrc`` with C linkage and no torch
-headers, compiled here with ``$CXX`` (else ``g++``)::
+A kernel is one C++ source file of ``engine/model/cpu/csrc`` (it may include that folder's
+headers) with C linkage and no torch headers, compiled here with ``$CXX`` (else ``g++``)::
 
     g++ -O3 -march=native -fopenmp -shared -fPIC <source>.cpp -o <so>
 
@@ -18,6 +18,7 @@ OpenMP: torch ships ``libgomp.so.1`` and has loaded it before a kernel is opened
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import platform
@@ -71,6 +72,8 @@ def kernel_file(source: Path, link: tuple[str, ...] = ()) -> Path:
     from engine import envs
 
     digest = hashlib.sha256(source.read_bytes())
+    for header in sorted(source.parent.glob("*.h")):  # what a kernel may include (bfloat16.h)
+        digest.update(header.read_bytes())
     # -march=native: a kernel built on one CPU may not run on another, so the CPU's
     # instruction sets are part of the name too.
     digest.update("\0".join((compiler(), *FLAGS, *link, cpu_flags())).encode())
@@ -108,3 +111,27 @@ def build(source: Path, so: Path, what: str, link: tuple[str, ...] = ()) -> None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def open_library(
+    source: Path, what: str, signatures: dict[str, tuple[list, object]], link: tuple[str, ...] = ()
+) -> ctypes.CDLL:
+    """Build ``source`` unless its build is cached (``kernel_file``), load it, and give each
+    function of ``signatures`` (``name: (argtypes, restype)``) its ctypes signature.
+
+    Raises:
+        RuntimeError: no C++ compiler, or the build failed (see ``build``).
+    """
+    so = kernel_file(source, link)
+    if not so.exists():
+        build(source, so, what, link)
+    lib = ctypes.CDLL(str(so))
+    for name, (argtypes, restype) in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
+    return lib
+
+
+def unbuildable(source: Path, link: tuple[str, ...] = ()) -> str | None:
+    """Why ``source`` cannot be built here where it is not built yet (no C++ compiler), else None."""
+    return None if kernel_file(source, link).exists() else missing_compiler()

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from engine.model.cpu.kernel_build import build, kernel_file, missing_compiler
+from engine.model.cpu.kernel_build import open_library, unbuildable
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "small_linear_cpu.cpp"
 MAX_ROWS = 4  # the kernel's largest row count (its fixed-size register blocks)
@@ -47,16 +47,11 @@ def load_kernel() -> ctypes.CDLL:
     with _lock:
         if _lib is not None:
             return _lib
-        so = kernel_file(SOURCE)
-        if not so.exists():
-            build(SOURCE, so, "the small-linear kernel")
-        lib = ctypes.CDLL(str(so))
         p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-        lib.glassbox_small_linear.argtypes = [i32, p, p, p, p, i64, i64, i64, i32]
-        lib.glassbox_small_linear.restype = i32
-        lib.glassbox_small_linear_supports.argtypes = [i32]
-        lib.glassbox_small_linear_supports.restype = i32
-        _lib = lib
+        _lib = open_library(SOURCE, "the small-linear kernel", {
+            "glassbox_small_linear": ([i32, p, p, p, p, i64, i64, i64, i32], i32),
+            "glassbox_small_linear_supports": ([i32], i32),
+        })  # fmt: skip
         return _lib
 
 
@@ -66,10 +61,8 @@ def kernel_unavailable(dtype: torch.dtype) -> str | None:
     bfloat16), or None. Builds the kernel if it can."""
     if dtype not in _DTYPE_CODES:
         return f"no kernel for {dtype} (float32 and bfloat16 only)"
-    if _lib is None and not kernel_file(SOURCE).exists():
-        missing = missing_compiler()
-        if missing:
-            return missing
+    if _lib is None and (why := unbuildable(SOURCE)):
+        return why
     try:
         lib = load_kernel()
     except (RuntimeError, OSError) as e:

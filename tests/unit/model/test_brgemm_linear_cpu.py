@@ -8,24 +8,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model.cpu import brgemm_linear_cpu, measured_choice
+from engine.model.cpu import brgemm_linear_cpu
 from engine.model.cpu import linear as cpu_linear
 from engine.model.cpu.brgemm_linear_cpu import brgemm_linear, kernel_unavailable, pack_weight
 from engine.model.cpu.linear import choose_brgemm_linear
 
 
-class QuietMachine:
-    def others(self) -> float:
-        return 0.0
-
-
 @pytest.fixture(autouse=True)
-def own_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("GLASSBOX_CACHE_ROOT", str(tmp_path))
-    monkeypatch.setattr(measured_choice, "load_meter", QuietMachine)
+def own_cache(measured_choices_here, monkeypatch):
     monkeypatch.setattr(cpu_linear, "_kernel_max_rows", {})
     monkeypatch.setattr(cpu_linear, "_brgemm_max_rows", None)
-    return tmp_path
+    return measured_choices_here
 
 
 def _needs_kernel() -> None:

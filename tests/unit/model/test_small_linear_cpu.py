@@ -9,22 +9,15 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.cpu import linear as cpu_linear
-from engine.model.cpu import measured_choice, small_linear_cpu
+from engine.model.cpu import small_linear_cpu
 from engine.model.cpu.linear import choose_linear_kernel
 from engine.model.cpu.small_linear_cpu import kernel_unavailable, small_linear
 
 
-class QuietMachine:
-    def others(self) -> float:
-        return 0.0
-
-
 @pytest.fixture(autouse=True)
-def own_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("GLASSBOX_CACHE_ROOT", str(tmp_path))
-    monkeypatch.setattr(measured_choice, "load_meter", QuietMachine)
+def own_cache(measured_choices_here, monkeypatch):
     monkeypatch.setattr(cpu_linear, "_kernel_max_rows", {})
-    return tmp_path
+    return measured_choices_here
 
 
 def _needs(dtype: torch.dtype) -> None:

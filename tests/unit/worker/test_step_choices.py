@@ -14,15 +14,9 @@ from engine.worker.cpu.cpu_worker import _threads_fixed
 SHAPES = {"16 decodes": [1] * 16, "a 256-token prefill": [256]}
 
 
-class Quiet:
-    def others(self) -> float:
-        return 0.0
-
-
 @pytest.fixture(autouse=True)
-def own_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("GLASSBOX_CACHE_ROOT", str(tmp_path))
-    monkeypatch.setattr(measured_choice, "load_meter", Quiet)
+def own_cache(measured_choices_here):
+    return measured_choices_here
 
 
 def test_thread_candidates_are_the_share_half_of_it_and_its_physical_cores():
@@ -71,6 +65,7 @@ def test_timed_while_another_process_holds_a_core_the_share_is_kept_until_a_quie
         def others(self) -> float:
             return 1.0
 
+    quiet = measured_choice.load_meter  # the quiet machine of the fixture
     monkeypatch.setattr(measured_choice, "load_meter", Busy)
     calls = []
     one_faster = fake_threads({2: (22.0, 43.0), 1: (9.8, 25.0)}, calls)
@@ -82,7 +77,7 @@ def test_timed_while_another_process_holds_a_core_the_share_is_kept_until_a_quie
     )
     assert busy_compiled.data == {"compiled": True}
     # The next start is quiet: it measures again, and now the measurement decides.
-    monkeypatch.setattr(measured_choice, "load_meter", Quiet)
+    monkeypatch.setattr(measured_choice, "load_meter", quiet)
     v = step_choices.choose_step_threads([2, 1], SHAPES, one_faster, {"model": "m"})
     assert (v.source, v.data, len(calls)) == ("measured", {"threads": 1}, 2)
 

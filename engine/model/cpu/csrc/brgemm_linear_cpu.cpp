@@ -32,6 +32,8 @@
 
 #include <omp.h>
 
+#include "bfloat16.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -66,21 +68,6 @@ constexpr int64_t kBlockM = 64;  // rows of x per task (AMX tiles hold 16 rows)
 constexpr int64_t kBlockN = 64;  // output features per micro-kernel call and per packed block
 constexpr int64_t kGroupFromRowBlocks = 3;  // column blocks are grouped from this many row blocks
 constexpr int64_t kGroupBytes = 512 * 1024;  // a group's packed weight at most this (the L2's share)
-
-inline float bf16_to_float(uint16_t x) {
-  uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline uint16_t float_to_bf16(float x) {  // round to nearest, ties to even; NaN stays NaN
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  if (std::isnan(x)) return static_cast<uint16_t>((bits >> 16) | 0x40);
-  bits += 0x7FFF + ((bits >> 16) & 1);
-  return static_cast<uint16_t>(bits >> 16);
-}
 
 // One task's float32 block c (mb x nb of it, leading dimension ldc) plus bias, rounded into y.
 void store_block(const float* c, const uint16_t* bias, uint16_t* y, int64_t mb, int64_t nb, int64_t ldc,

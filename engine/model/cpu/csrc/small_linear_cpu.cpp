@@ -24,6 +24,8 @@
 
 #include <omp.h>
 
+#include "bfloat16.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -35,21 +37,6 @@
 namespace {
 
 constexpr int kRows = 4;  // output features per block: four weight rows streamed at once
-
-inline float bf16_to_float(uint16_t x) {
-  uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline uint16_t float_to_bf16(float x) {  // round to nearest, ties to even; NaN stays NaN
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  if (std::isnan(x)) return static_cast<uint16_t>((bits >> 16) | 0x40);
-  bits += 0x7FFF + ((bits >> 16) & 1);
-  return static_cast<uint16_t>(bits >> 16);
-}
 
 #if defined(__AVX512BF16__)
 // Output features n0 .. n0+nr-1 (nr <= kRows) of all M rows, bfloat16.
