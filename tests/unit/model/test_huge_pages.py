@@ -35,14 +35,29 @@ def test_without_huge_pages_nothing_is_advised():
     assert advised == 0
 
 
+def _thp_fallbacks() -> int:
+    """How many times Linux has fallen back to 4 KiB pages where a huge page was wanted
+    (``thp_fault_fallback`` of ``/proc/vmstat``, the whole machine's count)."""
+    for line in Path("/proc/vmstat").read_text().splitlines():
+        if line.startswith("thp_fault_fallback "):
+            return int(line.split()[1])
+    return 0
+
+
 @pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason="transparent huge pages are off here")
 def test_linux_backs_the_cache_with_huge_pages_where_thp_allows():
-    before = anon_huge_bytes()
+    before, fallbacks = anon_huge_bytes(), _thp_fallbacks()
     shape = (64, 16, 4, 64)  # 1 MiB of float32 per tensor, 16 MiB in all
     tensors, advised = zeros_on_huge_pages(16, shape, torch.float32)
     assert advised == 16 * 2**20 // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
     after = anon_huge_bytes()
     assert before is not None and after is not None
-    # Linux may lack free 2 MiB pages on a fragmented machine; most of 16 MiB is the norm.
+    if after - before < HUGE_PAGE_BYTES and _thp_fallbacks() > fallbacks:
+        # Linux found no free 2 MiB page (memory fragmented by the other tests' processes: a
+        # fresh-clone run met it once) and said so; the advice itself was given.
+        pytest.skip(
+            f"Linux fell back to 4 KiB pages {_thp_fallbacks() - fallbacks} time(s): no free 2 MiB page"
+        )
+    # Not advised (or advised too late, after the first touch): no huge page and no fallback.
     assert after - before >= HUGE_PAGE_BYTES, "no 2 MiB page backs the advised cache"
     del tensors
