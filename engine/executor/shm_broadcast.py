@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine import envs
-from tracing.waits import WaitTimeout, wait_for
+from tracing.waits import WaitCancelled, WaitTimeout, wait_for
 
 _MAGIC = int.from_bytes(b"GBXMQv01", "little")
 _WORD = 8  # bytes per metadata word (native unsigned 64-bit)
@@ -514,7 +514,7 @@ class MessageQueue:
             MessageQueueTimeout: no (complete) message by the deadline; names the writer.
                 A part already received is kept for the next call.
             MessageQueueClosed: the writer closed the queue and nothing is left to read.
-            WaitCancelled: ``cancel`` was set.
+            WaitCancelled: ``cancel`` was set (and the message was not published by then).
             RuntimeError: called on the writer's end.
         """
         if self.rank is None:
@@ -633,6 +633,14 @@ class MessageQueue:
                             poll_interval_s=0, cancel=cancel)  # fmt: skip
         except WaitTimeout:
             return False
+        except WaitCancelled:
+            # What the other end published before the cancel came beats it: a worker that
+            # answered with an error, then exited, is noticed by the supervisor (the cancel)
+            # while this end slept; its answer says why (a refused setting), its exit does not.
+            with contextlib.suppress(MessageQueueClosed):
+                if ready():
+                    return True
+            raise
 
     def _ready_else_sleep(self, ready: Callable[[], bool], deadline: float, slice_s: float) -> bool:
         """One turn of ``_wait``: ``ready()``, else sleep on this end's FIFO (at most

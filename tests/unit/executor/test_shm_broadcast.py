@@ -279,6 +279,35 @@ def test_cancel_stops_a_blocked_dequeue(tmp_path):
 
 
 @pytest.mark.timeout(30)
+def test_a_message_published_before_the_cancel_is_returned_not_cancelled(tmp_path):
+    # A worker answers (its error says "a setting was refused") and exits; the supervisor sees
+    # the exit and sets the cancel, all while the engine core's reader sleeps. On waking, the
+    # answer must win: the exit alone would turn a one-line config error into "engine died".
+    handle = MessageQueue.create(tmp_path, "r0", 1)
+    writer = MessageQueue.open_writer(handle)
+    reader = MessageQueue.open_reader(handle, 0)
+    cancel = threading.Event()
+    sleeps = []
+
+    class PublishAndCancelWhileAsleep:
+        def __init__(self, poller):
+            self.poller = poller
+
+        def poll(self, timeout_ms):
+            if not sleeps:
+                writer.enqueue(b"the answer", timeout=1)
+                cancel.set()
+            sleeps.append(timeout_ms)
+            return self.poller.poll(0)
+
+    reader._poller = PublishAndCancelWhileAsleep(reader._poller)
+    assert reader.dequeue(timeout=5, cancel=cancel) == b"the answer"
+    assert len(sleeps) == 1, "it slept once, and the published message was then read"
+    with pytest.raises(WaitCancelled):  # nothing published: the cancel still stops the wait
+        reader.dequeue(timeout=5, cancel=cancel)
+
+
+@pytest.mark.timeout(30)
 def test_close_and_unlink_leave_no_file(tmp_path):
     handle = MessageQueue.create(tmp_path, "rpc", 2, max_chunk_bytes=4096, max_chunks=4)
     assert sorted(os.listdir(tmp_path)) == ["rpc.mq", "rpc.r0", "rpc.r1", "rpc.w"]
