@@ -329,6 +329,12 @@ def runs_as_text(runs_as: dict[str, str]) -> str:
     (measured), step threads 2 (cached), compiled or eager: compiled (measured)``; "" when it
     recorded none.
     ``graphs_after_warm_up`` (a count for scripts) is already in ``compile``'s text."""
+    return ", ".join(runs_as_parts(runs_as))
+
+
+def runs_as_parts(runs_as: dict[str, str]) -> list[str]:
+    """``runs_as_text``'s phrases, one per entry (``["cpu bfloat16", "attention
+    CPU_PAGED_CPP", ...]``): what a narrow view wraps between, never inside."""
     worded = {"device", "dtype", "graphs_after_warm_up", *(key for key, _ in _RUNS_AS_WORDS)}
     parts = []
     head = " ".join(runs_as[k] for k in ("device", "dtype") if runs_as.get(k))
@@ -337,7 +343,7 @@ def runs_as_text(runs_as: dict[str, str]) -> str:
     parts += [template.format(runs_as[key]) for key, template in _RUNS_AS_WORDS if runs_as.get(key)]
     parts = ["1 CPU thread" if part == "1 CPU threads" else part for part in parts]
     parts += [f"{k} {v}" for k, v in sorted(runs_as.items()) if k not in worded]
-    return ", ".join(parts)
+    return parts
 
 
 # How runs_as_text words each of a worker's ``runs_as`` entries after its device and dtype, in order.

@@ -77,6 +77,31 @@ def _duration(seconds: float | None) -> str:
     return f"{minutes // 60}h{minutes % 60:02d}m"
 
 
+RUNS_AS_INDENT = "    "  # a worker's "runs as" phrases past the first line
+
+
+def wrap_phrases(phrases: list[str], width: int, first_used: int = 0, indent: int = 0) -> list[str]:
+    """``phrases`` joined by ", " in lines of at most ``width`` characters, broken only between
+    phrases ("brgemm linears up to 128 rows" stays whole): the first line has ``first_used``
+    characters before it, the others ``indent``; each line but the last ends with ",". A phrase
+    longer than a line gets a line of its own.
+
+    >>> wrap_phrases(["cpu bfloat16", "attention CPU_PAGED_CPP", "2 of 2 CPU threads"], 30, first_used=10)
+    ['cpu bfloat16,', 'attention CPU_PAGED_CPP,', '2 of 2 CPU threads']
+    """
+    lines: list[list[str]] = [[]]
+    used = first_used
+    for i, phrase in enumerate(phrases):
+        piece = phrase + ("," if i < len(phrases) - 1 else "")
+        extra = len(piece) + (1 if lines[-1] else 0)
+        if lines[-1] and used + extra > width:
+            lines.append([])
+            used, extra = indent, len(piece)
+        lines[-1].append(piece)
+        used += extra
+    return [" ".join(line) for line in lines]
+
+
 def _or_dash(value: object) -> str:
     return "-" if value is None else str(value)
 
@@ -141,8 +166,14 @@ def render_table(instances: list[InstanceInfo], console) -> None:
                           _duration(p.uptime_s), rss, _or_dash(p.threads))  # fmt: skip
         console.print(table)
         for p in inst.processes:  # how each worker runs its model, once warm
-            if p.alive and (runs := collector.runs_as_text(p.runs_as)):
-                console.print(f"{escape(p.role or '?')} runs as: [dim]{escape(runs)}[/dim]")
+            if p.alive and (parts := collector.runs_as_parts(p.runs_as)):
+                head = f"{p.role or '?'} runs as: "
+                first, *rest = wrap_phrases(
+                    parts, console.width, first_used=len(head), indent=len(RUNS_AS_INDENT)
+                )
+                console.print(f"{escape(head)}[dim]{escape(first)}[/dim]", soft_wrap=True)
+                for line in rest:
+                    console.print(f"{RUNS_AS_INDENT}[dim]{escape(line)}[/dim]", soft_wrap=True)
         console.print(escape(count_line(inst)))
         if inst.missing:
             console.print(
