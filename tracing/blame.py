@@ -32,6 +32,7 @@ counterpart: its root cause is whatever the first process to notice printed.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -327,3 +328,65 @@ def blame_run_dir(
 
 
 __all__ = ["WAITING_S", "Blame", "Seen", "blame_run_dir", "find_culprit", "observe"]
+
+
+# ---------------------------------------------------------------- the root cause, read back
+
+# The root-cause block's lines (``engine.utils.processes.format_root_cause``) read back by
+# ``glassbox doctor --last`` and engine-top once an instance is gone.
+_ROOT_CAUSE_KEYS = ("process", "pid", "stage", "exit", "exception", "why", "fault")
+STILL_RUNNING = "still running"
+
+
+def root_cause_fields(text: str) -> dict[str, list[str]]:
+    """``key → values`` of a root-cause block's ``key: value`` lines (first one first)."""
+    fields: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key in _ROOT_CAUSE_KEYS and value.startswith(" "):
+            fields.setdefault(key, []).append(value.strip())
+    return fields
+
+
+def recorded_blame(root_cause: str, now: float) -> Blame | None:
+    """The verdict a root-cause block recorded when it was written, judged again by the one
+    blame rule (``tracing.find_culprit``) from what the block says of its process: alive
+    and stopped or frozen then, its exit status, its exception, its stage (``worker.execute_model
+    (step 322)``: the step RPC it was in), the injected faults that struck it, and the peers
+    waiting on it (``why:``). None when the block names no process or the rule no verdict.
+
+    A tree that is gone cannot be judged from its files alone: the teardown killed whatever
+    was stopped or frozen (it then reads as dead, without a crash report), and what only a
+    watcher knew (stopped, frozen, an exit status) is written nowhere else."""
+    fields = root_cause_fields(root_cause)
+    words = (fields.get("process") or [""])[0].split()
+    if not words:
+        return None
+    role = words[0]
+    pid_text = (fields.get("pid") or ["?"])[0]
+    pid = int(pid_text) if pid_text.isdigit() else None
+    stage_text = (fields.get("stage") or ["unknown"])[0]
+    m = re.fullmatch(r"(\S+)(?: \(step \d+\))?", stage_text)  # a stage, or the step RPC it ran
+    stage = m.group(1) if m and stage_text != "unknown" else None
+    exit_text = (fields.get("exit") or [""])[0]
+    alive = exit_text.startswith(STILL_RUNNING)
+    trouble = exit_text[len(STILL_RUNNING) :].strip().removeprefix("(").removesuffix(")") if alive else ""
+    code = re.search(r"exit status (-?\d+)\)$|exited with code (-?\d+)$", exit_text)
+    returncode = int(code.group(1) or code.group(2)) if code and not alive else None
+    exception = (fields.get("exception") or ["none"])[0]
+    exception = None if exception.startswith("none") else exception
+    faults = [contract.StruckFault(spec=f.group(1), stage=f.group(2), kind="", struck_at=0.0)
+              for line in fields.get("fault", []) if (f := re.match(r"injected (\S+) struck in (\S+)", line))]  # fmt: skip
+    seen = Seen(
+        role, pid=pid, alive=alive, returncode=returncode,
+        stopped=trouble if trouble.startswith("stopped") else None,
+        frozen=trouble if trouble.startswith("frozen") else None,
+        status=contract.ProcessStatus(role=role, pid=pid, stage=stage, faults=faults),
+        crash=contract.CrashReport(role=role, pid=pid, stage=stage, exception=exception) if exception else None,
+    )  # fmt: skip
+    found = find_culprit([seen], now)
+    why = fields.get("why")
+    if why:  # peers waited on it in a collective: the rule's first clause, its words recorded
+        verdict = found.verdict if found is not None else "waited_on"
+        return Blame(role, verdict, stage, why[0], pid, exception)
+    return found

@@ -14,8 +14,9 @@ alert floor), ``hint`` (one line: what it usually means, then what to check) and
 where a stuck step has a known meaning, and any other name falls back to its catalogue doc.
 
 Besides stages, a few situations have a fixed hint too (``NOT_STARTED``, ``STOPPED``,
-``FROZEN``, ``DEAD``) — a process that never wrote a status file, one stopped by a signal,
-one whose heartbeat stopped, one that died.
+``FROZEN``, ``DEAD``, ``NO_CRASH_REPORT``) — a process that never wrote a status file, one
+stopped by a signal, one whose heartbeat stopped, one that died and wrote why, one that died
+without a word (killed from outside); ``dead_hint`` picks between the last two.
 
 Imports no ``engine`` module and no torch (engine-top and doctor work without the engine).
 vLLM has no counterpart: its start-up only says "Waiting for 1 local, 0 remote core engine
@@ -229,6 +230,35 @@ FROZEN = (
     "its stack (or `py-spy dump --pid <pid>`) shows where"
 )
 DEAD = "its crash report (<role>.crash.json) says why; the rest of the tree stops with it"
+# A dead process that wrote no crash report (SIGKILL, the OOM killer: nothing runs to write it).
+NO_CRASH_REPORT = (
+    "it wrote no crash report: it was killed from outside (SIGKILL, the OOM killer: see dmesg) or "
+    "died before it could; the exit status in the log says how; the rest of the tree stops with it"
+)
+# A culprit that was stopped or frozen when a tree that is gone ended: its parent's deadline
+# tore the tree down (the teardown killed it: no crash report, no stack). Doctor's and engine-top's.
+GONE_STOPPED = (
+    "it was stopped by a signal (SIGSTOP, Ctrl-Z or a debugger) when its tree was torn down (a child "
+    "stopped past GLASSBOX_STOPPED_TIMEOUT_S stops the tree): find what stopped it, or start with "
+    "GLASSBOX_STOPPED_TIMEOUT_S=300 to look at it longer"
+)
+GONE_FROZEN = (
+    "its heartbeat had stopped when its tree was torn down (a native call holding the GIL, a deadlock, "
+    "or the machine swapping; a child frozen past GLASSBOX_HEARTBEAT_TIMEOUT_S stops the tree): run it "
+    "again and read its stack (glassbox doctor, py-spy dump) before that deadline"
+)
+
+
+def dead_hint(crash_file: str | None, caused_by: str | None = None) -> str:
+    """What to read about a dead process: its crash report (``crash_file``, the real path,
+    when it wrote one: ``DEAD`` naming it), an echo's (``caused_by``: it stopped because that
+    process failed), else ``NO_CRASH_REPORT`` — doctor's words for the same three cases."""
+    if crash_file and caused_by:
+        return f"it stopped because {caused_by} failed (its crash report, {crash_file}, says so): see the root cause"
+    if crash_file:
+        return DEAD.replace("<role>.crash.json", crash_file)
+    return NO_CRASH_REPORT
+
 
 DEFAULT_SLOW_AFTER_S = {catalogue.LIFECYCLE: 120.0, catalogue.STEP: 10.0, catalogue.REQUEST: 600.0}
 
@@ -260,10 +290,14 @@ __all__ = [
     "DEAD",
     "DEFAULT_SLOW_AFTER_S",
     "FROZEN",
+    "GONE_FROZEN",
+    "GONE_STOPPED",
     "HINTS",
     "NOT_STARTED",
+    "NO_CRASH_REPORT",
     "STOPPED",
     "StageHint",
+    "dead_hint",
     "render_markdown",
     "stage_hint",
 ]

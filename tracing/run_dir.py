@@ -671,7 +671,9 @@ def remove_run_dir(run_dir: str | os.PathLike[str]) -> None:
 # A run directory lives in memory (/dev/shm) and is removed when its tree ends; after a
 # failure, what a post-mortem needs is first copied to a persistent directory,
 # ``<cache root>/post_mortem/<run-dir name>/``: the manifest, status files, crash reports,
-# flight recorders, the root-cause text the frontend printed (``root_cause.txt``), the
+# flight recorders, the workers' ``.comm`` files (the step RPC and collective each was in:
+# what the blame rule reads, ``tracing.blame``), the root-cause text the frontend printed
+# (``root_cause.txt``: the verdict of the time, which ``glassbox doctor`` reads back), the
 # telemetry recording when there is one, and ``post_mortem.json`` (a ``PostMortem``) saying
 # where it lived, when and why it ended and what was kept or skipped. Bounded: the newest
 # POST_MORTEMS_KEPT are kept, a file over POST_MORTEM_FILE_CAP is skipped (named in
@@ -689,7 +691,7 @@ POST_MORTEM_TOTAL_CAP = 8 << 20  # bytes, one post-mortem
 STALE_REASON = (
     "stale: its creator and every process died without removing the run directory (killed all at once?)"
 )
-_KEPT_SUFFIXES = (STATUS_SUFFIX, CRASH_SUFFIX, FLIGHT_SUFFIX)
+_KEPT_SUFFIXES = (STATUS_SUFFIX, CRASH_SUFFIX, FLIGHT_SUFFIX, COMM_SUFFIX)
 
 
 class PostMortem(msgspec.Struct, omit_defaults=True):
@@ -795,7 +797,7 @@ def keep_post_mortem(
                 if total + size > POST_MORTEM_TOTAL_CAP:
                     skipped.append(f"{name}: {size} bytes, over the {POST_MORTEM_TOTAL_CAP} byte total")
                     continue
-                shutil.copyfile(src, tmp / name)
+                shutil.copy2(src, tmp / name)  # with its times: the blame rule orders failures by them
             except OSError as e:
                 skipped.append(f"{name}: {e.strerror or e}")
                 continue

@@ -195,10 +195,11 @@ def _gather(run_dir: Path, watch_s: float, want_stacks: bool, stack_timeout_s: f
                 for w in lp.waits
                 if w.timeout_s >= IDLE_POLL_WAIT_S
             ]
-        if not rep.stage and comm is not None and comm.rpc and p.alive:
-            # Inside a step RPC (no lifecycle stage): busy, not idle.
+        if not rep.stage and comm is not None and comm.rpc:
+            # Inside a step RPC (no lifecycle stage): busy, not idle; a dead worker died in it
+            # (its clock stopped then, as a lifecycle stage's does).
             rep.stage = f"worker.{comm.rpc}"
-            rep.time_in_stage_s = max(0.0, now - (comm.rpc_entered_at or now))
+            rep.time_in_stage_s = max(0.0, now - (comm.rpc_entered_at or now)) if p.alive else None
             rep.collectives = [f"{g.group} {g.kind} #{g.seq}" + (" (inside)" if g.inside else "")
                                for g in comm.groups if g.seq]  # fmt: skip
         if rep.time_in_stage_s is not None:
@@ -377,6 +378,10 @@ def diagnose(report: Report) -> None:
             hint = {"dead": hints.DEAD + ".", "failed": hints.DEAD + ".",
                     "stopped": hints.STOPPED.replace("<pid>", str(rep.pid)) + ".",
                     "frozen": hints.FROZEN.replace("<pid>", str(rep.pid)) + "."}.get(culprit.verdict, "")  # fmt: skip
+            if report.gone is not None:  # nothing left to continue or to dump: what ended it, said so
+                hint = {"stopped": hints.GONE_STOPPED + ".", "frozen": hints.GONE_FROZEN + "."}.get(
+                    culprit.verdict, hint
+                )
             if stage:
                 hint = (hint + " " if hint else "") + f"{stage}: {hints.stage_hint(stage).hint}."
             settle(verdict, rep, text, hint)
@@ -472,7 +477,8 @@ def render_text(report: Report, out, max_frames: int = 6) -> None:
     w("\n")
     for p in report.processes:
         indent = "  " * max(0, p.depth - 1) if p.kind != "frontend" else ""
-        stage = f"{p.stage} for {_age(p.time_in_stage_s)}" if p.stage else "idle"
+        timed = p.stage and p.time_in_stage_s is not None  # a dead one's clock stopped: no time
+        stage = f"{p.stage} for {_age(p.time_in_stage_s)}" if timed else (p.stage or "idle")
         beat = f"heartbeat {_age(p.heartbeat_age_s)} ago" if p.heartbeat_age_s is not None else "no heartbeat"
         w(f"{indent}{p.role:<24} pid {p.pid or '-':<7} {p.state:<10} {stage:<44} {beat}\n")
         if p.placed:
@@ -637,6 +643,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     else:
         report = _gather(run_dir, args.watch, not args.no_stacks, stack_timeout_s=1.0)
     report.gone = gone
+    if gone is not None:
+        _take_recorded_verdict(report, gone)
     diagnose(report)
     _name_existing_files(report, run_dir)
     if args.json:
@@ -677,6 +685,21 @@ def _kept_facts(kept: Path) -> dict[str, Any]:
             "telemetry_record_file": str(kept / pm.telemetry_record_file) if pm.telemetry_record_file else None}  # fmt: skip
 
 
+def _take_recorded_verdict(report: Report, gone: dict[str, Any]) -> None:
+    """A tree that is gone: the culprit is the one its root-cause block named, as it stood
+    then (``recorded_blame``), not one judged now from files the teardown has since changed;
+    its row says how it stood. Without a block (a stale run directory), the rule judges the
+    files (``_gather``)."""
+    recorded = blame.recorded_blame(gone["root_cause"], report.now) if gone.get("root_cause") else None
+    rep = next((p for p in report.processes if recorded is not None and p.role == recorded.role), None)
+    if recorded is None or rep is None:
+        return
+    report.blame = recorded
+    exit_text = (blame.root_cause_fields(gone["root_cause"]).get("exit") or [""])[0]
+    if rep.state == "dead" and exit_text.startswith(blame.STILL_RUNNING):
+        rep.note = f"{rep.note or 'exited'}: the teardown ended it; the root cause saw it {exit_text}"
+
+
 def _last_ended() -> tuple[Path, dict[str, Any]] | None:
     """The newest of the kept post-mortems and the stale run directories (by when each
     ended), with its ``Report.gone``; None when there is neither."""
@@ -714,8 +737,7 @@ def _render_gone_head(gone: dict[str, Any], out) -> None:
 
 # Where doctor's words name a file of the run directory by pattern (hints.DEAD does).
 _CRASH_FILE_PATTERN = f"<role>{contract.CRASH_SUFFIX}"
-NO_CRASH_REPORT = ("it wrote no crash report: it was killed from outside (SIGKILL, the OOM killer: see dmesg) or "
-                   "died before it could; the exit status in the log says how; the rest of the tree stops with it")  # fmt: skip
+NO_CRASH_REPORT = hints.NO_CRASH_REPORT  # engine-top's words too
 
 
 def _name_existing_files(report: Report, run_dir: Path) -> None:

@@ -151,6 +151,23 @@ def test_only_the_newest_post_mortems_are_kept_and_big_files_are_skipped(tmp_pat
     assert [p.name for p, _ in contract.list_post_mortems(root)] == names[2:][::-1]  # newest first
 
 
+def test_a_post_mortem_keeps_each_file_with_the_time_it_was_written(tmp_path):
+    # The blame rule orders failures by when each status file was written: a copy stamped
+    # with the copying time would make the first failure the first file copied.
+    run_dir = _run_dir(tmp_path / "runs")
+    written = {}
+    for i, path in enumerate(sorted(run_dir.glob("*.json"))):
+        os.utime(path, (1_000_000.0 + i, 1_000_000.0 + i))
+        written[path.name] = 1_000_000.0 + i
+    kept = contract.keep_post_mortem(
+        run_dir, tmp_path / "post_mortem", reason="the engine died", ended_at=2e6
+    )
+    assert kept is not None and written
+    for name, at in written.items():
+        if (kept / name).exists():
+            assert (kept / name).stat().st_mtime == at, name
+
+
 @pytest.mark.slow
 def test_a_worker_crash_while_serving_leaves_a_post_mortem_doctor_last_reads(reap_children):
     """A worker crashes in its second step: the server exits 1 and removes its run directory;

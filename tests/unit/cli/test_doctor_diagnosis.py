@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine.cli import doctor
-from tracing import hints
+from tracing import blame, hints
 from tracing.blame import Blame
 
 
@@ -26,3 +26,183 @@ def test_a_dead_culprits_hint_and_its_stages_hint_are_two_sentences(verdict: str
     doctor.diagnose(report)
     stage_words = f"engine_core.dummy_step: {hints.stage_hint('engine_core.dummy_step').hint}."
     assert (report.culprit, report.hint) == ("EngineCore_DP1", f"{hints.DEAD}. {stage_words}")
+
+
+# --------------------------------------------------------------------------- a tree that is gone
+#
+# `glassbox doctor --last` reads a kept post-mortem: the run directory's files as the teardown
+# left them, and the root-cause block the instance printed when it noticed the failure. Built
+# here as the engine builds them: the block by ``processes.format_root_cause`` (what the
+# supervisor calls), the post-mortem by ``tracing.run_dir.keep_post_mortem`` (what
+# ``close_run_dir`` calls), every pid dead (the teardown killed them).
+
+WORKER = "Worker_DP0_PP0_TP0"
+STOPPED = "stopped by a signal (SIGSTOP?) for 5 s, over GLASSBOX_STOPPED_TIMEOUT_S=5"
+FROZEN = "frozen: running but no heartbeat for 31 s, over GLASSBOX_HEARTBEAT_TIMEOUT_S=30"
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait(timeout=30)
+    return p.pid
+
+
+def _gone_tree(base, cache, *, root_cause, in_step: int | None = None):
+    """A served tree whose worker failed, torn down: its post-mortem kept under ``cache``, its
+    run directory removed. ``root_cause(run_dir, worker_pid)``: the block the instance printed.
+    ``in_step``: the worker was inside that step's ``execute_model`` RPC (its ``.comm``)."""
+    import os
+    import shutil
+    import time
+
+    from tracing import run_dir as contract
+
+    run_dir = base / f"glassbox-{_dead_pid()}-{os.urandom(3).hex()}"
+    run_dir.mkdir(parents=True)
+    now = time.time()
+    roles = [("APIServer_0", "api_server"), ("EngineCore_DP0", "engine_core"), (WORKER, "worker")]
+    planned = [contract.PlannedProcess(role=r, kind=k, rank=0 if k != "api_server" else None, counted=True,
+                                       dp_rank=0 if k == "worker" else None, pp_rank=0 if k == "worker" else None,
+                                       tp_rank=0 if k == "worker" else None) for r, k in roles]  # fmt: skip
+    contract.write_manifest(run_dir, contract.Manifest(created_at=now - 60, run_dir=str(run_dir), mode="serve",
+                                                       frontend_pid=_dead_pid(), roles=planned,
+                                                       expected_process_count=3))  # fmt: skip
+    pids = {}
+    for role, _ in roles:
+        pids[role] = _dead_pid()
+        contract.write_status(contract.status_path(run_dir, role), contract.ProcessStatus(
+            role=role, pid=pids[role], updated_at=now - 1,
+            last_finished=contract.FinishedStage(name="worker.compile_or_warm_up_model", finished_at=now - 50),
+        ))  # fmt: skip
+    if in_step is not None:
+        board = contract.CommBoard(run_dir, WORKER)
+        for _ in range(in_step):
+            board.rpc_enter("execute_model")
+            board.rpc_exit()
+        board.rpc_enter("execute_model")  # SIGKILLed in here
+        board.close()
+    # The engine core stopped because its worker did: an echo, never the culprit.
+    contract.write_crash_report(run_dir, contract.CrashReport(
+        role="EngineCore_DP0", rank=0, pid=pids["EngineCore_DP0"], caused_by=WORKER, time=now,
+        exception="EngineDeadError: The engine died; see the root cause below.",
+    ))  # fmt: skip
+    contract.write_root_cause(run_dir, root_cause(run_dir, pids[WORKER]))
+    kept = contract.keep_post_mortem(run_dir, cache / "post_mortem", reason="the engine died")
+    shutil.rmtree(run_dir)
+    assert kept is not None
+    return kept, pids[WORKER]
+
+
+@pytest.fixture
+def gone_dirs(tmp_path, monkeypatch):
+    """(run-dir base, cache root), both set in the environment doctor reads."""
+    base, cache = tmp_path / "runs", tmp_path / "cache"
+    base.mkdir()
+    monkeypatch.setenv("GLASSBOX_RUN_DIR_BASE", str(base))
+    monkeypatch.setenv("GLASSBOX_CACHE_ROOT", str(cache))
+    return base, cache
+
+
+def _doctor_last(capsys, *flags: str):
+    from engine.cli.main import main
+
+    code = main(["doctor", "--last", *flags])
+    return code, capsys.readouterr().out
+
+
+@pytest.mark.timeout(60)
+def test_doctor_last_says_a_stopped_worker_the_teardown_killed_was_stopped(gone_dirs, capsys):
+    """``kill -STOP`` of the worker: its engine core names it stopped past
+    GLASSBOX_STOPPED_TIMEOUT_S and the tree is torn down (the teardown kills it; it writes no
+    crash report). ``doctor --last`` used to judge the files alone and say "is dead … died
+    first, without a crash report … killed from outside (SIGKILL, the OOM killer)", against
+    the root cause it printed below; it takes the verdict the block recorded."""
+    import json
+
+    from engine.utils import processes
+
+    base, cache = gone_dirs
+    _, pid = _gone_tree(base, cache, root_cause=lambda run_dir, pid: processes.format_root_cause(
+        run_dir, WORKER, pid, None, rank=0, state=STOPPED))  # fmt: skip
+
+    code, out = _doctor_last(capsys, "--json")
+    report = json.loads(out)
+    assert code == 1
+    assert (report["culprit"], report["verdict"]) == (WORKER, "stopped"), report["diagnosis"]
+    assert report["diagnosis"] == f"{WORKER} (pid {pid}) is stopped: {WORKER} is {STOPPED}."
+    assert report["hint"] == hints.GONE_STOPPED + "."
+    assert "without a crash report" not in report["diagnosis"] and "SIGKILL" not in report["hint"]
+
+    code, out = _doctor_last(capsys)
+    assert f"diagnosis: {WORKER} (pid {pid}) is stopped: {WORKER} is {STOPPED}.\n" in out, out
+    assert f"what to check: {hints.GONE_STOPPED}.\n" in out, out
+    assert f"the root cause saw it still running ({STOPPED})" in out, out  # its row: dead now, and why
+
+
+@pytest.mark.timeout(60)
+def test_doctor_last_names_the_step_rpc_a_sigkilled_worker_was_in(gone_dirs, capsys):
+    """``kill -9`` of the worker in its 322nd step: the root cause says ``stage:
+    worker.execute_model (step 322)`` (from the worker's ``.comm``). The post-mortem used to
+    keep no ``.comm``: doctor showed the worker ``idle`` with ``culprit_stage: null``."""
+    import json
+
+    from engine.utils import processes
+    from tracing import run_dir as contract
+
+    base, cache = gone_dirs
+    kept, pid = _gone_tree(base, cache, in_step=321, root_cause=lambda run_dir, pid: processes.format_root_cause(
+        run_dir, WORKER, pid, -9, rank=0))  # fmt: skip
+    assert "stage:     worker.execute_model (step 322)" in (kept / contract.ROOT_CAUSE).read_text()
+    assert (kept / f"{WORKER}{contract.COMM_SUFFIX}").is_file()  # kept: what the blame rule reads
+
+    code, out = _doctor_last(capsys, "--json")
+    report = json.loads(out)
+    assert code == 1
+    assert (report["culprit"], report["verdict"]) == (WORKER, "dead"), report["diagnosis"]
+    assert report["culprit_stage"] == "worker.execute_model"
+    assert report["diagnosis"].startswith(f"{WORKER} (pid {pid}) is dead in stage worker.execute_model: ")
+    worker = next(p for p in report["processes"] if p["role"] == WORKER)
+    assert (worker["state"], worker["stage"]) == ("dead", "worker.execute_model")
+
+    code, out = _doctor_last(capsys)
+    row = next(line for line in out.splitlines() if line.strip().startswith(WORKER))
+    assert "worker.execute_model" in row and " idle " not in row, row
+
+
+@pytest.mark.parametrize(
+    ("returncode", "state", "crash", "verdict", "stage"),
+    [
+        (None, STOPPED, None, "stopped", None),
+        (None, FROZEN, None, "frozen", None),
+        (-9, None, None, "dead", None),
+        (1, None, "worker.load_model", "failed", "worker.load_model"),
+    ],
+)
+def test_the_recorded_verdict_is_the_one_the_root_cause_block_was_written_with(
+    tmp_path, returncode, state, crash, verdict, stage
+):
+    """``blame.recorded_blame`` reads back what ``processes.format_root_cause`` wrote: the
+    same process, verdict and stage the blame rule gave when the block was written."""
+    import time
+
+    from engine.utils import processes
+    from tracing import run_dir as contract
+
+    pid = _dead_pid()
+    status = contract.ProcessStatus(role=WORKER, pid=pid)
+    contract.write_status(contract.status_path(tmp_path, WORKER), status)
+    if crash:
+        contract.write_crash_report(tmp_path, contract.CrashReport(
+            role=WORKER, pid=pid, stage=crash, exception="OSError: [Errno 5] Input/output error", time=time.time(),
+        ))  # fmt: skip
+    block = processes.format_root_cause(tmp_path, WORKER, pid, returncode, rank=0, state=state)
+    found = blame.recorded_blame(block, time.time())
+    assert found is not None
+    assert (found.role, found.pid, found.verdict, found.stage) == (WORKER, pid, verdict, stage), block
+    if state is not None:  # a watcher's word, kept verbatim: as the live rule says it
+        assert found.reason == f"{WORKER} is {state}"
+    assert blame.recorded_blame("no block here", time.time()) is None
+    assert isinstance(found, blame.Blame)
