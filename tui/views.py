@@ -252,7 +252,8 @@ def _stage_text(state: LiveState, p: ProcessLive) -> Text:
         return Text("stopped with the instance" if p.exit_description == INSTANCE_GONE else
                     f"✓ {p.exit_description}", style="dim")  # fmt: skip
     if p.state == "dead":
-        t = Text(f"✗ {p.exit_description or 'exited'}", style="bold red")
+        # Torn down with an instance that failed: gone, not cleanly, but not at fault either.
+        t = Text(f"✗ {p.exit_description or 'exited'}", style="red" if p.torn_down else "bold red")
         if p.stage:
             t.append(f" (in {p.stage})", style="red")
         return t

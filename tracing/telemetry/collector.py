@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -46,6 +47,7 @@ import msgspec
 import zmq
 
 from tracing import blame, hints
+from tracing import hints as hints_mod
 from tracing import instances as inst
 from tracing import run_dir as run_dirs
 from tracing.hints import StageHint
@@ -62,7 +64,16 @@ from tracing.telemetry.events import (
     read_recording,
     telemetry_address,
 )
-from tracing.telemetry.state import FROZEN_OS_STATES, HEARTBEAT_STALE_S, IDLE_POLL_WAIT_S, Alert, LiveState
+from tracing.telemetry.state import (
+    CULPRIT_TORN_DOWN,
+    DEAD_OS_STATES,
+    FROZEN_OS_STATES,
+    HEARTBEAT_STALE_S,
+    IDLE_POLL_WAIT_S,
+    TORN_DOWN,
+    Alert,
+    LiveState,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -108,14 +119,24 @@ def compute_alerts(
     now = state.now
     alerts: list[Alert] = [state.root_cause] if state.root_cause is not None else []
     starting = False
+    torn_down: list[str] = []
     for role, proc in state.processes.items():
         if proc.state == "exited":
             continue  # a clean stop: nothing to look at
+        if proc.state == "dead" and proc.torn_down:
+            # Stopped by the teardown of an instance that failed: the root cause says why.
+            how = proc.exit_description
+            torn_down.append(role if how in (None, TORN_DOWN) else f"{role} ({how})")
+            continue
+        if proc.state == "dead" and proc.exit_description == CULPRIT_TORN_DOWN:
+            continue  # the root cause above says what ended it; the teardown did the rest
         if proc.state == "dead":
             pid = f" (pid {proc.pid})" if proc.pid else ""
-            hint = "its crash report (<role>.crash.json) says why; the rest of the tree stops with it"
-            if proc.last_error:
-                hint = f"last error: {proc.last_error}"
+            # How it died decides where to read why: its crash report when it wrote one, else
+            # doctor's words for a process killed from outside (it writes none).
+            hint = hints_mod.dead_hint(proc.crash_file, proc.crash_caused_by)
+            if proc.last_error and not proc.crash_file:
+                hint = f"last error: {proc.last_error}; {hint}"
             alerts.append(
                 Alert("error", role, f"{role}{pid} is dead: {proc.exit_description or 'exited'}", hint)
             )
@@ -189,6 +210,10 @@ def compute_alerts(
                 msg = f"{proc.refused_events} telemetry events refused by a full socket"
                 hint = "a subscriber (engine-top, a recorder) reads too slowly; the engine did not wait"
                 alerts.append(Alert("warning", role, msg, hint))
+    if torn_down:
+        cause = state.root_cause.role if state.root_cause is not None else "another process"
+        msg = f"{TORN_DOWN} after {cause} failed: {', '.join(torn_down)}"
+        alerts.append(Alert("warning", None, msg, "not at fault: the root cause above says why they stopped"))
     expected = state.expected_count
     if expected is not None and state.status in ("attached", "replaying", "replay_done"):
         found = state.found_count
@@ -209,11 +234,29 @@ def compute_alerts(
     return alerts
 
 
+_EXIT_STATUS = re.compile(r"\(exit status (-?\d+)\)$|^exited with code (-?\d+)$")
+
+
+def exit_status(description: str | None) -> int | None:
+    """The exit status in a parent's account of its child's end (``describe_exit``: "killed
+    by SIGKILL (exit status -9)", "exited with code 1"), or None when it names none."""
+    m = _EXIT_STATUS.search(description or "")
+    if m is None:
+        return None
+    return int(m.group(1) if m.group(1) is not None else m.group(2))
+
+
 def _known_troubles(state: LiveState) -> dict[str, blame.Seen]:
-    """What live telemetry knows that the run directory does not: stopped and frozen processes."""
+    """What live telemetry knows that the run directory does not: stopped and frozen
+    processes, and the exit status a parent reported of a dead child (only a parent knows it;
+    the blame rule ranks a known exit status before a process merely gone, as the root-cause
+    block does)."""
     known = {}
     for role, proc in state.processes.items():
         if not proc.alive:
+            code = exit_status(proc.exit_description) if proc.state in ("dead", "exited") else None
+            if code is not None:
+                known[role] = blame.Seen(role, returncode=code)
             continue
         if proc.os_state in FROZEN_OS_STATES:  # the OS says so at once, as doctor reads it
             known[role] = blame.Seen(role, stopped=f"stopped by a signal (os state {proc.os_state})")
@@ -235,6 +278,60 @@ def _blame(run_dir: Path, known: dict[str, blame.Seen]) -> Alert | None:
     where = f" in {culprit.stage}" if culprit.stage else ""
     hint = f"{culprit.stage}: {hints.stage_hint(culprit.stage).hint}" if culprit.stage else ""
     return Alert("error", culprit.role, f"root cause: {culprit.role}{where}: {culprit.reason}", hint)
+
+
+def _crash_files(run_dir: Path, roles: list[str]) -> dict[str, tuple[str, str | None]]:
+    """role → (its crash report's path, whom the report says it followed) for each of
+    ``roles`` that wrote one in ``run_dir`` (a run directory or a kept post-mortem)."""
+    found = {}
+    for role in roles:
+        crash = run_dirs.read_crash_report(run_dir, role)
+        if crash is not None:
+            found[role] = (str(run_dirs.crash_path(run_dir, role)), crash.caused_by)
+    return found
+
+
+def post_mortem_root_cause(kept: Path) -> Alert | None:
+    """The root cause an instance printed as it ended after a failure (``root_cause.txt`` in
+    its post-mortem, written by the blame rule: ``engine/utils/processes.py``), as engine-top's
+    root-cause alert; None when it kept none (or it names no process)."""
+    path = kept / run_dirs.ROOT_CAUSE
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return None
+    fields = {key: values[0] for key, values in blame.root_cause_fields(text).items()}
+    role = fields.get("process", "").split(" (rank ")[0].strip()
+    if not role:
+        return None
+    stage = fields.get("stage", "")
+    if stage.startswith(("none", "unknown")):
+        stage = ""
+    how = fields.get("exit", "")
+    exception = fields.get("exception", "")
+    # What to check, as doctor words it for a tree that is gone: what ended the culprit.
+    if how.startswith("still running (stopped"):
+        check = hints_mod.GONE_STOPPED
+    elif how.startswith("still running (frozen"):
+        check = hints_mod.GONE_FROZEN
+    elif exception.startswith("none recorded"):
+        check = hints_mod.NO_CRASH_REPORT
+    elif exception and not exception.startswith("none"):
+        crash = run_dirs.crash_path(kept, role)
+        check = hints_mod.dead_hint(str(crash)) if crash.is_file() else ""
+    else:
+        check = ""
+    if how.startswith("still running (") and how.endswith(")"):
+        how = how[len("still running (") : -1]  # torn down since: what held it is the news
+    if exception and not exception.startswith("none"):
+        how = f"{how}; {exception}" if how else exception
+    reason = fields.get("why") or how or "named by the instance's root cause"
+    where = f" in {stage}" if stage else ""
+    name = stage.split(" (")[0]
+    hint = "; ".join(h for h in (check, f"{name}: {hints_mod.stage_hint(name).hint}" if name else "") if h)
+    return Alert(
+        "error", role, f"root cause: {role}{where}: {reason}", f"{hint} (the instance's root cause: {path})"
+    )
 
 
 # ---------------------------------------------------------------------- finding instances
@@ -513,12 +610,8 @@ class Collector:
             status = "gone"
             message = f"the instance in {self._attached} is gone; {message}"
             if gone_dir is not None:
-                # A tree that ended after a failure kept its post-mortem first
-                # (tracing.run_dir.keep_post_mortem); one that stopped cleanly kept none.
-                kept = run_dirs.find_post_mortem(gone_dir, run_dirs.post_mortem_root())
-                with self._lock:
-                    self._state.found_count = 0
-                    self._state.instance_ended(clean=kept is None)
+                self._instance_ended(gone_dir)
+        crashes: dict[str, tuple[str, str | None]] = {}
         if run_dir is not None:
             if self._sub is None:
                 self._sub = _Subscription(run_dir)
@@ -529,6 +622,9 @@ class Collector:
             except Exception:
                 logger.exception("telemetry: reading process liveness failed")
                 liveness, gone = None, False
+            if liveness is not None:
+                ended = [r for r, word in liveness.items() if word.partition(": ")[0] in DEAD_OS_STATES]
+                crashes = _crash_files(run_dir, ended)
             if gone and manifest is not None:
                 status, message = "gone", f"the instance in {run_dir} is gone (its owner exited)"
             elif manifest is None:
@@ -542,6 +638,10 @@ class Collector:
                 state.apply_manifest(manifest)
             if liveness is not None:
                 state.apply_liveness(liveness, found)
+            for role, (path, caused_by) in crashes.items():
+                proc = state.processes.get(role)
+                if proc is not None:
+                    proc.crash_file, proc.crash_caused_by = path, caused_by
             if run_dir is not None:
                 # A process that publishes nothing (frozen before anyone subscribed, or
                 # telemetry off) still has its status file: its lifecycle stage.
@@ -563,12 +663,40 @@ class Collector:
                             state.apply_placement(role, status_record)
             state.derive(time.time(), self.stale_after_s)
             known = _known_troubles(state)
-        # The blame rule reads the run directory (a few small files): outside the lock.
-        culprit = _blame(run_dir, known) if run_dir is not None and status != "gone" else None
+        # The blame rule reads the run directory (a few small files): outside the lock. Once the
+        # run directory is removed, the root cause stays what the instance's end said.
+        culprit = _blame(run_dir, known) if run_dir is not None else None
         with self._lock:
             state = self._state
-            state.root_cause = culprit
+            if run_dir is not None:
+                state.root_cause = culprit
             state.alerts = compute_alerts(state, hints=self.hints, recent_refusals=self._refusals)
+
+    def _instance_ended(self, gone_dir: Path) -> None:
+        """The run directory we watched is gone. A tree that ended after a failure kept its
+        post-mortem first (``tracing.run_dir.keep_post_mortem``); one that stopped cleanly kept
+        none. The root cause becomes the instance's own (its ``root_cause.txt``; else the last
+        one seen live; else the blame rule on what it kept, as ``glassbox doctor`` reads it) and
+        stays the first alert; the crash reports are read where they were kept."""
+        kept = run_dirs.find_post_mortem(gone_dir, run_dirs.post_mortem_root())
+        cause = crashes = None
+        if kept is not None:
+            with self._lock:
+                roles = list(self._state.processes)
+                live = self._state.root_cause
+            crashes = _crash_files(kept, roles)
+            # The instance's own verdict, as it stood when it ended (what doctor reads back too),
+            # not one judged now from files the teardown has since changed.
+            cause = post_mortem_root_cause(kept) or live or _blame(kept, {})
+        with self._lock:
+            state = self._state
+            state.found_count = 0
+            state.root_cause = cause
+            for role, (path, caused_by) in (crashes or {}).items():
+                proc = state.processes.get(role)
+                if proc is not None:
+                    proc.crash_file, proc.crash_caused_by = path, caused_by
+            state.instance_ended(clean=kept is None)
 
     # -------------------------------------------------------------- replay
 

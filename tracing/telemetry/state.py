@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import msgspec
 
-from tracing.run_dir import Manifest
+from tracing.run_dir import CRASH_SUFFIX, Manifest
 from tracing.telemetry.events import (
     GAUGE_MQ_READER_PREFIX,
     GAUGE_MQ_WRITTEN,
@@ -60,12 +61,21 @@ DEAD_OS_STATES = ("exited", "zombie")
 # psutil's words for a process that is stopped (SIGSTOP, a debugger): alive but frozen.
 FROZEN_OS_STATES = ("stopped", "tracing-stop")
 TERMINAL_REQUEST_STATES = ("finished", "aborted")
+# How the collector's liveness note says a gone process wrote a crash report ("crashed in
+# worker.load_model: OSError: ...", after "; " when psutil had a note of its own).
+_CRASHED = re.compile(r"(^|; )crashed( in \S+)?: ")
 
 ProcessState = Literal["planned", "starting", "running", "stale", "dead", "exited"]
 # A process gone after a clean stop reads "exited", not "dead": it (its last heartbeat) or its
 # parent reported exit status 0, or it stopped with its instance, which ended cleanly.
 CLEAN_EXIT = "exited with code 0"
 INSTANCE_GONE = "the instance is gone"  # a collector's note for the processes of a run directory removed
+# A process of an instance that ended after a failure, stopped by the tree's teardown (not the
+# root cause): gone, not cleanly, and not at fault (``LiveState.instance_ended``).
+TORN_DOWN = "torn down with the instance"
+# The root cause's own row once its instance is gone, when nothing else said how it ended (a
+# SIGSTOPped worker that the teardown continued and stopped, exit status 0).
+CULPRIT_TORN_DOWN = "the root cause; torn down with the instance"
 LinkState = Literal["connecting", "live", "stale", "lost"]
 
 
@@ -138,6 +148,15 @@ class ProcessLive:
     lost_events: int = 0
     # clean_end: it stopped with its instance, which ended cleanly (``LiveState.instance_ended``).
     clean_end: bool = False
+    # crash_file: its crash report's path (``<role>.crash.json``, in the run directory or its
+    # post-mortem) when it wrote one; crash_caused_by: whom that report says it followed (an
+    # echo: an engine core stopping because its worker died). None: it wrote none (killed from
+    # outside), or nobody looked (a replay knows only what its recording's liveness said).
+    crash_file: str | None = None
+    crash_caused_by: str | None = None
+    # torn_down: its instance ended after a failure and it went with it, not at fault (the
+    # root cause is another's): ``TORN_DOWN``.
+    torn_down: bool = False
 
     def copy(self) -> ProcessLive:
         return dataclasses.replace(
@@ -336,6 +355,8 @@ class LiveState:
             proc.last_step_at = ev.last_step_at
         for role, description in ev.exited.items():
             child = self._process(role)
+            if child.torn_down or child.exit_description == CULPRIT_TORN_DOWN:
+                continue  # its instance's end already said how it went
             child.exit_description = description
             child.state, child.link = self._end_state(child), "lost"
 
@@ -490,6 +511,9 @@ class LiveState:
             proc.os_state = os_state
             if os_state in DEAD_OS_STATES and proc.exit_description is None:
                 proc.exit_description = note or os_state
+            if os_state in DEAD_OS_STATES and proc.crash_file is None and _CRASHED.search(note):
+                # The collector's note names a crash report it read (a replay knows no more).
+                proc.crash_file = f"{role}{CRASH_SUFFIX}"
 
     def apply_placement(self, role: str, status: Any) -> None:
         """Take where a cluster scheduler placed the process (``ProcessStatus.placement``)."""
@@ -551,17 +575,28 @@ class LiveState:
                 proc.state = "running"
         self.prune(now)
 
-    @staticmethod
-    def _end_state(proc: ProcessLive) -> ProcessState:
+    def _end_state(self, proc: ProcessLive) -> ProcessState:
         """How a process that is gone ended: ``exited`` after a clean stop (``CLEAN_EXIT``, as
-        it or its parent reported it, or ``clean_end``), else ``dead``."""
+        it or its parent reported it, or ``clean_end``), else ``dead``. The root cause's process
+        never reads as a clean stop: a SIGSTOPped worker that the teardown continued and
+        stopped exits with status 0, but it is the one at fault."""
+        if self.root_cause is not None and self.root_cause.role == proc.role:
+            return "dead"
         return "exited" if proc.exit_description == CLEAN_EXIT or proc.clean_end else "dead"
 
     def instance_ended(self, clean: bool) -> None:
         """The instance's run directory is gone. Every process not known gone is noted
         ``INSTANCE_GONE``; when the tree ended ``clean`` (no post-mortem kept, no root cause),
         those with no other account of their end (the owner, or a process whose last words
-        were lost) stopped with it cleanly."""
+        were lost) stopped with it cleanly.
+
+        When it ended after a failure and ``root_cause`` names the culprit (set it first: the
+        instance's own root cause, from its post-mortem), the teardown's doing is told apart
+        from the failure: the culprit's row is ``dead`` (``CULPRIT_TORN_DOWN`` when it had no
+        other account, or only a clean exit status after the teardown stopped it), and every
+        other process with no account of its own, or only a clean exit status, was
+        ``TORN_DOWN``: not at fault, and not a clean stop either."""
+        culprit = self.root_cause.role if self.root_cause is not None and not clean else None
         for proc in self.processes.values():
             if proc.exit_description is None and not proc.gone:
                 proc.exit_description = INSTANCE_GONE
@@ -572,6 +607,15 @@ class LiveState:
                 and not proc.last_error
             ):
                 proc.clean_end = True
+            if culprit is None or proc.state == "planned" and proc.heartbeat_at is None:
+                continue
+            if proc.role == culprit:
+                if proc.exit_description in (INSTANCE_GONE, CLEAN_EXIT):
+                    proc.exit_description = CULPRIT_TORN_DOWN
+            elif proc.exit_description in (INSTANCE_GONE, CLEAN_EXIT) or proc.crash_caused_by is not None:
+                proc.torn_down = True
+                if proc.exit_description in (INSTANCE_GONE, CLEAN_EXIT):
+                    proc.exit_description = TORN_DOWN
 
     def prune(self, now: float) -> None:
         """Forget requests finished more than ``FINISHED_KEEP_S`` ago; keep at most ``MAX_REQUESTS``."""
