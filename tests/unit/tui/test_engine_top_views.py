@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from tracing import hints
 from tracing.telemetry.events import (
     GAUGE_API_IN_FLIGHT,
     GAUGE_API_PENDING_OUTPUTS,
@@ -208,8 +209,8 @@ def make_state() -> LiveState:
         Alert(
             "error",
             "Worker_DP0_PP0_TP1",
-            "died: killed by SIGKILL (exit status -9)",
-            "the kernel's OOM killer, or someone ran kill -9; dmesg names the OOM killer",
+            "Worker_DP0_PP0_TP1 (pid 28790) is dead: killed by SIGKILL (exit status -9)",
+            hints.dead_hint(None),  # what the collector says of a process that wrote no crash report
         ),  # fmt: skip
         Alert(
             "warning",
