@@ -95,6 +95,9 @@ class ProcessReport:
     depth: int = 0
     faults: list[str] = field(default_factory=list)
     flight: list[dict[str, Any]] = field(default_factory=list)
+    # Where ``flight`` came from: "flight recorder" (written as it died) or the live telemetry
+    # heard while doctor watched (only the steps of those seconds).
+    flight_source: str = ""
     placed: str = ""  # where a Ray cluster placed it (tracing.instances.placement_text)
     runs_as: str = ""  # how a worker runs its model (tracing.instances.runs_as_text)
     collectives: list[str] = field(default_factory=list)  # a worker in a step: "tp all_reduce #3 (inside)"
@@ -211,7 +214,7 @@ def _gather(run_dir: Path, watch_s: float, want_stacks: bool, stack_timeout_s: f
             rep.faults += [
                 f"{f.spec} in {f.stage}" for f in lp.faults if f"{f.spec} in {f.stage}" not in rep.faults
             ]
-        rep.flight = _flight(run_dir, p, live)
+        rep.flight, rep.flight_source = _flight(run_dir, p, live, watch_s)
         crash = contract.read_crash_report(run_dir, p.role)
         if crash is not None:
             rep.crash = {"stage": crash.stage, "exception": crash.exception, "pid": crash.pid,
@@ -252,16 +255,19 @@ def _gather(run_dir: Path, watch_s: float, want_stacks: bool, stack_timeout_s: f
 FLIGHT_STEPS = 8  # the last steps doctor shows of each engine core
 
 
-def _flight(run_dir: Path, p, live) -> list[dict[str, Any]]:
-    """An engine core's last steps: from live telemetry (step records), else from the flight
-    recorder it wrote as it died (``<role>.flight.json``)."""
+def _flight(run_dir: Path, p, live, watch_s: float) -> tuple[list[dict[str, Any]], str]:
+    """An engine core's last steps and where they came from: the live telemetry heard in
+    doctor's ``watch_s`` (only those seconds' steps), else the flight recorder it wrote as it
+    died (``<role>.flight.json``); ``([], "")`` for any other process or neither."""
     if p.kind != "engine_core":
-        return []
+        return [], ""
     steps: list[dict[str, Any]] = []
+    source = "flight recorder"
     if live is not None and p.rank is not None and live.steps.get(p.rank):
         steps = [
             {f: getattr(r, f) for f in r.__struct_fields__} for r in list(live.steps[p.rank])[-FLIGHT_STEPS:]
         ]
+        source = f"heard in {watch_s:g} s of live telemetry"
     else:
         try:
             data = json.loads(processes.flight_file(run_dir, p.role).read_text())
@@ -270,7 +276,7 @@ def _flight(run_dir: Path, p, live) -> list[dict[str, Any]]:
             steps = []
     keep = ("step_id", "started_at", "duration_ms", "num_decode_tokens", "num_prefill_tokens",
             "token_budget", "num_running", "num_waiting", "kv_usage", "dummy")  # fmt: skip
-    return [{k: s[k] for k in keep if k in s} for s in steps]
+    return [{k: s[k] for k in keep if k in s} for s in steps], (source if steps else "")
 
 
 def _is_lifecycle(stage: str) -> bool:
@@ -503,7 +509,7 @@ def render_text(report: Report, out, max_frames: int = 6) -> None:
                 w(f"{indent}      {line}\n")
     for p in report.processes:
         if p.flight:
-            w(f"\nlast steps of {p.role} (flight recorder, oldest first):\n")
+            w(f"\nlast steps of {p.role} ({p.flight_source or 'flight recorder'}, oldest first):\n")
             for st in p.flight:
                 w("  " + _step_line(st, report) + "\n")
     live = [p for p in report.processes if p.state not in ("dead", "not started")]

@@ -206,3 +206,37 @@ def test_the_recorded_verdict_is_the_one_the_root_cause_block_was_written_with(
         assert found.reason == f"{WORKER} is {state}"
     assert blame.recorded_blame("no block here", time.time()) is None
     assert isinstance(found, blame.Blame)
+
+
+def test_live_doctor_says_its_steps_are_the_ones_heard_while_it_watched(tmp_path):
+    """A live engine core's step list is what doctor heard in its watch, not a flight
+    recorder's record of the last steps (found by a fresh user: one step under that label)."""
+    import io
+    import time
+    import types
+    from collections import deque
+
+    from tracing.telemetry.events import StepRecord
+
+    core = doctor.ProcessReport(role="EngineCore_DP0", kind="engine_core", pid=1, rank=0, os_state="running",
+                                state="running")  # fmt: skip
+    step = StepRecord(engine_index=0, step_id=96, started_at=time.time(), duration_ms=12.5, execute_ms=11.0,
+                      num_decode_tokens=3, num_prefill_reqs=0, num_prefill_tokens=0, num_chunked_prefills=0,
+                      tokens_scheduled=3, token_budget=2048, num_running=3, num_waiting=0, num_preempted=0,
+                      kv_usage=0.25)  # fmt: skip
+    live = types.SimpleNamespace(steps={0: deque([step])})
+    core.flight, core.flight_source = doctor._flight(tmp_path, core, live, 2.0)
+    assert [s["step_id"] for s in core.flight] == [
+        96
+    ] and core.flight_source == "heard in 2 s of live telemetry"
+    report = doctor.Report(run_dir=str(tmp_path), mode="mp", expected=1, found=1, live_telemetry=True,
+                           processes=[core], alerts=[], problems=[])  # fmt: skip
+    out = io.StringIO()
+    doctor.render_text(report, out)
+    assert "last steps of EngineCore_DP0 (heard in 2 s of live telemetry, oldest first):" in out.getvalue()
+    # Without live telemetry, the file it wrote as it died: the flight recorder.
+    (tmp_path / "EngineCore_DP0.flight.json").write_text('{"steps": [{"step_id": 7, "duration_ms": 3.0}]}')
+    assert doctor._flight(tmp_path, core, None, 2.0) == (
+        [{"step_id": 7, "duration_ms": 3.0}],
+        "flight recorder",
+    )
