@@ -481,12 +481,18 @@ def render_text(report: Report, out, max_frames: int = 6) -> None:
     for problem in report.problems:
         w(f"  ! {problem}\n")
     w("\n")
+
+    def indent_of(p: ProcessReport) -> str:
+        return "  " * max(0, p.depth - 1) if p.kind != "frontend" else ""
+
+    # One column width for the indented roles, so pid, state and stage line up at every depth.
+    role_width = max([24, *(len(indent_of(p) + p.role) for p in report.processes)])
     for p in report.processes:
-        indent = "  " * max(0, p.depth - 1) if p.kind != "frontend" else ""
+        indent = indent_of(p)
         timed = p.stage and p.time_in_stage_s is not None  # a dead one's clock stopped: no time
         stage = f"{p.stage} for {_age(p.time_in_stage_s)}" if timed else (p.stage or "idle")
         beat = f"heartbeat {_age(p.heartbeat_age_s)} ago" if p.heartbeat_age_s is not None else "no heartbeat"
-        w(f"{indent}{p.role:<24} pid {p.pid or '-':<7} {p.state:<10} {stage:<44} {beat}\n")
+        w(f"{indent + p.role:<{role_width}} pid {p.pid or '-':<7} {p.state:<10} {stage:<44} {beat}\n")
         if p.placed:
             w(f"{indent}    placed as {p.placed}\n")
         if p.runs_as:

@@ -240,3 +240,23 @@ def test_live_doctor_says_its_steps_are_the_ones_heard_while_it_watched(tmp_path
         [{"step_id": 7, "duration_ms": 3.0}],
         "flight recorder",
     )
+
+
+def test_doctors_process_rows_line_up_at_every_depth(tmp_path):
+    """The pid, state and stage columns start at the same place for an API server, its engine
+    core and that core's worker, however deep each is indented."""
+    import io
+
+    rows = [
+        doctor.ProcessReport(role=role, kind=kind, pid=pid, rank=0, os_state="running", state="running", depth=depth)
+        for role, kind, pid, depth in [("APIServer_0", "frontend", 101, 0), ("EngineCore_DP0", "engine_core", 102, 1),
+                                       ("Worker_DP0_PP0_TP0", "worker", 103, 2)]
+    ]  # fmt: skip
+    report = doctor.Report(run_dir=str(tmp_path), mode="mp", expected=3, found=3, live_telemetry=False,
+                           processes=rows, alerts=[], problems=[])  # fmt: skip
+    out = io.StringIO()
+    doctor.render_text(report, out)
+    lines = [line for line in out.getvalue().splitlines() if " pid 10" in line]
+    assert len(lines) == 3 and lines[2].startswith("  Worker_DP0_PP0_TP0"), lines
+    assert len({line.index(" pid 10") for line in lines}) == 1, lines
+    assert len({line.index("running") for line in lines}) == 1, lines
