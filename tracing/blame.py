@@ -93,8 +93,10 @@ class Seen:
 @dataclass
 class Blame:
     """The culprit: ``verdict`` is ``failed`` (its own exception), ``dead`` (no report),
-    ``stopped``, ``frozen``, ``waited_on`` (a peer waits in a collective for it) or ``held``
-    (an injected fault holds it). ``reason``: one line saying so; ``victims``: who waits on it."""
+    ``stopped``, ``frozen``, ``waited_on`` (a peer waits in a collective for it), ``held``
+    (an injected fault holds it) or, read back from a root-cause block only (``recorded_blame``),
+    ``late`` (still at work in a stage when a deadline ended the tree: its note says which).
+    ``reason``: one line saying so; ``victims``: who waits on it."""
 
     role: str
     verdict: str
@@ -334,7 +336,7 @@ __all__ = ["WAITING_S", "Blame", "Seen", "blame_run_dir", "find_culprit", "obser
 
 # The root-cause block's lines (``engine.utils.processes.format_root_cause``) read back by
 # ``glassbox doctor --last`` and engine-top once an instance is gone.
-_ROOT_CAUSE_KEYS = ("process", "pid", "stage", "exit", "exception", "why", "fault")
+_ROOT_CAUSE_KEYS = ("process", "pid", "stage", "exit", "exception", "why", "fault", "note")
 STILL_RUNNING = "still running"
 
 
@@ -389,4 +391,9 @@ def recorded_blame(root_cause: str, now: float) -> Blame | None:
     if why:  # peers waited on it in a collective: the rule's first clause, its words recorded
         verdict = found.verdict if found is not None else "waited_on"
         return Blame(role, verdict, stage, why[0], pid, exception)
+    note = fields.get("note")
+    if found is None and alive and stage and note:
+        # Alive, in a stage, no trouble of its own: the deadline the note names (start-up's,
+        # GLASSBOX_ENGINE_READY_TIMEOUT_S) ran out while it worked; the teardown killed it since.
+        return Blame(role, "late", stage, note[0].rstrip("."), pid)
     return found

@@ -374,11 +374,12 @@ def diagnose(report: Report) -> None:
         rep = next((p for p in procs if p.role == culprit.role), None)
         if rep is not None:
             words = {"failed": "failed", "dead": "is dead", "stopped": "is stopped",
-                     "frozen": "is frozen", "waited_on": "holds up its peers", "held": "is held"}  # fmt: skip
+                     "frozen": "is frozen", "waited_on": "holds up its peers", "held": "is held",
+                     "late": "was still at work"}  # fmt: skip
             stage = culprit.stage
             in_stage = f" in stage {stage}" if stage else ""
             text = f"{_who(rep)} {words[culprit.verdict]}{in_stage}: {culprit.reason}{at(rep)}."
-            verdict = {"failed": "dead", "waited_on": "stuck", "held": "stuck"}.get(
+            verdict = {"failed": "dead", "waited_on": "stuck", "held": "stuck", "late": "stuck"}.get(
                 culprit.verdict, culprit.verdict
             )
             hint = {"dead": hints.DEAD + ".", "failed": hints.DEAD + ".",

@@ -50,7 +50,7 @@ def _dead_pid() -> int:
     return p.pid
 
 
-def _gone_tree(base, cache, *, root_cause, in_step: int | None = None):
+def _gone_tree(base, cache, *, root_cause, in_step: int | None = None, worker_stage: str | None = None):
     """A served tree whose worker failed, torn down: its post-mortem kept under ``cache``, its
     run directory removed. ``root_cause(run_dir, worker_pid)``: the block the instance printed.
     ``in_step``: the worker was inside that step's ``execute_model`` RPC (its ``.comm``)."""
@@ -74,7 +74,7 @@ def _gone_tree(base, cache, *, root_cause, in_step: int | None = None):
     for role, _ in roles:
         pids[role] = _dead_pid()
         contract.write_status(contract.status_path(run_dir, role), contract.ProcessStatus(
-            role=role, pid=pids[role], updated_at=now - 1,
+            role=role, pid=pids[role], updated_at=now - 1, stage=worker_stage if role == WORKER else None,
             last_finished=contract.FinishedStage(name="worker.compile_or_warm_up_model", finished_at=now - 50),
         ))  # fmt: skip
     if in_step is not None:
@@ -260,3 +260,28 @@ def test_doctors_process_rows_line_up_at_every_depth(tmp_path):
     assert len(lines) == 3 and lines[2].startswith("  Worker_DP0_PP0_TP0"), lines
     assert len({line.index(" pid 10") for line in lines}) == 1, lines
     assert len({line.index("running") for line in lines}) == 1, lines
+
+
+@pytest.mark.timeout(60)
+def test_doctor_last_says_a_worker_late_for_the_start_up_deadline_was_still_at_work(gone_dirs, capsys):
+    """Start-up's deadline passed while the worker was still loading (alive, no trouble of its
+    own); the tree was torn down. ``doctor --last`` used to judge the files alone and say it
+    died without a crash report; the block says it was still at work, and why it ended."""
+    import json
+
+    from engine.utils import processes
+
+    base, cache = gone_dirs
+    note = "The engine did not become ready within GLASSBOX_ENGINE_READY_TIMEOUT_S=5 s (it said HELLO)."
+    _, pid = _gone_tree(base, cache, worker_stage="worker.load_model", root_cause=lambda run_dir, pid: (
+        processes.format_root_cause(run_dir, WORKER, pid, None, rank=0, note=note, state="sleeping")))  # fmt: skip
+    code, out = _doctor_last(capsys, "--json")
+    report = json.loads(out)
+    assert code == 1
+    assert (report["culprit"], report["verdict"], report["culprit_stage"]) == (
+        WORKER,
+        "stuck",
+        "worker.load_model",
+    )
+    assert report["diagnosis"] == f"{WORKER} (pid {pid}) was still at work in stage worker.load_model: {note}"
+    assert "without a crash report" not in report["diagnosis"] and "SIGKILL" not in report["hint"]
