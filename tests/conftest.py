@@ -81,6 +81,17 @@ def measured_choices_here(tmp_path, monkeypatch):
 
 
 @pytest.fixture
+def run_and_cache_dirs(tmp_path, monkeypatch):
+    """(run-dir base, cache root) under ``tmp_path``, both set in the environment that
+    engines, ``glassbox ps`` and ``glassbox doctor`` read (post-mortems go to the cache)."""
+    base, cache = tmp_path / "runs", tmp_path / "cache"
+    base.mkdir()
+    monkeypatch.setenv("GLASSBOX_RUN_DIR_BASE", str(base))
+    monkeypatch.setenv("GLASSBOX_CACHE_ROOT", str(cache))
+    return base, cache
+
+
+@pytest.fixture
 def eager(monkeypatch):
     """Engines started by this test (and servers it spawns) run their model eagerly: for tests
     about the eager path or about model math on many tiny checkpoints (each would compile)."""

@@ -63,20 +63,10 @@ def _run_dir(base: Path, *, crash: bool = True) -> Path:
     return run_dir
 
 
-@pytest.fixture
-def dirs(tmp_path, monkeypatch):
-    """(run-dir base, cache root), both set in the environment."""
-    base, cache = tmp_path / "runs", tmp_path / "cache"
-    base.mkdir()
-    monkeypatch.setenv("GLASSBOX_RUN_DIR_BASE", str(base))
-    monkeypatch.setenv("GLASSBOX_CACHE_ROOT", str(cache))
-    return base, cache
-
-
-def test_doctor_never_names_a_crash_report_that_does_not_exist(dirs, capsys):
+def test_doctor_never_names_a_crash_report_that_does_not_exist(run_and_cache_dirs, capsys):
     """A worker SIGKILLed writes no crash report: doctor used to send the reader to
     ``<role>.crash.json`` anyway. It names the real file when there is one."""
-    base, _ = dirs
+    base, _ = run_and_cache_dirs
     for crash in (False, True):
         run_dir = _run_dir(base, crash=crash)
         assert main(["doctor", "--run-dir", str(run_dir), "--json"]) == 1
@@ -93,8 +83,8 @@ def test_doctor_never_names_a_crash_report_that_does_not_exist(dirs, capsys):
         shutil.rmtree(run_dir)
 
 
-def test_ps_all_lists_a_stale_run_dir_and_clean_removes_it_keeping_its_post_mortem(dirs):
-    base, cache = dirs
+def test_ps_all_lists_a_stale_run_dir_and_clean_removes_it_keeping_its_post_mortem(run_and_cache_dirs):
+    base, cache = run_and_cache_dirs
     stale = _run_dir(base)
     live = base / f"glassbox-{os.getpid()}-live"  # this process is alive: never stale
     live.mkdir()
@@ -238,11 +228,11 @@ def test_a_worker_crash_while_serving_leaves_a_post_mortem_doctor_last_reads(rea
         shutil.rmtree(base, ignore_errors=True)
 
 
-def test_doctor_on_a_gone_tree_prints_words_not_python_values(dirs, capsys):
+def test_doctor_on_a_gone_tree_prints_words_not_python_values(run_and_cache_dirs, capsys):
     """A gone tree: an engine core's echo report reads "stopped because <worker> failed" (not
     the root-cause text again), a report without a stage prints no "(stage None)", and no
     "stacks" heading stands over nothing (every process is dead)."""
-    base, _ = dirs
+    base, _ = run_and_cache_dirs
     run_dir = _run_dir(base, crash=True)
     contract.write_crash_report(run_dir, contract.CrashReport(
         role="EngineCore_DP0", rank=0, pid=1235, stage=None, time=time.time(),

@@ -96,16 +96,6 @@ def _gone_tree(base, cache, *, root_cause, in_step: int | None = None, worker_st
     return kept, pids[WORKER]
 
 
-@pytest.fixture
-def gone_dirs(tmp_path, monkeypatch):
-    """(run-dir base, cache root), both set in the environment doctor reads."""
-    base, cache = tmp_path / "runs", tmp_path / "cache"
-    base.mkdir()
-    monkeypatch.setenv("GLASSBOX_RUN_DIR_BASE", str(base))
-    monkeypatch.setenv("GLASSBOX_CACHE_ROOT", str(cache))
-    return base, cache
-
-
 def _doctor_last(capsys, *flags: str):
     from engine.cli.main import main
 
@@ -114,7 +104,7 @@ def _doctor_last(capsys, *flags: str):
 
 
 @pytest.mark.timeout(60)
-def test_doctor_last_says_a_stopped_worker_the_teardown_killed_was_stopped(gone_dirs, capsys):
+def test_doctor_last_says_a_stopped_worker_the_teardown_killed_was_stopped(run_and_cache_dirs, capsys):
     """``kill -STOP`` of the worker: its engine core names it stopped past
     GLASSBOX_STOPPED_TIMEOUT_S and the tree is torn down (the teardown kills it; it writes no
     crash report). ``doctor --last`` used to judge the files alone and say "is dead … died
@@ -124,7 +114,7 @@ def test_doctor_last_says_a_stopped_worker_the_teardown_killed_was_stopped(gone_
 
     from engine.utils import processes
 
-    base, cache = gone_dirs
+    base, cache = run_and_cache_dirs
     _, pid = _gone_tree(base, cache, root_cause=lambda run_dir, pid: processes.format_root_cause(
         run_dir, WORKER, pid, None, rank=0, state=STOPPED))  # fmt: skip
 
@@ -143,7 +133,7 @@ def test_doctor_last_says_a_stopped_worker_the_teardown_killed_was_stopped(gone_
 
 
 @pytest.mark.timeout(60)
-def test_doctor_last_names_the_step_rpc_a_sigkilled_worker_was_in(gone_dirs, capsys):
+def test_doctor_last_names_the_step_rpc_a_sigkilled_worker_was_in(run_and_cache_dirs, capsys):
     """``kill -9`` of the worker in its 322nd step: the root cause says ``stage:
     worker.execute_model (step 322)`` (from the worker's ``.comm``). The post-mortem used to
     keep no ``.comm``: doctor showed the worker ``idle`` with ``culprit_stage: null``."""
@@ -152,7 +142,7 @@ def test_doctor_last_names_the_step_rpc_a_sigkilled_worker_was_in(gone_dirs, cap
     from engine.utils import processes
     from tracing import run_dir as contract
 
-    base, cache = gone_dirs
+    base, cache = run_and_cache_dirs
     kept, pid = _gone_tree(base, cache, in_step=321, root_cause=lambda run_dir, pid: processes.format_root_cause(
         run_dir, WORKER, pid, -9, rank=0))  # fmt: skip
     assert "stage:     worker.execute_model (step 322)" in (kept / contract.ROOT_CAUSE).read_text()
@@ -263,7 +253,9 @@ def test_doctors_process_rows_line_up_at_every_depth(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_doctor_last_says_a_worker_late_for_the_start_up_deadline_was_still_at_work(gone_dirs, capsys):
+def test_doctor_last_says_a_worker_late_for_the_start_up_deadline_was_still_at_work(
+    run_and_cache_dirs, capsys
+):
     """Start-up's deadline passed while the worker was still loading (alive, no trouble of its
     own); the tree was torn down. ``doctor --last`` used to judge the files alone and say it
     died without a crash report; the block says it was still at work, and why it ended."""
@@ -271,7 +263,7 @@ def test_doctor_last_says_a_worker_late_for_the_start_up_deadline_was_still_at_w
 
     from engine.utils import processes
 
-    base, cache = gone_dirs
+    base, cache = run_and_cache_dirs
     note = "The engine did not become ready within GLASSBOX_ENGINE_READY_TIMEOUT_S=5 s (it said HELLO)."
     _, pid = _gone_tree(base, cache, worker_stage="worker.load_model", root_cause=lambda run_dir, pid: (
         processes.format_root_cause(run_dir, WORKER, pid, None, rank=0, note=note, state="sleeping")))  # fmt: skip
