@@ -13,6 +13,9 @@ Linux gives a mapping huge pages at its first touch when the mapping was advised
 advised from its first 2 MiB boundary, and only then zeroed (the touch); each layer's K
 and V are views of it. Where the advice is refused (another OS, THP ``never``, a kernel
 without THP) the buffer is the same zeroed memory on small pages: nothing else changes.
+A buffer under glibc's mmap threshold (which it raises up to 32 MiB after large frees) may
+come from heap memory touched before: Linux leaves that on its 4 KiB pages, advice or not —
+only tiny caches, where the TLB matters least.
 
 PyTorch's own switch, ``THP_MEM_ALLOC_ENABLE=1``, advises every CPU allocation of 2 MiB or
 more — the step's activations too, which then fault in fresh 2 MiB pages (each zeroed by the

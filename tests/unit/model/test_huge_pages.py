@@ -47,9 +47,13 @@ def _thp_fallbacks() -> int:
 @pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason="transparent huge pages are off here")
 def test_linux_backs_the_cache_with_huge_pages_where_thp_allows():
     before, fallbacks = anon_huge_bytes(), _thp_fallbacks()
-    shape = (64, 16, 4, 64)  # 1 MiB of float32 per tensor, 16 MiB in all
-    tensors, advised = zeros_on_huge_pages(16, shape, torch.float32)
-    assert advised == 16 * 2**20 // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+    # 1 MiB of float32 per tensor, 40 MiB in all: over glibc's largest mmap threshold (32 MiB),
+    # so the buffer is a fresh mapping. A smaller one may reuse heap memory an earlier test
+    # touched (after large frees glibc raises its threshold), and Linux backs touched memory
+    # with the 4 KiB pages it has, advice or not (a fresh-clone run met that).
+    shape = (64, 16, 4, 64)
+    tensors, advised = zeros_on_huge_pages(40, shape, torch.float32)
+    assert advised == 40 * 2**20 // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
     after = anon_huge_bytes()
     assert before is not None and after is not None
     if after - before < HUGE_PAGE_BYTES and _thp_fallbacks() > fallbacks:
