@@ -8,9 +8,10 @@ speed, on an AMD Zen 4 (AVX512-BF16) at about twice (``benchmarks/cpu_fma_peak.p
 the choice is measured instead: the candidates are timed at the model's own shapes, at the
 worker's thread count, interleaved (one round of each, several rounds, medians), and the
 verdict is cached in ``<GLASSBOX_CACHE_ROOT>/measured_choices/<name>-<hash>.json``, keyed by
-everything that changes the answer (the CPU's model and instruction sets, torch's version,
-the thread count, the shapes, this module's ``VERSION``). A later start with the same key
-reads the file and measures nothing; a flag forces either side without measuring.
+everything that changes the answer (the CPU's name, vendor, family and model number and its
+instruction sets, torch's version, the thread count, the shapes, this module's ``VERSION``). A
+later start with the same key reads the file and measures nothing; a flag forces either side
+without measuring.
 
 Each ``Verdict`` says what was chosen, how (``measured``, ``cached``, ``forced by FLAG``) and
 the figures behind it; the worker logs it and puts it in its status (``runs_as``), so
@@ -51,23 +52,40 @@ VERSION = 2
 CPU_FLAGS_THAT_MATTER = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
 
 
-def cpu_identity() -> dict[str, Any]:
-    """This CPU, as far as a speed choice cares: ``{"model": "AMD EPYC", "flags": [...]}``
-    (``/proc/cpuinfo``'s model name and those of ``CPU_FLAGS_THAT_MATTER`` it has; off Linux,
-    the platform's processor name and no flags)."""
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and ":" in line:
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and ":" in line:
-                    flags = set(line.split(":", 1)[1].split())
-                if model and flags:
-                    break
-    except OSError:
-        pass
-    return {"model": model, "flags": [f for f in CPU_FLAGS_THAT_MATTER if f in flags]}
+def cpu_identity(cpuinfo: str | None = None) -> dict[str, Any]:
+    """This CPU, as far as a speed choice cares: ``{"model": "AMD EPYC", "vendor":
+    "AuthenticAMD", "family": 26, "model_number": 2, "flags": [...]}`` — the first processor
+    of ``/proc/cpuinfo`` (or ``cpuinfo``, its text): model name, vendor, family and model
+    number, and those of ``CPU_FLAGS_THAT_MATTER`` it has. Family and model number tell apart
+    CPUs a VM names alike ("AMD EPYC" is a Zen 4, family 25, and a Zen 5, family 26, with the
+    same flags here, and need not share a fastest kernel). Off Linux: the platform's processor
+    name and no flags."""
+    ident: dict[str, Any] = {"model": platform.processor() or platform.machine()}
+    flags: set[str] = set()
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            cpuinfo = ""
+    fields = {"model name": "model", "vendor_id": "vendor", "cpu family": "family", "model": "model_number"}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            if flags:
+                break  # the end of the first processor's block
+            continue
+        name, sep, value = line.partition(":")
+        name, value = name.strip(), value.strip()
+        if not sep:
+            continue
+        if name == "flags":
+            flags = set(value.split())
+        elif name in fields:
+            ident[fields[name]] = (
+                int(value) if fields[name] in ("family", "model_number") and value.isdigit() else value
+            )
+    ident["flags"] = [f for f in CPU_FLAGS_THAT_MATTER if f in flags]
+    return ident
 
 
 @dataclass

@@ -351,3 +351,24 @@ def test_a_f32_linear_gives_the_same_numbers_either_way_and_runs_as_told(mode, m
             x = torch.randn(rows, 64)
             torch.testing.assert_close(model.a(x), x @ model.a.weight.T + model.a.bias, rtol=1e-5, atol=1e-5)
     assert calls == ([] if mode == "plain" else ["packed", "packed"])
+
+
+def cpuinfo(family: int, model: int, flags: str = "fma avx2 avx512f avx512_bf16 avx512_vnni") -> str:
+    """The first two processors of a /proc/cpuinfo as a KVM guest on an AMD EPYC shows them."""
+    block = (f"processor\t: {{n}}\nvendor_id\t: AuthenticAMD\ncpu family\t: {family}\nmodel\t\t: {model}\n"
+             f"model name\t: AMD EPYC\nstepping\t: 1\nflags\t\t: fpu sse2 {flags}\n\n")  # fmt: skip
+    return block.format(n=0) + block.format(n=1)
+
+
+def test_two_cpus_a_vm_names_alike_keep_verdicts_of_their_own(monkeypatch):
+    """A Zen 4 (family 25) and a Zen 5 (family 26) both read "AMD EPYC" with the same flags in
+    a VM, and their fastest kernels differ: a verdict cached on one is not the other's."""
+    zen4, zen5 = measured_choice.cpu_identity(cpuinfo(25, 17)), measured_choice.cpu_identity(cpuinfo(26, 2))
+    assert zen4 == {"model": "AMD EPYC", "vendor": "AuthenticAMD", "family": 25, "model_number": 17,
+                    "flags": ["avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni"]}  # fmt: skip
+    assert zen5["family"] == 26 and zen5["model_number"] == 2 and zen5["flags"] == zen4["flags"]
+    paths = []
+    for ident in (zen4, zen5, zen4):
+        monkeypatch.setattr(measured_choice, "cpu_identity", lambda ident=ident: ident)
+        paths.append(measured_choice.cache_path("bf16_linear", {"shapes": [[64, 32]]}))
+    assert paths[0] != paths[1] and paths[0] == paths[2]
