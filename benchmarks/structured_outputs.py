@@ -37,7 +37,9 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+from vs_vllm import cpu_model  # noqa: E402
+
 from engine.config import DEFAULT_MODEL  # noqa: E402
 from tracing.telemetry.events import StepRecord, read_recording  # noqa: E402
 
@@ -184,16 +186,6 @@ def step_means(record: Path, windows: list[tuple[float, float]], structured_only
                     sums[name] += getattr(event, name)
                 steps += 1
     return steps, {name: total / steps if steps else 0.0 for name, total in sums.items()}
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def main() -> None:

@@ -199,15 +199,15 @@ def load_average() -> str:
 
 
 def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
+    """``AMD EPYC (AuthenticAMD family 26, model 2)``: /proc/cpuinfo's model name, which a VM
+    often shortens until a Zen 4 and a Zen 5 read alike, with the vendor, family and model
+    number that tell them apart (``measured_choice.cpu_identity``, the measured choices' key)."""
+    from engine.model.cpu.measured_choice import cpu_identity
 
-    return platform.processor() or "unknown"
+    ident = cpu_identity()
+    if "family" not in ident:
+        return ident["model"] or "unknown"
+    return f"{ident['model']} ({ident.get('vendor', '?')} family {ident['family']}, model {ident.get('model_number', '?')})"
 
 
 def cpu_ranges(cpus: list[int]) -> str:
