@@ -205,7 +205,7 @@ def measure_limits(repeats: int) -> tuple[dict[str, float], float, str]:
             how.append(f"{d} {flops[d] / 1e9:.0f} GFLOP/s ({peaks[d].source})")
         else:
             flops[d] = 2 * matmul_peak(d, 2048, repeats)
-            how.append(f"{d} {flops[d] / 1e9:.0f} GFLOP/s (a torch matmul's rate)")
+            how.append(f"{d} {flops[d] / 1e9:.0f} GFLOP/s (a matmul's rate)")
     bandwidth = read_bandwidth(1024, repeats)
     how.append(f"read {bandwidth / 1e9:.1f} GB/s")
     return flops, bandwidth, "; ".join(how)
